@@ -1,0 +1,339 @@
+"""The ``alma`` command line. Human tables by default, ``--json`` for scripts.
+
+Exit codes: 0 done; 1 the operation failed (the message says what to do next);
+2 wrong usage or settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import asyncpg
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from alma_core import errors, reducers
+from alma_core import settings as settings_mod
+from alma_core.embedded import EmbeddedStack, Endpoints
+from alma_core.migrations import Migrator
+from alma_core.topics import alma_topics, describe_topics, ensure_topics
+
+app = typer.Typer(help="ALMA Stream: workflow memory over Kafka, Postgres and Redis.")
+db_app = typer.Typer(help="Database migrations.")
+topics_app = typer.Typer(help="Kafka topics.")
+schemas_app = typer.Typer(help="The event contract's JSON Schema files.")
+reducers_app = typer.Typer(help="Reducers.")
+app.add_typer(db_app, name="db")
+app.add_typer(topics_app, name="topics")
+app.add_typer(schemas_app, name="schemas")
+app.add_typer(reducers_app, name="reducers")
+
+out = Console()
+err = Console(stderr=True)
+T = TypeVar("T")
+
+ENDPOINTS_FILE = "endpoints.json"
+
+
+def _run(make: Callable[[], Awaitable[T]]) -> T:
+    """Run a coroutine; turn ALMA errors into a message and exit code 1 (2 for settings)."""
+    try:
+        return asyncio.run(make())  # type: ignore[arg-type]
+    except errors.ConfigError as exc:
+        err.print(f"[red]error:[/red] {exc.message}")
+        raise typer.Exit(2) from None
+    except errors.AlmaError as exc:
+        err.print(f"[red]error:[/red] {exc.message}")
+        raise typer.Exit(1) from None
+
+
+def _settings(**overrides: Any) -> settings_mod.Settings:
+    try:
+        return settings_mod.load(**{k: v for k, v in overrides.items() if v is not None})
+    except errors.ConfigError as exc:
+        err.print(f"[red]error:[/red] {exc.message}")
+        raise typer.Exit(2) from None
+
+
+def _running_endpoints(s: settings_mod.Settings) -> dict[str, Any]:
+    path = s.data_dir / ENDPOINTS_FILE
+    if path.exists():
+        data: dict[str, Any] = json.loads(path.read_text())
+        return data
+    return {}
+
+
+def _dsn(s: settings_mod.Settings) -> str:
+    dsn = s.postgres_dsn or _running_endpoints(s).get("postgres_dsn")
+    if not dsn:
+        raise errors.ConfigError(
+            "no database: set ALMA_POSTGRES_DSN, or start the embedded stack with `alma up` "
+            f"(it writes {s.data_dir / ENDPOINTS_FILE})"
+        )
+    return str(dsn)
+
+
+def _bootstrap(s: settings_mod.Settings) -> str:
+    bootstrap = s.kafka_bootstrap or _running_endpoints(s).get("kafka_bootstrap")
+    if not bootstrap:
+        raise errors.ConfigError(
+            "no Kafka: set ALMA_KAFKA_BOOTSTRAP, or start the embedded stack with `alma up`"
+        )
+    return str(bootstrap)
+
+
+async def _connect(dsn: str) -> asyncpg.Connection:
+    try:
+        return await asyncpg.connect(dsn, timeout=10)
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+        raise errors.StorageError(
+            f"cannot connect to PostgreSQL at {dsn}: {exc}; check ALMA_POSTGRES_DSN "
+            "or that `alma up` is running"
+        ) from exc
+
+
+# --- alma up ----------------------------------------------------------------
+
+
+async def bring_up(
+    s: settings_mod.Settings, *, durable: bool = True
+) -> tuple[EmbeddedStack, Endpoints]:
+    """Start what is not configured, create topics, migrate. The caller stops the stack."""
+    stack = EmbeddedStack(
+        s.data_dir,
+        kafka_bootstrap=s.kafka_bootstrap,
+        postgres_dsn=s.postgres_dsn,
+        redis_url=s.redis_url,
+        durable=durable,
+    )
+    endpoints = await stack.start()
+    try:
+        await ensure_topics(
+            endpoints.kafka_bootstrap,
+            alma_topics(s),
+            partitions=s.partitions,
+            replication_factor=s.replication_factor,
+        )
+        conn = await _connect(endpoints.postgres_dsn)
+        try:
+            await Migrator(conn).migrate()
+        finally:
+            await conn.close()
+    except BaseException:
+        await stack.stop()
+        raise
+    return stack, endpoints
+
+
+@app.command()
+def up(
+    partitions: int = typer.Option(
+        None, help="Partitions per topic (ALMA_PARTITIONS, default 12)."
+    ),
+    data_dir: Path = typer.Option(None, help="Where embedded data lives (ALMA_DATA_DIR, .alma)."),
+    check: bool = typer.Option(False, "--check", help="Bring everything up, report, then stop."),
+) -> None:
+    """Start the stack (embedded services for those not configured) until Ctrl-C."""
+    s = _settings(partitions=partitions, data_dir=data_dir)
+
+    async def main() -> None:
+        started = time.monotonic()
+        with out.status("starting broker, PostgreSQL and Redis..."):
+            stack, endpoints = await bring_up(s)
+        elapsed = time.monotonic() - started
+        try:
+            s.data_dir.mkdir(parents=True, exist_ok=True)
+            (s.data_dir / ENDPOINTS_FILE).write_text(json.dumps(endpoints.as_dict(), indent=2))
+            table = Table(title=f"ALMA Stream is up ({elapsed:.1f} s)")
+            table.add_column("service")
+            table.add_column("endpoint")
+            table.add_column("source")
+            for name, url, svc in (
+                ("Kafka", endpoints.kafka_bootstrap, stack.broker),
+                ("PostgreSQL", endpoints.postgres_dsn, stack.postgres),
+                ("Redis", endpoints.redis_url, stack.redis),
+            ):
+                table.add_row(name, url, "embedded" if svc else "configured")
+            table.add_row("topics", ", ".join(alma_topics(s)), f"{s.partitions} partitions")
+            out.print(table)
+            out.print(f"endpoints written to {s.data_dir / ENDPOINTS_FILE}")
+            if check:
+                return
+            out.print("Press Ctrl-C to stop.")
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            await stop.wait()
+        finally:
+            with out.status("stopping..."):
+                await stack.stop()
+            (s.data_dir / ENDPOINTS_FILE).unlink(missing_ok=True)
+            out.print("stopped")
+
+    _run(main)
+
+
+# --- alma db ----------------------------------------------------------------
+
+
+@db_app.command("upgrade")
+def db_upgrade(to: int = typer.Option(None, help="Target version (default: newest).")) -> None:
+    """Apply migrations up to the newest (or --to)."""
+    s = _settings()
+
+    async def main() -> None:
+        conn = await _connect(_dsn(s))
+        try:
+            steps = await Migrator(conn).migrate(to)
+        finally:
+            await conn.close()
+        for step in steps:
+            out.print(
+                f"applied {step.migration.version:04d}_{step.migration.name} ({step.direction})"
+            )
+        if not steps:
+            out.print("already up to date")
+
+    _run(main)
+
+
+@db_app.command("downgrade")
+def db_downgrade(
+    to: int = typer.Option(..., help="Version to go down to (0 removes everything)."),
+) -> None:
+    """Undo migrations down to --to. Data in dropped tables is lost."""
+    s = _settings()
+
+    async def main() -> None:
+        conn = await _connect(_dsn(s))
+        try:
+            steps = await Migrator(conn).migrate(to)
+        finally:
+            await conn.close()
+        for step in steps:
+            out.print(f"reverted {step.migration.version:04d}_{step.migration.name}")
+        if not steps:
+            out.print(f"already at version {to} or below")
+
+    _run(main)
+
+
+@db_app.command("status")
+def db_status(as_json: bool = typer.Option(False, "--json")) -> None:
+    """Which migrations are applied."""
+    s = _settings()
+
+    async def main() -> None:
+        conn = await _connect(_dsn(s))
+        try:
+            rows = await Migrator(conn).status()
+        finally:
+            await conn.close()
+        if as_json:
+            print(json.dumps([
+                {"version": r.version, "name": r.name,
+                 "applied_at": r.applied_at.isoformat() if r.applied_at else None}
+                for r in rows
+            ]))  # fmt: skip
+            return
+        table = Table(title="migrations")
+        for col in ("version", "name", "applied at"):
+            table.add_column(col)
+        for r in rows:
+            table.add_row(f"{r.version:04d}", r.name, str(r.applied_at or "[yellow]pending[/]"))
+        out.print(table)
+
+    _run(main)
+
+
+# --- alma topics --------------------------------------------------------------
+
+
+@topics_app.command("create")
+def topics_create(
+    partitions: int = typer.Option(None, help="Partitions (ALMA_PARTITIONS)."),
+) -> None:
+    """Create ALMA's topics where missing."""
+    s = _settings(partitions=partitions)
+
+    async def main() -> None:
+        created = await ensure_topics(
+            _bootstrap(s), alma_topics(s), partitions=s.partitions,
+            replication_factor=s.replication_factor,
+        )  # fmt: skip
+        out.print(f"created: {', '.join(created)}" if created else "all topics exist")
+
+    _run(main)
+
+
+@topics_app.command("describe")
+def topics_describe(as_json: bool = typer.Option(False, "--json")) -> None:
+    """Partition counts of ALMA's topics."""
+    s = _settings()
+
+    async def main() -> None:
+        infos = await describe_topics(_bootstrap(s), alma_topics(s))
+        if as_json:
+            print(json.dumps([i.__dict__ for i in infos]))
+            return
+        table = Table(title="topics")
+        for col in ("topic", "partitions", "note"):
+            table.add_column(col)
+        for i in infos:
+            table.add_row(i.name, str(i.partitions), i.error or "")
+        out.print(table)
+        if any(i.error for i in infos):
+            err.print("some topics are missing: run `alma topics create`")
+            raise typer.Exit(1)
+
+    _run(main)
+
+
+# --- alma schemas / reducers --------------------------------------------------
+
+
+@schemas_app.command("export")
+def schemas_export(
+    check: bool = typer.Option(False, "--check", help="Fail if files drift."),
+) -> None:
+    """Regenerate schemas/*.json from the pydantic models."""
+    from schemas import export
+
+    raise typer.Exit(export.main(["--check"] if check else []))
+
+
+@reducers_app.command("list")
+def reducers_list(as_json: bool = typer.Option(False, "--json")) -> None:
+    """Reducers available by name (built-ins and the alma.reducers entry points)."""
+    registry = reducers.default_registry()
+    rows = [registry.get(n) for n in registry.names()]
+    if as_json:
+        print(
+            json.dumps(
+                [{"name": r.name, "expects": r.expects, "associative": r.associative} for r in rows]
+            )
+        )
+        return
+    table = Table(title="reducers")
+    for col in ("name", "expects", "associative"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r.name, r.expects, "yes" if r.associative else "no")
+    out.print(table)
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

@@ -1,0 +1,124 @@
+"""Every error ALMA Stream raises on purpose.
+
+    AlmaError
+    ├── ConfigError             a setting is missing or wrong (names the variable)
+    ├── ContextError            a WorkflowContext breaks the tenant > workflow > run > node rules
+    ├── RejectedEvent           an event that can never succeed: it goes to the dead letters
+    │   ├── ReducerError
+    │   │   ├── UnknownReducer
+    │   │   ├── ReducerTypeError
+    │   │   └── ConflictingUpdate
+    │   ├── StateTooLarge
+    │   ├── TenantMismatch
+    │   └── StaleExpectedSeq
+    ├── StorageError            Postgres failed (retriable: back off and try again)
+    ├── CacheError              Redis failed (retriable; callers fall back to Postgres)
+    ├── MigrationError          the schema cannot be moved to the asked version
+    └── StackError              the embedded stack could not start or stop
+
+The class docstring is the default message. ``retriable`` tells a consumer
+whether to back off and retry the batch (True) or dead-letter the event (False);
+``reason`` is the stable code written into dead-letter headers and metrics.
+"""
+
+from __future__ import annotations
+
+
+class AlmaError(Exception):
+    """ALMA Stream failed."""
+
+    retriable: bool = False
+    reason: str = "error"
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or self.reason).strip())
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0])
+
+
+class ConfigError(AlmaError):
+    """A setting is missing or has a wrong value."""
+
+    reason = "config"
+
+
+class ContextError(AlmaError):
+    """The workflow context is inconsistent."""
+
+    reason = "context"
+
+
+class RejectedEvent(AlmaError):
+    """The event can never be applied; it goes to the dead-letter topic."""
+
+    reason = "rejected"
+
+
+class ReducerError(RejectedEvent):
+    """A reducer could not combine the values it was given."""
+
+    reason = "reducer"
+
+
+class UnknownReducer(ReducerError):
+    """No reducer is registered under this name."""
+
+    reason = "unknown_reducer"
+
+
+class ReducerTypeError(ReducerError):
+    """A reducer was given a value of a type it cannot combine."""
+
+    reason = "reducer_type"
+
+
+class ConflictingUpdate(ReducerError):
+    """Two states wrote different values to a field that has no reducer (strict mode)."""
+
+    reason = "strict_conflict"
+
+
+class StateTooLarge(RejectedEvent):
+    """The state is larger than the configured limit."""
+
+    reason = "state_too_large"
+
+
+class TenantMismatch(RejectedEvent):
+    """The event's tenant is not the tenant the run belongs to."""
+
+    reason = "tenant_mismatch"
+
+
+class StaleExpectedSeq(RejectedEvent):
+    """The run's latest checkpoint sequence is not the one the event expected."""
+
+    reason = "stale_expected_seq"
+
+
+class StorageError(AlmaError):
+    """PostgreSQL failed; the operation can be retried."""
+
+    retriable = True
+    reason = "storage"
+
+
+class CacheError(AlmaError):
+    """Redis failed; readers fall back to PostgreSQL."""
+
+    retriable = True
+    reason = "cache"
+
+
+class MigrationError(AlmaError):
+    """The database schema cannot be moved to the requested version."""
+
+    reason = "migration"
+
+
+class StackError(AlmaError):
+    """The embedded stack could not be started or stopped."""
+
+    reason = "stack"

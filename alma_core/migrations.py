@@ -1,0 +1,151 @@
+"""Numbered SQL migrations: ``sql/migrations/NNNN_name.up.sql`` and ``.down.sql``.
+
+Applied versions are recorded in ``alma_schema_version``. Each step runs in its
+own transaction under an advisory lock, so two processes upgrading at once
+apply every step once. Planning is pure (:func:`plan`); :class:`Migrator` does
+the I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from importlib import resources
+from typing import Literal
+
+import asyncpg
+
+from alma_core import errors
+
+VERSION_TABLE = "alma_schema_version"
+_LOCK_KEY = 0x414C4D41  # "ALMA"
+_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.(up|down)\.sql$")
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    up: str
+    down: str
+
+
+@dataclass(frozen=True)
+class Step:
+    migration: Migration
+    direction: Literal["up", "down"]
+
+    @property
+    def sql(self) -> str:
+        return self.migration.up if self.direction == "up" else self.migration.down
+
+
+@dataclass(frozen=True)
+class MigrationStatus:
+    version: int
+    name: str
+    applied_at: datetime | None
+
+
+def load_migrations() -> list[Migration]:
+    """Every migration shipped with the package, in version order, each with up and down."""
+    folder = resources.files("alma_core") / "sql" / "migrations"
+    parts: dict[int, dict[str, str]] = {}
+    for entry in folder.iterdir():
+        match = _NAME.match(entry.name)
+        if not match:
+            continue
+        version, name, direction = int(match[1]), match[2], match[3]
+        slot = parts.setdefault(version, {"name": name})
+        slot[direction] = entry.read_text()
+    migrations = []
+    for version in sorted(parts):
+        slot = parts[version]
+        if "up" not in slot or "down" not in slot:
+            raise errors.MigrationError(f"migration {version:04d} lacks its up or down file")
+        migrations.append(Migration(version, slot["name"], slot["up"], slot["down"]))
+    for expected, migration in enumerate(migrations, start=1):
+        if migration.version != expected:
+            raise errors.MigrationError(
+                f"migrations must be numbered 1, 2, 3...; found {migration.version} "
+                f"where {expected} was expected"
+            )
+    return migrations
+
+
+def plan(migrations: list[Migration], current: int, target: int | None = None) -> list[Step]:
+    """Steps that move the schema from ``current`` to ``target`` (default: the newest)."""
+    newest = migrations[-1].version if migrations else 0
+    target = newest if target is None else target
+    if not 0 <= target <= newest:
+        raise errors.MigrationError(f"no migration {target}; versions go from 0 to {newest}")
+    if current > newest:
+        raise errors.MigrationError(
+            f"the database is at version {current}, newer than this ALMA Stream ({newest}); "
+            "upgrade ALMA Stream"
+        )
+    if target >= current:
+        return [Step(m, "up") for m in migrations if current < m.version <= target]
+    return [Step(m, "down") for m in reversed(migrations) if target < m.version <= current]
+
+
+class Migrator:
+    """Applies migrations to one database over an asyncpg connection."""
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self._conn = conn
+        self.migrations = load_migrations()
+
+    async def _ensure_table(self) -> None:
+        await self._conn.execute(
+            f"""CREATE TABLE IF NOT EXISTS {VERSION_TABLE} (
+                    version    integer     PRIMARY KEY,
+                    name       text        NOT NULL,
+                    applied_at timestamptz NOT NULL DEFAULT now())"""
+        )
+
+    async def current(self) -> int:
+        exists = await self._conn.fetchval("SELECT to_regclass($1) IS NOT NULL", VERSION_TABLE)
+        if not exists:
+            return 0
+        return int(
+            await self._conn.fetchval(f"SELECT coalesce(max(version), 0) FROM {VERSION_TABLE}")
+        )
+
+    async def status(self) -> list[MigrationStatus]:
+        applied: dict[int, datetime] = {}
+        if await self.current() or await self._conn.fetchval(
+            "SELECT to_regclass($1) IS NOT NULL", VERSION_TABLE
+        ):
+            rows = await self._conn.fetch(f"SELECT version, applied_at FROM {VERSION_TABLE}")
+            applied = {r["version"]: r["applied_at"] for r in rows}
+        return [MigrationStatus(m.version, m.name, applied.get(m.version)) for m in self.migrations]
+
+    async def migrate(self, target: int | None = None) -> list[Step]:
+        """Move to ``target`` (default newest); returns the steps applied."""
+        try:
+            await self._ensure_table()
+            done: list[Step] = []
+            while True:
+                async with self._conn.transaction():
+                    await self._conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK_KEY)
+                    steps = plan(self.migrations, await self.current(), target)
+                    if not steps:
+                        return done
+                    step = steps[0]
+                    await self._conn.execute(step.sql)
+                    if step.direction == "up":
+                        await self._conn.execute(
+                            f"INSERT INTO {VERSION_TABLE} (version, name) VALUES ($1, $2)",
+                            step.migration.version,
+                            step.migration.name,
+                        )
+                    else:
+                        await self._conn.execute(
+                            f"DELETE FROM {VERSION_TABLE} WHERE version = $1",
+                            step.migration.version,
+                        )
+                done.append(step)
+        except asyncpg.PostgresError as exc:
+            raise errors.MigrationError(f"migration failed: {exc}") from exc

@@ -1,0 +1,87 @@
+"""The one settings object, read from ``ALMA_*`` variables at start-up and passed down.
+
+Nothing else in ALMA Stream reads ``os.environ``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from alma_core import errors
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ALMA_", frozen=True, extra="ignore")
+
+    # Services. All three unset: `alma up` starts the embedded stack.
+    kafka_bootstrap: str | None = Field(
+        default=None, description="Kafka bootstrap servers, host:port[,host:port]"
+    )
+    postgres_dsn: str | None = Field(
+        default=None, description="PostgreSQL DSN, postgresql://user:pass@host:port/db"
+    )
+    redis_url: str | None = Field(default=None, description="Redis URL, redis://host:port/0")
+
+    # Topics.
+    lifecycle_topic: str = "alma.lifecycle.v1"
+    merged_topic: str = "alma.merged.v1"
+    dlq_topic: str = "alma.dlq.v1"
+    partitions: int = Field(default=12, ge=1, le=1000, description="partitions per created topic")
+    replication_factor: int = Field(default=1, ge=1, le=10)
+
+    # Limits and behaviour.
+    max_state_bytes: int = Field(default=1_000_000, ge=1024)
+    max_record_bytes: int = Field(default=8 * 1024 * 1024, ge=4096)
+    cache_ttl_seconds: int = Field(default=7 * 24 * 3600, ge=1)
+    require_tenant: bool = True
+    data_dir: Path = Path(".alma")
+
+    # Process.
+    metrics_port: int = Field(default=9464, ge=0, le=65535)
+    log_format: Literal["json", "console"] = "console"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("postgres_dsn")
+    @classmethod
+    def _pg_scheme(cls, value: str | None) -> str | None:
+        if value and not value.startswith(("postgresql://", "postgres://")):
+            raise ValueError("expected a URL starting postgresql:// or postgres://")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str | None) -> str | None:
+        if value and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("expected a URL starting redis://, rediss:// or unix://")
+        return value
+
+    @field_validator("kafka_bootstrap")
+    @classmethod
+    def _bootstrap(cls, value: str | None) -> str | None:
+        if value:
+            for server in value.split(","):
+                host, _, port = server.strip().rpartition(":")
+                if not host or not port.isdigit():
+                    raise ValueError("expected host:port[,host:port...]")
+        return value
+
+    @property
+    def external_services(self) -> bool:
+        """True when every service is given, so the embedded stack is not needed."""
+        return bool(self.kafka_bootstrap and self.postgres_dsn and self.redis_url)
+
+
+def load(**overrides: object) -> Settings:
+    """Read the settings; a bad value names the variable, the value seen and what is expected."""
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors(include_url=False):
+            name = "ALMA_" + "_".join(str(p) for p in err["loc"]).upper()
+            problems.append(f"{name}={err.get('input')!r}: {err['msg']}")
+        raise errors.ConfigError("invalid settings: " + "; ".join(problems)) from None

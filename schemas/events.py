@@ -1,0 +1,242 @@
+"""The version-1 event contract: the envelope and one payload per event type.
+
+Every model forbids unknown fields: a typo such as ``udpates`` is a schema
+violation, not a silently ignored key. A new, incompatible contract gets a new
+topic (``alma.lifecycle.v2``) rather than a looser v1.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    model_validator,
+)
+
+CONTRACT_VERSION = 1
+
+Id = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+JsonObject = dict[str, Any]
+
+
+class EventType(StrEnum):
+    NODE_STARTED = "node.started"
+    NODE_COMPLETED = "node.completed"
+    NODE_FAILED = "node.failed"
+    BRANCH_JOIN = "branch.join"
+    WORKFLOW_COMPLETED = "workflow.completed"
+
+
+class _Model(BaseModel):
+    # strict: no silent coercion ("3" is not 3, "true" is not True); timestamps
+    # are the one exception, since JSON carries them as RFC 3339 strings.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+Timestamp = Annotated[AwareDatetime, Field(strict=False)]
+
+
+# --- payloads ---------------------------------------------------------------
+
+
+class NodeStartedPayload(_Model):
+    """Recorded for the run's audit trail and metrics; no checkpoint."""
+
+    attempt: int | None = Field(default=None, ge=1)
+    input: JsonObject | None = None
+
+
+class NodeCompletedPayload(_Model):
+    """Exactly one of ``state`` (the full state) or ``updates`` (applied with reducers)."""
+
+    state: JsonObject | None = None
+    updates: JsonObject | None = None
+    expected_seq: int | None = Field(
+        default=None,
+        ge=0,
+        description="Optimistic concurrency: rejected unless the run's latest seq equals this.",
+    )
+    metadata: JsonObject | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> NodeCompletedPayload:
+        if (self.state is None) == (self.updates is None):
+            raise ValueError("exactly one of 'state' or 'updates' is required")
+        return self
+
+
+class ErrorInfo(_Model):
+    type: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    message: Annotated[str, StringConstraints(max_length=65536)]
+
+
+class NodeFailedPayload(_Model):
+    """A failure checkpoint; ``state`` or ``updates`` (at most one) record what the node had."""
+
+    error: ErrorInfo
+    state: JsonObject | None = None
+    updates: JsonObject | None = None
+
+    @model_validator(mode="after")
+    def _at_most_one(self) -> NodeFailedPayload:
+        if self.state is not None and self.updates is not None:
+            raise ValueError("at most one of 'state' or 'updates' may be given")
+        return self
+
+
+ReducerName = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+
+
+class BranchJoinPayload(_Model):
+    """Merge the latest states of ``branch_ids`` (in that order) or the given ``states``."""
+
+    join_id: Id
+    branch_ids: Annotated[list[Id], Field(min_length=1, max_length=1024)] | None = None
+    states: Annotated[list[JsonObject], Field(min_length=1, max_length=1024)] | None = None
+    reducers: dict[str, ReducerName] | None = Field(
+        default=None,
+        description="Reducer per field. When absent, the workflow's registered configuration.",
+    )
+    default_reducer: ReducerName | None = None
+    strict: bool | None = None
+    reply_to: Annotated[str, StringConstraints(min_length=1, max_length=249)] | None = Field(
+        default=None, description="Reply topic; the configured merged topic when absent."
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> BranchJoinPayload:
+        if (self.branch_ids is None) == (self.states is None):
+            raise ValueError("exactly one of 'branch_ids' or 'states' is required")
+        return self
+
+
+class ArtifactRef(_Model):
+    """A workflow artifact kept in blob storage; ALMA keeps the reference only."""
+
+    id: Id
+    artifact_type: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    storage_path: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+    content_hash: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    size_bytes: int = Field(ge=0)
+    created_at: Timestamp | None = None
+    metadata: JsonObject = Field(default_factory=dict)
+
+
+class WorkflowCompletedPayload(_Model):
+    outcome: Literal["success", "failure"]
+    duration_ms: int = Field(ge=0)
+    node_count: int = Field(ge=0)
+    nodes_succeeded: int = Field(ge=0)
+    nodes_failed: int = Field(ge=0)
+    error_message: str | None = None
+    task: str | None = Field(default=None, max_length=65536)
+    artifacts: list[ArtifactRef] = Field(default_factory=list, max_length=1024)
+    cleanup_checkpoints: bool | None = None
+
+    @model_validator(mode="after")
+    def _counts(self) -> WorkflowCompletedPayload:
+        if self.nodes_succeeded + self.nodes_failed > self.node_count:
+            raise ValueError("nodes_succeeded + nodes_failed exceeds node_count")
+        return self
+
+
+# --- envelope ---------------------------------------------------------------
+
+
+class _Envelope(_Model):
+    event_id: Id = Field(description="Unique per event; the idempotency key.")
+    emitted_at: Timestamp = Field(description="RFC 3339, set by the publisher.")
+    tenant_id: Id
+    workflow_id: Id
+    run_id: Id = Field(description="Also the record key.")
+    workflow_version: Annotated[str, StringConstraints(max_length=128)] | None = None
+    branch_id: Id | None = None
+
+
+class _NodeEnvelope(_Envelope):
+    node_id: Id
+
+
+class NodeStarted(_NodeEnvelope):
+    type: Literal["node.started"]
+    payload: NodeStartedPayload = Field(default_factory=NodeStartedPayload)
+
+
+class NodeCompleted(_NodeEnvelope):
+    type: Literal["node.completed"]
+    payload: NodeCompletedPayload
+
+
+class NodeFailed(_NodeEnvelope):
+    type: Literal["node.failed"]
+    payload: NodeFailedPayload
+
+
+class BranchJoin(_Envelope):
+    type: Literal["branch.join"]
+    node_id: Id | None = None
+    payload: BranchJoinPayload
+
+
+class WorkflowCompleted(_Envelope):
+    type: Literal["workflow.completed"]
+    node_id: Id | None = None
+    payload: WorkflowCompletedPayload
+
+
+Event = Annotated[
+    NodeStarted | NodeCompleted | NodeFailed | BranchJoin | WorkflowCompleted,
+    Field(discriminator="type"),
+]
+
+EVENT_MODELS: dict[EventType, type[_Envelope]] = {
+    EventType.NODE_STARTED: NodeStarted,
+    EventType.NODE_COMPLETED: NodeCompleted,
+    EventType.NODE_FAILED: NodeFailed,
+    EventType.BRANCH_JOIN: BranchJoin,
+    EventType.WORKFLOW_COMPLETED: WorkflowCompleted,
+}
+
+event_adapter: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+# --- replies ----------------------------------------------------------------
+
+
+class MergeReply(_Model):
+    """The joiner's answer on ``reply_to``, keyed by ``run_id``."""
+
+    join_id: Id
+    run_id: Id
+    tenant_id: Id
+    status: Literal["ok", "error"]
+    merged_state: JsonObject | None = None
+    checkpoint_seq: int | None = Field(default=None, ge=1)
+    error: str | None = None
+
+    @model_validator(mode="after")
+    def _status_fields(self) -> MergeReply:
+        if self.status == "ok" and (self.merged_state is None or self.checkpoint_seq is None):
+            raise ValueError("an ok reply carries merged_state and checkpoint_seq")
+        if self.status == "error" and not self.error:
+            raise ValueError("an error reply carries error")
+        return self
+
+
+def encode(event: BaseModel) -> bytes:
+    """The wire form of an event or reply: compact JSON, UTF-8, nulls left out."""
+    return event.model_dump_json(exclude_none=True, by_alias=True).encode()
+
+
+def utc_now() -> datetime:
+    from datetime import UTC
+
+    return datetime.now(UTC)
