@@ -284,13 +284,13 @@ def topics_describe(as_json: bool = typer.Option(False, "--json")) -> None:
         infos = await describe_topics(_bootstrap(s), alma_topics(s))
         if as_json:
             print(json.dumps([i.__dict__ for i in infos]))
-            return
-        table = Table(title="topics")
-        for col in ("topic", "partitions", "note"):
-            table.add_column(col)
-        for i in infos:
-            table.add_row(i.name, str(i.partitions), i.error or "")
-        out.print(table)
+        else:
+            table = Table(title="topics")
+            for col in ("topic", "partitions", "note"):
+                table.add_column(col)
+            for i in infos:
+                table.add_row(i.name, str(i.partitions), i.error or "")
+            out.print(table)
         if any(i.error for i in infos):
             err.print("some topics are missing: run `alma topics create`")
             raise typer.Exit(1)

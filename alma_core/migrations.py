@@ -125,11 +125,11 @@ class Migrator:
     async def migrate(self, target: int | None = None) -> list[Step]:
         """Move to ``target`` (default newest); returns the steps applied."""
         try:
-            await self._ensure_table()
             done: list[Step] = []
             while True:
                 async with self._conn.transaction():
                     await self._conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK_KEY)
+                    await self._ensure_table()
                     steps = plan(self.migrations, await self.current(), target)
                     if not steps:
                         return done

@@ -126,7 +126,9 @@ BUILTINS: tuple[Reducer, ...] = (
         _deep_merge,
         accepts=lambda v: isinstance(v, dict),
         expects="an object",
-        associative=True,
+        # Not associative: a non-object value replaces a nested object whole, so
+        # ({k: {..}} + {k: 1}) + {k: {}} differs from {k: {..}} + ({k: 1} + {k: {}}).
+        associative=False,
     ),
     Reducer("sum", lambda c, u: c + u, accepts=_is_number, expects="a number", associative=True),
     Reducer("max", _max, accepts=_is_orderable, expects="a number or a string", associative=True),

@@ -1,0 +1,45 @@
+# Set-up is part of every target: a fresh clone needs only `make up` or `make test`.
+#   make up     start the embedded stack (Kafka-protocol broker, PostgreSQL+pgvector,
+#               Redis), create topics, migrate, run the workers, until Ctrl-C
+#   make test   lint, type-check and run the whole test suite on real services
+#
+# TORCH picks the PyTorch build installed before the project. The default is the
+# CPU build; for a GPU build use e.g. `make up TORCH="torch==2.13.0 --index-url
+# https://download.pytorch.org/whl/cu128"` (any CUDA wheel index you can reach).
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: up demo test lint typecheck unit integration clean-venv
+
+$(STAMP): pyproject.toml
+	@echo "==> creating $(VENV) (PyTorch: $(TORCH))"
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --upgrade --quiet pip
+	$(PY) -m pip install --progress-bar on $(TORCH)
+	$(PY) -m pip install --progress-bar on -e '.[dev]'
+	@touch $(STAMP)
+
+up: $(STAMP)
+	$(VENV)/bin/alma up
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+unit: $(STAMP)
+	$(PY) -m pytest tests/unit
+
+integration: $(STAMP)
+	$(PY) -m pytest tests/integration
+
+test: lint typecheck
+	$(PY) -m pytest
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,99 @@
+"""Session fixtures for the real broker, PostgreSQL and Redis; fresh names per test."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import asyncpg
+import pytest
+
+from alma_core.migrations import Migrator
+from alma_core.topics import ensure_topics
+from tests.services import Services, real_services
+
+TEMPLATE_DB = "alma_test_template"
+TEST_PARTITIONS = 4
+
+
+@pytest.fixture(scope="session")
+async def services(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Services]:
+    async with real_services(tmp_path_factory.mktemp("stack")) as found:
+        yield found
+
+
+def _with_db(dsn: str, database: str) -> str:
+    base, _, _ = dsn.rpartition("/")
+    return f"{base}/{database}"
+
+
+@pytest.fixture(scope="session")
+async def migrated_template(services: Services) -> str:
+    """A database with every migration applied, copied for each test (fast: a file copy)."""
+    admin = await asyncpg.connect(services.postgres_dsn)
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{TEMPLATE_DB}" WITH (FORCE)')
+        await admin.execute(f'CREATE DATABASE "{TEMPLATE_DB}"')
+    finally:
+        await admin.close()
+    conn = await asyncpg.connect(_with_db(services.postgres_dsn, TEMPLATE_DB))
+    try:
+        await Migrator(conn).migrate()
+    finally:
+        await conn.close()
+    return TEMPLATE_DB
+
+
+async def _create_db(services: Services, template: str) -> str:
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    admin = await asyncpg.connect(services.postgres_dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+    finally:
+        await admin.close()
+    return name
+
+
+async def _drop_db(services: Services, name: str) -> None:
+    admin = await asyncpg.connect(services.postgres_dsn)
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+@pytest.fixture
+async def database(services: Services, migrated_template: str) -> AsyncIterator[str]:
+    """DSN of a fresh, fully migrated database for this test."""
+    name = await _create_db(services, migrated_template)
+    yield _with_db(services.postgres_dsn, name)
+    await _drop_db(services, name)
+
+
+@pytest.fixture
+async def empty_database(services: Services) -> AsyncIterator[str]:
+    """DSN of a fresh database with no ALMA schema."""
+    name = await _create_db(services, "template0")
+    yield _with_db(services.postgres_dsn, name)
+    await _drop_db(services, name)
+
+
+@dataclass(frozen=True)
+class Topics:
+    lifecycle: str
+    merged: str
+    dlq: str
+
+    @property
+    def all(self) -> list[str]:
+        return [self.lifecycle, self.merged, self.dlq]
+
+
+@pytest.fixture
+async def topics(services: Services) -> Topics:
+    """Fresh topic names for this test, created explicitly (no auto-creation)."""
+    suffix = uuid.uuid4().hex[:10]
+    names = Topics(f"lifecycle-{suffix}", f"merged-{suffix}", f"dlq-{suffix}")
+    await ensure_topics(services.kafka_bootstrap, names.all, partitions=TEST_PARTITIONS)
+    return names

@@ -1,0 +1,85 @@
+"""Migrations on the real PostgreSQL: up, down, up again equals a fresh upgrade."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import asyncpg
+import pytest
+
+from alma_core import errors
+from alma_core.migrations import VERSION_TABLE, Migrator, load_migrations
+
+CATALOG = {
+    "columns": """SELECT table_name, column_name, data_type, udt_name, is_nullable,
+                         column_default, is_identity
+                  FROM information_schema.columns WHERE table_schema = 'public'
+                  ORDER BY 1, 2""",
+    "indexes": "SELECT tablename, indexname, indexdef FROM pg_indexes "
+    "WHERE schemaname = 'public' ORDER BY 1, 2",
+    "constraints": """SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid)
+                      FROM pg_constraint WHERE connamespace = 'public'::regnamespace
+                      ORDER BY 1, 2""",
+    "vector_dims": """SELECT attrelid::regclass::text, attname, atttypmod FROM pg_attribute
+                      WHERE atttypid = 'vector'::regtype AND attnum > 0 ORDER BY 1, 2""",
+}
+
+
+async def snapshot(conn: asyncpg.Connection) -> dict[str, list[tuple[Any, ...]]]:
+    return {name: [tuple(r) for r in await conn.fetch(sql)] for name, sql in CATALOG.items()}
+
+
+async def test_upgrade_downgrade_upgrade_equals_fresh(empty_database: str, database: str) -> None:
+    newest = len(load_migrations())
+    conn = await asyncpg.connect(empty_database)
+    fresh = await asyncpg.connect(database)
+    try:
+        migrator = Migrator(conn)
+        steps = await migrator.migrate()
+        assert [s.migration.version for s in steps] == list(range(1, newest + 1))
+        once = await snapshot(conn)
+        assert await migrator.current() == newest
+
+        down = await migrator.migrate(0)
+        assert [s.direction for s in down] == ["down"] * newest
+        assert await migrator.current() == 0
+        tables = await conn.fetch(
+            "SELECT tablename FROM pg_tables WHERE schemaname = 'public' AND tablename <> $1",
+            VERSION_TABLE,
+        )
+        assert tables == []
+
+        await migrator.migrate()
+        assert await snapshot(conn) == once == await snapshot(fresh)
+        assert ("workflow_outcomes", "embedding", 384) in once["vector_dims"]
+        assert ("memories", "embedding", 384) in once["vector_dims"]
+    finally:
+        await conn.close()
+        await fresh.close()
+
+
+async def test_status_and_idempotent_upgrade(database: str) -> None:
+    conn = await asyncpg.connect(database)
+    try:
+        migrator = Migrator(conn)
+        assert await migrator.migrate() == []
+        status = await migrator.status()
+        assert status
+        assert all(s.applied_at is not None for s in status)
+        with pytest.raises(errors.MigrationError, match="no migration 99"):
+            await migrator.migrate(99)
+    finally:
+        await conn.close()
+
+
+async def test_concurrent_upgrades_apply_each_step_once(empty_database: str) -> None:
+    import asyncio
+
+    conns = [await asyncpg.connect(empty_database) for _ in range(3)]
+    try:
+        results = await asyncio.gather(*(Migrator(c).migrate() for c in conns))
+        applied = sorted(s.migration.version for steps in results for s in steps)
+        assert applied == list(range(1, len(load_migrations()) + 1))
+    finally:
+        for c in conns:
+            await c.close()

@@ -1,0 +1,54 @@
+"""Settings name the bad variable; the workflow context checks its hierarchy."""
+
+from __future__ import annotations
+
+import pytest
+
+from alma_core import errors
+from alma_core.settings import load
+from alma_core.types import WorkflowContext
+
+
+def test_bad_setting_names_variable_value_and_expectation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ALMA_PARTITIONS", "many")
+    with pytest.raises(errors.ConfigError, match=r"ALMA_PARTITIONS='many'.*integer"):
+        load()
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "expected"),
+    [
+        ("ALMA_POSTGRES_DSN", "mysql://x", "postgresql://"),
+        ("ALMA_REDIS_URL", "http://x", "redis://"),
+        ("ALMA_KAFKA_BOOTSTRAP", "localhost", "host:port"),
+        ("ALMA_MAX_STATE_BYTES", "10", "greater than or equal"),
+    ],
+)
+def test_service_urls_are_checked(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str, expected: str
+) -> None:
+    monkeypatch.setenv(var, value)
+    with pytest.raises(errors.ConfigError, match=var) as info:
+        load()
+    assert expected in info.value.message
+
+
+def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("ALMA_KAFKA_BOOTSTRAP", "ALMA_POSTGRES_DSN", "ALMA_REDIS_URL"):
+        monkeypatch.delenv(var, raising=False)
+    s = load()
+    assert s.lifecycle_topic == "alma.lifecycle.v1"
+    assert s.partitions == 12
+    assert s.max_state_bytes == 1_000_000
+    assert not s.external_services
+
+
+def test_context_hierarchy() -> None:
+    WorkflowContext("t", "w", None, "r", "n").validate(require_tenant=True)
+    with pytest.raises(errors.ContextError, match="run_id requires workflow_id"):
+        WorkflowContext(tenant_id="t", run_id="r").validate()
+    with pytest.raises(errors.ContextError, match="node_id requires run_id"):
+        WorkflowContext(tenant_id="t", workflow_id="w", node_id="n").validate()
+    with pytest.raises(errors.ContextError, match="ALMA_REQUIRE_TENANT"):
+        WorkflowContext(workflow_id="w").validate(require_tenant=True)
+    WorkflowContext(workflow_id="w").validate(require_tenant=False)
