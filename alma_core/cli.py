@@ -23,8 +23,11 @@ from rich.table import Table
 from alma_core import errors, reducers
 from alma_core import settings as settings_mod
 from alma_core.embedded import EmbeddedStack, Endpoints
+from alma_core.logs import configure as configure_logs
 from alma_core.migrations import Migrator
 from alma_core.topics import alma_topics, describe_topics, ensure_topics
+from consumers.worker import KNOWN_CONSUMERS, run_worker
+from consumers.worker import Services as WorkerServices
 
 app = typer.Typer(help="ALMA Stream: workflow memory over Kafka, Postgres and Redis.")
 db_app = typer.Typer(help="Database migrations.")
@@ -79,6 +82,15 @@ def _dsn(s: settings_mod.Settings) -> str:
             f"(it writes {s.data_dir / ENDPOINTS_FILE})"
         )
     return str(dsn)
+
+
+def _redis(s: settings_mod.Settings) -> str:
+    url = s.redis_url or _running_endpoints(s).get("redis_url")
+    if not url:
+        raise errors.ConfigError(
+            "no Redis: set ALMA_REDIS_URL, or start the embedded stack with `alma up`"
+        )
+    return str(url)
 
 
 def _bootstrap(s: settings_mod.Settings) -> str:
@@ -143,6 +155,7 @@ def up(
 ) -> None:
     """Start the stack (embedded services for those not configured) until Ctrl-C."""
     s = _settings(partitions=partitions, data_dir=data_dir)
+    configure_logs(s.log_format, "WARNING" if s.log_level == "INFO" else s.log_level)
 
     async def main() -> None:
         started = time.monotonic()
@@ -165,19 +178,62 @@ def up(
             table.add_row("topics", ", ".join(alma_topics(s)), f"{s.partitions} partitions")
             out.print(table)
             out.print(f"endpoints written to {s.data_dir / ENDPOINTS_FILE}")
+            stop = _stop_on_signals()
+            ready = asyncio.Event()
+            workers = asyncio.create_task(
+                run_worker(s, _services(endpoints), list(KNOWN_CONSUMERS), stop, ready=ready)
+            )
+            await _until_ready(workers, ready)
+            out.print(f"workers running: {', '.join(KNOWN_CONSUMERS)}")
             if check:
-                return
-            out.print("Press Ctrl-C to stop.")
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
-            await stop.wait()
+                stop.set()
+            else:
+                out.print("Press Ctrl-C to stop.")
+            await workers
         finally:
             with out.status("stopping..."):
                 await stack.stop()
             (s.data_dir / ENDPOINTS_FILE).unlink(missing_ok=True)
             out.print("stopped")
+
+    _run(main)
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def _services(endpoints: Endpoints) -> WorkerServices:
+    return WorkerServices(endpoints.kafka_bootstrap, endpoints.postgres_dsn, endpoints.redis_url)
+
+
+async def _until_ready(task: asyncio.Task[None], ready: asyncio.Event) -> None:
+    waiter = asyncio.ensure_future(ready.wait())
+    await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if task.done():
+        task.result()  # raises the worker's error
+
+
+@app.command()
+def worker(
+    consumers: str = typer.Option(
+        ",".join(KNOWN_CONSUMERS), help=f"Comma-separated: {', '.join(KNOWN_CONSUMERS)}."
+    ),
+) -> None:
+    """Run consumer groups against the configured services until SIGTERM or Ctrl-C."""
+    s = _settings()
+    configure_logs(s.log_format, s.log_level)
+    names = [c.strip() for c in consumers.split(",") if c.strip()]
+
+    async def main() -> None:
+        services = WorkerServices(_bootstrap(s), _dsn(s), _redis(s))
+        stop = _stop_on_signals()
+        await run_worker(s, services, names, stop)
 
     _run(main)
 

@@ -12,6 +12,7 @@
     │   ├── TenantMismatch
     │   └── StaleExpectedSeq
     ├── StorageError            Postgres failed (retriable: back off and try again)
+    │   └── StorageRejected     Postgres refused the data itself (not retriable)
     ├── CacheError              Redis failed (retriable; callers fall back to Postgres)
     ├── MigrationError          the schema cannot be moved to the asked version
     └── StackError              the embedded stack could not start or stop
@@ -103,6 +104,13 @@ class StorageError(AlmaError):
 
     retriable = True
     reason = "storage"
+
+
+class StorageRejected(StorageError):
+    """PostgreSQL refused the data itself; retrying cannot help."""
+
+    retriable = False
+    reason = "storage_rejected"
 
 
 class CacheError(AlmaError):

@@ -30,6 +30,10 @@ class Settings(BaseSettings):
     lifecycle_topic: str = "alma.lifecycle.v1"
     merged_topic: str = "alma.merged.v1"
     dlq_topic: str = "alma.dlq.v1"
+    sequenced_topic: str = Field(
+        default="alma.sequenced.v1",
+        description="internal: join and completion events handed on after they are durable",
+    )
     partitions: int = Field(default=12, ge=1, le=1000, description="partitions per created topic")
     replication_factor: int = Field(default=1, ge=1, le=10)
 
@@ -39,6 +43,14 @@ class Settings(BaseSettings):
     cache_ttl_seconds: int = Field(default=7 * 24 * 3600, ge=1)
     require_tenant: bool = True
     data_dir: Path = Path(".alma")
+
+    # Consumers.
+    redis_prefix: str = Field(default="alma", min_length=1, description="Redis key prefix")
+    max_batch_records: int = Field(default=500, ge=1, le=10_000)
+    session_timeout_ms: int = Field(default=10_000, ge=1000)
+    heartbeat_interval_ms: int = Field(default=1_000, ge=100)
+    fetch_max_wait_ms: int = Field(default=100, ge=0, le=10_000)
+    pg_pool_size: int = Field(default=8, ge=1, le=200)
 
     # Process.
     metrics_port: int = Field(default=9464, ge=0, le=65535)

@@ -21,7 +21,12 @@ class TopicInfo:
 
 
 def alma_topics(settings: Settings) -> list[str]:
-    return [settings.lifecycle_topic, settings.merged_topic, settings.dlq_topic]
+    return [
+        settings.lifecycle_topic,
+        settings.sequenced_topic,
+        settings.merged_topic,
+        settings.dlq_topic,
+    ]
 
 
 async def ensure_topics(

@@ -30,6 +30,9 @@ class RejectReason(StrEnum):
     SCHEMA_VIOLATION = "schema_violation"
     KEY_MISMATCH = "key_mismatch"
     STATE_TOO_LARGE = "state_too_large"
+    # Not produced by the decoder: PostgreSQL refused a record the contract
+    # admits (the checkpointer isolates it and dead-letters it with this reason).
+    STORAGE_REJECTED = "storage_rejected"
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,29 @@ Decoded = Event | Rejection
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _has_nul(value: Any) -> bool:
+    """PostgreSQL's jsonb cannot store U+0000; find one anywhere in keys or strings."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def _ids(obj: dict[str, Any]) -> dict[str, str | None]:
@@ -113,7 +139,7 @@ def _decode(
     except UnicodeDecodeError as exc:
         return Rejection(RejectReason.NOT_UTF8, f"value is not UTF-8: {exc}")
     try:
-        obj = json.loads(text, parse_constant=_reject_constant)
+        obj = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as exc:
         return Rejection(RejectReason.MALFORMED_JSON, f"value is not JSON: {exc}"[:500])
     if not isinstance(obj, dict):
@@ -121,6 +147,12 @@ def _decode(
             RejectReason.NOT_AN_OBJECT, f"value is a JSON {type(obj).__name__}, not an object"
         )
     ids = _ids(obj)
+    if "\\u0000" in text and _has_nul(obj):
+        return Rejection(
+            RejectReason.SCHEMA_VIOLATION,
+            "strings may not contain U+0000 (NUL); PostgreSQL cannot store it",
+            **ids,
+        )
     type_ = obj.get("type")
     if not isinstance(type_, str):
         return Rejection(

@@ -10,7 +10,9 @@ import asyncpg
 import pytest
 
 from alma_core.migrations import Migrator
+from alma_core.settings import Settings, load
 from alma_core.topics import ensure_topics
+from tests.integration.harness import Worker
 from tests.services import Services, real_services
 
 TEMPLATE_DB = "alma_test_template"
@@ -84,16 +86,46 @@ class Topics:
     lifecycle: str
     merged: str
     dlq: str
+    sequenced: str
 
     @property
     def all(self) -> list[str]:
-        return [self.lifecycle, self.merged, self.dlq]
+        return [self.lifecycle, self.merged, self.dlq, self.sequenced]
 
 
 @pytest.fixture
 async def topics(services: Services) -> Topics:
     """Fresh topic names for this test, created explicitly (no auto-creation)."""
     suffix = uuid.uuid4().hex[:10]
-    names = Topics(f"lifecycle-{suffix}", f"merged-{suffix}", f"dlq-{suffix}")
+    names = Topics(
+        f"lifecycle-{suffix}", f"merged-{suffix}", f"dlq-{suffix}", f"sequenced-{suffix}"
+    )
     await ensure_topics(services.kafka_bootstrap, names.all, partitions=TEST_PARTITIONS)
     return names
+
+
+@pytest.fixture
+def settings(services: Services, database: str, topics: Topics) -> Settings:
+    """Settings for workers and clients in this test: its own database, topics, Redis prefix,
+    and fast group timings."""
+    return load(
+        kafka_bootstrap=services.kafka_bootstrap,
+        postgres_dsn=database,
+        redis_url=services.redis_url,
+        lifecycle_topic=topics.lifecycle,
+        merged_topic=topics.merged,
+        dlq_topic=topics.dlq,
+        sequenced_topic=topics.sequenced,
+        redis_prefix=f"t{uuid.uuid4().hex[:12]}",
+        session_timeout_ms=2000,
+        heartbeat_interval_ms=200,
+        fetch_max_wait_ms=50,
+        max_state_bytes=64 * 1024,
+    )
+
+
+@pytest.fixture
+async def worker(settings: Settings) -> AsyncIterator[Worker]:
+    """A checkpointer running in this process (for chaos, see tests/integration/chaos)."""
+    async with Worker.start(settings) as running:
+        yield running

@@ -258,3 +258,17 @@ def test_mutated_envelopes_yield_event_or_rejection(type_: str, overrides: dict[
         assert result.detail
     else:
         assert result.type == type_
+
+
+def test_out_of_range_numbers_are_malformed() -> None:
+    result = decode(raw(envelope(state={"x": 1})).replace(b'"x": 1', b'"x": 1e400'))
+    assert isinstance(result, Rejection)
+    assert result.reason == RejectReason.MALFORMED_JSON
+
+
+def test_nul_characters_are_rejected_but_escaped_backslashes_are_not() -> None:
+    nul = decode(raw(envelope(state={"x": "a\u0000b"})))
+    assert isinstance(nul, Rejection)
+    assert "U+0000" in nul.detail
+    literal = decode(raw(envelope(state={"x": "a\\u0000b"})))
+    assert isinstance(literal, NodeCompleted)

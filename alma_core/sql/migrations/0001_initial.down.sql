@@ -8,5 +8,6 @@ DROP TABLE IF EXISTS dead_letters;
 DROP TABLE IF EXISTS outbox;
 DROP TABLE IF EXISTS consumer_offsets;
 DROP TABLE IF EXISTS run_events;
+DROP TABLE IF EXISTS run_heads;
 DROP TABLE IF EXISTS checkpoints;
 DROP TABLE IF EXISTS runs;

@@ -46,6 +46,16 @@ CREATE TABLE checkpoints (
 CREATE INDEX checkpoints_branch_head ON checkpoints (run_id, branch_id, seq DESC);
 CREATE INDEX checkpoints_created_at ON checkpoints (created_at);
 
+-- The head of each branch of a run (branch_key '' is the main line): where
+-- `updates` fold in, what skip-unchanged compares with, what resume returns.
+CREATE TABLE run_heads (
+    run_id     text   NOT NULL REFERENCES runs (run_id) ON DELETE CASCADE,
+    branch_key text   NOT NULL,
+    seq        bigint NOT NULL,
+    state_hash text   NOT NULL,
+    PRIMARY KEY (run_id, branch_key)
+);
+
 -- The run's audit trail and the inbox: one row per accepted event_id, so a
 -- re-published event (new offset, same id) has its effect once.
 CREATE TABLE run_events (

@@ -1,0 +1,205 @@
+"""RedisCheckpointCache: the latest checkpoint and branch heads of each run.
+
+One hash per run, ``{prefix}:{epoch}:heads:{run_id}``, with a field per
+branch head (``@`` for the main line, ``b:<branch_id>`` for branches), a
+``latest`` field (the run's highest seq) and a ``complete`` marker set when
+all heads were filled from PostgreSQL. Values are ``<seq>:<json>``.
+
+* **Never backwards.** Every write goes through a Lua script that replaces a
+  field only when the new seq is higher (guarantee 4).
+* **Never stale after an outage.** A writer that failed to write bumps the
+  epoch once Redis answers again, and every writer bumps it at start (a crash
+  during an outage leaves no one who remembers): all older keys become
+  unreachable at once and expire by TTL.
+* **Never stalls.** Short timeouts, no client retries; callers count the
+  failure and fall back to PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from alma_core import errors
+
+MAIN_FIELD = "@"
+LATEST_FIELD = "latest"
+COMPLETE_FIELD = "complete"
+
+_PUT = """
+local epoch = redis.call('GET', KEYS[1]) or '0'
+local ttl = tonumber(ARGV[2])
+local written = 0
+local touched = {}
+for i = 4, #ARGV, 4 do
+  local key = ARGV[1] .. ':' .. epoch .. ':heads:' .. ARGV[i]
+  local seq = tonumber(ARGV[i + 2])
+  local cur = redis.call('HGET', key, ARGV[i + 1])
+  local cur_seq = -1
+  if cur then cur_seq = tonumber(string.match(cur, '^(%d+):')) end
+  if seq > cur_seq then
+    redis.call('HSET', key, ARGV[i + 1], ARGV[i + 3])
+    written = written + 1
+  end
+  if ARGV[3] == '1' then redis.call('HSET', key, 'complete', '1') end
+  touched[key] = true
+end
+for key, _ in pairs(touched) do redis.call('EXPIRE', key, ttl) end
+return written
+"""
+
+_GET = """
+local epoch = redis.call('GET', KEYS[1]) or '0'
+local key = ARGV[1] .. ':' .. epoch .. ':heads:' .. ARGV[2]
+if ARGV[3] == '' then return redis.call('HGETALL', key) end
+return redis.call('HMGET', key, ARGV[3], 'complete')
+"""
+
+
+def field_for(branch_id: str | None) -> str:
+    return MAIN_FIELD if branch_id is None else f"b:{branch_id}"
+
+
+def branch_of(field: str) -> str | None:
+    return None if field == MAIN_FIELD else field[2:]
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One cached checkpoint (a JSON object with at least run_id, tenant_id, seq)."""
+
+    run_id: str
+    field: str
+    seq: int
+    document: dict[str, Any]
+
+    def encode(self) -> str:
+        return f"{self.seq}:{json.dumps(self.document, separators=(',', ':'))}"
+
+
+def _decode(value: bytes | str | None) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    text = value.decode() if isinstance(value, bytes) else value
+    _, _, body = text.partition(":")
+    doc: dict[str, Any] = json.loads(body)
+    return doc
+
+
+class RedisCheckpointCache:
+    def __init__(self, client: aioredis.Redis, *, prefix: str, ttl_s: int) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self._put = client.register_script(_PUT)
+        self._get = client.register_script(_GET)
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def connect(
+        cls, url: str, *, prefix: str = "alma", ttl_s: int = 7 * 24 * 3600, timeout_s: float = 0.5
+    ) -> AsyncIterator[RedisCheckpointCache]:
+        client = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+        )
+        try:
+            yield cls(client, prefix=prefix, ttl_s=ttl_s)
+        finally:
+            await client.aclose()
+
+    @property
+    def _epoch_key(self) -> str:
+        return f"{self.prefix}:epoch"
+
+    async def bump_epoch(self) -> int:
+        """Make every cached entry unreachable (after an outage, at a writer's start)."""
+        try:
+            return int(await self.client.incr(self._epoch_key))
+        except RedisError as exc:
+            raise errors.CacheError(f"Redis: {exc!r}") from exc
+
+    async def put(self, entries: Iterable[CacheEntry], *, complete: bool = False) -> int:
+        """Write entries, each only where its seq is higher; returns how many were written."""
+        argv: list[str | int] = [self.prefix, self.ttl_s, "1" if complete else "0"]
+        for e in entries:
+            argv += [e.run_id, e.field, e.seq, e.encode()]
+        if len(argv) == 3:
+            return 0
+        try:
+            return int(await self._put(keys=[self._epoch_key], args=argv))
+        except RedisError as exc:
+            raise errors.CacheError(f"Redis: {exc!r}") from exc
+
+    async def get(self, run_id: str, field: str) -> tuple[dict[str, Any] | None, bool]:
+        """(the entry or None, whether the run's heads are complete in the cache)."""
+        try:
+            value, complete = await self._get(
+                keys=[self._epoch_key], args=[self.prefix, run_id, field]
+            )
+        except RedisError as exc:
+            raise errors.CacheError(f"Redis: {exc!r}") from exc
+        return _decode(value), complete is not None
+
+    async def heads(self, run_id: str) -> dict[str, dict[str, Any]] | None:
+        """Every cached head of the run, or None unless the cache holds all of them."""
+        try:
+            flat = await self._get(keys=[self._epoch_key], args=[self.prefix, run_id, ""])
+        except RedisError as exc:
+            raise errors.CacheError(f"Redis: {exc!r}") from exc
+        fields = {
+            (k.decode() if isinstance(k, bytes) else k): v
+            for k, v in zip(flat[::2], flat[1::2], strict=True)
+        }
+        if COMPLETE_FIELD not in fields:
+            return None
+        return {
+            f: doc
+            for f, v in fields.items()
+            if f not in (COMPLETE_FIELD, LATEST_FIELD) and (doc := _decode(v)) is not None
+        }
+
+
+class CacheWriter:
+    """The writers' side: count failures, skip Redis while it is down, and bump the
+    epoch when it answers again so nothing written before the outage is served."""
+
+    def __init__(self, cache: RedisCheckpointCache, *, retry_after_s: float = 1.0) -> None:
+        self.cache = cache
+        self.retry_after_s = retry_after_s
+        self._dirty = True  # a fresh writer cannot know what happened before it
+        self._skip_until = 0.0
+        self.failures = 0
+
+    @property
+    def degraded(self) -> bool:
+        return self._dirty and self.failures > 0
+
+    async def write(self, entries: list[CacheEntry]) -> bool:
+        """True when written; False when Redis is down (counted, never raised)."""
+        if time.monotonic() < self._skip_until:
+            self.failures += 1
+            return False
+        try:
+            if self._dirty:
+                await self.cache.bump_epoch()
+                self._dirty = False
+            await self.cache.put(entries)
+            return True
+        except errors.CacheError:
+            self._dirty = True
+            self.failures += 1
+            self._skip_until = time.monotonic() + self.retry_after_s
+            return False

@@ -1,0 +1,234 @@
+"""The resume API: where a crashed run picks up. Redis first, PostgreSQL on a miss.
+
+Every read is scoped to one tenant (guarantee 6): a run of another tenant is
+"not found", from the cache and from PostgreSQL alike. A reader built without
+a tenant is an operator's reader and exists only when multi-tenant mode is off.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from alma_core import errors
+from alma_core.cache import (
+    LATEST_FIELD,
+    MAIN_FIELD,
+    CacheEntry,
+    RedisCheckpointCache,
+    branch_of,
+    field_for,
+)
+from alma_core.postgres import is_storage_failure, storage_error
+from alma_core.types import Checkpoint
+
+_COLUMNS = """run_id, tenant_id, seq, kind, node_id, branch_id, parent_seq, event_id, state,
+              state_hash, size_bytes, merged_from, metadata, created_at"""
+
+
+def checkpoint_from_row(row: Mapping[str, Any]) -> Checkpoint:
+    return Checkpoint(
+        run_id=row["run_id"],
+        tenant_id=row["tenant_id"],
+        seq=row["seq"],
+        state=row["state"],
+        state_hash=row["state_hash"],
+        size_bytes=row["size_bytes"],
+        kind=row["kind"],
+        node_id=row["node_id"],
+        branch_id=row["branch_id"],
+        parent_seq=row["parent_seq"],
+        event_id=row["event_id"],
+        merged_from=tuple(row["merged_from"] or ()),
+        metadata=row["metadata"] or {},
+        created_at=row["created_at"],
+    )
+
+
+def checkpoint_to_doc(cp: Checkpoint) -> dict[str, Any]:
+    return {
+        "run_id": cp.run_id,
+        "tenant_id": cp.tenant_id,
+        "seq": cp.seq,
+        "kind": cp.kind,
+        "node_id": cp.node_id,
+        "branch_id": cp.branch_id,
+        "parent_seq": cp.parent_seq,
+        "event_id": cp.event_id,
+        "state": cp.state,
+        "state_hash": cp.state_hash,
+        "size_bytes": cp.size_bytes,
+        "merged_from": list(cp.merged_from),
+        "metadata": cp.metadata,
+        "created_at": cp.created_at.isoformat() if cp.created_at else None,
+    }
+
+
+def checkpoint_from_doc(doc: Mapping[str, Any]) -> Checkpoint:
+    created = doc.get("created_at")
+    return Checkpoint(
+        run_id=doc["run_id"],
+        tenant_id=doc["tenant_id"],
+        seq=doc["seq"],
+        state=doc["state"],
+        state_hash=doc["state_hash"],
+        size_bytes=doc["size_bytes"],
+        kind=doc.get("kind", "node"),
+        node_id=doc.get("node_id"),
+        branch_id=doc.get("branch_id"),
+        parent_seq=doc.get("parent_seq"),
+        event_id=doc.get("event_id"),
+        merged_from=tuple(doc.get("merged_from") or ()),
+        metadata=doc.get("metadata") or {},
+        created_at=datetime.fromisoformat(created) if created else None,
+    )
+
+
+def cache_entries(heads: Mapping[str | None, Checkpoint]) -> list[CacheEntry]:
+    """Entries for a set of branch heads, plus the run's ``latest``."""
+    entries = [
+        CacheEntry(cp.run_id, field_for(branch), cp.seq, checkpoint_to_doc(cp))
+        for branch, cp in heads.items()
+    ]
+    if heads:
+        newest = max(heads.values(), key=lambda cp: cp.seq)
+        entries.append(
+            CacheEntry(newest.run_id, LATEST_FIELD, newest.seq, checkpoint_to_doc(newest))
+        )
+    return entries
+
+
+class CheckpointReader:
+    """Reads of one tenant's checkpoints."""
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        cache: RedisCheckpointCache | None,
+        *,
+        tenant_id: str | None,
+        require_tenant: bool = True,
+    ) -> None:
+        if require_tenant and not tenant_id:
+            raise errors.ContextError(
+                "a tenant is required to read checkpoints (ALMA_REQUIRE_TENANT=true); "
+                "pass --tenant / tenant_id"
+            )
+        self.pool = pool
+        self.cache = cache
+        self.tenant_id = tenant_id
+        self.stats: Counter[str] = Counter()
+
+    def _mine(self, doc: Mapping[str, Any] | None) -> bool:
+        return doc is not None and (self.tenant_id is None or doc["tenant_id"] == self.tenant_id)
+
+    async def _fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+        try:
+            rows: list[asyncpg.Record] = await self.pool.fetch(sql, *args)
+        except Exception as exc:
+            if is_storage_failure(exc):
+                raise storage_error(exc, "reading checkpoints") from exc
+            raise
+        return rows
+
+    async def _cache_get(self, run_id: str, field: str) -> dict[str, Any] | None:
+        if self.cache is None:
+            return None
+        try:
+            doc, _ = await self.cache.get(run_id, field)
+        except errors.CacheError:
+            self.stats["cache_error"] += 1
+            return None
+        if doc is None:
+            self.stats["cache_miss"] += 1
+            return None
+        self.stats["cache_hit"] += 1
+        return doc
+
+    async def _fill(self, heads: Mapping[str | None, Checkpoint]) -> None:
+        if self.cache is None or not heads:
+            return
+        try:
+            await self.cache.put(cache_entries(heads), complete=True)
+        except errors.CacheError:
+            self.stats["cache_error"] += 1
+
+    async def _heads_from_db(self, run_id: str) -> dict[str | None, Checkpoint]:
+        rows = await self._fetch(
+            f"""SELECT {_COLUMNS} FROM checkpoints c
+                WHERE (c.run_id, c.seq) IN (SELECT run_id, seq FROM run_heads WHERE run_id = $1)
+                  AND ($2::text IS NULL OR c.tenant_id = $2)""",
+            run_id,
+            self.tenant_id,
+        )
+        heads = {r["branch_id"]: checkpoint_from_row(r) for r in rows}
+        await self._fill(heads)
+        return heads
+
+    async def latest(self, run_id: str) -> Checkpoint | None:
+        """The run's newest checkpoint (highest seq, any branch)."""
+        doc = await self._cache_get(run_id, LATEST_FIELD)
+        if self._mine(doc):
+            assert doc is not None
+            return checkpoint_from_doc(doc)
+        if doc is not None:
+            return None  # another tenant's run
+        heads = await self._heads_from_db(run_id)
+        return max(heads.values(), key=lambda cp: cp.seq) if heads else None
+
+    async def branch_heads(self, run_id: str) -> dict[str | None, Checkpoint]:
+        """The head of every branch of the run; the main line under ``None``."""
+        if self.cache is not None:
+            try:
+                cached = await self.cache.heads(run_id)
+            except errors.CacheError:
+                self.stats["cache_error"] += 1
+                cached = None
+            if cached is not None:
+                self.stats["cache_hit"] += 1
+                if not all(self._mine(d) for d in cached.values()):
+                    return {}
+                return {branch_of(f): checkpoint_from_doc(d) for f, d in cached.items()}
+            self.stats["cache_miss"] += 1
+        return await self._heads_from_db(run_id)
+
+    async def main_head(self, run_id: str) -> Checkpoint | None:
+        doc = await self._cache_get(run_id, MAIN_FIELD)
+        if doc is not None:
+            return checkpoint_from_doc(doc) if self._mine(doc) else None
+        return (await self._heads_from_db(run_id)).get(None)
+
+    async def history(
+        self, run_id: str, *, limit: int = 100, before_seq: int | None = None
+    ) -> list[Checkpoint]:
+        """Checkpoints newest first, ``limit`` at most, below ``before_seq`` when given."""
+        rows = await self._fetch(
+            f"""SELECT {_COLUMNS} FROM checkpoints
+                WHERE run_id = $1 AND ($2::text IS NULL OR tenant_id = $2)
+                  AND ($3::bigint IS NULL OR seq < $3)
+                ORDER BY seq DESC LIMIT $4""",
+            run_id,
+            self.tenant_id,
+            before_seq,
+            max(1, min(limit, 10_000)),
+        )
+        return [checkpoint_from_row(r) for r in rows]
+
+    async def get(self, run_id: str, seq: int) -> Checkpoint | None:
+        rows = await self._fetch(
+            f"""SELECT {_COLUMNS} FROM checkpoints
+                WHERE run_id = $1 AND seq = $2 AND ($3::text IS NULL OR tenant_id = $3)""",
+            run_id,
+            seq,
+            self.tenant_id,
+        )
+        return checkpoint_from_row(rows[0]) if rows else None
+
+    async def state_has(self, run_id: str, key: str) -> bool:
+        """Has the run's main-line state got ``key``? (the idempotency check)."""
+        head = await self.main_head(run_id)
+        return head is not None and key in head.state

@@ -1,0 +1,290 @@
+"""Folding a partition's events into checkpoints: the pure centre of the checkpointer.
+
+The storage adapter loads what the batch needs (runs, branch heads, reducer
+configurations, the event ids already recorded) into a :class:`Sequencer`,
+feeds it the batch's events in partition order, and writes the effects it
+returns in one transaction. No I/O here, so every rule is unit-tested:
+
+* seq is the run's next number (gapless: the counter lives in the run row);
+* ``updates`` fold into the head of the event's branch (the main line when
+  ``branch_id`` is null) with the run's reducers; a branch starts empty and
+  holds what the branch wrote;
+* a state equal (by hash) to its branch head records the event, no checkpoint;
+* a tenant other than the run's, a stale ``expected_seq``, an unknown reducer,
+  a state over the limit: :class:`errors.RejectedEvent`, nothing changes;
+* an ``event_id`` seen before has no effect at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from alma_core import errors
+from alma_core.reducers import ReducerConfig, ReducerRegistry, apply_updates
+from schemas.events import (
+    BranchJoin,
+    Event,
+    NodeCompleted,
+    NodeFailed,
+    NodeStarted,
+    WorkflowCompleted,
+)
+
+MAIN = ""  # branch key of the main line
+
+Effect = Literal["checkpointed", "unchanged", "recorded", "handed_off"]
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def state_hash(state: dict[str, Any]) -> str:
+    """SHA-256 of the canonical JSON (sorted keys, compact): equal states, equal hashes."""
+    return hashlib.sha256(canonical_json(state).encode()).hexdigest()
+
+
+def branch_key(branch_id: str | None) -> str:
+    return branch_id or MAIN
+
+
+@dataclass
+class RunView:
+    run_id: str
+    tenant_id: str
+    workflow_id: str
+    workflow_version: str | None
+    status: str = "running"
+    last_seq: int = 0
+    event_count: int = 0
+    completed_at: datetime | None = None
+    is_new: bool = False
+    changed: bool = False
+
+
+@dataclass(frozen=True)
+class Head:
+    seq: int
+    state_hash: str
+    state: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    run_id: str
+    seq: int
+    tenant_id: str
+    kind: str
+    node_id: str | None
+    branch_id: str | None
+    parent_seq: int | None
+    event_id: str
+    state: dict[str, Any]
+    state_json: str
+    state_hash: str
+    size_bytes: int
+    metadata: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    topic: str
+    partition: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class EventRow:
+    event: Event
+    effect: Effect
+    checkpoint_seq: int | None
+    coords: Coordinates
+
+
+@dataclass
+class Effects:
+    """Everything one batch changes, in the order it happened."""
+
+    checkpoints: list[CheckpointRow] = field(default_factory=list)
+    events: list[EventRow] = field(default_factory=list)
+    handoffs: list[EventRow] = field(default_factory=list)
+    duplicates: int = 0
+
+
+class Sequencer:
+    """Applies events in order to the runs loaded for a batch; collects the effects."""
+
+    def __init__(
+        self,
+        *,
+        runs: dict[str, RunView],
+        heads: dict[tuple[str, str], Head],
+        reducer_configs: dict[tuple[str, str], ReducerConfig],
+        known_event_ids: set[str],
+        registry: ReducerRegistry,
+        max_state_bytes: int,
+    ) -> None:
+        self.runs = runs
+        self.heads = heads
+        self.reducer_configs = reducer_configs
+        self.seen = set(known_event_ids)
+        self.registry = registry
+        self.max_state_bytes = max_state_bytes
+        self.effects = Effects()
+        self.touched_heads: dict[tuple[str, str], Head] = {}
+
+    # -- public ---------------------------------------------------------------
+
+    def apply(self, event: Event, coords: Coordinates) -> Effect | None:
+        """Apply one event. Returns its effect, or None for a duplicate.
+
+        Raises :class:`errors.RejectedEvent` (and changes nothing) when the
+        event can never be applied.
+        """
+        if event.event_id in self.seen:
+            self.effects.duplicates += 1
+            return None
+        run = self._run_for(event)
+        if isinstance(event, NodeCompleted):
+            effect, seq = self._node_completed(run, event)
+        elif isinstance(event, NodeFailed):
+            effect, seq = self._node_failed(run, event)
+        elif isinstance(event, NodeStarted):
+            effect, seq = "recorded", None
+        elif isinstance(event, BranchJoin | WorkflowCompleted):
+            effect, seq = "handed_off", None
+            if isinstance(event, WorkflowCompleted):
+                run.status = "succeeded" if event.payload.outcome == "success" else "failed"
+                run.completed_at = event.emitted_at
+        else:  # pragma: no cover - the union is closed
+            raise errors.RejectedEvent(f"unhandled event type {type(event).__name__}")
+        if run.run_id not in self.runs:
+            self.runs[run.run_id] = run
+        run.event_count += 1
+        run.changed = True
+        self.seen.add(event.event_id)
+        row = EventRow(event, effect, seq, coords)
+        self.effects.events.append(row)
+        if effect == "handed_off":
+            self.effects.handoffs.append(row)
+        return effect
+
+    # -- rules ----------------------------------------------------------------
+
+    def _run_for(self, event: Event) -> RunView:
+        run = self.runs.get(event.run_id)
+        if run is None:
+            return RunView(
+                run_id=event.run_id,
+                tenant_id=event.tenant_id,
+                workflow_id=event.workflow_id,
+                workflow_version=event.workflow_version,
+                is_new=True,
+            )
+        if run.tenant_id != event.tenant_id:
+            raise errors.TenantMismatch(
+                f"run {event.run_id!r} belongs to another tenant than {event.tenant_id!r}"
+            )
+        if run.workflow_id != event.workflow_id:
+            raise errors.RejectedEvent(
+                f"run {event.run_id!r} belongs to workflow {run.workflow_id!r}, "
+                f"not {event.workflow_id!r}"
+            )
+        return run
+
+    def _config(self, run: RunView) -> ReducerConfig:
+        return self.reducer_configs.get((run.tenant_id, run.workflow_id), ReducerConfig())
+
+    def _next_state(
+        self, run: RunView, key: str, state: dict[str, Any] | None, updates: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        if state is not None:
+            return state
+        if updates is None:
+            return None
+        head = self.heads.get((run.run_id, key))
+        return apply_updates(head.state if head else {}, updates, self._config(run), self.registry)
+
+    def _node_completed(self, run: RunView, event: NodeCompleted) -> tuple[Effect, int | None]:
+        payload = event.payload
+        expected = payload.expected_seq
+        if expected is not None and expected != run.last_seq:
+            raise errors.StaleExpectedSeq(
+                f"run {run.run_id!r} is at seq {run.last_seq}, the event expected {expected}"
+            )
+        key = branch_key(event.branch_id)
+        new_state = self._next_state(run, key, payload.state, payload.updates)
+        assert new_state is not None  # the contract requires state or updates
+        head = self.heads.get((run.run_id, key))
+        state_json = canonical_json(new_state)
+        digest = hashlib.sha256(state_json.encode()).hexdigest()
+        if head is not None and head.state_hash == digest:
+            effect: Effect = "unchanged"
+            seq = head.seq
+        else:
+            seq = self._checkpoint(
+                run, event, key, new_state, state_json, digest, "node", payload.metadata or {}
+            )
+            effect = "checkpointed"
+        if run.status == "failed" and run.completed_at is None:
+            run.status = "running"  # a retry succeeded after a node failure
+        return effect, seq
+
+    def _node_failed(self, run: RunView, event: NodeFailed) -> tuple[Effect, int | None]:
+        payload = event.payload
+        key = branch_key(event.branch_id)
+        new_state = self._next_state(run, key, payload.state, payload.updates)
+        if new_state is None:
+            head = self.heads.get((run.run_id, key))
+            new_state = head.state if head else {}
+        state_json = canonical_json(new_state)
+        digest = hashlib.sha256(state_json.encode()).hexdigest()
+        metadata = {"error": payload.error.model_dump()}
+        seq = self._checkpoint(run, event, key, new_state, state_json, digest, "failure", metadata)
+        if run.completed_at is None:
+            run.status = "failed"
+        return "checkpointed", seq
+
+    def _checkpoint(
+        self,
+        run: RunView,
+        event: NodeCompleted | NodeFailed,
+        key: str,
+        state: dict[str, Any],
+        state_json: str,
+        digest: str,
+        kind: str,
+        metadata: dict[str, Any],
+    ) -> int:
+        size = len(state_json.encode())
+        if size > self.max_state_bytes:
+            raise errors.StateTooLarge(
+                f"the resulting state is {size} bytes; the limit is {self.max_state_bytes} "
+                "(keep large data in artifacts)"
+            )
+        parent = self.heads.get((run.run_id, key)) or self.heads.get((run.run_id, MAIN))
+        run.last_seq += 1
+        row = CheckpointRow(
+            run_id=run.run_id,
+            seq=run.last_seq,
+            tenant_id=run.tenant_id,
+            kind=kind,
+            node_id=event.node_id,
+            branch_id=event.branch_id,
+            parent_seq=parent.seq if parent else None,
+            event_id=event.event_id,
+            state=state,
+            state_json=state_json,
+            state_hash=digest,
+            size_bytes=size,
+            metadata=metadata,
+        )
+        self.effects.checkpoints.append(row)
+        head = Head(row.seq, digest, state)
+        self.heads[(run.run_id, key)] = head
+        self.touched_heads[(run.run_id, key)] = head
+        return row.seq

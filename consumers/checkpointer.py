@@ -1,0 +1,181 @@
+"""The checkpointer (group ``alma-checkpointer``): lifecycle events in, ordered
+exactly-once checkpoints out. Decode, apply in one transaction
+(:mod:`alma_core.checkpoint_store`), then cache, publish the outbox, and let
+the runtime commit to Kafka.
+
+A batch that PostgreSQL refuses for its data (not for an outage) is split:
+each record is applied alone, and the one refused alone is dead-lettered
+with reason ``storage_rejected``, so no record can stop a partition.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime
+from typing import Any
+
+from alma_core import errors
+from alma_core.cache import CacheWriter
+from alma_core.checkpoint_store import (
+    BatchResult,
+    Incoming,
+    PostgresCheckpointStore,
+    TopicPartition,
+)
+from alma_core.resume import cache_entries
+from alma_core.sequencing import CheckpointRow
+from alma_core.types import Checkpoint
+from consumers.metrics import Metrics
+from consumers.outbox import OutboxRelay
+from consumers.runtime import HandleResult
+from schemas.decoder import Rejection, RejectReason, decode
+
+log = logging.getLogger("alma.checkpointer")
+
+NAME = "checkpointer"
+GROUP_ID = "alma-checkpointer"
+
+
+def _checkpoint(row: CheckpointRow, created_at: datetime) -> Checkpoint:
+    return Checkpoint(
+        run_id=row.run_id,
+        tenant_id=row.tenant_id,
+        seq=row.seq,
+        state=row.state,
+        state_hash=row.state_hash,
+        size_bytes=row.size_bytes,
+        kind=row.kind,
+        node_id=row.node_id,
+        branch_id=row.branch_id,
+        parent_seq=row.parent_seq,
+        event_id=row.event_id,
+        metadata=row.metadata,
+        created_at=created_at,
+    )
+
+
+class CheckpointHandler:
+    name = NAME
+
+    def __init__(
+        self,
+        store: PostgresCheckpointStore,
+        cache: CacheWriter | None,
+        relay: OutboxRelay,
+        metrics: Metrics,
+        *,
+        max_state_bytes: int,
+        max_record_bytes: int,
+    ) -> None:
+        self.store = store
+        self.cache = cache
+        self.relay = relay
+        self.metrics = metrics
+        self.max_state_bytes = max_state_bytes
+        self.max_record_bytes = max_record_bytes
+
+    async def positions(
+        self, cluster_id: str, partitions: list[TopicPartition]
+    ) -> dict[TopicPartition, int]:
+        return await self.store.stored_offsets(cluster_id, partitions)
+
+    async def idle(self) -> None:
+        await self.relay.sweep()
+
+    def _incoming(self, record: Any) -> Incoming:
+        return Incoming(
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            key=record.key,
+            value=record.value,
+            decoded=decode(
+                record.value,
+                key=record.key,
+                max_state_bytes=self.max_state_bytes,
+                max_record_bytes=self.max_record_bytes,
+            ),
+        )
+
+    async def handle(self, cluster_id: str, batch: dict[TopicPartition, list[Any]]) -> HandleResult:
+        started = time.perf_counter()
+        incoming = {tp: [self._incoming(r) for r in records] for tp, records in batch.items()}
+        count = sum(len(rs) for rs in incoming.values())
+        try:
+            results = [await self._apply(cluster_id, incoming)]
+        except errors.StorageRejected as exc:
+            log.warning(
+                "PostgreSQL refused a batch; applying its records one by one",
+                extra={"action": "isolate_batch", "consumer": NAME, "error": exc.message},
+            )
+            results = await self._isolate(cluster_id, incoming)
+        out = HandleResult()
+        for result in results:
+            self._observe(result)
+            await self._write_cache(result)
+            await self.relay.publish(result.outbox_ids)
+            out.next_offsets.update(result.next_offsets)
+            out.seeks.update(result.seeks)
+        self.metrics.batch_seconds.labels(NAME).observe(time.perf_counter() - started)
+        self.metrics.batch_size.labels(NAME).observe(count)
+        return out
+
+    async def _apply(
+        self, cluster_id: str, batch: dict[TopicPartition, list[Incoming]]
+    ) -> BatchResult:
+        started = time.perf_counter()
+        result = await self.store.apply(cluster_id, batch)
+        self.metrics.transaction_seconds.labels(NAME).observe(time.perf_counter() - started)
+        return result
+
+    async def _isolate(
+        self, cluster_id: str, batch: dict[TopicPartition, list[Incoming]]
+    ) -> list[BatchResult]:
+        results = []
+        for tp, records in batch.items():
+            for record in records:
+                try:
+                    results.append(await self._apply(cluster_id, {tp: [record]}))
+                except errors.StorageRejected as exc:
+                    rejected = Incoming(
+                        record.topic, record.partition, record.offset, record.key, record.value,
+                        Rejection(RejectReason.STORAGE_REJECTED, exc.message[:500],
+                                  event_id=getattr(record.decoded, "event_id", None),
+                                  run_id=getattr(record.decoded, "run_id", None),
+                                  tenant_id=getattr(record.decoded, "tenant_id", None)),
+                    )  # fmt: skip
+                    results.append(await self._apply(cluster_id, {tp: [rejected]}))
+        return results
+
+    def _observe(self, result: BatchResult) -> None:
+        m = self.metrics
+        for row in result.checkpoints:
+            m.checkpoints.labels(NAME, row.kind).inc()
+        now = result.created_at
+        for type_, effect, emitted_at in result.applied:
+            m.events.labels(NAME, type_, effect).inc()
+            m.e2e_seconds.labels(NAME, type_).observe(max(0.0, (now - emitted_at).total_seconds()))
+        if result.duplicates or result.already_applied:
+            m.duplicates.labels(NAME).inc(result.duplicates + result.already_applied)
+        for dl in result.dead_letters:
+            m.dead_letters.labels(NAME, dl.reason).inc()
+            m.events.labels(NAME, "unknown", "dead_letter").inc()
+            log.warning(
+                "dead letter",
+                extra={"action": "dead_letter", "consumer": NAME, "reason": dl.reason,
+                       "detail": dl.detail[:300], "event_id": dl.event_id, "run_id": dl.run_id,
+                       "partition": dl.record.partition, "offset": dl.record.offset},
+            )  # fmt: skip
+
+    async def _write_cache(self, result: BatchResult) -> None:
+        if self.cache is None or not result.heads:
+            return
+        by_run: dict[str, dict[str | None, Checkpoint]] = {}
+        for row in result.heads.values():
+            by_run.setdefault(row.run_id, {})[row.branch_id] = _checkpoint(row, result.created_at)
+        entries = [e for heads in by_run.values() for e in cache_entries(heads)]
+        if await self.cache.write(entries):
+            self.metrics.cache.labels("write").inc(len(entries))
+        else:
+            self.metrics.cache.labels("write_error").inc()

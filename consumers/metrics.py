@@ -1,0 +1,98 @@
+"""Every Prometheus metric of a worker, in one object built from a registry
+(tests pass a fresh ``CollectorRegistry``). Base units, ``_total`` counters,
+``_seconds`` histograms; labels are low-cardinality only (never a run, event,
+tenant or node id). Meanings are in ``docs/metrics.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.events = Counter(
+            "alma_events_total",
+            "Events consumed, by consumer, event type and outcome",
+            ["consumer", "type", "outcome"],
+            registry=r,
+        )
+        self.duplicates = Counter(
+            "alma_duplicates_total",
+            "Events skipped because their event_id or offset was already applied",
+            ["consumer"],
+            registry=r,
+        )
+        self.dead_letters = Counter(
+            "alma_dead_letters_total", "Records sent to the dead-letter topic, by reason",
+            ["consumer", "reason"], registry=r,
+        )  # fmt: skip
+        self.checkpoints = Counter(
+            "alma_checkpoints_total", "Checkpoints written", ["consumer", "kind"], registry=r
+        )
+        self.batch_seconds = Histogram(
+            "alma_batch_seconds", "Time to process one polled batch, end to end",
+            ["consumer"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.batch_size = Histogram(
+            "alma_batch_records", "Records per processed batch", ["consumer"],
+            buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000), registry=r,
+        )  # fmt: skip
+        self.transaction_seconds = Histogram(
+            "alma_checkpoint_write_seconds", "PostgreSQL transaction time of one batch",
+            ["consumer"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e_seconds = Histogram(
+            "alma_end_to_end_lag_seconds", "Time from emitted_at to durable, per event",
+            ["consumer", "type"], buckets=E2E_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.commit_seconds = Histogram(
+            "alma_offset_commit_seconds", "Kafka offset commit time", ["consumer"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.commit_failures = Counter(
+            "alma_offset_commit_failures_total", "Failed Kafka offset commits", ["consumer"],
+            registry=r,
+        )  # fmt: skip
+        self.storage_retries = Counter(
+            "alma_storage_retries_total", "Batches retried because PostgreSQL was unavailable",
+            ["consumer"], registry=r,
+        )  # fmt: skip
+        self.lag = Gauge(
+            "alma_consumer_lag", "High watermark minus committed offset, per partition",
+            ["consumer", "topic", "partition"], registry=r,
+        )  # fmt: skip
+        self.assigned_partitions = Gauge(
+            "alma_assigned_partitions", "Partitions assigned to this worker", ["consumer"],
+            registry=r,
+        )  # fmt: skip
+        self.rebalances = Counter(
+            "alma_rebalances_total", "Group rebalances seen", ["consumer"], registry=r
+        )
+        self.last_poll = Gauge(
+            "alma_last_poll_timestamp_seconds", "Unix time of the last successful poll",
+            ["consumer"], registry=r,
+        )  # fmt: skip
+        self.cache = Counter(
+            "alma_cache_operations_total", "Redis cache operations, by result (hit, miss, error, "
+            "write, write_error)", ["result"], registry=r,
+        )  # fmt: skip
+        self.outbox_published = Counter(
+            "alma_outbox_published_total", "Outbox records published, by topic kind",
+            ["kind"], registry=r,
+        )  # fmt: skip
+        self.outbox_failures = Counter(
+            "alma_outbox_failures_total", "Outbox publish attempts that failed", registry=r
+        )
+
+    def forget_partition(self, consumer: str, topic: str, partition: int) -> None:
+        """Drop the lag series of a revoked partition, so dashboards do not show a ghost."""
+        with contextlib.suppress(KeyError):
+            self.lag.remove(consumer, topic, str(partition))

@@ -1,0 +1,270 @@
+"""The consumer runtime shared by every consumer group: poll, hand a batch to the
+handler, retry while storage is down, commit to Kafka after the handler's own
+(database) commit, follow rebalances, drain and leave on shutdown.
+
+What the runtime guarantees the handler:
+* batches arrive in partition order, one at a time (no overlap);
+* on assignment, each partition starts where the handler says it stopped
+  (offsets stored with the effects), falling back to Kafka's committed offset;
+* a retriable :class:`errors.StorageError` pauses consumption and retries the
+  same batch with backoff until it succeeds or the worker stops; nothing is
+  skipped, and the heartbeat and poll keep the membership alive meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+
+from alma_core import errors
+from consumers.metrics import Metrics
+
+log = logging.getLogger("alma.consumers")
+
+TP = tuple[str, int]
+
+
+@dataclass
+class HandleResult:
+    next_offsets: dict[TP, int] = field(default_factory=dict)
+    seeks: dict[TP, int] = field(default_factory=dict)
+
+
+class BatchHandler(Protocol):
+    name: str
+
+    async def positions(self, cluster_id: str, partitions: list[TP]) -> dict[TP, int]:
+        """Where each partition resumes (stored with the effects)."""
+
+    async def handle(self, cluster_id: str, batch: dict[TP, list[Any]]) -> HandleResult:
+        """Apply a batch durably; raise a retriable StorageError to have it retried."""
+
+    async def idle(self) -> None:
+        """Called when a poll returned nothing (periodic work such as outbox sweeps)."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    bootstrap: str
+    group_id: str
+    topics: list[str]
+    max_records: int = 500
+    poll_timeout_ms: int = 200
+    fetch_max_wait_ms: int = 100
+    session_timeout_ms: int = 10_000
+    heartbeat_interval_ms: int = 1_000
+    max_poll_interval_ms: int = 300_000
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 5.0
+
+
+def backoff_delay(attempt: int, initial: float, maximum: float, jitter: float = 0.2) -> float:
+    """Exponential backoff with jitter: the pure decision the retry loop acts on."""
+    base = min(maximum, initial * (2 ** max(0, attempt - 1)))
+    return float(base * (1 + random.uniform(-jitter, jitter)))
+
+
+class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, runtime: ConsumerRuntime) -> None:
+        self.runtime = runtime
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        self.runtime.metrics.rebalances.labels(self.runtime.handler.name).inc()
+        for tp in revoked:
+            self.runtime.metrics.forget_partition(self.runtime.handler.name, tp.topic, tp.partition)
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        await self.runtime.on_assigned(assigned)
+
+
+class ConsumerRuntime:
+    def __init__(self, config: RuntimeConfig, handler: BatchHandler, metrics: Metrics) -> None:
+        self.config = config
+        self.handler = handler
+        self.metrics = metrics
+        self.consumer: AIOKafkaConsumer | None = None
+        self.cluster_id = ""
+        self.last_poll = 0.0
+        self.assigned: set[TopicPartition] = set()
+        self.started = asyncio.Event()
+        self._admin: AIOKafkaAdminClient | None = None
+
+    async def _refresh_cluster_id(self) -> str:
+        assert self._admin is not None
+        cluster = await self._admin.describe_cluster()
+        self.cluster_id = str(cluster["cluster_id"])
+        return self.cluster_id
+
+    async def on_assigned(self, assigned: set[TopicPartition]) -> None:
+        self.assigned = set(assigned)
+        name = self.handler.name
+        self.metrics.assigned_partitions.labels(name).set(len(assigned))
+        if not assigned or self.consumer is None:
+            return
+        try:
+            async with asyncio.timeout(10):
+                cluster_id = await self._refresh_cluster_id()
+                stored = await self.handler.positions(
+                    cluster_id, [(tp.topic, tp.partition) for tp in assigned]
+                )
+        except (errors.StorageError, KafkaError, TimeoutError) as exc:
+            # Kafka's committed offset is never ahead of the stored one, and the
+            # store drops what it has already applied: a safe fallback.
+            log.warning(
+                "stored offsets unavailable, starting from Kafka's committed offsets",
+                extra={"action": "assign_fallback", "consumer": name, "error": repr(exc)},
+            )
+            return
+        for tp in assigned:
+            offset = stored.get((tp.topic, tp.partition))
+            if offset is not None:
+                self.consumer.seek(tp, offset)
+        log.info(
+            "partitions assigned",
+            extra={"action": "assigned", "consumer": name, "partitions": len(assigned)},
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        cfg = self.config
+        self._admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap)
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=cfg.bootstrap,
+            group_id=cfg.group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            session_timeout_ms=cfg.session_timeout_ms,
+            heartbeat_interval_ms=cfg.heartbeat_interval_ms,
+            max_poll_interval_ms=cfg.max_poll_interval_ms,
+            fetch_max_wait_ms=cfg.fetch_max_wait_ms,
+            max_partition_fetch_bytes=16 * 1024 * 1024,
+        )
+        self.consumer = consumer
+        await retry_start(self._admin.start, stop, "admin client")
+        try:
+            await self._refresh_cluster_id()
+            consumer.subscribe(cfg.topics, listener=_Listener(self))
+            await retry_start(consumer.start, stop, "consumer")
+            self.started.set()
+            await self._loop(consumer, stop)
+        finally:
+            with contextlib.suppress(Exception):
+                await consumer.stop()  # leaves the group
+            with contextlib.suppress(Exception):
+                await self._admin.close()
+            self.metrics.assigned_partitions.labels(self.handler.name).set(0)
+
+    async def _loop(self, consumer: AIOKafkaConsumer, stop: asyncio.Event) -> None:
+        name = self.handler.name
+        while not stop.is_set():
+            batch = await consumer.getmany(
+                timeout_ms=self.config.poll_timeout_ms, max_records=self.config.max_records
+            )
+            self.last_poll = time.monotonic()
+            self.metrics.last_poll.labels(name).set(time.time())
+            if not batch:
+                await self.handler.idle()
+                continue
+            plain = {(tp.topic, tp.partition): records for tp, records in batch.items()}
+            result = await self._handle_with_retry(consumer, plain, stop)
+            if result is None:
+                return  # stopping during an outage: the batch is redelivered later
+            await self._after(consumer, result)
+
+    async def _handle_with_retry(
+        self, consumer: AIOKafkaConsumer, batch: dict[TP, list[Any]], stop: asyncio.Event
+    ) -> HandleResult | None:
+        name = self.handler.name
+        attempt = 0
+        paused = False
+        try:
+            while True:
+                try:
+                    return await self.handler.handle(self.cluster_id, batch)
+                except errors.StorageError as exc:
+                    if not exc.retriable:
+                        raise
+                    attempt += 1
+                    self.metrics.storage_retries.labels(name).inc()
+                    delay = backoff_delay(
+                        attempt, self.config.backoff_initial_s, self.config.backoff_max_s
+                    )
+                    log.warning(
+                        "storage unavailable; pausing and retrying the batch",
+                        extra={"action": "storage_retry", "consumer": name,
+                               "attempt": attempt, "delay_s": round(delay, 2),
+                               "error": exc.message},
+                    )  # fmt: skip
+                    if not paused:
+                        consumer.pause(*consumer.assignment())
+                        paused = True
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), delay)
+                    if stop.is_set():
+                        return None
+                    await consumer.getmany(timeout_ms=0)  # keep the membership alive
+                    self.last_poll = time.monotonic()
+                    owned = {(tp.topic, tp.partition) for tp in consumer.assignment()}
+                    batch = {tp: rs for tp, rs in batch.items() if tp in owned}
+                    if not batch:
+                        return HandleResult()
+        finally:
+            if paused:
+                consumer.resume(*consumer.assignment())
+
+    async def _after(self, consumer: AIOKafkaConsumer, result: HandleResult) -> None:
+        name = self.handler.name
+        owned = {(tp.topic, tp.partition): tp for tp in consumer.assignment()}
+        for key, offset in result.seeks.items():
+            if key in owned:
+                consumer.seek(owned[key], offset)
+        commits = {owned[k]: off for k, off in result.next_offsets.items() if k in owned}
+        if not commits:
+            return
+        started = time.perf_counter()
+        try:
+            await consumer.commit(commits)
+        except KafkaError as exc:
+            # The stored offsets are the truth; Kafka's are a hint for fallbacks.
+            self.metrics.commit_failures.labels(name).inc()
+            log.warning(
+                "Kafka offset commit failed",
+                extra={"action": "commit_failed", "consumer": name, "error": repr(exc)},
+            )
+        self.metrics.commit_seconds.labels(name).observe(time.perf_counter() - started)
+        for tp, offset in commits.items():
+            high = consumer.highwater(tp)
+            if high is not None:
+                self.metrics.lag.labels(name, tp.topic, str(tp.partition)).set(
+                    max(0, high - offset)
+                )
+
+
+async def retry_start(start: Callable[[], Awaitable[Any]], stop: asyncio.Event, what: str) -> None:
+    """Start a Kafka client, retrying with backoff while the broker is unreachable."""
+    attempt = 0
+    while True:
+        try:
+            await start()
+            return
+        except KafkaError as exc:
+            attempt += 1
+            delay = backoff_delay(attempt, 0.5, 10.0)
+            log.warning(
+                "Kafka unreachable; retrying",
+                extra={"action": "kafka_retry", "what": what, "attempt": attempt,
+                       "error": repr(exc)},
+            )  # fmt: skip
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            if stop.is_set():
+                raise errors.StackError(f"stopped while waiting for Kafka ({what})") from exc

@@ -1,0 +1,168 @@
+"""A worker process: the consumer groups it was asked for, wired to the services.
+
+Start-up waits for the services (retrying with backoff, saying so in the log)
+rather than failing; a schema older than the code is an error that says to run
+``alma db upgrade``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+from aiokafka import AIOKafkaProducer
+
+from alma_core import errors, postgres
+from alma_core.cache import CacheWriter, RedisCheckpointCache
+from alma_core.checkpoint_store import PostgresCheckpointStore, StoreConfig
+from alma_core.migrations import Migrator, load_migrations
+from alma_core.reducers import default_registry
+from alma_core.settings import Settings
+from consumers import checkpointer
+from consumers.metrics import Metrics
+from consumers.outbox import OutboxRelay
+from consumers.runtime import ConsumerRuntime, RuntimeConfig, backoff_delay, retry_start
+
+log = logging.getLogger("alma.worker")
+
+KNOWN_CONSUMERS = ("checkpoint",)
+
+
+@dataclass(frozen=True)
+class Services:
+    kafka_bootstrap: str
+    postgres_dsn: str
+    redis_url: str
+
+
+async def _wait_for_pool(dsn: str, size: int, stop: asyncio.Event) -> asyncpg.Pool | None:
+    attempt = 0
+    while not stop.is_set():
+        try:
+            return await postgres.create_pool(dsn, max_size=size)
+        except errors.StorageError as exc:
+            attempt += 1
+            delay = backoff_delay(attempt, 0.5, 10.0)
+            log.warning(
+                "PostgreSQL unreachable; retrying",
+                extra={"action": "postgres_retry", "attempt": attempt, "error": exc.message},
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+    return None
+
+
+async def check_schema(pool: asyncpg.Pool) -> None:
+    newest = len(load_migrations())
+    async with pool.acquire() as conn:
+        current = await Migrator(conn).current()
+    if current != newest:
+        raise errors.ConfigError(
+            f"the database schema is at version {current}, this ALMA Stream needs {newest}: "
+            "run `alma db upgrade`"
+        )
+
+
+@contextlib.asynccontextmanager
+async def _producer(
+    settings: Settings, bootstrap: str, stop: asyncio.Event
+) -> AsyncIterator[AIOKafkaProducer]:
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap,
+        acks="all",
+        linger_ms=2,
+        max_request_size=settings.max_record_bytes + 64 * 1024,
+        max_batch_size=1024 * 1024,
+    )
+    await retry_start(producer.start, stop, "producer")
+    try:
+        yield producer
+    finally:
+        await producer.stop()
+
+
+async def run_worker(
+    settings: Settings,
+    services: Services,
+    consumers: list[str],
+    stop: asyncio.Event,
+    *,
+    metrics: Metrics | None = None,
+    ready: asyncio.Event | None = None,
+) -> None:
+    """Run the named consumer groups until ``stop`` is set."""
+    unknown = [c for c in consumers if c not in KNOWN_CONSUMERS]
+    if unknown:
+        raise errors.ConfigError(
+            f"unknown consumer(s) {', '.join(unknown)}; known: {', '.join(KNOWN_CONSUMERS)}"
+        )
+    metrics = metrics or Metrics()
+    pool = await _wait_for_pool(services.postgres_dsn, settings.pg_pool_size, stop)
+    if pool is None:
+        return
+    try:
+        await check_schema(pool)
+        async with (
+            RedisCheckpointCache.connect(
+                services.redis_url, prefix=settings.redis_prefix, ttl_s=settings.cache_ttl_seconds
+            ) as cache,
+            _producer(settings, services.kafka_bootstrap, stop) as producer,
+        ):
+            relay = OutboxRelay(
+                pool,
+                producer,
+                metrics,
+                kinds={settings.sequenced_topic: "handoff", settings.dlq_topic: "dlq",
+                       settings.merged_topic: "reply"},
+            )  # fmt: skip
+            await relay.sweep(force=True)
+            runtimes = []
+            if "checkpoint" in consumers:
+                store = PostgresCheckpointStore(
+                    pool,
+                    StoreConfig(
+                        group_id=checkpointer.GROUP_ID,
+                        consumer=checkpointer.NAME,
+                        handoff_topic=settings.sequenced_topic,
+                        dlq_topic=settings.dlq_topic,
+                        max_state_bytes=settings.max_state_bytes,
+                    ),
+                    default_registry(),
+                )
+                handler = checkpointer.CheckpointHandler(
+                    store, CacheWriter(cache), relay, metrics,
+                    max_state_bytes=settings.max_state_bytes,
+                    max_record_bytes=settings.max_record_bytes,
+                )  # fmt: skip
+                runtimes.append(
+                    ConsumerRuntime(
+                        RuntimeConfig(
+                            bootstrap=services.kafka_bootstrap,
+                            group_id=checkpointer.GROUP_ID,
+                            topics=[settings.lifecycle_topic],
+                            max_records=settings.max_batch_records,
+                            session_timeout_ms=settings.session_timeout_ms,
+                            heartbeat_interval_ms=settings.heartbeat_interval_ms,
+                            fetch_max_wait_ms=settings.fetch_max_wait_ms,
+                        ),
+                        handler,
+                        metrics,
+                    )
+                )
+            tasks = [asyncio.create_task(r.run(stop)) for r in runtimes]
+            started = asyncio.ensure_future(asyncio.gather(*(r.started.wait() for r in runtimes)))
+            waiting: list[asyncio.Future[Any]] = [started, *tasks]
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if started in done and ready is not None:
+                ready.set()
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                started.cancel()
+    finally:
+        await pool.close()

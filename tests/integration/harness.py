@@ -1,0 +1,223 @@
+"""Helpers for integration tests: events, a publisher, workers in-process or as
+processes, bounded waits, and queries of what ALMA Stream stored."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import asyncpg
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from alma_core.settings import Settings
+from consumers.metrics import Metrics
+from consumers.worker import Services as WorkerServices
+from consumers.worker import run_worker
+
+T = TypeVar("T")
+
+
+def event(
+    type_: str,
+    run_id: str,
+    *,
+    tenant: str = "acme",
+    workflow: str = "wf",
+    node: str | None = "n",
+    branch: str | None = None,
+    event_id: str | None = None,
+    **payload: Any,
+) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "event_id": event_id or uuid.uuid4().hex,
+        "type": type_,
+        "emitted_at": datetime.now(UTC).isoformat(),
+        "tenant_id": tenant,
+        "workflow_id": workflow,
+        "run_id": run_id,
+        "payload": payload,
+    }
+    if node is not None:
+        doc["node_id"] = node
+    if branch is not None:
+        doc["branch_id"] = branch
+    return doc
+
+
+def completed(run_id: str, **kw: Any) -> dict[str, Any]:
+    return event("node.completed", run_id, **kw)
+
+
+class Publisher:
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.topic = topic
+        self.producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+
+    async def __aenter__(self) -> Publisher:
+        await self.producer.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.producer.stop()
+
+    async def send(self, doc: dict[str, Any] | bytes, key: str | bytes | None = None) -> None:
+        """Queue one record; ``flush`` waits for all of them."""
+        value = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+        if key is None and isinstance(doc, dict):
+            key = doc["run_id"]
+        key_bytes = key.encode() if isinstance(key, str) else key
+        await self.producer.send(self.topic, value, key=key_bytes)
+
+    async def flush(self) -> None:
+        await self.producer.flush()
+
+
+async def wait_for(
+    check: Callable[[], Awaitable[T]], *, timeout: float = 60, what: str = "condition"
+) -> T:
+    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+async def count(dsn: str, sql: str, *args: Any) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return int(await conn.fetchval(sql, *args))
+    finally:
+        await conn.close()
+
+
+async def fetch(dsn: str, sql: str, *args: Any) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(dsn)
+    await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+    try:
+        rows: list[asyncpg.Record] = await conn.fetch(sql, *args)
+        return rows
+    finally:
+        await conn.close()
+
+
+async def read_topic(
+    bootstrap: str, topic: str, expected: int, *, timeout: float = 30
+) -> list[Any]:
+    """Read ``expected`` records from the start of ``topic`` (fails on timeout)."""
+    consumer = AIOKafkaConsumer(
+        topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
+    )
+    await consumer.start()
+    records: list[Any] = []
+    try:
+        deadline = time.monotonic() + timeout
+        while len(records) < expected and time.monotonic() < deadline:
+            batch = await consumer.getmany(timeout_ms=300)
+            for rs in batch.values():
+                records.extend(rs)
+    finally:
+        await consumer.stop()
+    assert len(records) >= expected, f"{topic}: {len(records)} of {expected} records"
+    return records
+
+
+class Worker:
+    """A worker running in this process, stopped gracefully at the end."""
+
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.stop = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def start(
+        cls, settings: Settings, consumers: tuple[str, ...] = ("checkpoint",)
+    ) -> AsyncIterator[Worker]:
+        worker = cls(settings, Metrics())
+        ready = asyncio.Event()
+        assert settings.kafka_bootstrap and settings.postgres_dsn and settings.redis_url
+        services = WorkerServices(
+            settings.kafka_bootstrap, settings.postgres_dsn, settings.redis_url
+        )
+        worker.task = asyncio.create_task(
+            run_worker(settings, services, list(consumers), worker.stop, metrics=worker.metrics,
+                       ready=ready)
+        )  # fmt: skip
+        waiter = asyncio.ensure_future(ready.wait())
+        await asyncio.wait([worker.task, waiter], timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if worker.task.done():
+            worker.task.result()
+        assert ready.is_set(), "the worker did not start within 60 s"
+        try:
+            yield worker
+        finally:
+            worker.stop.set()
+            await asyncio.wait_for(worker.task, 60)
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        return self.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+def worker_env(settings: Settings) -> dict[str, str]:
+    """The environment that makes `alma worker` use these settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
+    for name, value in settings.model_dump().items():
+        if value is not None:
+            env[f"ALMA_{name.upper()}"] = str(value)
+    env["ALMA_LOG_FORMAT"] = "json"
+    return env
+
+
+class WorkerProcess:
+    """`alma worker` as a separate process, for SIGKILL and restarts."""
+
+    def __init__(self, settings: Settings, log_path: Path, consumers: str = "checkpoint") -> None:
+        self.env = worker_env(settings)
+        self.log_path = log_path
+        self.consumers = consumers
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> WorkerProcess:
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "alma_core.cli", "worker", "--consumers", self.consumers],
+                env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        return self
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def terminate(self, timeout: float = 30) -> int | None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode if self.proc else None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None

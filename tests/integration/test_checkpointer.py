@@ -1,0 +1,280 @@
+"""The checkpointer on the real broker, PostgreSQL and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import asyncpg
+
+from alma_core.cache import RedisCheckpointCache
+from alma_core.postgres import connect
+from alma_core.resume import CheckpointReader
+from alma_core.settings import Settings
+from tests.integration.harness import (
+    Publisher,
+    Worker,
+    completed,
+    count,
+    event,
+    fetch,
+    read_topic,
+    wait_for,
+)
+
+
+async def checkpoints_of(dsn: str, run_id: str) -> list[asyncpg.Record]:
+    return await fetch(
+        dsn,
+        "SELECT seq, node_id, branch_id, parent_seq, kind, state, event_id FROM checkpoints "
+        "WHERE run_id = $1 ORDER BY seq",
+        run_id,
+    )
+
+
+async def test_sequential_runs_get_gapless_ordered_checkpoints(
+    settings: Settings, worker: Worker
+) -> None:
+    dsn = settings.postgres_dsn
+    assert dsn
+    runs = [f"run-{i}" for i in range(6)]
+    expected: dict[str, list[str]] = {r: [] for r in runs}
+    async with Publisher(worker.settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
+        for step in range(8):
+            for run in runs:
+                await pub.send(event("node.started", run, node=f"n{step}"))
+                doc = completed(run, node=f"n{step}", updates={"step": step, f"k{step}": run})
+                expected[run].append(doc["event_id"])
+                await pub.send(doc)
+        await pub.flush()
+
+    async def all_in() -> bool:
+        return await count(dsn, "SELECT count(*) FROM checkpoints") == 6 * 8
+
+    await wait_for(all_in, what="48 checkpoints")
+    for run in runs:
+        rows = await checkpoints_of(dsn, run)
+        assert [r["seq"] for r in rows] == list(range(1, 9))
+        assert [r["event_id"] for r in rows] == expected[run]
+        assert [r["parent_seq"] for r in rows] == [None, *range(1, 8)]
+        final = rows[-1]["state"]
+        assert final["step"] == 7
+        assert {f"k{i}" for i in range(8)} <= set(final)
+    assert await count(dsn, "SELECT count(*) FROM run_events") == 6 * 16
+    assert await count(dsn, "SELECT count(*) FROM run_events WHERE effect = 'recorded'") == 48
+
+
+async def test_duplicates_and_unchanged_states_have_no_second_effect(
+    settings: Settings, worker: Worker
+) -> None:
+    dsn = settings.postgres_dsn
+    assert dsn
+    first = completed("dup-run", state={"a": 1})
+    same_state = completed("dup-run", state={"a": 1})
+    second = completed("dup-run", state={"a": 2})
+    async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
+        for doc in (first, first, same_state, second, first, second):
+            await pub.send(doc)
+        await pub.flush()
+
+    async def settled() -> bool:
+        return worker.value("alma_duplicates_total", {"consumer": "checkpointer"}) >= 3
+
+    await wait_for(settled, what="three duplicates")
+    rows = await checkpoints_of(dsn, "dup-run")
+    assert [(r["seq"], r["state"]) for r in rows] == [(1, {"a": 1}), (2, {"a": 2})]
+    effects = await fetch(dsn, "SELECT event_id, effect FROM run_events ORDER BY ordinal")
+    assert [(r["event_id"], r["effect"]) for r in effects] == [
+        (first["event_id"], "checkpointed"),
+        (same_state["event_id"], "unchanged"),
+        (second["event_id"], "checkpointed"),
+    ]
+
+
+async def test_branches_failures_and_handoffs(settings: Settings, worker: Worker) -> None:
+    dsn = settings.postgres_dsn
+    assert dsn
+    run = "branchy"
+    docs = [
+        completed(run, node="start", updates={"plan": "p"}),
+        completed(run, node="a", branch="A", updates={"found": ["x"]}),
+        completed(run, node="b", branch="B", updates={"found": ["y"]}),
+        completed(run, node="a2", branch="A", updates={"more": 1}),
+        event("node.failed", run, node="b2", branch="B", error={"type": "Timeout", "message": "slow"}),
+        event("branch.join", run, node=None, join_id="j1", branch_ids=["A", "B"]),
+        event("workflow.completed", run, node=None, outcome="failure", duration_ms=10,
+              node_count=5, nodes_succeeded=4, nodes_failed=1, error_message="slow"),
+    ]  # fmt: skip
+    async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
+        for doc in docs:
+            await pub.send(doc)
+        await pub.flush()
+
+    async def done() -> bool:
+        return await count(dsn, "SELECT count(*) FROM run_events") == len(docs)
+
+    await wait_for(done, what="all events recorded")
+    rows = await checkpoints_of(dsn, run)
+    assert [(r["seq"], r["branch_id"], r["parent_seq"], r["kind"]) for r in rows] == [
+        (1, None, None, "node"),
+        (2, "A", 1, "node"),  # a branch's first checkpoint hangs off the main line
+        (3, "B", 1, "node"),
+        (4, "A", 2, "node"),
+        (5, "B", 3, "failure"),
+    ]
+    assert rows[3]["state"] == {"found": ["x"], "more": 1}
+    assert rows[4]["state"] == {"found": ["y"]}  # a failure keeps the branch's state
+    status = await fetch(dsn, "SELECT status, completed_at FROM runs WHERE run_id = $1", run)
+    assert status[0]["status"] == "failed"
+    assert status[0]["completed_at"] is not None
+    handed = await read_topic(settings.kafka_bootstrap or "", settings.sequenced_topic, 2)
+    types = [json.loads(r.value)["type"] for r in handed]
+    assert types == ["branch.join", "workflow.completed"]
+    assert all(r.key == run.encode() for r in handed)
+    assert {h[0] for h in handed[0].headers} >= {"alma.event_id", "alma.source.offset"}
+
+
+async def test_reducers_registered_for_the_workflow_apply_to_updates(
+    settings: Settings, worker: Worker
+) -> None:
+    dsn = settings.postgres_dsn
+    assert dsn
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            "INSERT INTO reducer_configs (tenant_id, workflow_id, config) VALUES ($1, $2, $3)",
+            "acme", "counting",
+            json.dumps({"reducers": {"log": "append", "n": "sum", "best": "max"}}),
+        )  # fmt: skip
+    finally:
+        await conn.close()
+    async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
+        for i in range(10):
+            await pub.send(
+                completed("r", workflow="counting", updates={"log": [i], "n": i, "best": i % 7})
+            )
+        await pub.flush()
+
+    async def ten() -> bool:
+        return await count(dsn, "SELECT count(*) FROM checkpoints") == 10
+
+    await wait_for(ten, what="ten checkpoints")
+    rows = await checkpoints_of(dsn, "r")
+    assert rows[-1]["state"] == {"log": list(range(10)), "n": 45, "best": 6}
+
+
+async def test_bad_input_goes_to_the_dead_letters_and_the_partition_moves_on(
+    settings: Settings, worker: Worker
+) -> None:
+    dsn = settings.postgres_dsn
+    assert dsn
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            "INSERT INTO reducer_configs (tenant_id, workflow_id, config) VALUES ($1, $2, $3)",
+            "acme", "broken", json.dumps({"reducers": {"x": "no_such_reducer"}}),
+        )  # fmt: skip
+    finally:
+        await conn.close()
+    run = "victim"
+    good: list[dict[str, Any]] = []
+    poison: list[tuple[bytes | dict[str, Any], bytes, str]] = [
+        (b"{oops", run.encode(), "malformed_json"),
+        (json.dumps({**completed(run, state={}), "type": "node.paused"}).encode(), run.encode(),
+         "unknown_type"),
+        (completed(run, tenant="evil", state={"x": 1}), run.encode(), "tenant_mismatch"),
+        (completed(run, state={"x": 1}, expected_seq=99), run.encode(), "stale_expected_seq"),
+        (completed(run, state={"blob": "x" * 70_000}), run.encode(), "state_too_large"),
+        # Small alone, too large once folded into the run's state:
+        (completed(run, updates={"grow2": "y" * 40_000}), run.encode(), "state_too_large"),
+        (completed("other", workflow="broken", updates={"x": 1}), b"other", "unknown_reducer"),
+        (completed(run, state={"a": "\u0000"}), run.encode(), "schema_violation"),
+    ]  # fmt: skip
+    async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
+        # The run's first event exists so the tenant check has a run to compare with.
+        first = completed(run, updates={"grow": "z" * 30_000})
+        good.append(first)
+        await pub.send(first)
+        for i, (value, key, _) in enumerate(poison):
+            await pub.send(value, key=key)
+            doc = completed(run, updates={"i": i})
+            good.append(doc)
+            await pub.send(doc)
+        await pub.flush()
+
+    async def all_good() -> bool:
+        return await count(dsn, "SELECT count(*) FROM run_events") == len(good)
+
+    await wait_for(all_good, what="every good event")
+
+    async def all_dead() -> bool:
+        return await count(dsn, "SELECT count(*) FROM dead_letters") == len(poison)
+
+    await wait_for(all_dead, what="every dead letter")
+    rows = await checkpoints_of(dsn, run)
+    assert [r["event_id"] for r in rows] == [g["event_id"] for g in good]
+    letters = await fetch(
+        dsn, "SELECT reason, source_offset FROM dead_letters ORDER BY source_offset"
+    )
+    assert sorted(r["reason"] for r in letters) == sorted(p[2] for p in poison)
+    dlq = await read_topic(settings.kafka_bootstrap or "", settings.dlq_topic, len(poison))
+    reasons = sorted(dict(r.headers)["alma.reason"].decode() for r in dlq)
+    assert reasons == sorted(p[2] for p in poison)
+    for record in dlq:
+        headers = dict(record.headers)
+        assert headers["alma.source.topic"].decode() == settings.lifecycle_topic
+        assert int(headers["alma.source.offset"].decode()) >= 0
+    assert (
+        worker.value(
+            "alma_dead_letters_total", {"consumer": "checkpointer", "reason": "tenant_mismatch"}
+        )
+        == 1
+    )
+
+
+async def test_cache_matches_postgres_and_reads_are_tenant_scoped(
+    settings: Settings, worker: Worker
+) -> None:
+    dsn = settings.postgres_dsn
+    assert dsn and settings.redis_url
+    async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
+        for i in range(5):
+            await pub.send(completed("cached", updates={"i": i, f"key{i}": True}))
+        await pub.send(completed("cached", branch="side", updates={"side": 1}))
+        await pub.send(completed("theirs", tenant="globex", state={"secret": 1}))
+        await pub.flush()
+
+    async def seven() -> bool:
+        return await count(dsn, "SELECT count(*) FROM checkpoints") == 7
+
+    await wait_for(seven, what="seven checkpoints")
+    await asyncio.sleep(0.3)  # the cache is written right after the commit
+    async with (
+        connect(dsn) as pool,
+        RedisCheckpointCache.connect(settings.redis_url, prefix=settings.redis_prefix) as cache,
+    ):
+        reader = CheckpointReader(pool, cache, tenant_id="acme")
+        latest = await reader.latest("cached")
+        assert latest is not None
+        assert (latest.seq, latest.branch_id) == (6, "side")
+        heads = await reader.branch_heads("cached")
+        assert {b: cp.seq for b, cp in heads.items()} == {None: 5, "side": 6}
+        assert reader.stats["cache_hit"] == 1  # latest came from the cache
+        uncached = CheckpointReader(pool, None, tenant_id="acme")
+        assert await uncached.latest("cached") == latest
+        assert await uncached.branch_heads("cached") == heads
+        assert await reader.state_has("cached", "key4")
+        assert not await reader.state_has("cached", "side")
+        history = await reader.history("cached", limit=3)
+        assert [cp.seq for cp in history] == [6, 5, 4]
+        assert [cp.seq for cp in await reader.history("cached", before_seq=3)] == [2, 1]
+        got = await reader.get("cached", 2)
+        assert got is not None
+        assert got.state == {"i": 1, "key0": True, "key1": True}
+        # Another tenant's run is not found, from the cache or from PostgreSQL.
+        assert await reader.latest("theirs") is None
+        assert await uncached.latest("theirs") is None
+        assert await reader.get("theirs", 1) is None
+        assert await reader.history("theirs") == []
+        assert await CheckpointReader(pool, cache, tenant_id="globex").latest("theirs") is not None
