@@ -84,17 +84,17 @@ class Publisher:
 
 
 async def wait_for(
-    check: Callable[[], Awaitable[T]], *, timeout: float = 60, what: str = "condition"
+    check: Callable[[], Awaitable[T]], *, limit_s: float = 60, what: str = "condition"
 ) -> T:
-    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
+    """Poll ``check`` until it returns something truthy; fail after ``limit_s`` seconds."""
+    deadline = time.monotonic() + limit_s
     last: T | None = None
     while time.monotonic() < deadline:
         last = await check()
         if last:
             return last
         await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+    raise AssertionError(f"timed out after {limit_s}s waiting for {what}; last value: {last!r}")
 
 
 async def count(dsn: str, sql: str, *args: Any) -> int:
@@ -116,16 +116,16 @@ async def fetch(dsn: str, sql: str, *args: Any) -> list[asyncpg.Record]:
 
 
 async def read_topic(
-    bootstrap: str, topic: str, expected: int, *, timeout: float = 30
+    bootstrap: str, topic: str, expected: int, *, limit_s: float = 30
 ) -> list[Any]:
-    """Read ``expected`` records from the start of ``topic`` (fails on timeout)."""
+    """Read ``expected`` records from the start of ``topic`` (fails after ``limit_s``)."""
     consumer = AIOKafkaConsumer(
         topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
     )
     await consumer.start()
     records: list[Any] = []
     try:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + limit_s
         while len(records) < expected and time.monotonic() < deadline:
             batch = await consumer.getmany(timeout_ms=300)
             for rs in batch.values():
@@ -152,7 +152,9 @@ class Worker:
     ) -> AsyncIterator[Worker]:
         worker = cls(settings, Metrics())
         ready = asyncio.Event()
-        assert settings.kafka_bootstrap and settings.postgres_dsn and settings.redis_url
+        assert settings.kafka_bootstrap
+        assert settings.postgres_dsn
+        assert settings.redis_url
         services = WorkerServices(
             settings.kafka_bootstrap, settings.postgres_dsn, settings.redis_url
         )

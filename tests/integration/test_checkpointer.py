@@ -101,7 +101,8 @@ async def test_branches_failures_and_handoffs(settings: Settings, worker: Worker
         completed(run, node="a", branch="A", updates={"found": ["x"]}),
         completed(run, node="b", branch="B", updates={"found": ["y"]}),
         completed(run, node="a2", branch="A", updates={"more": 1}),
-        event("node.failed", run, node="b2", branch="B", error={"type": "Timeout", "message": "slow"}),
+        event("node.failed", run, node="b2", branch="B",
+              error={"type": "Timeout", "message": "slow"}),
         event("branch.join", run, node=None, join_id="j1", branch_ids=["A", "B"]),
         event("workflow.completed", run, node=None, outcome="failure", duration_ms=10,
               node_count=5, nodes_succeeded=4, nodes_failed=1, error_message="slow"),
@@ -237,7 +238,8 @@ async def test_cache_matches_postgres_and_reads_are_tenant_scoped(
     settings: Settings, worker: Worker
 ) -> None:
     dsn = settings.postgres_dsn
-    assert dsn and settings.redis_url
+    assert dsn
+    assert settings.redis_url
     async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
         for i in range(5):
             await pub.send(completed("cached", updates={"i": i, f"key{i}": True}))
