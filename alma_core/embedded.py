@@ -130,9 +130,10 @@ class _Service:
             await asyncio.to_thread(proc.wait)
 
     def kill(self) -> None:
-        """SIGKILL, for chaos tests."""
+        """SIGKILL the service and every process it started (chaos tests)."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.proc = None
 
@@ -255,11 +256,11 @@ class Postgres(_Service):
     def prepare(self) -> None:
         """Create the data directory with initdb the first time; check it otherwise."""
         user = self._user()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         if user:
             _ensure_system_user(user)
             _allow_traverse(self.data_dir.parent)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         if user:
             import pwd
 

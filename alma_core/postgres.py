@@ -38,8 +38,11 @@ def storage_error(exc: BaseException, doing: str) -> errors.StorageError:
     return errors.StorageRejected(f"PostgreSQL refused {doing}: {exc!r}")
 
 
+STORAGE_FAILURES: tuple[type[BaseException], ...] = (asyncpg.PostgresError, *_RETRIABLE_OS)
+
+
 def is_storage_failure(exc: BaseException) -> bool:
-    return isinstance(exc, (asyncpg.PostgresError, *_RETRIABLE_OS))
+    return isinstance(exc, STORAGE_FAILURES)
 
 
 def _encode_json(value: Any) -> str:
@@ -58,7 +61,12 @@ async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 8) -> asyn
     """A pool for ``dsn``; a failure to connect names the DSN and what to check."""
     try:
         pool: asyncpg.Pool = await asyncpg.create_pool(
-            dsn, min_size=min_size, max_size=max_size, init=_init_connection, timeout=10
+            dsn,
+            min_size=min_size,
+            max_size=max_size,
+            init=_init_connection,
+            timeout=10,
+            command_timeout=60,  # nothing waits forever on a server that went away
         )
     except Exception as exc:
         if is_storage_failure(exc):

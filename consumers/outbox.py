@@ -8,6 +8,7 @@ every reader de-duplicates (by event_id, join_id or source coordinates).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -17,7 +18,7 @@ import asyncpg
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from alma_core.postgres import is_storage_failure
+from alma_core.postgres import STORAGE_FAILURES, is_storage_failure
 from consumers.metrics import Metrics
 
 log = logging.getLogger("alma.outbox")
@@ -63,13 +64,10 @@ class OutboxRelay:
             "AND created_at < now() - make_interval(secs => $1) ORDER BY id LIMIT 1000",
             0.0 if force else self.sweep_age_s,
         )
-        try:
+        with contextlib.suppress(*STORAGE_FAILURES):
             await self.pool.execute(
                 "DELETE FROM outbox WHERE published_at < now() - interval '1 hour'"
             )
-        except Exception as exc:
-            if not is_storage_failure(exc):
-                raise
         return sent
 
     async def _publish(self, sql: str, arg: object) -> int:
@@ -92,7 +90,9 @@ class OutboxRelay:
                 "UPDATE outbox SET published_at = now() WHERE id = ANY($1::bigint[])",
                 [r["id"] for r in rows],
             )
-        except (KafkaError, asyncpg.PostgresError, OSError) as exc:
+        except Exception as exc:
+            if not (isinstance(exc, KafkaError) or is_storage_failure(exc)):
+                raise
             self.metrics.outbox_failures.inc()
             log.warning(
                 "outbox publish failed; the sweep will retry",

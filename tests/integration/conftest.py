@@ -5,10 +5,12 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import asyncpg
 import pytest
 
+from alma_core.embedded import EmbeddedStack, Postgres, Redis
 from alma_core.migrations import Migrator
 from alma_core.settings import Settings, load
 from alma_core.topics import ensure_topics
@@ -129,3 +131,51 @@ async def worker(settings: Settings) -> AsyncIterator[Worker]:
     """A checkpointer running in this process (for chaos, see tests/integration/chaos)."""
     async with Worker.start(settings) as running:
         yield running
+
+
+@dataclass
+class PrivateStack:
+    """PostgreSQL and Redis of this test alone, so the test can stop and restart them."""
+
+    stack: EmbeddedStack
+    settings: Settings
+
+    @property
+    def postgres(self) -> Postgres:
+        assert self.stack.postgres is not None
+        return self.stack.postgres
+
+    @property
+    def redis(self) -> Redis:
+        assert self.stack.redis is not None
+        return self.stack.redis
+
+
+@pytest.fixture
+async def private_stack(
+    services: Services, topics: Topics, tmp_path: Path
+) -> AsyncIterator[PrivateStack]:
+    # durable: a SIGKILLed PostgreSQL must keep what it acknowledged, as in production.
+    stack = EmbeddedStack(tmp_path / "private", kafka_bootstrap=services.kafka_bootstrap)
+    endpoints = await stack.start()
+    try:
+        conn = await asyncpg.connect(endpoints.postgres_dsn)
+        try:
+            await Migrator(conn).migrate()
+        finally:
+            await conn.close()
+        settings = load(
+            kafka_bootstrap=endpoints.kafka_bootstrap,
+            postgres_dsn=endpoints.postgres_dsn,
+            redis_url=endpoints.redis_url,
+            lifecycle_topic=topics.lifecycle,
+            merged_topic=topics.merged,
+            dlq_topic=topics.dlq,
+            sequenced_topic=topics.sequenced,
+            session_timeout_ms=2000,
+            heartbeat_interval_ms=200,
+            fetch_max_wait_ms=50,
+        )
+        yield PrivateStack(stack, settings)
+    finally:
+        await stack.stop()

@@ -223,3 +223,44 @@ class WorkerProcess:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+
+async def assert_exactly_once(dsn: str, published: dict[str, list[dict[str, Any]]]) -> None:
+    """Every run's checkpoints are exactly its published events, once, in publish order,
+    with seq 1..n (the events published carry distinct states)."""
+    rows = await fetch(dsn, "SELECT run_id, seq, event_id FROM checkpoints ORDER BY run_id, seq")
+    by_run: dict[str, list[tuple[int, str]]] = {}
+    for r in rows:
+        by_run.setdefault(r["run_id"], []).append((r["seq"], r["event_id"]))
+    assert set(by_run) == set(published)
+    for run, docs in published.items():
+        got = by_run[run]
+        assert [seq for seq, _ in got] == list(range(1, len(got) + 1)), f"{run}: seq gap"
+        assert [eid for _, eid in got] == [d["event_id"] for d in docs], f"{run}: order/once"
+
+
+async def assert_cache_matches(settings: Settings, runs: list[str], *, require_all: bool) -> int:
+    """The cached latest checkpoint of each run is PostgreSQL's (never older).
+    Returns how many runs were served from the cache."""
+    from alma_core.cache import RedisCheckpointCache
+    from alma_core.postgres import connect
+    from alma_core.resume import CheckpointReader
+
+    assert settings.postgres_dsn
+    assert settings.redis_url
+    hits = 0
+    async with (
+        connect(settings.postgres_dsn) as pool,
+        RedisCheckpointCache.connect(settings.redis_url, prefix=settings.redis_prefix) as cache,
+    ):
+        truth = CheckpointReader(pool, None, tenant_id=None, require_tenant=False)
+        for run in runs:
+            doc, _ = await cache.get(run, "latest")
+            expected = await truth.latest(run)
+            assert expected is not None
+            if doc is None:
+                assert not require_all, f"{run}: not cached"
+                continue
+            hits += 1
+            assert (doc["seq"], doc["state_hash"]) == (expected.seq, expected.state_hash), run
+    return hits

@@ -1,0 +1,112 @@
+"""Outages pause, never drop (guarantee 7): PostgreSQL and Redis restarted mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from tests.integration.conftest import PrivateStack
+from tests.integration.harness import (
+    Publisher,
+    Worker,
+    assert_cache_matches,
+    assert_exactly_once,
+    completed,
+    count,
+    wait_for,
+)
+
+RUNS = [f"run-{i}" for i in range(5)]
+
+
+async def publish_steps(
+    pub: Publisher, published: dict[str, list[dict[str, Any]]], steps: range
+) -> None:
+    for step in steps:
+        for run in RUNS:
+            doc = completed(run, updates={"step": step})
+            published.setdefault(run, []).append(doc)
+            await pub.send(doc)
+    await pub.flush()
+
+
+async def test_postgres_restart_mid_stream_loses_and_doubles_nothing(
+    private_stack: PrivateStack,
+) -> None:
+    settings = private_stack.settings
+    dsn = settings.postgres_dsn
+    assert dsn
+    pg = private_stack.postgres
+    published: dict[str, list[dict[str, Any]]] = {}
+    async with (
+        Worker.start(settings) as worker,
+        Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub,
+    ):
+        await publish_steps(pub, published, range(0, 10))
+
+        async def first_part() -> bool:
+            return await count(dsn, "SELECT count(*) FROM checkpoints") >= 20
+
+        await wait_for(first_part, what="first checkpoints")
+        port = pg.port
+        pg.kill()  # a crash, not a clean shutdown
+        await publish_steps(pub, published, range(10, 30))
+        await wait_for(
+            lambda: _async(
+                worker.value("alma_storage_retries_total", {"consumer": "checkpointer"})
+            ),
+            what="the worker to notice the outage",
+        )
+        await pg.start(port=port)
+        await publish_steps(pub, published, range(30, 40))
+
+        async def all_in() -> bool:
+            return await count(dsn, "SELECT count(*) FROM checkpoints") == 5 * 40
+
+        await wait_for(all_in, limit_s=90, what="all 200 checkpoints")
+    await assert_exactly_once(dsn, published)
+
+
+async def test_redis_outage_never_stalls_and_the_cache_never_goes_back(
+    private_stack: PrivateStack,
+) -> None:
+    settings = private_stack.settings
+    dsn = settings.postgres_dsn
+    assert dsn
+    redis = private_stack.redis
+    published: dict[str, list[dict[str, Any]]] = {}
+    async with (
+        Worker.start(settings) as worker,
+        Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub,
+    ):
+        await publish_steps(pub, published, range(0, 5))
+
+        async def n_in(n: int) -> bool:
+            return await count(dsn, "SELECT count(*) FROM checkpoints") == n
+
+        await wait_for(lambda: n_in(25), what="25 checkpoints")
+        port = redis.port
+        await redis.stop()
+        await publish_steps(pub, published, range(5, 15))
+        # The pipeline goes on without the cache.
+        await wait_for(lambda: n_in(75), what="75 checkpoints while Redis is down")
+        assert worker.value("alma_cache_operations_total", {"result": "write_error"}) > 0
+        await redis.start(port=port)
+        # Once Redis answers again, the next batches are cached again (writes are skipped
+        # for about a second after a failure, so keep the events coming for a while).
+        hits = 0
+        for step in range(15, 35):
+            await publish_steps(pub, published, range(step, step + 1))
+            await wait_for(lambda n=5 * (step + 1): n_in(n), what="checkpoints after Redis")
+            hits = await assert_cache_matches(settings, RUNS, require_all=False)
+            if hits == len(RUNS):
+                break
+            await asyncio.sleep(0.3)
+        assert hits == len(RUNS)
+    await assert_exactly_once(dsn, published)
+    assert await assert_cache_matches(settings, RUNS, require_all=True) == len(RUNS)
+
+
+async def _async(value: float) -> float:
+    await asyncio.sleep(0)
+    return value
