@@ -11,16 +11,13 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
-import asyncpg
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from alma_core import errors, reducers
+from alma_core import cli_common as common
+from alma_core import cli_runs, reducers
 from alma_core import settings as settings_mod
 from alma_core.embedded import EmbeddedStack, Endpoints
 from alma_core.logs import configure as configure_logs
@@ -38,79 +35,7 @@ app.add_typer(db_app, name="db")
 app.add_typer(topics_app, name="topics")
 app.add_typer(schemas_app, name="schemas")
 app.add_typer(reducers_app, name="reducers")
-
-out = Console()
-err = Console(stderr=True)
-T = TypeVar("T")
-
-ENDPOINTS_FILE = "endpoints.json"
-
-
-def _run(make: Callable[[], Awaitable[T]]) -> T:
-    """Run a coroutine; turn ALMA errors into a message and exit code 1 (2 for settings)."""
-    try:
-        return asyncio.run(make())  # type: ignore[arg-type]
-    except errors.ConfigError as exc:
-        err.print(f"[red]error:[/red] {exc.message}")
-        raise typer.Exit(2) from None
-    except errors.AlmaError as exc:
-        err.print(f"[red]error:[/red] {exc.message}")
-        raise typer.Exit(1) from None
-
-
-def _settings(**overrides: Any) -> settings_mod.Settings:
-    try:
-        return settings_mod.load(**{k: v for k, v in overrides.items() if v is not None})
-    except errors.ConfigError as exc:
-        err.print(f"[red]error:[/red] {exc.message}")
-        raise typer.Exit(2) from None
-
-
-def _running_endpoints(s: settings_mod.Settings) -> dict[str, Any]:
-    path = s.data_dir / ENDPOINTS_FILE
-    if path.exists():
-        data: dict[str, Any] = json.loads(path.read_text())
-        return data
-    return {}
-
-
-def _dsn(s: settings_mod.Settings) -> str:
-    dsn = s.postgres_dsn or _running_endpoints(s).get("postgres_dsn")
-    if not dsn:
-        raise errors.ConfigError(
-            "no database: set ALMA_POSTGRES_DSN, or start the embedded stack with `alma up` "
-            f"(it writes {s.data_dir / ENDPOINTS_FILE})"
-        )
-    return str(dsn)
-
-
-def _redis(s: settings_mod.Settings) -> str:
-    url = s.redis_url or _running_endpoints(s).get("redis_url")
-    if not url:
-        raise errors.ConfigError(
-            "no Redis: set ALMA_REDIS_URL, or start the embedded stack with `alma up`"
-        )
-    return str(url)
-
-
-def _bootstrap(s: settings_mod.Settings) -> str:
-    bootstrap = s.kafka_bootstrap or _running_endpoints(s).get("kafka_bootstrap")
-    if not bootstrap:
-        raise errors.ConfigError(
-            "no Kafka: set ALMA_KAFKA_BOOTSTRAP, or start the embedded stack with `alma up`"
-        )
-    return str(bootstrap)
-
-
-async def _connect(dsn: str) -> asyncpg.Connection:
-    try:
-        return await asyncpg.connect(dsn, timeout=10)
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
-        raise errors.StorageError(
-            f"cannot connect to PostgreSQL at {dsn}: {exc}; check ALMA_POSTGRES_DSN "
-            "or that `alma up` is running"
-        ) from exc
-
+cli_runs.register(app)
 
 # --- alma up ----------------------------------------------------------------
 
@@ -134,7 +59,7 @@ async def bring_up(
             partitions=s.partitions,
             replication_factor=s.replication_factor,
         )
-        conn = await _connect(endpoints.postgres_dsn)
+        conn = await common.connect(endpoints.postgres_dsn)
         try:
             await Migrator(conn).migrate()
         finally:
@@ -154,17 +79,19 @@ def up(
     check: bool = typer.Option(False, "--check", help="Bring everything up, report, then stop."),
 ) -> None:
     """Start the stack (embedded services for those not configured) until Ctrl-C."""
-    s = _settings(partitions=partitions, data_dir=data_dir)
+    s = common.settings(partitions=partitions, data_dir=data_dir)
     configure_logs(s.log_format, "WARNING" if s.log_level == "INFO" else s.log_level)
 
     async def main() -> None:
         started = time.monotonic()
-        with out.status("starting broker, PostgreSQL and Redis..."):
+        with common.out.status("starting broker, PostgreSQL and Redis..."):
             stack, endpoints = await bring_up(s)
         elapsed = time.monotonic() - started
         try:
             s.data_dir.mkdir(parents=True, exist_ok=True)
-            (s.data_dir / ENDPOINTS_FILE).write_text(json.dumps(endpoints.as_dict(), indent=2))
+            (s.data_dir / common.ENDPOINTS_FILE).write_text(
+                json.dumps(endpoints.as_dict(), indent=2)
+            )
             table = Table(title=f"ALMA Stream is up ({elapsed:.1f} s)")
             table.add_column("service")
             table.add_column("endpoint")
@@ -176,27 +103,27 @@ def up(
             ):
                 table.add_row(name, url, "embedded" if svc else "configured")
             table.add_row("topics", ", ".join(alma_topics(s)), f"{s.partitions} partitions")
-            out.print(table)
-            out.print(f"endpoints written to {s.data_dir / ENDPOINTS_FILE}")
+            common.out.print(table)
+            common.out.print(f"endpoints written to {s.data_dir / common.ENDPOINTS_FILE}")
             stop = _stop_on_signals()
             ready = asyncio.Event()
             workers = asyncio.create_task(
                 run_worker(s, _services(endpoints), list(KNOWN_CONSUMERS), stop, ready=ready)
             )
             await _until_ready(workers, ready)
-            out.print(f"workers running: {', '.join(KNOWN_CONSUMERS)}")
+            common.out.print(f"workers running: {', '.join(KNOWN_CONSUMERS)}")
             if check:
                 stop.set()
             else:
-                out.print("Press Ctrl-C to stop.")
+                common.out.print("Press Ctrl-C to stop.")
             await workers
         finally:
-            with out.status("stopping..."):
+            with common.out.status("stopping..."):
                 await stack.stop()
-            (s.data_dir / ENDPOINTS_FILE).unlink(missing_ok=True)
-            out.print("stopped")
+            (s.data_dir / common.ENDPOINTS_FILE).unlink(missing_ok=True)
+            common.out.print("stopped")
 
-    _run(main)
+    common.run(main)
 
 
 def _stop_on_signals() -> asyncio.Event:
@@ -226,16 +153,16 @@ def worker(
     ),
 ) -> None:
     """Run consumer groups against the configured services until SIGTERM or Ctrl-C."""
-    s = _settings()
+    s = common.settings()
     configure_logs(s.log_format, s.log_level)
     names = [c.strip() for c in consumers.split(",") if c.strip()]
 
     async def main() -> None:
-        services = WorkerServices(_bootstrap(s), _dsn(s), _redis(s))
+        services = WorkerServices(common.bootstrap(s), common.dsn(s), common.redis_url(s))
         stop = _stop_on_signals()
         await run_worker(s, services, names, stop)
 
-    _run(main)
+    common.run(main)
 
 
 # --- alma db ----------------------------------------------------------------
@@ -244,22 +171,22 @@ def worker(
 @db_app.command("upgrade")
 def db_upgrade(to: int = typer.Option(None, help="Target version (default: newest).")) -> None:
     """Apply migrations up to the newest (or --to)."""
-    s = _settings()
+    s = common.settings()
 
     async def main() -> None:
-        conn = await _connect(_dsn(s))
+        conn = await common.connect(common.dsn(s))
         try:
             steps = await Migrator(conn).migrate(to)
         finally:
             await conn.close()
         for step in steps:
-            out.print(
+            common.out.print(
                 f"applied {step.migration.version:04d}_{step.migration.name} ({step.direction})"
             )
         if not steps:
-            out.print("already up to date")
+            common.out.print("already up to date")
 
-    _run(main)
+    common.run(main)
 
 
 @db_app.command("downgrade")
@@ -267,29 +194,29 @@ def db_downgrade(
     to: int = typer.Option(..., help="Version to go down to (0 removes everything)."),
 ) -> None:
     """Undo migrations down to --to. Data in dropped tables is lost."""
-    s = _settings()
+    s = common.settings()
 
     async def main() -> None:
-        conn = await _connect(_dsn(s))
+        conn = await common.connect(common.dsn(s))
         try:
             steps = await Migrator(conn).migrate(to)
         finally:
             await conn.close()
         for step in steps:
-            out.print(f"reverted {step.migration.version:04d}_{step.migration.name}")
+            common.out.print(f"reverted {step.migration.version:04d}_{step.migration.name}")
         if not steps:
-            out.print(f"already at version {to} or below")
+            common.out.print(f"already at version {to} or below")
 
-    _run(main)
+    common.run(main)
 
 
 @db_app.command("status")
 def db_status(as_json: bool = typer.Option(False, "--json")) -> None:
     """Which migrations are applied."""
-    s = _settings()
+    s = common.settings()
 
     async def main() -> None:
-        conn = await _connect(_dsn(s))
+        conn = await common.connect(common.dsn(s))
         try:
             rows = await Migrator(conn).status()
         finally:
@@ -306,9 +233,9 @@ def db_status(as_json: bool = typer.Option(False, "--json")) -> None:
             table.add_column(col)
         for r in rows:
             table.add_row(f"{r.version:04d}", r.name, str(r.applied_at or "[yellow]pending[/]"))
-        out.print(table)
+        common.out.print(table)
 
-    _run(main)
+    common.run(main)
 
 
 # --- alma topics --------------------------------------------------------------
@@ -319,25 +246,25 @@ def topics_create(
     partitions: int = typer.Option(None, help="Partitions (ALMA_PARTITIONS)."),
 ) -> None:
     """Create ALMA's topics where missing."""
-    s = _settings(partitions=partitions)
+    s = common.settings(partitions=partitions)
 
     async def main() -> None:
         created = await ensure_topics(
-            _bootstrap(s), alma_topics(s), partitions=s.partitions,
+            common.bootstrap(s), alma_topics(s), partitions=s.partitions,
             replication_factor=s.replication_factor,
         )  # fmt: skip
-        out.print(f"created: {', '.join(created)}" if created else "all topics exist")
+        common.out.print(f"created: {', '.join(created)}" if created else "all topics exist")
 
-    _run(main)
+    common.run(main)
 
 
 @topics_app.command("describe")
 def topics_describe(as_json: bool = typer.Option(False, "--json")) -> None:
     """Partition counts of ALMA's topics."""
-    s = _settings()
+    s = common.settings()
 
     async def main() -> None:
-        infos = await describe_topics(_bootstrap(s), alma_topics(s))
+        infos = await describe_topics(common.bootstrap(s), alma_topics(s))
         if as_json:
             print(json.dumps([i.__dict__ for i in infos]))
         else:
@@ -346,12 +273,12 @@ def topics_describe(as_json: bool = typer.Option(False, "--json")) -> None:
                 table.add_column(col)
             for i in infos:
                 table.add_row(i.name, str(i.partitions), i.error or "")
-            out.print(table)
+            common.out.print(table)
         if any(i.error for i in infos):
-            err.print("some topics are missing: run `alma topics create`")
+            common.err.print("some topics are missing: run `alma topics create`")
             raise typer.Exit(1)
 
-    _run(main)
+    common.run(main)
 
 
 # --- alma schemas / reducers --------------------------------------------------
@@ -384,7 +311,7 @@ def reducers_list(as_json: bool = typer.Option(False, "--json")) -> None:
         table.add_column(col)
     for r in rows:
         table.add_row(r.name, r.expects, "yes" if r.associative else "no")
-    out.print(table)
+    common.out.print(table)
 
 
 def main() -> None:  # pragma: no cover - console entry

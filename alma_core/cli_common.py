@@ -1,0 +1,88 @@
+"""What every ``alma`` command shares: consoles, settings, service endpoints, and
+turning ALMA errors into a message and an exit code."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import asyncpg
+import typer
+from rich.console import Console
+
+from alma_core import errors
+from alma_core import settings as settings_mod
+
+out = Console()
+err = Console(stderr=True)
+T = TypeVar("T")
+
+ENDPOINTS_FILE = "endpoints.json"
+
+
+def run(make: Callable[[], Awaitable[T]]) -> T:
+    """Run a coroutine; turn ALMA errors into a message and exit code 1 (2 for settings)."""
+    try:
+        return asyncio.run(make())  # type: ignore[arg-type]
+    except errors.ConfigError as exc:
+        err.print(f"[red]error:[/red] {exc.message}")
+        raise typer.Exit(2) from None
+    except errors.AlmaError as exc:
+        err.print(f"[red]error:[/red] {exc.message}")
+        raise typer.Exit(1) from None
+
+
+def settings(**overrides: Any) -> settings_mod.Settings:
+    try:
+        return settings_mod.load(**{k: v for k, v in overrides.items() if v is not None})
+    except errors.ConfigError as exc:
+        err.print(f"[red]error:[/red] {exc.message}")
+        raise typer.Exit(2) from None
+
+
+def running_endpoints(s: settings_mod.Settings) -> dict[str, Any]:
+    path = s.data_dir / ENDPOINTS_FILE
+    if path.exists():
+        data: dict[str, Any] = json.loads(path.read_text())
+        return data
+    return {}
+
+
+def dsn(s: settings_mod.Settings) -> str:
+    dsn = s.postgres_dsn or running_endpoints(s).get("postgres_dsn")
+    if not dsn:
+        raise errors.ConfigError(
+            "no database: set ALMA_POSTGRES_DSN, or start the embedded stack with `alma up` "
+            f"(it writes {s.data_dir / ENDPOINTS_FILE})"
+        )
+    return str(dsn)
+
+
+def redis_url(s: settings_mod.Settings) -> str:
+    url = s.redis_url or running_endpoints(s).get("redis_url")
+    if not url:
+        raise errors.ConfigError(
+            "no Redis: set ALMA_REDIS_URL, or start the embedded stack with `alma up`"
+        )
+    return str(url)
+
+
+def bootstrap(s: settings_mod.Settings) -> str:
+    bootstrap = s.kafka_bootstrap or running_endpoints(s).get("kafka_bootstrap")
+    if not bootstrap:
+        raise errors.ConfigError(
+            "no Kafka: set ALMA_KAFKA_BOOTSTRAP, or start the embedded stack with `alma up`"
+        )
+    return str(bootstrap)
+
+
+async def connect(dsn: str) -> asyncpg.Connection:
+    try:
+        return await asyncpg.connect(dsn, timeout=10)
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+        raise errors.StorageError(
+            f"cannot connect to PostgreSQL at {dsn}: {exc}; check ALMA_POSTGRES_DSN "
+            "or that `alma up` is running"
+        ) from exc

@@ -1,0 +1,215 @@
+"""``alma checkpoints``, ``alma resume`` and ``alma dlq``: reading runs and dead letters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from rich.table import Table
+
+from alma_core import cli_common as common
+from alma_core import errors
+from alma_core.cache import RedisCheckpointCache
+from alma_core.postgres import connect
+from alma_core.resume import CheckpointReader, checkpoint_to_doc
+from alma_core.types import Checkpoint
+from schemas.decoder import Rejection, decode
+
+dlq_app = typer.Typer(help="Dead letters: list them, replay them.")
+
+TENANT_HELP = "Tenant of the run (required unless ALMA_REQUIRE_TENANT=false)."
+
+
+def register(app: typer.Typer) -> None:
+    app.command("checkpoints")(checkpoints)
+    app.command("resume")(resume)
+    app.add_typer(dlq_app, name="dlq")
+
+
+def _row(cp: Checkpoint) -> list[str]:
+    return [
+        str(cp.seq), cp.kind, cp.node_id or "", cp.branch_id or "(main)",
+        "" if cp.parent_seq is None else str(cp.parent_seq), str(cp.size_bytes),
+        cp.state_hash[:12], cp.created_at.isoformat(timespec="seconds") if cp.created_at else "",
+    ]  # fmt: skip
+
+
+def _table(title: str, cps: list[Checkpoint]) -> Table:
+    table = Table(title=title)
+    for col in ("seq", "kind", "node", "branch", "parent", "bytes", "hash", "created"):
+        table.add_column(col)
+    for cp in cps:
+        table.add_row(*_row(cp))
+    return table
+
+
+def _not_found(run_id: str, tenant: str | None) -> errors.AlmaError:
+    scope = f" of tenant {tenant!r}" if tenant else ""
+    return errors.AlmaError(
+        f"no checkpoints for run {run_id!r}{scope}: check the run id and the tenant "
+        "(`alma dlq list` shows events that were rejected)"
+    )
+
+
+def checkpoints(
+    run_id: str = typer.Argument(..., help="The run."),
+    tenant: str = typer.Option(None, "--tenant", help=TENANT_HELP),
+    limit: int = typer.Option(50, min=1, max=10_000, help="How many, newest first."),
+    before: int = typer.Option(None, help="Only checkpoints with seq below this."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """A run's checkpoints, newest first."""
+    s = common.settings()
+
+    async def main() -> None:
+        async with connect(common.dsn(s), max_size=2) as pool:
+            reader = CheckpointReader(pool, None, tenant_id=tenant, require_tenant=s.require_tenant)
+            history = await reader.history(run_id, limit=limit, before_seq=before)
+        if not history:
+            raise _not_found(run_id, tenant)
+        if as_json:
+            print(json.dumps([checkpoint_to_doc(cp) for cp in history]))
+        else:
+            common.out.print(_table(f"checkpoints of {run_id}", history))
+
+    common.run(main)
+
+
+def resume(
+    run_id: str = typer.Argument(..., help="The run."),
+    tenant: str = typer.Option(None, "--tenant", help=TENANT_HELP),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Where the run resumes: its latest checkpoint and every branch head (cache first)."""
+    s = common.settings()
+
+    async def main() -> None:
+        async with (
+            connect(common.dsn(s), max_size=2) as pool,
+            RedisCheckpointCache.connect(
+                common.redis_url(s), prefix=s.redis_prefix, ttl_s=s.cache_ttl_seconds
+            ) as cache,
+        ):
+            reader = CheckpointReader(
+                pool, cache, tenant_id=tenant, require_tenant=s.require_tenant
+            )
+            latest = await reader.latest(run_id)
+            heads = await reader.branch_heads(run_id)
+        if latest is None:
+            raise _not_found(run_id, tenant)
+        if as_json:
+            print(json.dumps({
+                "run_id": run_id,
+                "latest": checkpoint_to_doc(latest),
+                "branch_heads": {b or "": checkpoint_to_doc(cp) for b, cp in heads.items()},
+                "cache": dict(reader.stats),
+            }))  # fmt: skip
+            return
+        common.out.print(_table(f"resume point of {run_id}", [latest]))
+        common.out.print(_table("branch heads", sorted(heads.values(), key=lambda c: c.seq)))
+        common.out.print_json(json.dumps(latest.state))
+
+    common.run(main)
+
+
+@dlq_app.command("list")
+def dlq_list(
+    limit: int = typer.Option(50, min=1, max=10_000),
+    reason: str = typer.Option(None, help="Only this reason (e.g. schema_violation)."),
+    tenant: str = typer.Option(None, "--tenant", help="Only this tenant's dead letters."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Dead letters, newest first."""
+    s = common.settings()
+
+    async def main() -> None:
+        conn = await common.connect(common.dsn(s))
+        try:
+            rows = await conn.fetch(
+                """SELECT id, consumer, reason, detail, event_id, run_id, tenant_id, source_topic,
+                          source_partition, source_offset, created_at, replayed_at
+                   FROM dead_letters
+                   WHERE ($1::text IS NULL OR reason = $1) AND ($2::text IS NULL OR tenant_id = $2)
+                   ORDER BY id DESC LIMIT $3""",
+                reason, tenant, limit,
+            )  # fmt: skip
+        finally:
+            await conn.close()
+        docs: list[dict[str, Any]] = [
+            {k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in dict(r).items()}
+            for r in rows
+        ]
+        if as_json:
+            print(json.dumps(docs))
+            return
+        table = Table(title=f"dead letters ({len(docs)})")
+        for col in ("id", "reason", "run", "event", "source", "when", "replayed", "detail"):
+            table.add_column(col, overflow="fold")
+        for d in docs:
+            table.add_row(
+                str(d["id"]), d["reason"], d["run_id"] or "", d["event_id"] or "",
+                f"{d['source_topic']}[{d['source_partition']}]@{d['source_offset']}",
+                d["created_at"][:19], (d["replayed_at"] or "")[:19], d["detail"][:120],
+            )  # fmt: skip
+        common.out.print(table)
+
+    common.run(main)
+
+
+@dlq_app.command("replay")
+def dlq_replay(
+    letter_id: int = typer.Argument(..., help="The dead letter's id (from `alma dlq list`)."),
+    value_file: Path = typer.Option(
+        None, "--value-file", help="A corrected JSON event to send instead of the original."
+    ),
+    force: bool = typer.Option(False, help="Send even if the value would be rejected again."),
+) -> None:
+    """Send a dead letter (or a corrected version) back to the lifecycle topic."""
+    s = common.settings()
+    try:
+        corrected = value_file.read_bytes() if value_file else None
+    except OSError as exc:
+        common.err.print(f"[red]error:[/red] cannot read {value_file}: {exc.strerror}")
+        raise typer.Exit(2) from None
+
+    async def main() -> None:
+        conn = await common.connect(common.dsn(s))
+        try:
+            row = await conn.fetchrow(
+                "SELECT key, value, replayed_at FROM dead_letters WHERE id = $1", letter_id
+            )
+            if row is None:
+                raise errors.AlmaError(f"no dead letter {letter_id}: see `alma dlq list`")
+            value: bytes = corrected if corrected is not None else (row["value"] or b"")
+            key: bytes | None = row["key"]
+            decoded = decode(value, max_state_bytes=s.max_state_bytes)
+            if isinstance(decoded, Rejection):
+                if not force:
+                    raise errors.AlmaError(
+                        f"the value would be rejected again ({decoded.describe()}); "
+                        "correct it and pass --value-file, or pass --force"
+                    )
+            else:
+                key = decoded.run_id.encode()
+            producer = AIOKafkaProducer(bootstrap_servers=common.bootstrap(s), acks="all")
+            try:
+                await producer.start()
+                await producer.send_and_wait(s.lifecycle_topic, value, key=key)
+            except KafkaError as exc:
+                raise errors.AlmaError(
+                    f"cannot publish to {s.lifecycle_topic}: {exc!r}; check ALMA_KAFKA_BOOTSTRAP"
+                ) from exc
+            finally:
+                await producer.stop()
+            await conn.execute(
+                "UPDATE dead_letters SET replayed_at = now() WHERE id = $1", letter_id
+            )
+        finally:
+            await conn.close()
+        common.out.print(f"replayed dead letter {letter_id} to {s.lifecycle_topic}")
+
+    common.run(main)

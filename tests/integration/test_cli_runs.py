@@ -1,0 +1,91 @@
+"""`alma checkpoints`, `alma resume`, `alma dlq` on a populated database."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from alma_core.settings import Settings
+from tests.integration.harness import Publisher, Worker, completed, count, wait_for, worker_env
+from tests.integration.test_cli import alma
+
+
+def env_of(settings: Settings) -> dict[str, str]:
+    return {k: v for k, v in worker_env(settings).items() if k.startswith("ALMA_")}
+
+
+async def populate(settings: Settings) -> None:
+    dsn = settings.postgres_dsn
+    assert dsn
+    async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
+        for i in range(4):
+            await pub.send(completed("cli-run", node=f"n{i}", updates={"i": i}))
+        await pub.send(completed("cli-run", node="side", branch="B", updates={"b": 1}))
+        await pub.send(b'{"broken": ', key=b"cli-run")
+        await pub.flush()
+
+    async def ready() -> bool:
+        done = await count(dsn, "SELECT count(*) FROM checkpoints") == 5
+        return done and await count(dsn, "SELECT count(*) FROM dead_letters") == 1
+
+    await wait_for(ready, what="checkpoints and a dead letter")
+
+
+async def test_checkpoints_and_resume(settings: Settings, worker: Worker) -> None:
+    await populate(settings)
+    env = env_of(settings)
+    listed = alma("checkpoints", "cli-run", "--tenant", "acme", "--json", env=env)
+    assert listed.returncode == 0, listed.stderr
+    docs = json.loads(listed.stdout)
+    assert [d["seq"] for d in docs] == [5, 4, 3, 2, 1]
+    assert docs[0]["branch_id"] == "B"
+    human = alma("checkpoints", "cli-run", "--tenant", "acme", "--limit", "2", env=env)
+    assert "checkpoints of cli-run" in human.stdout
+    resumed = json.loads(alma("resume", "cli-run", "--tenant", "acme", "--json", env=env).stdout)
+    assert resumed["latest"]["seq"] == 5
+    assert {k: v["seq"] for k, v in resumed["branch_heads"].items()} == {"": 4, "B": 5}
+    assert resumed["latest"]["state"] == {"b": 1}
+
+
+async def test_wrong_tenant_unknown_run_and_missing_tenant(
+    settings: Settings, worker: Worker
+) -> None:
+    await populate(settings)
+    env = env_of(settings)
+    for args in (("cli-run", "--tenant", "globex"), ("no-such-run", "--tenant", "acme")):
+        result = alma("checkpoints", *args, env=env)
+        assert result.returncode == 1
+        assert "no checkpoints for run" in result.stderr
+        assert "Traceback" not in result.stderr
+    missing = alma("resume", "cli-run", env=env)
+    assert missing.returncode == 1
+    assert "tenant is required" in missing.stderr
+
+
+async def test_dlq_list_and_replay(settings: Settings, worker: Worker, tmp_path: Path) -> None:
+    await populate(settings)
+    env = env_of(settings)
+    letters = json.loads(alma("dlq", "list", "--json", env=env).stdout)
+    assert [d["reason"] for d in letters] == ["malformed_json"]
+    letter = letters[0]["id"]
+    again = alma("dlq", "replay", str(letter), env=env)
+    assert again.returncode == 1
+    assert "would be rejected again" in again.stderr
+    fixed = tmp_path / "fixed.json"
+    fixed.write_text(json.dumps(completed("cli-run", node="fixed", updates={"fixed": True})))
+    replayed = alma("dlq", "replay", str(letter), "--value-file", str(fixed), env=env)
+    assert replayed.returncode == 0, replayed.stderr
+    dsn = settings.postgres_dsn
+    assert dsn
+
+    async def six() -> bool:
+        return await count(dsn, "SELECT count(*) FROM checkpoints") == 6
+
+    await wait_for(six, what="the replayed event's checkpoint")
+    letters = json.loads(alma("dlq", "list", "--json", env=env).stdout)
+    assert letters[0]["replayed_at"] is not None
+    bad = alma("dlq", "replay", "99999", env=env)
+    assert bad.returncode == 1
+    assert "no dead letter 99999" in bad.stderr
+    missing_file = alma("dlq", "replay", str(letter), "--value-file", "/nope.json", env=env)
+    assert missing_file.returncode == 2
