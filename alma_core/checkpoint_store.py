@@ -165,33 +165,44 @@ class PostgresCheckpointStore:
         self,
         conn: asyncpg.Connection,
         cluster_id: str,
-        tp: TopicPartition,
-        records: list[Incoming],
+        batch: dict[TopicPartition, list[Incoming]],
         result: BatchResult,
-    ) -> list[Incoming]:
-        first = records[0].offset
+    ) -> dict[TopicPartition, list[Incoming]]:
+        """Lock every partition's offset row (two round trips in all) and keep the
+        records not yet applied; see the module docstring."""
+        tps = sorted(tp for tp, records in batch.items() if records)
+        firsts = [min(r.offset for r in batch[tp]) for tp in tps]
+        topics, parts = [t for t, _ in tps], [p for _, p in tps]
         group = self.config.group_id
         await conn.execute(
             """INSERT INTO consumer_offsets (group_id, cluster_id, topic, partition, next_offset)
-               VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING""",
-            group, cluster_id, tp[0], tp[1], first,
+               SELECT $1, $2, t, p, o FROM unnest($3::text[], $4::int[], $5::bigint[]) AS u(t, p, o)
+               ON CONFLICT DO NOTHING""",
+            group, cluster_id, topics, parts, firsts,
         )  # fmt: skip
-        stored = await conn.fetchval(
-            """SELECT next_offset FROM consumer_offsets
-               WHERE group_id = $1 AND cluster_id = $2 AND topic = $3 AND partition = $4
+        rows = await conn.fetch(
+            """SELECT topic, partition, next_offset FROM consumer_offsets
+               WHERE group_id = $1 AND cluster_id = $2
+                 AND (topic, partition) IN (SELECT * FROM unnest($3::text[], $4::int[]))
+               ORDER BY topic, partition
                FOR UPDATE""",
-            group, cluster_id, tp[0], tp[1],
+            group, cluster_id, topics, parts,
         )  # fmt: skip
-        if stored > first and stored > records[-1].offset:
-            result.already_applied += len(records)
-            result.next_offsets[tp] = stored
-            return []
-        if stored < first:
-            result.seeks[tp] = stored
-            return []
-        fresh = [r for r in records if r.offset >= stored]
-        result.already_applied += len(records) - len(fresh)
-        return fresh
+        stored = {(r["topic"], r["partition"]): r["next_offset"] for r in rows}
+        todo: dict[TopicPartition, list[Incoming]] = {}
+        for tp in tps:
+            records = sorted(batch[tp], key=lambda r: r.offset)
+            next_offset = stored[tp]
+            if next_offset < records[0].offset:
+                result.seeks[tp] = next_offset  # a gap: go back for what is missing
+                continue
+            fresh = [r for r in records if r.offset >= next_offset]
+            result.already_applied += len(records) - len(fresh)
+            if fresh:
+                todo[tp] = fresh
+            else:
+                result.next_offsets[tp] = next_offset
+        return todo
 
     async def _apply(
         self,
@@ -200,13 +211,7 @@ class PostgresCheckpointStore:
         batch: dict[TopicPartition, list[Incoming]],
     ) -> BatchResult:
         result = BatchResult()
-        todo: dict[TopicPartition, list[Incoming]] = {}
-        for tp in sorted(batch):
-            records = sorted(batch[tp], key=lambda r: r.offset)
-            if records:
-                fresh = await self._fence(conn, cluster_id, tp, records, result)
-                if fresh:
-                    todo[tp] = fresh
+        todo = await self._fence(conn, cluster_id, batch, result)
         if not todo:
             return result
         events = [
@@ -239,14 +244,16 @@ class PostgresCheckpointStore:
         for row in effects.checkpoints:
             result.heads[(row.run_id, branch_key(row.branch_id))] = row
         await self._write(conn, sequencer, result)
-        for tp, records in todo.items():
-            next_offset = records[-1].offset + 1
-            await conn.execute(
-                """UPDATE consumer_offsets SET next_offset = $5, updated_at = now()
-                   WHERE group_id = $1 AND cluster_id = $2 AND topic = $3 AND partition = $4""",
-                self.config.group_id, cluster_id, tp[0], tp[1], next_offset,
-            )  # fmt: skip
-            result.next_offsets[tp] = next_offset
+        ends = {tp: records[-1].offset + 1 for tp, records in todo.items()}
+        await conn.execute(
+            """UPDATE consumer_offsets o SET next_offset = u.n, updated_at = now()
+               FROM unnest($3::text[], $4::int[], $5::bigint[]) AS u(t, p, n)
+               WHERE o.group_id = $1 AND o.cluster_id = $2 AND o.topic = u.t
+                 AND o.partition = u.p""",
+            self.config.group_id, cluster_id, [t for t, _ in ends], [p for _, p in ends],
+            list(ends.values()),
+        )  # fmt: skip
+        result.next_offsets.update(ends)
         return result
 
     # -- loads ----------------------------------------------------------------

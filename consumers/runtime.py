@@ -4,6 +4,8 @@ handler, retry while storage is down, commit to Kafka after the handler's own
 
 What the runtime guarantees the handler:
 * batches arrive in partition order, one at a time (no overlap);
+* Kafka offsets are committed after the handler's commit, batched in time (they
+  are a hint; the handler's stored offsets are the truth);
 * on assignment, each partition starts where the handler says it stopped
   (offsets stored with the effects), falling back to Kafka's committed offset;
 * a retriable :class:`errors.StorageError` pauses consumption and retries the
@@ -64,6 +66,7 @@ class RuntimeConfig:
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 1_000
     max_poll_interval_ms: int = 300_000
+    commit_interval_s: float = 0.5
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 5.0
 
@@ -80,6 +83,9 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         self.runtime.metrics.rebalances.labels(self.runtime.handler.name).inc()
+        if self.runtime.consumer is not None:
+            with contextlib.suppress(KafkaError):
+                await self.runtime.commit_pending(self.runtime.consumer)
         for tp in revoked:
             self.runtime.metrics.forget_partition(self.runtime.handler.name, tp.topic, tp.partition)
 
@@ -98,6 +104,8 @@ class ConsumerRuntime:
         self.assigned: set[TopicPartition] = set()
         self.started = asyncio.Event()
         self._admin: AIOKafkaAdminClient | None = None
+        self._pending: dict[TopicPartition, int] = {}
+        self._last_commit = 0.0
 
     async def _refresh_cluster_id(self) -> str:
         assert self._admin is not None
@@ -156,6 +164,8 @@ class ConsumerRuntime:
             await retry_start(consumer.start, stop, "consumer")
             self.started.set()
             await self._loop(consumer, stop)
+            with contextlib.suppress(KafkaError):
+                await self.commit_pending(consumer)
         finally:
             with contextlib.suppress(Exception):
                 await consumer.stop()  # leaves the group
@@ -227,26 +237,38 @@ class ConsumerRuntime:
         for key, offset in result.seeks.items():
             if key in owned:
                 consumer.seek(owned[key], offset)
-        commits = {owned[k]: off for k, off in result.next_offsets.items() if k in owned}
+        for key, offset in result.next_offsets.items():
+            if key in owned:
+                tp = owned[key]
+                self._pending[tp] = offset
+                high = consumer.highwater(tp)
+                if high is not None:
+                    self.metrics.lag.labels(name, tp.topic, str(tp.partition)).set(
+                        max(0, high - offset)
+                    )
+        if time.monotonic() - self._last_commit >= self.config.commit_interval_s:
+            await self.commit_pending(consumer)
+
+    async def commit_pending(self, consumer: AIOKafkaConsumer) -> None:
+        """Commit to Kafka what the store has already made durable. Only a hint for
+        fallbacks (the stored offsets are the truth), so it is batched in time."""
+        self._last_commit = time.monotonic()
+        owned = consumer.assignment()
+        commits = {tp: off for tp, off in self._pending.items() if tp in owned}
+        self._pending.clear()
         if not commits:
             return
+        name = self.handler.name
         started = time.perf_counter()
         try:
             await consumer.commit(commits)
         except KafkaError as exc:
-            # The stored offsets are the truth; Kafka's are a hint for fallbacks.
             self.metrics.commit_failures.labels(name).inc()
             log.warning(
                 "Kafka offset commit failed",
                 extra={"action": "commit_failed", "consumer": name, "error": repr(exc)},
             )
         self.metrics.commit_seconds.labels(name).observe(time.perf_counter() - started)
-        for tp, offset in commits.items():
-            high = consumer.highwater(tp)
-            if high is not None:
-                self.metrics.lag.labels(name, tp.topic, str(tp.partition)).set(
-                    max(0, high - offset)
-                )
 
 
 async def retry_start(start: Callable[[], Awaitable[Any]], stop: asyncio.Event, what: str) -> None:

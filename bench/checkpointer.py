@@ -1,0 +1,343 @@
+"""Checkpointer benchmark: throughput, publish→durable+cached latency against a bare
+Kafka hop, resume reads from the cache and from PostgreSQL, worker memory.
+
+    python -m bench.checkpointer [--quick] [--out docs/benchmarks.md]
+
+Runs on a fresh embedded stack (durable PostgreSQL: fsync on) in a temporary
+directory, or on the services named by ALMA_KAFKA_BOOTSTRAP, ALMA_POSTGRES_DSN
+and ALMA_REDIS_URL. Prints tables; with --out, writes them as markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import platform
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, ClassVar
+
+import psutil
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from alma_core import settings as settings_mod
+from alma_core.cache import RedisCheckpointCache
+from alma_core.checkpoint_store import Incoming, PostgresCheckpointStore, StoreConfig
+from alma_core.embedded import EmbeddedStack
+from alma_core.migrations import Migrator
+from alma_core.postgres import connect
+from alma_core.reducers import ReducerRegistry
+from alma_core.resume import CheckpointReader
+from alma_core.topics import ensure_topics
+from consumers import checkpointer
+from consumers.runtime import HandleResult
+from consumers.worker import Services, run_worker
+from schemas.decoder import decode
+
+console = Console()
+PARTITIONS = 12
+PRODUCER_SETTINGS: dict[str, Any] = {"acks": "all", "linger_ms": 5}
+FETCH_MAX_WAIT_MS = 50
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+def state_of(size: int, i: int) -> dict[str, Any]:
+    return {"i": i, "notes": "x" * max(0, size - 40), "ok": True}
+
+
+def event(run: str, i: int, size: int) -> dict[str, Any]:
+    return {
+        "event_id": uuid.uuid4().hex, "type": "node.completed",
+        "emitted_at": datetime.now(UTC).isoformat(), "tenant_id": "bench",
+        "workflow_id": "wf", "run_id": run, "node_id": f"n{i}",
+        "payload": {"state": state_of(size, i)},
+    }  # fmt: skip
+
+
+class Bench:
+    def __init__(self, quick: bool) -> None:
+        self.quick = quick
+        self.rows: dict[str, list[list[str]]] = {}
+
+    def add(self, table: str, row: Iterable[object]) -> None:
+        self.rows.setdefault(table, []).append([str(c) for c in row])
+
+
+def _produce_paced(bootstrap: str, topic: str, rate: float, seconds: float, size: int) -> None:
+    """Load generator, in its own process so it does not share the worker's event loop
+    or core. Each record carries its send time (CLOCK_MONOTONIC, shared by processes)."""
+
+    async def run() -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap, **PRODUCER_SETTINGS)
+        await producer.start()
+        start = time.perf_counter()
+        for i in range(int(rate * seconds)):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            doc = event(f"run-{i % 200}", i, size)
+            await producer.send(topic, json.dumps(doc).encode(), key=doc["run_id"].encode(),
+                                headers=[("sent", repr(time.perf_counter()).encode())])  # fmt: skip
+        await producer.stop()
+
+    asyncio.run(run())
+
+
+def start_load(bootstrap: str, topic: str, rate: float, seconds: float, size: int) -> Any:
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=_produce_paced, args=(bootstrap, topic, rate, seconds, size))
+    proc.start()
+    return proc
+
+
+def sent_at(record: Any) -> float:
+    return float(dict(record.headers)["sent"])
+
+
+async def bare_hop(bootstrap: str, rate: float, seconds: float, size: int) -> list[float]:
+    topic = f"bench-hop-{uuid.uuid4().hex[:8]}"
+    await ensure_topics(bootstrap, [topic], partitions=PARTITIONS)
+    got: list[float] = []
+    consumer = AIOKafkaConsumer(
+        topic, bootstrap_servers=bootstrap, group_id=f"hop-{uuid.uuid4().hex[:6]}",
+        auto_offset_reset="earliest", fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
+    )  # fmt: skip
+    await consumer.start()
+    await asyncio.sleep(2.0)  # group assignment
+    load = start_load(bootstrap, topic, rate, seconds, size)
+    total = int(rate * seconds)
+    deadline = time.monotonic() + seconds + 60
+    while len(got) < total and time.monotonic() < deadline:
+        batch = await consumer.getmany(timeout_ms=200)
+        now = time.perf_counter()
+        got.extend(now - sent_at(r) for records in batch.values() for r in records)
+    await consumer.stop()
+    load.join()
+    return got
+
+
+class TimedHandler(checkpointer.CheckpointHandler):
+    """Records, per event, when its batch is durable, cached and handed on."""
+
+    done: ClassVar[list[float]] = []
+
+    async def handle(self, cluster_id: str, batch: dict[Any, list[Any]]) -> HandleResult:
+        result = await super().handle(cluster_id, batch)
+        now = time.perf_counter()
+        self.done.extend(now - sent_at(r) for records in batch.values() for r in records)
+        return result
+
+
+async def alma_latency(
+    s: settings_mod.Settings, services: Services, rate: float, seconds: float, size: int
+) -> tuple[list[float], float]:
+    topic = f"bench-life-{uuid.uuid4().hex[:8]}"
+    await ensure_topics(services.kafka_bootstrap, [topic], partitions=PARTITIONS)
+    s = s.model_copy(update={"lifecycle_topic": topic})
+    TimedHandler.done = done = []
+    original = checkpointer.CheckpointHandler
+    checkpointer.CheckpointHandler = TimedHandler  # type: ignore[misc]
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(run_worker(s, services, ["checkpoint"], stop, ready=ready))
+    await asyncio.wait_for(ready.wait(), 60)
+    checkpointer.CheckpointHandler = original  # type: ignore[misc]
+    await asyncio.sleep(1.0)
+    load = start_load(services.kafka_bootstrap, topic, rate, seconds, size)
+    total = int(rate * seconds)
+    deadline = time.monotonic() + seconds + 120
+    while len(done) < total and time.monotonic() < deadline:  # noqa: ASYNC110 - sampling
+        await asyncio.sleep(0.05)
+    rss = psutil.Process().memory_info().rss / 1e6
+    load.join()
+    stop.set()
+    await task
+    return done, rss
+
+
+async def throughput(s: settings_mod.Settings, services: Services, n: int, size: int) -> float:
+    """Drain a backlog of ``n`` events; checkpoints per second."""
+    topic = f"bench-tp-{uuid.uuid4().hex[:8]}"
+    await ensure_topics(services.kafka_bootstrap, [topic], partitions=PARTITIONS)
+    producer = AIOKafkaProducer(
+        bootstrap_servers=services.kafka_bootstrap, acks="all", linger_ms=20,
+        max_batch_size=1024 * 1024,
+    )  # fmt: skip
+    await producer.start()
+    for i in range(n):
+        doc = event(f"tp-{i % 500}", i, size)
+        await producer.send(topic, json.dumps(doc).encode(), key=doc["run_id"].encode())
+    await producer.flush()
+    await producer.stop()
+    s = s.model_copy(update={"lifecycle_topic": topic})
+    async with connect(services.postgres_dsn) as pool:
+        before = await pool.fetchval("SELECT count(*) FROM checkpoints")
+        stop, ready = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(run_worker(s, services, ["checkpoint"], stop, ready=ready))
+        await asyncio.wait_for(ready.wait(), 60)
+        started = time.perf_counter()
+        first = None
+        while True:
+            now_count = await pool.fetchval("SELECT count(*) FROM checkpoints") - before
+            if now_count > 0 and first is None:
+                first = time.perf_counter()
+            if now_count >= n:
+                break
+            if time.perf_counter() - started > 300:
+                break
+            await asyncio.sleep(0.05)
+        elapsed = time.perf_counter() - (first or started)
+        stop.set()
+        await task
+    return n / elapsed
+
+
+async def reads(
+    services: Services, prefix: str, history: int, samples: int
+) -> dict[str, list[float]]:
+    run = f"read-{history}-{uuid.uuid4().hex[:6]}"
+    async with (
+        connect(services.postgres_dsn) as pool,
+        RedisCheckpointCache.connect(services.redis_url, prefix=prefix) as cache,
+    ):
+        store = PostgresCheckpointStore(
+            pool, StoreConfig("bench", "bench", "x", "y", 1_000_000), ReducerRegistry()
+        )
+        records = []
+        for i in range(history):
+            raw = json.dumps(event(run, i, 5000)).encode()
+            records.append(Incoming("bench", 0, i, run.encode(), raw, decode(raw)))
+        for chunk in range(0, history, 500):
+            await store.apply(f"c-{run}", {("bench", 0): records[chunk : chunk + 500]})
+        reader = CheckpointReader(pool, cache, tenant_id="bench")
+        uncached = CheckpointReader(pool, None, tenant_id="bench")
+        await reader.branch_heads(run)  # fill the cache
+        out: dict[str, list[float]] = {"cache": [], "postgres": []}
+        for _ in range(samples):
+            t = time.perf_counter()
+            await reader.latest(run)
+            out["cache"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await uncached.latest(run)
+            out["postgres"].append(time.perf_counter() - t)
+        assert reader.stats["cache_hit"] >= samples
+    return out
+
+
+def ms(values: list[float], p: float) -> str:
+    return f"{pct(values, p) * 1000:.2f}"
+
+
+async def main(quick: bool, out: Path | None) -> None:
+    bench = Bench(quick)
+    tmp = Path(tempfile.mkdtemp(prefix="alma-bench-"))
+    s = settings_mod.load()
+    stack = EmbeddedStack(tmp, kafka_bootstrap=s.kafka_bootstrap, postgres_dsn=s.postgres_dsn,
+                          redis_url=s.redis_url, durable=True)  # fmt: skip
+    endpoints = await stack.start()
+    services = Services(endpoints.kafka_bootstrap, endpoints.postgres_dsn, endpoints.redis_url)
+    conn = await __import__("asyncpg").connect(endpoints.postgres_dsn)
+    await Migrator(conn).migrate()
+    await conn.close()
+    prefix = f"bench{uuid.uuid4().hex[:6]}"
+    s = settings_mod.load(
+        kafka_bootstrap=services.kafka_bootstrap, postgres_dsn=services.postgres_dsn,
+        redis_url=services.redis_url, redis_prefix=prefix, fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
+        session_timeout_ms=6000, heartbeat_interval_ms=500,
+    )  # fmt: skip
+    await ensure_topics(
+        services.kafka_bootstrap, [s.sequenced_topic, s.dlq_topic], partitions=PARTITIONS
+    )
+    seconds = 3.0 if quick else 8.0
+    sizes = [1_000, 5_000] if quick else [1_000, 5_000, 100_000]
+    loads = [200, 1000] if quick else [200, 1000, 2000]
+    backlog = 3_000 if quick else 20_000
+    try:
+        with Progress(console=console) as progress:
+            task = progress.add_task("benchmarks", total=len(sizes) * (len(loads) * 2 + 1) + 2)
+            for size in sizes:
+                rate_list = loads if size < 50_000 else [200]
+                for rate in rate_list:
+                    hop = await bare_hop(services.kafka_bootstrap, rate, seconds, size)
+                    progress.advance(task)
+                    lat, rss = await alma_latency(s, services, rate, seconds, size)
+                    progress.advance(task)
+                    bench.add("latency", [
+                        f"{size // 1000} KB", rate, len(lat), ms(hop, 50), ms(hop, 99),
+                        ms(lat, 50), ms(lat, 95), ms(lat, 99),
+                        f"{(pct(lat, 99) - pct(hop, 99)) * 1000:.1f}", f"{rss:.0f}",
+                    ])  # fmt: skip
+                n = backlog if size < 50_000 else backlog // 10
+                rate_done = await throughput(s, services, n, size)
+                bench.add("throughput", [f"{size // 1000} KB", n, f"{rate_done:,.0f}"])
+                progress.advance(task)
+            for history in (10, 1000):
+                r = await reads(services, prefix, history, 300 if quick else 1000)
+                bench.add("reads", [history, ms(r["cache"], 50), ms(r["cache"], 99),
+                                    ms(r["postgres"], 50), ms(r["postgres"], 99)])  # fmt: skip
+                progress.advance(task)
+    finally:
+        await stack.stop()
+    report(bench, out)
+
+
+HEADERS = {
+    "throughput": ["state", "events", "checkpoints/s"],
+    "latency": ["state", "offered ev/s", "events", "bare hop p50 ms", "bare hop p99 ms",
+                "ALMA p50 ms", "ALMA p95 ms", "ALMA p99 ms", "added p99 ms", "worker RSS MB"],
+    "reads": ["checkpoints in run", "cache p50 ms", "cache p99 ms", "PostgreSQL p50 ms",
+              "PostgreSQL p99 ms"],
+}  # fmt: skip
+TITLES = {
+    "throughput": "Sustained throughput (drain a backlog, one worker)",
+    "latency": "Publish → durable, cached and handed on (fixed offered load)",
+    "reads": "Latest-checkpoint read (resume path)",
+}
+
+
+def machine() -> str:
+    mem = psutil.virtual_memory().total / 2**30
+    return (f"{os.cpu_count()} cores, {mem:.0f} GiB, {platform.platform()}, "
+            f"Python {platform.python_version()}, {datetime.now(UTC):%Y-%m-%d}")  # fmt: skip
+
+
+def report(bench: Bench, out: Path | None) -> None:
+    lines = [f"Machine: {machine()}", ""]
+    for name, rows in bench.rows.items():
+        table = Table(title=TITLES[name])
+        for h in HEADERS[name]:
+            table.add_column(h)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+        lines += [f"### {TITLES[name]}", "", "| " + " | ".join(HEADERS[name]) + " |",
+                  "|" + "---|" * len(HEADERS[name])]  # fmt: skip
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        lines.append("")
+    console.print(lines[0])
+    if out is not None:
+        out.write_text("\n".join(lines) + "\n")
+        console.print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    asyncio.run(main(args.quick, args.out))

@@ -1,0 +1,132 @@
+"""The sequencer: the pure rules that turn a run's events into checkpoints."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from alma_core import errors
+from alma_core.reducers import ReducerConfig, ReducerRegistry
+from alma_core.sequencing import MAIN, Coordinates, Head, RunView, Sequencer, state_hash
+from schemas.decoder import decode
+from schemas.events import Event
+
+AT = Coordinates("t", 0, 0)
+
+
+def ev(type_: str = "node.completed", run: str = "r", **payload: Any) -> Event:
+    doc: dict[str, Any] = {
+        "event_id": payload.pop("event_id", uuid.uuid4().hex), "type": type_,
+        "emitted_at": "2026-11-22T10:00:00Z", "tenant_id": payload.pop("tenant", "acme"),
+        "workflow_id": payload.pop("workflow", "wf"), "run_id": run,
+        "payload": payload,
+    }  # fmt: skip
+    if type_.startswith("node."):
+        doc["node_id"] = "n"
+    branch = payload.pop("branch", None)
+    if branch:
+        doc["branch_id"] = branch
+    event = decode(json.dumps(doc).encode())
+    assert not hasattr(event, "reason"), event
+    return event  # type: ignore[return-value]
+
+
+def sequencer(**kw: Any) -> Sequencer:
+    return Sequencer(
+        runs=kw.get("runs", {}), heads=kw.get("heads", {}),
+        reducer_configs=kw.get("configs", {}), known_event_ids=kw.get("known", set()),
+        registry=ReducerRegistry(), max_state_bytes=kw.get("limit", 10_000),
+    )  # fmt: skip
+
+
+def test_seq_counts_from_the_run_row() -> None:
+    run = RunView("r", "acme", "wf", None, last_seq=7)
+    seq = sequencer(runs={"r": run})
+    seq.apply(ev(state={"a": 1}), AT)
+    seq.apply(ev(state={"a": 2}), AT)
+    assert [c.seq for c in seq.effects.checkpoints] == [8, 9]
+    assert [c.parent_seq for c in seq.effects.checkpoints] == [None, 8]
+    assert run.last_seq == 9
+
+
+@given(st.lists(st.dictionaries(st.sampled_from("ab"), st.integers(0, 3), max_size=2), max_size=30))
+def test_gapless_and_unchanged_states_skipped(states: list[dict[str, int]]) -> None:
+    seq = sequencer()
+    effects = [seq.apply(ev(state=s), AT) for s in states]
+    written = [c.seq for c in seq.effects.checkpoints]
+    assert written == list(range(1, len(written) + 1))
+    expected = sum(1 for i, s in enumerate(states) if i == 0 or s != states[i - 1])
+    assert len(written) == expected
+    assert effects.count("unchanged") == len(states) - expected
+
+
+def test_duplicate_event_id_has_no_effect() -> None:
+    seq = sequencer(known={"old"})
+    assert seq.apply(ev(state={"a": 1}, event_id="old"), AT) is None
+    e = ev(state={"a": 2})
+    seq.apply(e, AT)
+    assert seq.apply(e, AT) is None
+    assert seq.effects.duplicates == 2
+    assert len(seq.effects.checkpoints) == 1
+
+
+def test_updates_fold_per_branch_with_the_workflow_reducers() -> None:
+    config = ReducerConfig(field_reducers={"log": "append", "n": "sum"})
+    seq = sequencer(configs={("acme", "wf"): config})
+    seq.apply(ev(updates={"log": ["main"], "n": 1}), AT)
+    seq.apply(ev(updates={"log": ["a1"], "n": 1}, branch="A"), AT)
+    seq.apply(ev(updates={"log": ["a2"], "n": 2}, branch="A"), AT)
+    seq.apply(ev(updates={"log": ["main2"]}), AT)
+    states = [(c.branch_id, c.state, c.parent_seq) for c in seq.effects.checkpoints]
+    assert states == [
+        (None, {"log": ["main"], "n": 1}, None),
+        ("A", {"log": ["a1"], "n": 1}, 1),
+        ("A", {"log": ["a1", "a2"], "n": 3}, 2),
+        (None, {"log": ["main", "main2"], "n": 1}, 1),
+    ]
+
+
+def test_rejections_change_nothing() -> None:
+    run = RunView("r", "acme", "wf", None, last_seq=3)
+    head = Head(3, state_hash({"a": 1}), {"a": 1})
+    seq = sequencer(runs={"r": run}, heads={("r", MAIN): head}, limit=100)
+    with pytest.raises(errors.TenantMismatch):
+        seq.apply(ev(state={"a": 2}, tenant="evil"), AT)
+    with pytest.raises(errors.StaleExpectedSeq, match="at seq 3"):
+        seq.apply(ev(state={"a": 2}, expected_seq=2), AT)
+    with pytest.raises(errors.StateTooLarge):
+        seq.apply(ev(updates={"big": "x" * 200}), AT)
+    with pytest.raises(errors.ReducerTypeError):
+        sequencer(runs={"r": run}, heads={("r", MAIN): head},
+                  configs={("acme", "wf"): ReducerConfig({"a": "sum"})}).apply(
+            ev(updates={"a": "text"}), AT)  # fmt: skip
+    with pytest.raises(errors.RejectedEvent, match="belongs to workflow"):
+        seq.apply(ev(state={"a": 2}, workflow="other"), AT)
+    assert run.last_seq == 3
+    assert seq.effects.checkpoints == []
+    assert seq.effects.events == []
+    assert seq.apply(ev(state={"a": 2}, expected_seq=3), AT) == "checkpointed"
+
+
+def test_failure_checkpoint_and_status() -> None:
+    seq = sequencer()
+    seq.apply(ev(updates={"a": 1}), AT)
+    seq.apply(ev("node.failed", error={"type": "E", "message": "boom"}), AT)
+    failure = seq.effects.checkpoints[-1]
+    assert (failure.kind, failure.state, failure.metadata["error"]["type"]) == (
+        "failure",
+        {"a": 1},
+        "E",
+    )
+    assert seq.runs["r"].status == "failed"
+    seq.apply(ev(updates={"a": 2}), AT)
+    assert seq.runs["r"].status == "running"
+    seq.apply(ev("workflow.completed", outcome="success", duration_ms=1, node_count=1,
+                 nodes_succeeded=1, nodes_failed=0), AT)  # fmt: skip
+    assert seq.runs["r"].status == "succeeded"
+    assert [h.event.type for h in seq.effects.handoffs] == ["workflow.completed"]
