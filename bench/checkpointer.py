@@ -331,8 +331,22 @@ def report(bench: Bench, out: Path | None) -> None:
         lines.append("")
     console.print(lines[0])
     if out is not None:
-        out.write_text("\n".join(lines) + "\n")
+        write_section(out, "\n".join(lines))
         console.print(f"written to {out}")
+
+
+START, END = "<!-- bench:checkpointer:start -->", "<!-- bench:checkpointer:end -->"
+
+
+def write_section(out: Path, body: str) -> None:
+    """Replace this benchmark's section of ``out`` (between its markers), keeping the rest."""
+    section = f"{START}\n{body}\n{END}"
+    text = out.read_text() if out.exists() else ""
+    if START in text and END in text:
+        text = text[: text.index(START)] + section + text[text.index(END) + len(END) :]
+    else:
+        text = (text.rstrip() + "\n\n" if text else "") + section + "\n"
+    out.write_text(text)
 
 
 if __name__ == "__main__":
