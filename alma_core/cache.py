@@ -183,6 +183,16 @@ class CacheWriter:
         self._skip_until = 0.0
         self.failures = 0
 
+    async def open(self) -> None:
+        """Bump the epoch before this writer's first checkpoint: a predecessor that died
+        during an outage may have left entries behind. If Redis is down now, the
+        bump happens with the first write that succeeds."""
+        try:
+            await self.cache.bump_epoch()
+            self._dirty = False
+        except errors.CacheError:
+            self.failures += 1
+
     @property
     def degraded(self) -> bool:
         return self._dirty and self.failures > 0

@@ -45,6 +45,11 @@ class Settings(BaseSettings):
     data_dir: Path = Path(".alma")
 
     # Consumers.
+    group_prefix: str = Field(
+        default="alma",
+        min_length=1,
+        description="consumer groups are <prefix>-checkpointer, <prefix>-joiner, ...",
+    )
     redis_prefix: str = Field(default="alma", min_length=1, description="Redis key prefix")
     max_batch_records: int = Field(default=500, ge=1, le=10_000)
     session_timeout_ms: int = Field(default=10_000, ge=1000)

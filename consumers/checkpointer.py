@@ -34,7 +34,7 @@ from schemas.decoder import Rejection, RejectReason, decode
 log = logging.getLogger("alma.checkpointer")
 
 NAME = "checkpointer"
-GROUP_ID = "alma-checkpointer"
+GROUP = "checkpointer"  # the group id is f"{ALMA_GROUP_PREFIX}-checkpointer"
 
 
 def _checkpoint(row: CheckpointRow, created_at: datetime) -> Checkpoint:

@@ -157,11 +157,13 @@ class ConsumerRuntime:
             max_partition_fetch_bytes=16 * 1024 * 1024,
         )
         self.consumer = consumer
-        await retry_start(self._admin.start, stop, "admin client")
+        if not await retry_start(self._admin.start, stop, "admin client"):
+            return
         try:
             await self._refresh_cluster_id()
             consumer.subscribe(cfg.topics, listener=_Listener(self))
-            await retry_start(consumer.start, stop, "consumer")
+            if not await retry_start(consumer.start, stop, "consumer"):
+                return
             self.started.set()
             await self._loop(consumer, stop)
             with contextlib.suppress(KafkaError):
@@ -271,13 +273,14 @@ class ConsumerRuntime:
         self.metrics.commit_seconds.labels(name).observe(time.perf_counter() - started)
 
 
-async def retry_start(start: Callable[[], Awaitable[Any]], stop: asyncio.Event, what: str) -> None:
-    """Start a Kafka client, retrying with backoff while the broker is unreachable."""
+async def retry_start(start: Callable[[], Awaitable[Any]], stop: asyncio.Event, what: str) -> bool:
+    """Start a Kafka client, retrying with backoff while the broker is unreachable.
+    False when ``stop`` was set first (the caller leaves quietly)."""
     attempt = 0
-    while True:
+    while not stop.is_set():
         try:
             await start()
-            return
+            return True
         except KafkaError as exc:
             attempt += 1
             delay = backoff_delay(attempt, 0.5, 10.0)
@@ -288,5 +291,4 @@ async def retry_start(start: Callable[[], Awaitable[Any]], stop: asyncio.Event, 
             )  # fmt: skip
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), delay)
-            if stop.is_set():
-                raise errors.StackError(f"stopped while waiting for Kafka ({what})") from exc
+    return False

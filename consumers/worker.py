@@ -71,7 +71,8 @@ async def check_schema(pool: asyncpg.Pool) -> None:
 @contextlib.asynccontextmanager
 async def _producer(
     settings: Settings, bootstrap: str, stop: asyncio.Event
-) -> AsyncIterator[AIOKafkaProducer]:
+) -> AsyncIterator[AIOKafkaProducer | None]:
+    """A started producer, or None when stopped before the broker answered."""
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap,
         acks="all",
@@ -79,9 +80,9 @@ async def _producer(
         max_request_size=settings.max_record_bytes + 64 * 1024,
         max_batch_size=1024 * 1024,
     )
-    await retry_start(producer.start, stop, "producer")
+    started = await retry_start(producer.start, stop, "producer")
     try:
-        yield producer
+        yield producer if started else None
     finally:
         await producer.stop()
 
@@ -113,6 +114,8 @@ async def run_worker(
             ) as cache,
             _producer(settings, services.kafka_bootstrap, stop) as producer,
         ):
+            if producer is None:
+                return
             relay = OutboxRelay(
                 pool,
                 producer,
@@ -126,7 +129,7 @@ async def run_worker(
                 store = PostgresCheckpointStore(
                     pool,
                     StoreConfig(
-                        group_id=checkpointer.GROUP_ID,
+                        group_id=f"{settings.group_prefix}-{checkpointer.GROUP}",
                         consumer=checkpointer.NAME,
                         handoff_topic=settings.sequenced_topic,
                         dlq_topic=settings.dlq_topic,
@@ -134,8 +137,10 @@ async def run_worker(
                     ),
                     default_registry(),
                 )
+                cache_writer = CacheWriter(cache)
+                await cache_writer.open()
                 handler = checkpointer.CheckpointHandler(
-                    store, CacheWriter(cache), relay, metrics,
+                    store, cache_writer, relay, metrics,
                     max_state_bytes=settings.max_state_bytes,
                     max_record_bytes=settings.max_record_bytes,
                 )  # fmt: skip
@@ -143,7 +148,7 @@ async def run_worker(
                     ConsumerRuntime(
                         RuntimeConfig(
                             bootstrap=services.kafka_bootstrap,
-                            group_id=checkpointer.GROUP_ID,
+                            group_id=f"{settings.group_prefix}-{checkpointer.GROUP}",
                             topics=[settings.lifecycle_topic],
                             max_records=settings.max_batch_records,
                             session_timeout_ms=settings.session_timeout_ms,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -76,19 +75,16 @@ async def test_sigkill_members_at_random_points(settings: Settings, tmp_path: Pa
             *(produce(settings, runs[i::3], 25, published, resend, rng) for i in range(3))
         )
         replayer = asyncio.create_task(resend_duplicates(settings, resend, producers_done))
-        kills = 0
-        deadline = time.monotonic() + 90
-        while not producers.done() and kills < 8 and time.monotonic() < deadline:
-            await asyncio.sleep(rng.uniform(1.0, 2.5))
+        # Six kills at random moments, while producing and while draining the backlog.
+        for _ in range(6):
+            await asyncio.sleep(rng.uniform(0.4, 1.5))
             victim = rng.choice(workers)
             victim.kill()
-            kills += 1
             await asyncio.sleep(rng.uniform(0.0, 0.5))
             victim.start()
         await producers
         producers_done.set()
         await replayer
-        assert kills >= 3, "the producers finished before the chaos did anything"
         total = sum(len(v) for v in published.values())
 
         async def all_in() -> bool:

@@ -50,6 +50,8 @@ def test_up_with_configured_services_starts_none(
         "ALMA_LIFECYCLE_TOPIC": topics.lifecycle,
         "ALMA_MERGED_TOPIC": topics.merged,
         "ALMA_DLQ_TOPIC": topics.dlq,
+        "ALMA_SEQUENCED_TOPIC": topics.sequenced,
+        "ALMA_GROUP_PREFIX": f"cli-{topics.lifecycle}",
     }
     result = alma("up", "--check", env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
