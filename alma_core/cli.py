@@ -17,7 +17,7 @@ import typer
 from rich.table import Table
 
 from alma_core import cli_common as common
-from alma_core import cli_runs, reducers
+from alma_core import cli_runs, errors, reducers
 from alma_core import settings as settings_mod
 from alma_core.embedded import EmbeddedStack, Endpoints
 from alma_core.logs import configure as configure_logs
@@ -168,25 +168,36 @@ def worker(
 # --- alma db ----------------------------------------------------------------
 
 
-@db_app.command("upgrade")
-def db_upgrade(to: int = typer.Option(None, help="Target version (default: newest).")) -> None:
-    """Apply migrations up to the newest (or --to)."""
+def _migrate(to: int | None, direction: str) -> None:
+    """Move the schema one way only: an upgrade never drops, a downgrade never adds."""
     s = common.settings()
 
     async def main() -> None:
         conn = await common.connect(common.dsn(s))
         try:
-            steps = await Migrator(conn).migrate(to)
+            migrator = Migrator(conn)
+            current = await migrator.current()
+            if to is not None and (to < current if direction == "up" else to > current):
+                other = "downgrade" if direction == "up" else "upgrade"
+                raise errors.MigrationError(
+                    f"the database is at version {current}; to reach {to}, use `alma db {other}`"
+                )
+            steps = await migrator.migrate(to)
         finally:
             await conn.close()
         for step in steps:
-            common.out.print(
-                f"applied {step.migration.version:04d}_{step.migration.name} ({step.direction})"
-            )
+            verb = "applied" if step.direction == "up" else "reverted"
+            common.out.print(f"{verb} {step.migration.version:04d}_{step.migration.name}")
         if not steps:
-            common.out.print("already up to date")
+            common.out.print(f"already at version {current}")
 
     common.run(main)
+
+
+@db_app.command("upgrade")
+def db_upgrade(to: int = typer.Option(None, help="Target version (default: newest).")) -> None:
+    """Apply migrations up to the newest (or --to)."""
+    _migrate(to, "up")
 
 
 @db_app.command("downgrade")
@@ -194,20 +205,7 @@ def db_downgrade(
     to: int = typer.Option(..., help="Version to go down to (0 removes everything)."),
 ) -> None:
     """Undo migrations down to --to. Data in dropped tables is lost."""
-    s = common.settings()
-
-    async def main() -> None:
-        conn = await common.connect(common.dsn(s))
-        try:
-            steps = await Migrator(conn).migrate(to)
-        finally:
-            await conn.close()
-        for step in steps:
-            common.out.print(f"reverted {step.migration.version:04d}_{step.migration.name}")
-        if not steps:
-            common.out.print(f"already at version {to} or below")
-
-    common.run(main)
+    _migrate(to, "down")
 
 
 @db_app.command("status")

@@ -115,9 +115,7 @@ class Migrator:
 
     async def status(self) -> list[MigrationStatus]:
         applied: dict[int, datetime] = {}
-        if await self.current() or await self._conn.fetchval(
-            "SELECT to_regclass($1) IS NOT NULL", VERSION_TABLE
-        ):
+        if await self._conn.fetchval("SELECT to_regclass($1) IS NOT NULL", VERSION_TABLE):
             rows = await self._conn.fetch(f"SELECT version, applied_at FROM {VERSION_TABLE}")
             applied = {r["version"]: r["applied_at"] for r in rows}
         return [MigrationStatus(m.version, m.name, applied.get(m.version)) for m in self.migrations]

@@ -30,25 +30,6 @@ _COLUMNS = """run_id, tenant_id, seq, kind, node_id, branch_id, parent_seq, even
               state_hash, size_bytes, merged_from, metadata, created_at"""
 
 
-def checkpoint_from_row(row: Mapping[str, Any]) -> Checkpoint:
-    return Checkpoint(
-        run_id=row["run_id"],
-        tenant_id=row["tenant_id"],
-        seq=row["seq"],
-        state=row["state"],
-        state_hash=row["state_hash"],
-        size_bytes=row["size_bytes"],
-        kind=row["kind"],
-        node_id=row["node_id"],
-        branch_id=row["branch_id"],
-        parent_seq=row["parent_seq"],
-        event_id=row["event_id"],
-        merged_from=tuple(row["merged_from"] or ()),
-        metadata=row["metadata"] or {},
-        created_at=row["created_at"],
-    )
-
-
 def checkpoint_to_doc(cp: Checkpoint) -> dict[str, Any]:
     return {
         "run_id": cp.run_id,
@@ -69,6 +50,8 @@ def checkpoint_to_doc(cp: Checkpoint) -> dict[str, Any]:
 
 
 def checkpoint_from_doc(doc: Mapping[str, Any]) -> Checkpoint:
+    """A checkpoint from a database row or a cached document (``created_at`` a
+    datetime or an ISO string)."""
     created = doc.get("created_at")
     return Checkpoint(
         run_id=doc["run_id"],
@@ -77,14 +60,14 @@ def checkpoint_from_doc(doc: Mapping[str, Any]) -> Checkpoint:
         state=doc["state"],
         state_hash=doc["state_hash"],
         size_bytes=doc["size_bytes"],
-        kind=doc.get("kind", "node"),
+        kind=doc.get("kind") or "node",
         node_id=doc.get("node_id"),
         branch_id=doc.get("branch_id"),
         parent_seq=doc.get("parent_seq"),
         event_id=doc.get("event_id"),
         merged_from=tuple(doc.get("merged_from") or ()),
         metadata=doc.get("metadata") or {},
-        created_at=datetime.fromisoformat(created) if created else None,
+        created_at=datetime.fromisoformat(created) if isinstance(created, str) else created,
     )
 
 
@@ -165,7 +148,7 @@ class CheckpointReader:
             run_id,
             self.tenant_id,
         )
-        heads = {r["branch_id"]: checkpoint_from_row(r) for r in rows}
+        heads = {r["branch_id"]: checkpoint_from_doc(r) for r in rows}
         await self._fill(heads)
         return heads
 
@@ -216,7 +199,7 @@ class CheckpointReader:
             before_seq,
             max(1, min(limit, 10_000)),
         )
-        return [checkpoint_from_row(r) for r in rows]
+        return [checkpoint_from_doc(r) for r in rows]
 
     async def get(self, run_id: str, seq: int) -> Checkpoint | None:
         rows = await self._fetch(
@@ -226,7 +209,7 @@ class CheckpointReader:
             seq,
             self.tenant_id,
         )
-        return checkpoint_from_row(rows[0]) if rows else None
+        return checkpoint_from_doc(rows[0]) if rows else None
 
     async def state_has(self, run_id: str, key: str) -> bool:
         """Has the run's main-line state got ``key``? (the idempotency check)."""

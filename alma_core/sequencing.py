@@ -62,7 +62,6 @@ class RunView:
     last_seq: int = 0
     event_count: int = 0
     completed_at: datetime | None = None
-    is_new: bool = False
     changed: bool = False
 
 
@@ -183,7 +182,6 @@ class Sequencer:
                 tenant_id=event.tenant_id,
                 workflow_id=event.workflow_id,
                 workflow_version=event.workflow_version,
-                is_new=True,
             )
         if run.tenant_id != event.tenant_id:
             raise errors.TenantMismatch(

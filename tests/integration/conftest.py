@@ -6,6 +6,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
@@ -106,14 +107,13 @@ async def topics(services: Services) -> Topics:
     return names
 
 
-@pytest.fixture
-def settings(services: Services, database: str, topics: Topics) -> Settings:
-    """Settings for workers and clients in this test: its own database, topics, Redis prefix,
-    and fast group timings."""
+def settings_for(kafka: str, postgres: str, redis: str, topics: Topics, **extra: Any) -> Settings:
+    """Settings for one test: its topics, its own Redis prefix and group ids, fast group
+    timings."""
     return load(
-        kafka_bootstrap=services.kafka_bootstrap,
-        postgres_dsn=database,
-        redis_url=services.redis_url,
+        kafka_bootstrap=kafka,
+        postgres_dsn=postgres,
+        redis_url=redis,
         lifecycle_topic=topics.lifecycle,
         merged_topic=topics.merged,
         dlq_topic=topics.dlq,
@@ -123,7 +123,15 @@ def settings(services: Services, database: str, topics: Topics) -> Settings:
         session_timeout_ms=2000,
         heartbeat_interval_ms=200,
         fetch_max_wait_ms=50,
-        max_state_bytes=64 * 1024,
+        **extra,
+    )
+
+
+@pytest.fixture
+def settings(services: Services, database: str, topics: Topics) -> Settings:
+    """Settings for workers and clients in this test, with its own database."""
+    return settings_for(
+        services.kafka_bootstrap, database, services.redis_url, topics, max_state_bytes=64 * 1024
     )
 
 
@@ -165,18 +173,8 @@ async def private_stack(
             await Migrator(conn).migrate()
         finally:
             await conn.close()
-        settings = load(
-            kafka_bootstrap=endpoints.kafka_bootstrap,
-            postgres_dsn=endpoints.postgres_dsn,
-            redis_url=endpoints.redis_url,
-            lifecycle_topic=topics.lifecycle,
-            merged_topic=topics.merged,
-            dlq_topic=topics.dlq,
-            sequenced_topic=topics.sequenced,
-            group_prefix=f"t{uuid.uuid4().hex[:12]}",
-            session_timeout_ms=2000,
-            heartbeat_interval_ms=200,
-            fetch_max_wait_ms=50,
+        settings = settings_for(
+            endpoints.kafka_bootstrap, endpoints.postgres_dsn, endpoints.redis_url, topics
         )
         yield PrivateStack(stack, settings)
     finally:

@@ -115,6 +115,18 @@ async def fetch(dsn: str, sql: str, *args: Any) -> list[asyncpg.Record]:
         await conn.close()
 
 
+async def register_reducers(dsn: str, workflow: str, reducers: dict[str, str]) -> None:
+    """What `alma reducers set` will do: a workflow's reducer configuration, ahead of time."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            "INSERT INTO reducer_configs (tenant_id, workflow_id, config) VALUES ($1, $2, $3)",
+            "acme", workflow, json.dumps({"reducers": reducers}),
+        )  # fmt: skip
+    finally:
+        await conn.close()
+
+
 async def read_topic(
     bootstrap: str, topic: str, expected: int, *, limit_s: float = 30
 ) -> list[Any]:

@@ -20,6 +20,7 @@ from tests.integration.harness import (
     event,
     fetch,
     read_topic,
+    register_reducers,
     wait_for,
 )
 
@@ -141,15 +142,7 @@ async def test_reducers_registered_for_the_workflow_apply_to_updates(
 ) -> None:
     dsn = settings.postgres_dsn
     assert dsn
-    conn = await asyncpg.connect(dsn)
-    try:
-        await conn.execute(
-            "INSERT INTO reducer_configs (tenant_id, workflow_id, config) VALUES ($1, $2, $3)",
-            "acme", "counting",
-            json.dumps({"reducers": {"log": "append", "n": "sum", "best": "max"}}),
-        )  # fmt: skip
-    finally:
-        await conn.close()
+    await register_reducers(dsn, "counting", {"log": "append", "n": "sum", "best": "max"})
     async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
         for i in range(10):
             await pub.send(
@@ -170,14 +163,7 @@ async def test_bad_input_goes_to_the_dead_letters_and_the_partition_moves_on(
 ) -> None:
     dsn = settings.postgres_dsn
     assert dsn
-    conn = await asyncpg.connect(dsn)
-    try:
-        await conn.execute(
-            "INSERT INTO reducer_configs (tenant_id, workflow_id, config) VALUES ($1, $2, $3)",
-            "acme", "broken", json.dumps({"reducers": {"x": "no_such_reducer"}}),
-        )  # fmt: skip
-    finally:
-        await conn.close()
+    await register_reducers(dsn, "broken", {"x": "no_such_reducer"})
     run = "victim"
     good: list[dict[str, Any]] = []
     poison: list[tuple[bytes | dict[str, Any], bytes, str]] = [
@@ -289,14 +275,7 @@ async def test_concurrent_updates_from_parallel_producers_lose_nothing(
     happen: writers send updates, the run's single writer folds them with reducers."""
     dsn = settings.postgres_dsn
     assert dsn
-    conn = await asyncpg.connect(dsn)
-    try:
-        await conn.execute(
-            "INSERT INTO reducer_configs (tenant_id, workflow_id, config) VALUES ($1, $2, $3)",
-            "acme", "shared", json.dumps({"reducers": {"actions": "append", "count": "sum"}}),
-        )  # fmt: skip
-    finally:
-        await conn.close()
+    await register_reducers(dsn, "shared", {"actions": "append", "count": "sum"})
     writers, each = 4, 40
 
     async def writer(w: int) -> None:

@@ -75,7 +75,10 @@ def test_db_downgrade_and_upgrade(database: str) -> None:
     status = json.loads(alma("db", "status", "--json", env=env).stdout)
     assert all(r["applied_at"] is None for r in status)
     up = alma("db", "upgrade", env=env)
-    assert "applied 0001_initial (up)" in up.stdout
+    assert "applied 0001_initial" in up.stdout
+    wrong_way = alma("db", "upgrade", "--to", "0", env=env)
+    assert wrong_way.returncode == 1
+    assert "use `alma db downgrade`" in wrong_way.stderr
 
 
 def test_topics_describe_json(services: Services, topics: Topics) -> None:
