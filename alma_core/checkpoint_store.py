@@ -2,15 +2,9 @@
 
 How a batch becomes effects exactly once, without Kafka transactions:
 
-1. **Offsets in Postgres, fenced.** For each partition the row in
-   ``consumer_offsets`` (group, broker cluster id, topic, partition) is locked
-   ``FOR UPDATE``. Records below the stored ``next_offset`` were already
-   applied (by this member before a crash, or by another member): they are
-   dropped. A stored offset *above* the batch's first record means a gap: the
-   partition is sent back to the stored offset. Two members that both believe
-   they own a partition (a zombie after a rebalance) serialise on that row lock
-   and the second one finds its records already applied: a zombie's late
-   writes have no effect.
+1. **Offsets in Postgres, fenced** (:mod:`alma_core.offsets`): records already
+   applied are dropped, a gap sends the partition back, and a zombie member's
+   late writes have no effect.
 2. **Inbox.** ``run_events.event_id`` is the primary key: an event published
    twice (two offsets, one ``event_id``) has its effect once.
 3. **Everything else in the same transaction:** runs, checkpoints, heads,
@@ -29,7 +23,8 @@ from datetime import UTC, datetime
 
 import asyncpg
 
-from alma_core import errors
+from alma_core import errors, offsets
+from alma_core.offsets import TopicPartition
 from alma_core.postgres import is_storage_failure, storage_error
 from alma_core.reducers import ReducerConfig, ReducerRegistry
 from alma_core.sequencing import (
@@ -42,8 +37,6 @@ from alma_core.sequencing import (
 )
 from schemas.decoder import Decoded, Rejection
 from schemas.events import Event, NodeCompleted, NodeFailed
-
-TopicPartition = tuple[str, int]
 
 
 @dataclass(frozen=True)
@@ -134,20 +127,13 @@ class PostgresCheckpointStore:
     ) -> dict[TopicPartition, int]:
         """Where each partition resumes, for this group on this broker cluster."""
         try:
-            rows = await self.pool.fetch(
-                """SELECT topic, partition, next_offset FROM consumer_offsets
-                   WHERE group_id = $1 AND cluster_id = $2
-                     AND (topic, partition) IN (SELECT * FROM unnest($3::text[], $4::int[]))""",
-                self.config.group_id,
-                cluster_id,
-                [t for t, _ in partitions],
-                [p for _, p in partitions],
+            return await offsets.stored_offsets(
+                self.pool, self.config.group_id, cluster_id, partitions
             )
         except Exception as exc:
             if is_storage_failure(exc):
                 raise storage_error(exc, "reading stored offsets") from exc
             raise
-        return {(r["topic"], r["partition"]): r["next_offset"] for r in rows}
 
     async def apply(
         self, cluster_id: str, batch: dict[TopicPartition, list[Incoming]]
@@ -161,49 +147,6 @@ class PostgresCheckpointStore:
                 raise storage_error(exc, "applying a batch") from exc
             raise
 
-    async def _fence(
-        self,
-        conn: asyncpg.Connection,
-        cluster_id: str,
-        batch: dict[TopicPartition, list[Incoming]],
-        result: BatchResult,
-    ) -> dict[TopicPartition, list[Incoming]]:
-        """Lock every partition's offset row (two round trips in all) and keep the
-        records not yet applied; see the module docstring."""
-        tps = sorted(tp for tp, records in batch.items() if records)
-        firsts = [min(r.offset for r in batch[tp]) for tp in tps]
-        topics, parts = [t for t, _ in tps], [p for _, p in tps]
-        group = self.config.group_id
-        await conn.execute(
-            """INSERT INTO consumer_offsets (group_id, cluster_id, topic, partition, next_offset)
-               SELECT $1, $2, t, p, o FROM unnest($3::text[], $4::int[], $5::bigint[]) AS u(t, p, o)
-               ON CONFLICT DO NOTHING""",
-            group, cluster_id, topics, parts, firsts,
-        )  # fmt: skip
-        rows = await conn.fetch(
-            """SELECT topic, partition, next_offset FROM consumer_offsets
-               WHERE group_id = $1 AND cluster_id = $2
-                 AND (topic, partition) IN (SELECT * FROM unnest($3::text[], $4::int[]))
-               ORDER BY topic, partition
-               FOR UPDATE""",
-            group, cluster_id, topics, parts,
-        )  # fmt: skip
-        stored = {(r["topic"], r["partition"]): r["next_offset"] for r in rows}
-        todo: dict[TopicPartition, list[Incoming]] = {}
-        for tp in tps:
-            records = sorted(batch[tp], key=lambda r: r.offset)
-            next_offset = stored[tp]
-            if next_offset < records[0].offset:
-                result.seeks[tp] = next_offset  # a gap: go back for what is missing
-                continue
-            fresh = [r for r in records if r.offset >= next_offset]
-            result.already_applied += len(records) - len(fresh)
-            if fresh:
-                todo[tp] = fresh
-            else:
-                result.next_offsets[tp] = next_offset
-        return todo
-
     async def _apply(
         self,
         conn: asyncpg.Connection,
@@ -211,7 +154,10 @@ class PostgresCheckpointStore:
         batch: dict[TopicPartition, list[Incoming]],
     ) -> BatchResult:
         result = BatchResult()
-        todo = await self._fence(conn, cluster_id, batch, result)
+        fenced = await offsets.fence(conn, self.config.group_id, cluster_id, batch)
+        result.seeks, result.next_offsets = fenced.seeks, fenced.next_offsets
+        result.already_applied = fenced.already_applied
+        todo = fenced.todo
         if not todo:
             return result
         events = [
@@ -244,15 +190,7 @@ class PostgresCheckpointStore:
         for row in effects.checkpoints:
             result.heads[(row.run_id, branch_key(row.branch_id))] = row
         await self._write(conn, sequencer, result)
-        ends = {tp: records[-1].offset + 1 for tp, records in todo.items()}
-        await conn.execute(
-            """UPDATE consumer_offsets o SET next_offset = u.n, updated_at = now()
-               FROM unnest($3::text[], $4::int[], $5::bigint[]) AS u(t, p, n)
-               WHERE o.group_id = $1 AND o.cluster_id = $2 AND o.topic = u.t
-                 AND o.partition = u.p""",
-            self.config.group_id, cluster_id, [t for t, _ in ends], [p for _, p in ends],
-            list(ends.values()),
-        )  # fmt: skip
+        ends = await offsets.advance(conn, self.config.group_id, cluster_id, todo)
         result.next_offsets.update(ends)
         return result
 
