@@ -17,12 +17,8 @@ from typing import Any
 
 from alma_core import errors
 from alma_core.cache import CacheWriter
-from alma_core.checkpoint_store import (
-    BatchResult,
-    Incoming,
-    PostgresCheckpointStore,
-    TopicPartition,
-)
+from alma_core.checkpoint_store import BatchResult, Incoming, PostgresCheckpointStore
+from alma_core.offsets import TopicPartition
 from alma_core.resume import cache_entries
 from alma_core.sequencing import CheckpointRow
 from alma_core.types import Checkpoint
