@@ -8,12 +8,15 @@
     │   │   ├── UnknownReducer
     │   │   ├── ReducerTypeError
     │   │   └── ConflictingUpdate
+    │   ├── MissingBranch
     │   ├── StateTooLarge
     │   ├── TenantMismatch
     │   └── StaleExpectedSeq
     ├── StorageError            Postgres failed (retriable: back off and try again)
     │   └── StorageRejected     Postgres refused the data itself (not retriable)
     ├── CacheError              Redis failed (retriable; callers fall back to Postgres)
+    ├── MergeFailed             a join was answered with status "error"
+    ├── MergeTimeout            no reply to a join in time (retriable: same join_id)
     ├── MigrationError          the schema cannot be moved to the asked version
     └── StackError              the embedded stack could not start or stop
 
@@ -81,6 +84,12 @@ class ConflictingUpdate(ReducerError):
     reason = "strict_conflict"
 
 
+class MissingBranch(RejectedEvent):
+    """A join names a branch that has no checkpoint in the run."""
+
+    reason = "missing_branch"
+
+
 class StateTooLarge(RejectedEvent):
     """The state is larger than the configured limit."""
 
@@ -118,6 +127,19 @@ class CacheError(AlmaError):
 
     retriable = True
     reason = "cache"
+
+
+class MergeFailed(AlmaError):
+    """The join was answered with an error."""
+
+    reason = "merge_failed"
+
+
+class MergeTimeout(AlmaError):
+    """No reply to the join arrived in time; sending it again with the same join_id is safe."""
+
+    retriable = True
+    reason = "merge_timeout"
 
 
 class MigrationError(AlmaError):

@@ -84,6 +84,14 @@ class Metrics:
             "alma_cache_operations_total", "Redis cache operations, by result (hit, miss, error, "
             "write, write_error)", ["result"], registry=r,
         )  # fmt: skip
+        self.merges = Counter(
+            "alma_merges_total", "Join requests answered, by outcome (ok, error, duplicate)",
+            ["outcome"], registry=r,
+        )  # fmt: skip
+        self.merge_seconds = Histogram(
+            "alma_merge_seconds", "Time to load the branch heads and merge them, per join",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.outbox_published = Counter(
             "alma_outbox_published_total", "Outbox records published, by topic kind",
             ["kind"], registry=r,

@@ -20,17 +20,24 @@ from aiokafka import AIOKafkaProducer
 from alma_core import errors, postgres
 from alma_core.cache import CacheWriter, RedisCheckpointCache
 from alma_core.checkpoint_store import PostgresCheckpointStore, StoreConfig
+from alma_core.join_store import JoinConfig, PostgresJoinStore
 from alma_core.migrations import Migrator, load_migrations
 from alma_core.reducers import default_registry
 from alma_core.settings import Settings
-from consumers import checkpointer
+from consumers import checkpointer, joiner
 from consumers.metrics import Metrics
 from consumers.outbox import OutboxRelay
-from consumers.runtime import ConsumerRuntime, RuntimeConfig, backoff_delay, retry_start
+from consumers.runtime import (
+    BatchHandler,
+    ConsumerRuntime,
+    RuntimeConfig,
+    backoff_delay,
+    retry_start,
+)
 
 log = logging.getLogger("alma.worker")
 
-KNOWN_CONSUMERS = ("checkpoint",)
+KNOWN_CONSUMERS = ("checkpoint", "join")
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,24 @@ async def run_worker(
             )  # fmt: skip
             await relay.sweep(force=True)
             runtimes = []
+            cache_writer = CacheWriter(cache)
+            await cache_writer.open()
+
+            def runtime(group: str, topic: str, handler: BatchHandler) -> ConsumerRuntime:
+                return ConsumerRuntime(
+                    RuntimeConfig(
+                        bootstrap=services.kafka_bootstrap,
+                        group_id=f"{settings.group_prefix}-{group}",
+                        topics=[topic],
+                        max_records=settings.max_batch_records,
+                        session_timeout_ms=settings.session_timeout_ms,
+                        heartbeat_interval_ms=settings.heartbeat_interval_ms,
+                        fetch_max_wait_ms=settings.fetch_max_wait_ms,
+                    ),
+                    handler,
+                    metrics,
+                )
+
             if "checkpoint" in consumers:
                 store = PostgresCheckpointStore(
                     pool,
@@ -137,28 +162,29 @@ async def run_worker(
                     ),
                     default_registry(),
                 )
-                cache_writer = CacheWriter(cache)
-                await cache_writer.open()
                 handler = checkpointer.CheckpointHandler(
                     store, cache_writer, relay, metrics,
                     max_state_bytes=settings.max_state_bytes,
                     max_record_bytes=settings.max_record_bytes,
                 )  # fmt: skip
-                runtimes.append(
-                    ConsumerRuntime(
-                        RuntimeConfig(
-                            bootstrap=services.kafka_bootstrap,
-                            group_id=f"{settings.group_prefix}-{checkpointer.GROUP}",
-                            topics=[settings.lifecycle_topic],
-                            max_records=settings.max_batch_records,
-                            session_timeout_ms=settings.session_timeout_ms,
-                            heartbeat_interval_ms=settings.heartbeat_interval_ms,
-                            fetch_max_wait_ms=settings.fetch_max_wait_ms,
-                        ),
-                        handler,
-                        metrics,
-                    )
+                runtimes.append(runtime(checkpointer.GROUP, settings.lifecycle_topic, handler))
+            if "join" in consumers:
+                join_store = PostgresJoinStore(
+                    pool,
+                    JoinConfig(
+                        group_id=f"{settings.group_prefix}-{joiner.GROUP}",
+                        consumer=joiner.NAME,
+                        reply_topic=settings.merged_topic,
+                        dlq_topic=settings.dlq_topic,
+                        max_state_bytes=settings.max_state_bytes,
+                    ),
+                    default_registry(),
                 )
+                join_handler = joiner.JoinHandler(
+                    join_store, cache_writer, relay, metrics,
+                    max_record_bytes=settings.max_record_bytes,
+                )  # fmt: skip
+                runtimes.append(runtime(joiner.GROUP, settings.sequenced_topic, join_handler))
             tasks = [asyncio.create_task(r.run(stop)) for r in runtimes]
             started = asyncio.ensure_future(asyncio.gather(*(r.started.wait() for r in runtimes)))
             waiting: list[asyncio.Future[Any]] = [started, *tasks]

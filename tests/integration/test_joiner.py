@@ -1,0 +1,204 @@
+"""The joiner on the real services: fan-out/fan-in through the SDK, idempotent
+replies, error replies, and a reply lost to a crash."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from alma_core import errors
+from alma_core.checkpoint_store import Incoming
+from alma_core.client import AlmaClient
+from alma_core.join_store import JoinConfig, PostgresJoinStore
+from alma_core.postgres import connect
+from alma_core.reducers import ReducerRegistry, default_registry
+from alma_core.settings import Settings
+from alma_core.types import WorkflowContext
+from schemas.decoder import decode
+from tests.integration.harness import (
+    Publisher,
+    Worker,
+    completed,
+    count,
+    fetch,
+    read_topic,
+    register_reducers,
+    wait_for,
+)
+
+REDUCERS = {"log": "append", "total": "sum", "best": "max", "info": "merge_dict",
+            "tag": "longest"}  # fmt: skip
+
+
+def longest(current: Any, update: Any) -> Any:
+    return update if len(str(update)) > len(str(current)) else current
+
+
+@pytest.fixture
+async def stack(settings: Settings) -> AsyncIterator[tuple[Worker, AlmaClient]]:
+    if "longest" not in default_registry():
+        default_registry().register("longest", longest)
+    async with (
+        Worker.start(settings, ("checkpoint", "join")) as worker,
+        AlmaClient(settings) as client,
+    ):
+        yield worker, client
+
+
+async def fan_out(settings: Settings, run: str, branches: int) -> None:
+    async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
+        await pub.send(completed(run, node="start", updates={
+            "log": ["start"], "total": 10, "best": 1, "info": {"a": 1}, "tag": "s"}))  # fmt: skip
+        for i in range(branches):
+            await pub.send(completed(run, node=f"work{i}", branch=f"b{i}", updates={
+                "log": [f"b{i}"], "total": i, "best": (i * 3) % 7, "info": {"b": i},
+                "tag": "t" * (i % 3 + 1)}))  # fmt: skip
+        await pub.flush()
+
+
+def ctx(run: str) -> WorkflowContext:
+    return WorkflowContext(tenant_id="acme", workflow_id="wf", run_id=run, node_id="join")
+
+
+async def test_fan_out_fan_in_many_runs(
+    settings: Settings, stack: tuple[Worker, AlmaClient]
+) -> None:
+    _, client = stack
+    dsn = settings.postgres_dsn
+    assert dsn
+    runs = [f"fan-{i}" for i in range(8)]
+    await asyncio.gather(*(fan_out(settings, run, 5) for run in runs))
+    order = ["b4", "b2", "b0", "b1", "b3"]
+
+    async def merge(run: str) -> Any:
+        return await client.merge(ctx(run), branch_ids=order, reducers=REDUCERS, timeout=60)
+
+    replies = await asyncio.gather(*(merge(run) for run in runs))
+    expected = {
+        "log": ["start", *order],  # the main line first, then the branches in the order given
+        "total": 10 + sum(range(5)),
+        "best": max([1] + [(i * 3) % 7 for i in range(5)]),
+        "info": {"a": 1, "b": 3},  # merge_dict: the last branch given wins "b"
+        "tag": "ttt",
+    }
+    for run, reply in zip(runs, replies, strict=True):
+        assert reply.status == "ok"
+        assert reply.merged_state == expected
+        assert reply.checkpoint_seq == 7  # after 1 main-line and 5 branch checkpoints
+        rows = await fetch(
+            dsn, "SELECT kind, merged_from, parent_seq, state FROM checkpoints "
+            "WHERE run_id = $1 AND seq = 7", run)  # fmt: skip
+        assert rows[0]["kind"] == "merge"
+        assert rows[0]["parent_seq"] == 1
+        assert rows[0]["state"] == expected
+        branch_seq = {f"b{i}": i + 2 for i in range(5)}
+        assert list(rows[0]["merged_from"]) == [branch_seq[b] for b in order]
+
+
+async def test_same_join_twice_one_checkpoint_identical_replies(
+    settings: Settings, stack: tuple[Worker, AlmaClient]
+) -> None:
+    _, client = stack
+    dsn = settings.postgres_dsn
+    assert dsn
+    await fan_out(settings, "twice", 2)
+    first = await client.merge(ctx("twice"), branch_ids=["b0", "b1"], join_id="j-1", timeout=60)
+    again = await client.merge(ctx("twice"), branch_ids=["b0", "b1"], join_id="j-1", timeout=60)
+    assert first == again
+    assert await count(dsn, "SELECT count(*) FROM checkpoints WHERE kind = 'merge'") == 1
+    records = await read_topic(settings.kafka_bootstrap or "", settings.merged_topic, 2)
+    mine = [r for r in records if dict(r.headers)["alma.join_id"] == b"j-1"]
+    assert len(mine) == 2
+    assert mine[0].value == mine[1].value
+    assert mine[0].key == b"twice"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason", "names"),
+    [
+        ({"branch_ids": ["b0", "nope"]}, "missing_branch", "'nope'"),
+        ({"branch_ids": ["b0", "b1"], "reducers": {"log": "median"}}, "unknown_reducer",
+         "'median'"),
+        ({"branch_ids": ["b0", "b1"], "reducers": {"log": "append"}, "strict": True},
+         "strict_conflict", "received 2 different values"),
+    ],
+)  # fmt: skip
+async def test_errors_answer_and_dead_letter(
+    settings: Settings, stack: tuple[Worker, AlmaClient], kwargs: dict[str, Any], reason: str,
+    names: str,
+) -> None:  # fmt: skip
+    _, client = stack
+    dsn = settings.postgres_dsn
+    assert dsn
+    run = f"err-{uuid.uuid4().hex[:6]}"
+    await fan_out(settings, run, 2)
+    await wait_for(lambda: count(dsn, "SELECT count(*) FROM checkpoints WHERE run_id = $1", run))
+    with pytest.raises(errors.MergeFailed, match=reason) as info:
+        await client.merge(ctx(run), timeout=60, **kwargs)
+    assert names in info.value.message
+    if reason == "strict_conflict":
+        assert re.search(r"field '(total|best|info|tag)'", info.value.message)
+    letters = await fetch(dsn, "SELECT consumer, reason FROM dead_letters")
+    assert [(r["consumer"], r["reason"]) for r in letters] == [("joiner", reason)]
+    # Nothing is stuck: the next join of the run is answered.
+    ok = await client.merge(ctx(run), branch_ids=["b0", "b1"], reducers={"log": "append"},
+                            timeout=60)  # fmt: skip
+    assert ok.status == "ok"
+
+
+async def test_states_join_and_registered_reducers(
+    settings: Settings, stack: tuple[Worker, AlmaClient]
+) -> None:
+    _, client = stack
+    dsn = settings.postgres_dsn
+    assert dsn
+    await register_reducers(dsn, "wf", {"n": "sum", "seen": "union"})
+    await fan_out(settings, "given", 1)
+    reply = await client.merge(
+        ctx("given"), states=[{"n": 1, "seen": [1, 2]}, {"n": 2, "seen": [2, 3]}], timeout=60
+    )
+    assert reply.merged_state == {"n": 3, "seen": [1, 2, 3]}
+
+
+async def test_reply_lost_to_a_crash_is_sent_on_recovery(settings: Settings) -> None:
+    """The joiner committed the merged checkpoint and died before publishing the reply:
+    the reply is in the outbox, and the next worker sends exactly that reply."""
+    dsn = settings.postgres_dsn
+    assert dsn
+    async with Worker.start(settings):  # the checkpointer alone: branch checkpoints
+        await fan_out(settings, "lost", 2)
+
+        async def three() -> bool:
+            return await count(dsn, "SELECT count(*) FROM checkpoints") == 3
+
+        await wait_for(three, what="the branch checkpoints")
+    join = {"event_id": "j-lost", "type": "branch.join", "emitted_at": "2026-11-22T10:00:00Z",
+            "tenant_id": "acme", "workflow_id": "wf", "run_id": "lost",
+            "payload": {"join_id": "lost-1", "branch_ids": ["b0", "b1"]}}  # fmt: skip
+    raw = json.dumps(join).encode()
+    async with connect(dsn) as pool:
+        store = PostgresJoinStore(
+            pool,
+            JoinConfig(
+                f"{settings.group_prefix}-joiner",
+                "joiner",
+                settings.merged_topic,
+                settings.dlq_topic,
+                settings.max_state_bytes,
+            ),
+            ReducerRegistry(),
+        )
+        record = Incoming(settings.sequenced_topic, 0, 0, b"lost", raw, decode(raw))
+        result = await store.apply("crashed", {(settings.sequenced_topic, 0): [record]})
+    assert result.outcomes["ok"] == 1  # durable, but never published: the crash
+    async with Worker.start(settings, ("join",)):
+        records = await read_topic(settings.kafka_bootstrap or "", settings.merged_topic, 1)
+    reply = json.loads(records[0].value)
+    assert (reply["join_id"], reply["status"], reply["checkpoint_seq"]) == ("lost-1", "ok", 4)
+    assert await count(dsn, "SELECT count(*) FROM checkpoints WHERE kind = 'merge'") == 1
