@@ -312,6 +312,84 @@ def reducers_list(as_json: bool = typer.Option(False, "--json")) -> None:
     common.out.print(table)
 
 
+@reducers_app.command("set")
+def reducers_set(
+    workflow_id: str = typer.Argument(..., help="The workflow."),
+    config_file: Path = typer.Argument(
+        ...,
+        help='JSON: {"reducers": {"field": "name"}, '
+        '"default_reducer": "last_value", "strict": false}',
+    ),
+    tenant: str = typer.Option(..., "--tenant", help="The workflow's tenant."),
+) -> None:
+    """Register a workflow's reducers; joins and `updates` of its runs use them."""
+    s = common.settings()
+    try:
+        data = json.loads(config_file.read_text())
+    except OSError as exc:
+        common.err.print(f"[red]error:[/red] cannot read {config_file}: {exc.strerror}")
+        raise typer.Exit(2) from None
+    except json.JSONDecodeError as exc:
+        common.err.print(f"[red]error:[/red] {config_file} is not JSON: {exc}")
+        raise typer.Exit(2) from None
+    unknown = (
+        set(data) - {"reducers", "default_reducer", "strict"} if isinstance(data, dict) else {}
+    )
+    if not isinstance(data, dict) or unknown or not isinstance(data.get("reducers", {}), dict):
+        common.err.print(
+            f'[red]error:[/red] {config_file} must be an object with "reducers" (an object '
+            'of field -> reducer name), optional "default_reducer" and "strict"'
+            + (f"; unknown keys: {', '.join(sorted(unknown))}" if unknown else "")
+        )
+        raise typer.Exit(2)
+    config = reducers.ReducerConfig.from_json(data)
+
+    async def main() -> None:
+        config.validate(reducers.default_registry())
+        conn = await common.connect(common.dsn(s))
+        try:
+            await conn.execute(
+                """INSERT INTO reducer_configs (tenant_id, workflow_id, config)
+                   VALUES ($1, $2, $3::jsonb)
+                   ON CONFLICT (tenant_id, workflow_id)
+                   DO UPDATE SET config = EXCLUDED.config, updated_at = now()""",
+                tenant, workflow_id, json.dumps(config.to_json()),
+            )  # fmt: skip
+        finally:
+            await conn.close()
+        common.out.print(f"reducers of workflow {workflow_id!r} (tenant {tenant!r}) saved")
+
+    common.run(main)
+
+
+@reducers_app.command("show")
+def reducers_show(
+    workflow_id: str = typer.Argument(..., help="The workflow."),
+    tenant: str = typer.Option(..., "--tenant", help="The workflow's tenant."),
+) -> None:
+    """A workflow's registered reducers, as JSON."""
+    s = common.settings()
+
+    async def main() -> None:
+        conn = await common.connect(common.dsn(s))
+        try:
+            config = await conn.fetchval(
+                "SELECT config::text FROM reducer_configs "
+                "WHERE tenant_id = $1 AND workflow_id = $2",
+                tenant, workflow_id,
+            )  # fmt: skip
+        finally:
+            await conn.close()
+        if config is None:
+            raise errors.AlmaError(
+                f"no reducers registered for workflow {workflow_id!r} of tenant {tenant!r}: "
+                "`alma reducers set` registers them (runs use last_value meanwhile)"
+            )
+        print(config)
+
+    common.run(main)
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()
 

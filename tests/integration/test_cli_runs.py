@@ -89,3 +89,27 @@ async def test_dlq_list_and_replay(settings: Settings, worker: Worker, tmp_path:
     assert "no dead letter 99999" in bad.stderr
     missing_file = alma("dlq", "replay", str(letter), "--value-file", "/nope.json", env=env)
     assert missing_file.returncode == 2
+
+
+async def test_reducers_set_and_show(settings: Settings, tmp_path: Path) -> None:
+    env = env_of(settings)
+    good = tmp_path / "reducers.json"
+    good.write_text(json.dumps({"reducers": {"log": "append", "n": "sum"}, "strict": True}))
+    saved = alma("reducers", "set", "wf", str(good), "--tenant", "acme", env=env)
+    assert saved.returncode == 0, saved.stderr
+    shown = json.loads(alma("reducers", "show", "wf", "--tenant", "acme", env=env).stdout)
+    assert shown == {"reducers": {"log": "append", "n": "sum"}, "default_reducer": "last_value",
+                     "strict": True}  # fmt: skip
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps({"reducers": {"n": "median"}}))
+    bad = alma("reducers", "set", "wf", str(unknown), "--tenant", "acme", env=env)
+    assert bad.returncode == 1
+    assert "unknown reducer 'median'" in bad.stderr
+    malformed = tmp_path / "malformed.json"
+    malformed.write_text("{nope")
+    assert (
+        alma("reducers", "set", "wf", str(malformed), "--tenant", "acme", env=env).returncode == 2
+    )
+    other = alma("reducers", "show", "wf", "--tenant", "globex", env=env)
+    assert other.returncode == 1
+    assert "no reducers registered" in other.stderr
