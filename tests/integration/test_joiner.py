@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,6 +33,7 @@ from tests.integration.harness import (
     read_topic,
     register_reducers,
     wait_for,
+    worker_env,
 )
 
 REDUCERS = {"log": "append", "total": "sum", "best": "max", "info": "merge_dict",
@@ -202,3 +206,21 @@ async def test_reply_lost_to_a_crash_is_sent_on_recovery(settings: Settings) -> 
     reply = json.loads(records[0].value)
     assert (reply["join_id"], reply["status"], reply["checkpoint_seq"]) == ("lost-1", "ok", 4)
     assert await count(dsn, "SELECT count(*) FROM checkpoints WHERE kind = 'merge'") == 1
+
+
+async def test_the_fan_out_example_runs(settings: Settings, tmp_path: Path) -> None:
+    """examples/fan_out_fan_in.py against running workers, as a user runs it."""
+    example = Path(__file__).parents[2] / "examples" / "fan_out_fan_in.py"
+    env = {**worker_env(settings), "PYTHONPATH": str(Path(__file__).parents[2])}
+    async with Worker.start(settings, ("checkpoint", "join")):
+        result = await asyncio.to_thread(
+            subprocess.run, [sys.executable, str(example)], env=env, cwd=tmp_path,
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "merged checkpoint seq 5" in result.stdout
+    merged = json.loads(result.stdout.split("\n", 1)[1])
+    assert merged["cost"] == pytest.approx(1.5)
+    assert merged["score"] == 0.9
+    assert merged["findings"] == ["HNSW is fast", "IVF needs training",
+                                  "exact scan wins below 10k rows"]  # fmt: skip

@@ -1,0 +1,79 @@
+"""Fan-out / fan-in against a running `alma up`.
+
+    alma up                                   # in one terminal
+    python examples/fan_out_fan_in.py         # in another
+
+Three branches research in parallel and write their findings; the join merges
+them with reducers (append the findings, sum the costs, keep the best score) and
+the merged state comes back as a durable checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from alma_core.client import AlmaClient
+from alma_core.settings import load
+from alma_core.types import WorkflowContext
+from schemas.events import NodeCompleted
+
+
+def completed(ctx: WorkflowContext, node: str, branch: str | None, updates: dict[str, Any]) -> Any:
+    return NodeCompleted.model_validate({
+        "event_id": uuid.uuid4().hex, "type": "node.completed",
+        "emitted_at": datetime.now(UTC), "tenant_id": ctx.tenant_id,
+        "workflow_id": ctx.workflow_id, "run_id": ctx.run_id, "node_id": node,
+        "branch_id": branch, "payload": {"updates": updates},
+    }, strict=False)  # fmt: skip
+
+
+def settings_of_running_stack() -> Any:
+    """The services of `alma up` (from .alma/endpoints.json), or the ALMA_* variables."""
+    endpoints = Path(".alma/endpoints.json")
+    found = json.loads(endpoints.read_text()) if endpoints.exists() else {}
+    found.pop("cluster_id", None)
+    return load(**{k: v for k, v in found.items() if v})
+
+
+async def main(settings: Any) -> None:
+    ctx = WorkflowContext(
+        tenant_id="acme", workflow_id="research", run_id=f"run-{uuid.uuid4().hex[:8]}"
+    )
+    async with AlmaClient(settings) as client:
+        await client.publish(
+            completed(
+                ctx, "plan", None, {"question": "best vector index?", "findings": [], "cost": 0}
+            )
+        )
+        branches = {
+            "web": ("HNSW is fast", 0.4, 0.7),
+            "papers": ("IVF needs training", 0.9, 0.6),
+            "code": ("exact scan wins below 10k rows", 0.2, 0.9),
+        }
+        for name, (finding, cost, score) in branches.items():
+            await client.publish(
+                completed(
+                    ctx,
+                    f"search-{name}",
+                    name,
+                    {"findings": [finding], "cost": cost, "score": score},
+                )
+            )
+        reply = await client.merge(
+            ctx,
+            branch_ids=list(branches),
+            node_id="synthesise",
+            reducers={"findings": "append", "cost": "sum", "score": "max"},
+            timeout=60,
+        )
+    print(f"run {ctx.run_id}: merged checkpoint seq {reply.checkpoint_seq}")
+    print(json.dumps(reply.merged_state, indent=2))
+
+
+if __name__ == "__main__":
+    asyncio.run(main(settings_of_running_stack()))
