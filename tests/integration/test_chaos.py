@@ -21,6 +21,7 @@ from tests.integration.harness import (
     assert_exactly_once,
     completed,
     count,
+    fetch,
     wait_for,
 )
 
@@ -136,3 +137,59 @@ async def test_members_join_and_leave_mid_stream(settings: Settings, tmp_path: P
         await wait_for(all_in, limit_s=90, what=f"{total} checkpoints")
         assert second.terminate() == 0
     await assert_exactly_once(dsn, published)
+
+
+async def test_joiner_killed_mid_stream_every_join_answered_once(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """The joiner SIGKILLed while joins are in flight (some between the merged
+    checkpoint and the reply): orchestrators retrying with the same join_id all get
+    their answer, and each join has exactly one merged checkpoint."""
+    from alma_core import errors
+    from alma_core.client import AlmaClient
+    from alma_core.types import WorkflowContext
+
+    dsn = settings.postgres_dsn
+    assert dsn
+    rng = random.Random(7)
+    runs = [f"j{i}" for i in range(10)]
+    async with (
+        Worker.start(settings),
+        Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub,
+    ):
+        for run in runs:
+            for b in ("x", "y"):
+                await pub.send(completed(run, branch=b, updates={"log": [b]}))
+        await pub.flush()
+        joiner = WorkerProcess(settings, tmp_path / "joiner.log", consumers="join").start()
+
+        async def ask(client: AlmaClient, run: str, k: int) -> Any:
+            ctx = WorkflowContext(tenant_id="acme", workflow_id="wf", run_id=run)
+            for _ in range(8):
+                try:
+                    return await client.merge(ctx, branch_ids=["x", "y"], join_id=f"{run}-{k}",
+                                              reducers={"log": "append"}, timeout=5)  # fmt: skip
+                except errors.MergeTimeout:
+                    continue  # the same join_id again: safe
+            raise AssertionError(f"join {run}-{k} never answered")
+
+        async with AlmaClient(settings) as client:
+            asking = asyncio.gather(*(ask(client, run, k) for run in runs for k in range(3)))
+            for _ in range(2):
+                await asyncio.sleep(rng.uniform(0.3, 1.0))
+                joiner.kill()
+                await asyncio.sleep(0.3)
+                joiner.start()
+            replies = await asyncio.wait_for(asyncio.shield(asking), 120)
+        assert joiner.terminate() == 0
+    assert all(r.status == "ok" for r in replies)
+    assert len({(r.run_id, r.join_id) for r in replies}) == 30
+    rows = await fetch(
+        dsn, "SELECT metadata->>'join_id' AS j, count(*) AS n FROM checkpoints "
+        "WHERE kind = 'merge' GROUP BY 1"
+    )  # fmt: skip
+    assert len(rows) == 30
+    assert all(r["n"] == 1 for r in rows)
+    for run in runs:  # three joins of one run: seqs follow each other, no gap
+        seqs = await fetch(dsn, "SELECT seq FROM checkpoints WHERE run_id = $1 ORDER BY seq", run)
+        assert [r["seq"] for r in seqs] == list(range(1, 6))
