@@ -79,7 +79,11 @@ class AlmaClient:
 
     async def _start_listener(self) -> None:
         topic = self.settings.merged_topic
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            enable_auto_commit=False,
+            fetch_max_wait_ms=self.settings.fetch_max_wait_ms,
+        )
         await consumer.start()
         partitions = consumer.partitions_for_topic(topic)
         if not partitions:

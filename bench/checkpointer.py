@@ -335,15 +335,13 @@ def report(bench: Bench, out: Path | None) -> None:
         console.print(f"written to {out}")
 
 
-START, END = "<!-- bench:checkpointer:start -->", "<!-- bench:checkpointer:end -->"
-
-
-def write_section(out: Path, body: str) -> None:
-    """Replace this benchmark's section of ``out`` (between its markers), keeping the rest."""
-    section = f"{START}\n{body}\n{END}"
+def write_section(out: Path, body: str, name: str = "checkpointer") -> None:
+    """Replace one benchmark's section of ``out`` (between its markers), keeping the rest."""
+    start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+    section = f"{start}\n{body}\n{end}"
     text = out.read_text() if out.exists() else ""
-    if START in text and END in text:
-        text = text[: text.index(START)] + section + text[text.index(END) + len(END) :]
+    if start in text and end in text:
+        text = text[: text.index(start)] + section + text[text.index(end) + len(end) :]
     else:
         text = (text.rstrip() + "\n\n" if text else "") + section + "\n"
     out.write_text(text)
