@@ -16,7 +16,6 @@ The caller commits to Kafka after this returns (Postgres first, then Kafka).
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -24,12 +23,20 @@ from datetime import UTC, datetime
 import asyncpg
 
 from alma_core import errors, offsets
+from alma_core.batch_store import (
+    BatchStore,
+    DeadLetter,
+    Incoming,
+    OutboxRow,
+    dead_letter_for,
+    headers_json,
+    insert_outbox,
+    record_dead_letter,
+)
 from alma_core.offsets import TopicPartition
-from alma_core.postgres import is_storage_failure, storage_error
 from alma_core.reducers import ReducerConfig, ReducerRegistry
 from alma_core.sequencing import (
     CheckpointRow,
-    Coordinates,
     Head,
     RunView,
     Sequencer,
@@ -37,32 +44,6 @@ from alma_core.sequencing import (
 )
 from schemas.decoder import Decoded, Rejection
 from schemas.events import Event, NodeCompleted, NodeFailed
-
-
-@dataclass(frozen=True)
-class Incoming:
-    """One consumed record with its decoding."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    decoded: Decoded
-
-    @property
-    def coords(self) -> Coordinates:
-        return Coordinates(self.topic, self.partition, self.offset)
-
-
-@dataclass(frozen=True)
-class DeadLetter:
-    record: Incoming
-    reason: str
-    detail: str
-    event_id: str | None
-    run_id: str | None
-    tenant_id: str | None
 
 
 @dataclass
@@ -89,22 +70,6 @@ class StoreConfig:
     max_state_bytes: int
 
 
-def _headers(pairs: dict[str, str | int | None]) -> str:
-    return json.dumps([[k, str(v)] for k, v in pairs.items() if v is not None])
-
-
-def dead_letter_for(record: Incoming, exc: errors.AlmaError | Rejection) -> DeadLetter:
-    if isinstance(exc, Rejection):
-        return DeadLetter(
-            record, exc.reason.value, exc.describe(), exc.event_id, exc.run_id, exc.tenant_id
-        )
-    event = record.decoded
-    assert not isinstance(event, Rejection)
-    return DeadLetter(
-        record, exc.reason, exc.message, event.event_id, event.run_id, event.tenant_id
-    )
-
-
 def _audit_payload(event: Event) -> str:
     # The state itself lives in the checkpoint; the log keeps everything else.
     return event.payload.model_dump_json(exclude={"state"}, exclude_none=True)
@@ -116,36 +81,19 @@ def _needs_head_state(event: Decoded) -> tuple[str, str] | None:
     return None
 
 
-class PostgresCheckpointStore:
+class PostgresCheckpointStore(BatchStore):
     def __init__(self, pool: asyncpg.Pool, config: StoreConfig, registry: ReducerRegistry) -> None:
-        self.pool = pool
+        super().__init__(pool, config.group_id)
         self.config = config
         self.registry = registry
-
-    async def stored_offsets(
-        self, cluster_id: str, partitions: list[TopicPartition]
-    ) -> dict[TopicPartition, int]:
-        """Where each partition resumes, for this group on this broker cluster."""
-        try:
-            return await offsets.stored_offsets(
-                self.pool, self.config.group_id, cluster_id, partitions
-            )
-        except Exception as exc:
-            if is_storage_failure(exc):
-                raise storage_error(exc, "reading stored offsets") from exc
-            raise
 
     async def apply(
         self, cluster_id: str, batch: dict[TopicPartition, list[Incoming]]
     ) -> BatchResult:
         """Apply a polled batch in one transaction; see the module docstring."""
-        try:
-            async with self.pool.acquire() as conn, conn.transaction():
-                return await self._apply(conn, cluster_id, batch)
-        except Exception as exc:
-            if is_storage_failure(exc):
-                raise storage_error(exc, "applying a batch") from exc
-            raise
+        return await self.in_transaction(
+            "applying a batch", lambda conn: self._apply(conn, cluster_id, batch)
+        )
 
     async def _apply(
         self,
@@ -303,42 +251,20 @@ class PostgresCheckpointStore:
                     for e in events
                 ],
             )  # fmt: skip
-        outbox: list[tuple[str, bytes | None, bytes, str]] = []
+        outbox: list[OutboxRow] = []
         for row in seq.effects.handoffs:
             # Hand-offs carry the event as decoded: canonical JSON of the contract.
             record_value = row.event.model_dump_json(exclude_none=True).encode()
             outbox.append((
                 self.config.handoff_topic, row.event.run_id.encode(), record_value,
-                _headers({"alma.event_type": row.event.type, "alma.event_id": row.event.event_id,
-                          "alma.source.topic": row.coords.topic,
-                          "alma.source.partition": row.coords.partition,
-                          "alma.source.offset": row.coords.offset}),
+                headers_json({"alma.event_type": row.event.type,
+                              "alma.event_id": row.event.event_id,
+                              "alma.source.topic": row.coords.topic,
+                              "alma.source.partition": row.coords.partition,
+                              "alma.source.offset": row.coords.offset}),
             ))  # fmt: skip
         for dl in result.dead_letters:
-            rec = dl.record
-            await conn.execute(
-                """INSERT INTO dead_letters (consumer, reason, detail, event_id, run_id, tenant_id,
-                       source_topic, source_partition, source_offset, key, value)
-                   VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
-                   ON CONFLICT DO NOTHING""",
-                self.config.consumer, dl.reason, dl.detail, dl.event_id, dl.run_id, dl.tenant_id,
-                rec.topic, rec.partition, rec.offset, rec.key, rec.value,
-            )  # fmt: skip
-            outbox.append((
-                self.config.dlq_topic, rec.key, rec.value or b"",
-                _headers({"alma.reason": dl.reason, "alma.detail": dl.detail[:1000],
-                          "alma.consumer": self.config.consumer, "alma.source.topic": rec.topic,
-                          "alma.source.partition": rec.partition,
-                          "alma.source.offset": rec.offset}),
-            ))  # fmt: skip
-        if outbox:
-            rows = await conn.fetch(
-                """INSERT INTO outbox (topic, key, value, headers)
-                   SELECT * FROM unnest($1::text[], $2::bytea[], $3::bytea[], $4::jsonb[])
-                   RETURNING id""",
-                [o[0] for o in outbox],
-                [o[1] for o in outbox],
-                [o[2] for o in outbox],
-                [o[3] for o in outbox],
+            outbox.append(
+                await record_dead_letter(conn, self.config.consumer, self.config.dlq_topic, dl)
             )
-            result.outbox_ids = [r["id"] for r in rows]
+        result.outbox_ids = await insert_outbox(conn, outbox)

@@ -23,9 +23,16 @@ from typing import Any
 import asyncpg
 
 from alma_core import errors, joining, offsets
-from alma_core.checkpoint_store import DeadLetter, Incoming, dead_letter_for
+from alma_core.batch_store import (
+    BatchStore,
+    DeadLetter,
+    Incoming,
+    OutboxRow,
+    dead_letter_for,
+    insert_outbox,
+    record_dead_letter,
+)
 from alma_core.offsets import TopicPartition
-from alma_core.postgres import is_storage_failure, storage_error
 from alma_core.reducers import ReducerConfig, ReducerRegistry
 from alma_core.sequencing import MAIN, Head, canonical_json
 from alma_core.types import Checkpoint
@@ -59,34 +66,18 @@ def reply_bytes(reply: dict[str, Any]) -> bytes:
     return canonical_json(reply).encode()
 
 
-class PostgresJoinStore:
+class PostgresJoinStore(BatchStore):
     def __init__(self, pool: asyncpg.Pool, config: JoinConfig, registry: ReducerRegistry) -> None:
-        self.pool = pool
+        super().__init__(pool, config.group_id)
         self.config = config
         self.registry = registry
-
-    async def stored_offsets(
-        self, cluster_id: str, partitions: list[TopicPartition]
-    ) -> dict[TopicPartition, int]:
-        try:
-            return await offsets.stored_offsets(
-                self.pool, self.config.group_id, cluster_id, partitions
-            )
-        except Exception as exc:
-            if is_storage_failure(exc):
-                raise storage_error(exc, "reading stored offsets") from exc
-            raise
 
     async def apply(
         self, cluster_id: str, batch: dict[TopicPartition, list[Incoming]]
     ) -> JoinBatchResult:
-        try:
-            async with self.pool.acquire() as conn, conn.transaction():
-                return await self._apply(conn, cluster_id, batch)
-        except Exception as exc:
-            if is_storage_failure(exc):
-                raise storage_error(exc, "applying joins") from exc
-            raise
+        return await self.in_transaction(
+            "applying joins", lambda conn: self._apply(conn, cluster_id, batch)
+        )
 
     async def _apply(
         self, conn: asyncpg.Connection, cluster_id: str, batch: dict[TopicPartition, list[Incoming]]
@@ -102,7 +93,7 @@ class PostgresJoinStore:
                 "SELECT 1 FROM runs WHERE run_id = ANY($1::text[]) ORDER BY run_id FOR UPDATE",
                 run_ids,
             )
-        outbox: list[tuple[str, bytes, bytes, str]] = []
+        outbox: list[OutboxRow] = []
         for record in records:
             if isinstance(record.decoded, Rejection):
                 result.dead_letters.append(dead_letter_for(record, record.decoded))
@@ -110,16 +101,10 @@ class PostgresJoinStore:
             if isinstance(record.decoded, BranchJoin):
                 await self._join(conn, record, record.decoded, result, outbox)
         for dl in result.dead_letters:
-            outbox.append(await self._dead_letter(conn, dl))
-        if outbox:
-            rows = await conn.fetch(
-                """INSERT INTO outbox (topic, key, value, headers)
-                   SELECT * FROM unnest($1::text[], $2::bytea[], $3::bytea[], $4::jsonb[])
-                   RETURNING id""",
-                [o[0] for o in outbox], [o[1] for o in outbox],
-                [o[2] for o in outbox], [o[3] for o in outbox],
-            )  # fmt: skip
-            result.outbox_ids = [r["id"] for r in rows]
+            outbox.append(
+                await record_dead_letter(conn, self.config.consumer, self.config.dlq_topic, dl)
+            )
+        result.outbox_ids = await insert_outbox(conn, outbox)
         ends = await offsets.advance(conn, self.config.group_id, cluster_id, fenced.todo)
         result.next_offsets.update(ends)
         return result
@@ -130,7 +115,7 @@ class PostgresJoinStore:
         record: Incoming,
         event: BranchJoin,
         result: JoinBatchResult,
-        outbox: list[tuple[str, bytes, bytes, str]],
+        outbox: list[OutboxRow],
     ) -> None:
         payload = event.payload
         topic = payload.reply_to or self.config.reply_topic
@@ -239,21 +224,3 @@ class PostgresJoinStore:
             event_id=event.event_id, merged_from=merged.merged_from, metadata=metadata,
             created_at=now,
         )  # fmt: skip
-
-    async def _dead_letter(
-        self, conn: asyncpg.Connection, dl: DeadLetter
-    ) -> tuple[str, bytes, bytes, str]:
-        rec = dl.record
-        await conn.execute(
-            """INSERT INTO dead_letters (consumer, reason, detail, event_id, run_id, tenant_id,
-                   source_topic, source_partition, source_offset, key, value)
-               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT DO NOTHING""",
-            self.config.consumer, dl.reason, dl.detail, dl.event_id, dl.run_id, dl.tenant_id,
-            rec.topic, rec.partition, rec.offset, rec.key, rec.value,
-        )  # fmt: skip
-        headers = json.dumps([
-            ["alma.reason", dl.reason], ["alma.detail", dl.detail[:1000]],
-            ["alma.consumer", self.config.consumer], ["alma.source.topic", rec.topic],
-            ["alma.source.partition", str(rec.partition)], ["alma.source.offset", str(rec.offset)],
-        ])  # fmt: skip
-        return (self.config.dlq_topic, rec.key or b"", rec.value or b"", headers)

@@ -31,8 +31,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 from alma_core import settings as settings_mod
+from alma_core.batch_store import Incoming
 from alma_core.cache import RedisCheckpointCache
-from alma_core.checkpoint_store import Incoming, PostgresCheckpointStore, StoreConfig
+from alma_core.checkpoint_store import PostgresCheckpointStore, StoreConfig
 from alma_core.embedded import EmbeddedStack
 from alma_core.migrations import Migrator
 from alma_core.postgres import connect

@@ -16,8 +16,9 @@ from datetime import datetime
 from typing import Any
 
 from alma_core import errors
+from alma_core.batch_store import Incoming
 from alma_core.cache import CacheWriter
-from alma_core.checkpoint_store import BatchResult, Incoming, PostgresCheckpointStore
+from alma_core.checkpoint_store import BatchResult, PostgresCheckpointStore
 from alma_core.offsets import TopicPartition
 from alma_core.resume import cache_entries
 from alma_core.sequencing import CheckpointRow

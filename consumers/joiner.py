@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from alma_core.batch_store import Incoming
 from alma_core.cache import CacheWriter
-from alma_core.checkpoint_store import Incoming
 from alma_core.join_store import JoinBatchResult, PostgresJoinStore
 from alma_core.offsets import TopicPartition
 from alma_core.resume import cache_entries

@@ -8,7 +8,8 @@ import asyncio
 import json
 from typing import Any
 
-from alma_core.checkpoint_store import Incoming, PostgresCheckpointStore, StoreConfig
+from alma_core.batch_store import Incoming
+from alma_core.checkpoint_store import PostgresCheckpointStore, StoreConfig
 from alma_core.postgres import connect
 from alma_core.reducers import ReducerRegistry
 from schemas.decoder import decode

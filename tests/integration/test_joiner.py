@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from alma_core import errors
-from alma_core.checkpoint_store import Incoming
+from alma_core.batch_store import Incoming
 from alma_core.client import AlmaClient
 from alma_core.join_store import JoinConfig, PostgresJoinStore
 from alma_core.postgres import connect

@@ -1,0 +1,137 @@
+"""What every store that applies polled batches to PostgreSQL shares: the consumed
+record, dead letters, outbox rows, stored offsets and the batch transaction.
+
+Stores (:mod:`alma_core.checkpoint_store`, :mod:`alma_core.join_store`) apply a
+batch in one transaction: fence the offsets (:mod:`alma_core.offsets`), write
+their effects, dead letters and outbox rows, advance the offsets. What the
+outbox holds is published after commit by the worker's relay.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import asyncpg
+
+from alma_core import errors, offsets
+from alma_core.offsets import TopicPartition
+from alma_core.postgres import is_storage_failure, storage_error
+from alma_core.sequencing import Coordinates
+from schemas.decoder import Decoded, Rejection
+
+T = TypeVar("T")
+
+OutboxRow = tuple[str, bytes | None, bytes, str]  # topic, key, value, headers (JSON pairs)
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """One consumed record with its decoding."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    decoded: Decoded
+
+    @property
+    def coords(self) -> Coordinates:
+        return Coordinates(self.topic, self.partition, self.offset)
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    record: Incoming
+    reason: str
+    detail: str
+    event_id: str | None
+    run_id: str | None
+    tenant_id: str | None
+
+
+def dead_letter_for(record: Incoming, exc: errors.AlmaError | Rejection) -> DeadLetter:
+    if isinstance(exc, Rejection):
+        return DeadLetter(
+            record, exc.reason.value, exc.describe(), exc.event_id, exc.run_id, exc.tenant_id
+        )
+    event = record.decoded
+    assert not isinstance(event, Rejection)
+    return DeadLetter(
+        record, exc.reason, exc.message, event.event_id, event.run_id, event.tenant_id
+    )
+
+
+def headers_json(pairs: dict[str, str | int | None]) -> str:
+    return json.dumps([[k, str(v)] for k, v in pairs.items() if v is not None])
+
+
+async def record_dead_letter(
+    conn: asyncpg.Connection, consumer: str, dlq_topic: str, dl: DeadLetter
+) -> OutboxRow:
+    """Keep the dead letter (for `alma dlq`) and return its dead-letter-topic record."""
+    rec = dl.record
+    await conn.execute(
+        """INSERT INTO dead_letters (consumer, reason, detail, event_id, run_id, tenant_id,
+               source_topic, source_partition, source_offset, key, value)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+           ON CONFLICT DO NOTHING""",
+        consumer, dl.reason, dl.detail, dl.event_id, dl.run_id, dl.tenant_id,
+        rec.topic, rec.partition, rec.offset, rec.key, rec.value,
+    )  # fmt: skip
+    return (
+        dlq_topic, rec.key, rec.value or b"",
+        headers_json({"alma.reason": dl.reason, "alma.detail": dl.detail[:1000],
+                      "alma.consumer": consumer, "alma.source.topic": rec.topic,
+                      "alma.source.partition": rec.partition, "alma.source.offset": rec.offset}),
+    )  # fmt: skip
+
+
+async def insert_outbox(conn: asyncpg.Connection, rows: list[OutboxRow]) -> list[int]:
+    if not rows:
+        return []
+    inserted = await conn.fetch(
+        """INSERT INTO outbox (topic, key, value, headers)
+           SELECT * FROM unnest($1::text[], $2::bytea[], $3::bytea[], $4::jsonb[])
+           RETURNING id""",
+        [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
+    )  # fmt: skip
+    return [r["id"] for r in inserted]
+
+
+class BatchStore:
+    """Base of the stores: the pool, the group's stored offsets, the batch transaction."""
+
+    def __init__(self, pool: asyncpg.Pool, group_id: str) -> None:
+        self.pool = pool
+        self.group_id = group_id
+
+    async def stored_offsets(
+        self, cluster_id: str, partitions: list[TopicPartition]
+    ) -> dict[TopicPartition, int]:
+        """Where each partition resumes, for this group on this broker cluster."""
+        return await self._guarded(
+            "reading stored offsets",
+            offsets.stored_offsets(self.pool, self.group_id, cluster_id, partitions),
+        )
+
+    async def in_transaction(
+        self, doing: str, work: Callable[[asyncpg.Connection], Awaitable[T]]
+    ) -> T:
+        async def run() -> T:
+            async with self.pool.acquire() as conn, conn.transaction():
+                return await work(conn)
+
+        return await self._guarded(doing, run())
+
+    @staticmethod
+    async def _guarded(doing: str, work: Awaitable[T]) -> T:
+        try:
+            return await work
+        except Exception as exc:
+            if is_storage_failure(exc):
+                raise storage_error(exc, doing) from exc
+            raise
