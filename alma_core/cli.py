@@ -23,7 +23,7 @@ from alma_core.embedded import EmbeddedStack, Endpoints
 from alma_core.logs import configure as configure_logs
 from alma_core.migrations import Migrator
 from alma_core.topics import alma_topics, describe_topics, ensure_topics
-from consumers.worker import KNOWN_CONSUMERS, run_worker
+from consumers.worker import KNOWN_CONSUMERS, WorkerStatus, run_worker
 from consumers.worker import Services as WorkerServices
 
 app = typer.Typer(help="ALMA Stream: workflow memory over Kafka, Postgres and Redis.")
@@ -107,11 +107,21 @@ def up(
             common.out.print(f"endpoints written to {s.data_dir / common.ENDPOINTS_FILE}")
             stop = _stop_on_signals()
             ready = asyncio.Event()
+            status = WorkerStatus()
             workers = asyncio.create_task(
-                run_worker(s, _services(endpoints), list(KNOWN_CONSUMERS), stop, ready=ready)
+                run_worker(
+                    s, _services(endpoints), list(KNOWN_CONSUMERS), stop, ready=ready, status=status
+                )
             )
             await _until_ready(workers, ready)
             common.out.print(f"workers running: {', '.join(KNOWN_CONSUMERS)}")
+            base = f"http://127.0.0.1:{status.http_port}"
+            common.out.print(
+                f"metrics: {base}/metrics  health: {base}/healthz  ready: {base}/readyz"
+            )
+            (s.data_dir / common.ENDPOINTS_FILE).write_text(
+                json.dumps({**endpoints.as_dict(), "metrics_url": f"{base}/metrics"}, indent=2)
+            )
             if check:
                 stop.set()
             else:

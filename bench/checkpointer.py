@@ -259,7 +259,7 @@ async def main(quick: bool, out: Path | None) -> None:
     s = settings_mod.load(
         kafka_bootstrap=services.kafka_bootstrap, postgres_dsn=services.postgres_dsn,
         redis_url=services.redis_url, redis_prefix=prefix, fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
-        session_timeout_ms=6000, heartbeat_interval_ms=500,
+        session_timeout_ms=6000, heartbeat_interval_ms=500, metrics_port=0,
     )  # fmt: skip
     await ensure_topics(
         services.kafka_bootstrap, [s.sequenced_topic, s.dlq_topic], partitions=PARTITIONS

@@ -115,7 +115,8 @@ async def main(quick: bool, out: Path | None) -> None:
             s = settings_mod.load(
                 kafka_bootstrap=endpoints.kafka_bootstrap, postgres_dsn=endpoints.postgres_dsn,
                 redis_url=endpoints.redis_url, fetch_max_wait_ms=50,
-                session_timeout_ms=6000, heartbeat_interval_ms=500, require_tenant=True,
+                session_timeout_ms=6000, heartbeat_interval_ms=500,
+                metrics_port=0, require_tenant=True,
             )  # fmt: skip
             await ensure_topics(s.kafka_bootstrap or "", alma_topics(s), partitions=PARTITIONS)
             for rate in (10, 50):

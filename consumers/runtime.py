@@ -164,6 +164,7 @@ class ConsumerRuntime:
             consumer.subscribe(cfg.topics, listener=_Listener(self))
             if not await retry_start(consumer.start, stop, "consumer"):
                 return
+            self.last_poll = time.monotonic()
             self.started.set()
             await self._loop(consumer, stop)
             with contextlib.suppress(KafkaError):

@@ -24,7 +24,7 @@ from alma_core.join_store import JoinConfig, PostgresJoinStore
 from alma_core.migrations import Migrator, load_migrations
 from alma_core.reducers import default_registry
 from alma_core.settings import Settings
-from consumers import checkpointer, joiner
+from consumers import checkpointer, http, joiner
 from consumers.metrics import Metrics
 from consumers.outbox import OutboxRelay
 from consumers.runtime import (
@@ -38,6 +38,13 @@ from consumers.runtime import (
 log = logging.getLogger("alma.worker")
 
 KNOWN_CONSUMERS = ("checkpoint", "join")
+
+
+@dataclass
+class WorkerStatus:
+    """What a running worker tells its caller: where its HTTP endpoints listen."""
+
+    http_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,7 @@ async def run_worker(
     *,
     metrics: Metrics | None = None,
     ready: asyncio.Event | None = None,
+    status: WorkerStatus | None = None,
 ) -> None:
     """Run the named consumer groups until ``stop`` is set."""
     unknown = [c for c in consumers if c not in KNOWN_CONSUMERS]
@@ -185,15 +193,24 @@ async def run_worker(
                     max_record_bytes=settings.max_record_bytes,
                 )  # fmt: skip
                 runtimes.append(runtime(joiner.GROUP, settings.sequenced_topic, join_handler))
-            tasks = [asyncio.create_task(r.run(stop)) for r in runtimes]
-            started = asyncio.ensure_future(asyncio.gather(*(r.started.wait() for r in runtimes)))
-            waiting: list[asyncio.Future[Any]] = [started, *tasks]
-            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            if started in done and ready is not None:
-                ready.set()
-            try:
-                await asyncio.gather(*tasks)
-            finally:
-                started.cancel()
+
+            async def database_ok() -> bool:
+                return bool(await pool.fetchval("SELECT 1"))
+
+            async with http.serve(settings.metrics_port, metrics, runtimes, database_ok) as port:
+                if status is not None:
+                    status.http_port = port
+                tasks = [asyncio.create_task(r.run(stop)) for r in runtimes]
+                started = asyncio.ensure_future(
+                    asyncio.gather(*(r.started.wait() for r in runtimes))
+                )
+                waiting: list[asyncio.Future[Any]] = [started, *tasks]
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if started in done and ready is not None:
+                    ready.set()
+                try:
+                    await asyncio.gather(*tasks)
+                finally:
+                    started.cancel()
     finally:
         await pool.close()

@@ -123,6 +123,7 @@ def settings_for(kafka: str, postgres: str, redis: str, topics: Topics, **extra:
         session_timeout_ms=2000,
         heartbeat_interval_ms=200,
         fetch_max_wait_ms=50,
+        metrics_port=0,
         **extra,
     )
 

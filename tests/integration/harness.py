@@ -23,7 +23,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from alma_core.settings import Settings
 from consumers.metrics import Metrics
 from consumers.worker import Services as WorkerServices
-from consumers.worker import run_worker
+from consumers.worker import WorkerStatus, run_worker
 
 T = TypeVar("T")
 
@@ -156,6 +156,7 @@ class Worker:
         self.metrics = metrics
         self.stop = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
+        self.status = WorkerStatus()
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -172,7 +173,7 @@ class Worker:
         )
         worker.task = asyncio.create_task(
             run_worker(settings, services, list(consumers), worker.stop, metrics=worker.metrics,
-                       ready=ready)
+                       ready=ready, status=worker.status)
         )  # fmt: skip
         waiter = asyncio.ensure_future(ready.wait())
         await asyncio.wait([worker.task, waiter], timeout=60, return_when=asyncio.FIRST_COMPLETED)

@@ -18,7 +18,7 @@ def alma(
     clean = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
     return subprocess.run(
         [sys.executable, "-m", "alma_core.cli", *args],
-        env={**clean, "COLUMNS": "200", **(env or {})},
+        env={**clean, "COLUMNS": "200", "ALMA_METRICS_PORT": "0", **(env or {})},
         cwd=cwd,
         capture_output=True,
         text=True,

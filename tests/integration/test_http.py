@@ -1,0 +1,73 @@
+"""A worker's /metrics, /healthz and /readyz over real HTTP; readiness follows PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from alma_core.settings import Settings
+from tests.integration.conftest import PrivateStack
+from tests.integration.harness import Publisher, Worker, completed, count, wait_for
+
+
+async def get(port: int, path: str) -> tuple[int, str]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    await writer.drain()
+    data = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, body = data.decode().partition("\r\n\r\n")
+    return int(head.split(" ")[1]), body
+
+
+async def test_metrics_health_and_readiness(settings: Settings, worker: Worker) -> None:
+    port = worker.status.http_port
+    assert port > 0
+    assert (await get(port, "/healthz"))[0] == 200
+    status, body = await get(port, "/readyz")
+    assert (status, json.loads(body)["ready"]) == (200, True), body
+    assert (await get(port, "/nope"))[0] == 404
+    dsn = settings.postgres_dsn
+    assert dsn
+    async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
+        for i in range(3):
+            await pub.send(completed("m", updates={"i": i}))
+        await pub.send(b"garbage", key=b"m")
+        await pub.flush()
+
+    async def done() -> bool:
+        return await count(dsn, "SELECT count(*) FROM dead_letters") == 1
+
+    await wait_for(done, what="the events")
+    await asyncio.sleep(0.2)
+    _, text = await get(port, "/metrics")
+    lines = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+             if ln and not ln.startswith("#")}  # fmt: skip
+    assert lines['alma_checkpoints_total{consumer="checkpointer",kind="node"}'] == 3
+    assert lines['alma_dead_letters_total{consumer="checkpointer",reason="malformed_json"}'] == 1
+    assert (
+        lines[
+            'alma_events_total{consumer="checkpointer",outcome="checkpointed",type="node.completed"}'
+        ]
+        == 3
+    )
+    assert not any("run_id" in k or '"m"' in k for k in lines), "no run ids as labels"
+
+
+async def test_readiness_follows_postgres(private_stack: PrivateStack) -> None:
+    async with Worker.start(private_stack.settings) as worker:
+        port = worker.status.http_port
+        assert (await get(port, "/readyz"))[0] == 200
+        pg = private_stack.postgres
+        pg_port = pg.port
+        await pg.stop()
+        status, body = await get(port, "/readyz")
+        assert status == 503
+        assert "postgres: not reachable" in json.loads(body)["reasons"]
+        assert (await get(port, "/healthz"))[0] == 200  # alive, just not ready
+        await pg.start(port=pg_port)
+
+        async def ready_again() -> bool:
+            return (await get(port, "/readyz"))[0] == 200
+
+        await wait_for(ready_again, what="ready again")
