@@ -224,3 +224,22 @@ async def test_the_fan_out_example_runs(settings: Settings, tmp_path: Path) -> N
     assert merged["score"] == 0.9
     assert merged["findings"] == ["HNSW is fast", "IVF needs training",
                                   "exact scan wins below 10k rows"]  # fmt: skip
+
+
+async def test_several_clients_share_one_reply_topic(
+    settings: Settings, stack: tuple[Worker, AlmaClient]
+) -> None:
+    """Each client gets its own replies and ignores the others'."""
+    _, first = stack
+    async with AlmaClient(settings) as second:
+        runs = [f"shared-{i}" for i in range(6)]
+        await asyncio.gather(*(fan_out(settings, run, 2) for run in runs))
+        clients = [first, second]
+
+        async def ask(i: int, run: str) -> Any:
+            return await clients[i % 2].merge(ctx(run), branch_ids=["b0", "b1"],
+                                              join_id=f"{run}-join", timeout=60)  # fmt: skip
+
+        replies = await asyncio.gather(*(ask(i, run) for i, run in enumerate(runs)))
+    assert [r.join_id for r in replies] == [f"{run}-join" for run in runs]
+    assert [r.run_id for r in replies] == runs
