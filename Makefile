@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: up demo test lint typecheck unit integration clean-venv
+.PHONY: up demo test lint typecheck unit integration clean-venv tools
 
 $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) (PyTorch: $(TORCH))"
@@ -35,10 +35,19 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit
 
-integration: $(STAMP)
+integration: $(STAMP) tools
 	$(PY) -m pytest tests/integration
 
-test: lint typecheck
+# Test tools that come from Debian, not PyPI: Prometheus (a real server scrapes a
+# worker in the tests) and promtool (checks the alert rules).
+tools:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
+	  echo "==> installing Debian's prometheus (tests scrape a worker with it)"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }
+
+test: lint typecheck tools
 	$(PY) -m pytest
 
 clean-venv:
