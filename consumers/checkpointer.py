@@ -17,16 +17,14 @@ from typing import Any
 
 from alma_core import errors
 from alma_core.batch_store import Incoming
-from alma_core.cache import CacheWriter
 from alma_core.checkpoint_store import BatchResult, PostgresCheckpointStore
 from alma_core.offsets import TopicPartition
 from alma_core.resume import cache_entries
 from alma_core.sequencing import CheckpointRow
 from alma_core.types import Checkpoint
-from consumers.metrics import Metrics
-from consumers.outbox import OutboxRelay
+from consumers.handler import StoreHandler
 from consumers.runtime import HandleResult
-from schemas.decoder import Rejection, RejectReason, decode
+from schemas.decoder import Rejection, RejectReason
 
 log = logging.getLogger("alma.checkpointer")
 
@@ -52,52 +50,13 @@ def _checkpoint(row: CheckpointRow, created_at: datetime) -> Checkpoint:
     )
 
 
-class CheckpointHandler:
+class CheckpointHandler(StoreHandler):
     name = NAME
-
-    def __init__(
-        self,
-        store: PostgresCheckpointStore,
-        cache: CacheWriter | None,
-        relay: OutboxRelay,
-        metrics: Metrics,
-        *,
-        max_state_bytes: int,
-        max_record_bytes: int,
-    ) -> None:
-        self.store = store
-        self.cache = cache
-        self.relay = relay
-        self.metrics = metrics
-        self.max_state_bytes = max_state_bytes
-        self.max_record_bytes = max_record_bytes
-
-    async def positions(
-        self, cluster_id: str, partitions: list[TopicPartition]
-    ) -> dict[TopicPartition, int]:
-        return await self.store.stored_offsets(cluster_id, partitions)
-
-    async def idle(self) -> None:
-        await self.relay.sweep()
-
-    def _incoming(self, record: Any) -> Incoming:
-        return Incoming(
-            topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            key=record.key,
-            value=record.value,
-            decoded=decode(
-                record.value,
-                key=record.key,
-                max_state_bytes=self.max_state_bytes,
-                max_record_bytes=self.max_record_bytes,
-            ),
-        )
+    store: PostgresCheckpointStore
 
     async def handle(self, cluster_id: str, batch: dict[TopicPartition, list[Any]]) -> HandleResult:
         started = time.perf_counter()
-        incoming = {tp: [self._incoming(r) for r in records] for tp, records in batch.items()}
+        incoming = self.decode_batch(batch)
         count = sum(len(rs) for rs in incoming.values())
         try:
             results = [await self._apply(cluster_id, incoming)]

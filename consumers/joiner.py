@@ -8,57 +8,23 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from alma_core.batch_store import Incoming
-from alma_core.cache import CacheWriter
 from alma_core.join_store import JoinBatchResult, PostgresJoinStore
 from alma_core.offsets import TopicPartition
 from alma_core.resume import cache_entries
-from consumers.metrics import Metrics
-from consumers.outbox import OutboxRelay
+from consumers.handler import StoreHandler
 from consumers.runtime import HandleResult
-from schemas.decoder import decode
 
 NAME = "joiner"
 GROUP = "joiner"
 
 
-class JoinHandler:
+class JoinHandler(StoreHandler):
     name = NAME
-
-    def __init__(
-        self,
-        store: PostgresJoinStore,
-        cache: CacheWriter | None,
-        relay: OutboxRelay,
-        metrics: Metrics,
-        *,
-        max_record_bytes: int,
-    ) -> None:
-        self.store = store
-        self.cache = cache
-        self.relay = relay
-        self.metrics = metrics
-        self.max_record_bytes = max_record_bytes
-
-    async def positions(
-        self, cluster_id: str, partitions: list[TopicPartition]
-    ) -> dict[TopicPartition, int]:
-        return await self.store.stored_offsets(cluster_id, partitions)
-
-    async def idle(self) -> None:
-        await self.relay.sweep()
+    store: PostgresJoinStore
 
     async def handle(self, cluster_id: str, batch: dict[TopicPartition, list[Any]]) -> HandleResult:
         started = time.perf_counter()
-        incoming = {
-            tp: [
-                Incoming(r.topic, r.partition, r.offset, r.key, r.value,
-                         decode(r.value, key=r.key, max_state_bytes=self.max_record_bytes,
-                                max_record_bytes=self.max_record_bytes))
-                for r in records
-            ]
-            for tp, records in batch.items()
-        }  # fmt: skip
+        incoming = self.decode_batch(batch)
         result = await self.store.apply(cluster_id, incoming)
         self._observe(result)
         if self.cache is not None and result.checkpoints:

@@ -190,6 +190,8 @@ async def run_worker(
                 )
                 join_handler = joiner.JoinHandler(
                     join_store, cache_writer, relay, metrics,
+                    # the sequenced topic carries join states as the checkpointer accepted them
+                    max_state_bytes=settings.max_record_bytes,
                     max_record_bytes=settings.max_record_bytes,
                 )  # fmt: skip
                 runtimes.append(runtime(joiner.GROUP, settings.sequenced_topic, join_handler))
