@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
@@ -24,7 +25,7 @@ from pydantic import ValidationError
 from alma_core import errors
 from alma_core.settings import Settings
 from alma_core.types import WorkflowContext
-from schemas.events import BranchJoin, MergeReply, encode
+from schemas.events import EVENT_MODELS, Event, EventType, MergeReply, encode
 
 
 class AlmaClient:
@@ -65,12 +66,89 @@ class AlmaClient:
             await self._replies.stop()
         await self._producer.stop()
 
-    async def publish(self, event: BranchJoin | Any) -> None:
+    async def publish(self, event: Event) -> str:
         """Publish one contract event and wait for the broker's acknowledgement (so one
-        caller's events of a run cannot overtake each other)."""
+        caller's events of a run cannot overtake each other). Returns its event_id."""
         await self._producer.send_and_wait(
             self.settings.lifecycle_topic, encode(event), key=event.run_id.encode()
         )
+        return event.event_id
+
+    def _event(self, type_: str, ctx: WorkflowContext, payload: dict[str, Any]) -> Event:
+        ctx.validate(require_tenant=self.settings.require_tenant)
+        if not (ctx.tenant_id and ctx.workflow_id and ctx.run_id):
+            raise errors.ContextError(f"{type_} needs tenant_id, workflow_id and run_id")
+        if type_.startswith("node.") and not ctx.node_id:
+            raise errors.ContextError(f"{type_} needs node_id")
+        doc = {
+            "event_id": uuid.uuid4().hex, "type": type_, "emitted_at": datetime.now(UTC),
+            "tenant_id": ctx.tenant_id, "workflow_id": ctx.workflow_id,
+            "workflow_version": ctx.workflow_version, "run_id": ctx.run_id,
+            "node_id": ctx.node_id, "branch_id": ctx.branch_id,
+            "payload": {k: v for k, v in payload.items() if v is not None},
+        }  # fmt: skip
+        try:
+            return EVENT_MODELS[EventType(type_)].model_validate(doc, strict=False)  # type: ignore[return-value]
+        except ValidationError as exc:
+            raise errors.ContextError(f"invalid {type_}: {exc.errors()[0]['msg']}") from None
+
+    async def node_started(
+        self,
+        ctx: WorkflowContext,
+        *,
+        attempt: int | None = None,
+        input: dict[str, Any] | None = None,
+    ) -> str:
+        return await self.publish(
+            self._event("node.started", ctx, {"attempt": attempt, "input": input})
+        )
+
+    async def node_completed(
+        self,
+        ctx: WorkflowContext,
+        *,
+        state: dict[str, Any] | None = None,
+        updates: dict[str, Any] | None = None,
+        expected_seq: int | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> str:
+        """A checkpoint: the full ``state``, or ``updates`` folded with the run's reducers."""
+        return await self.publish(self._event("node.completed", ctx, {
+            "state": state, "updates": updates, "expected_seq": expected_seq,
+            "metadata": metadata}))  # fmt: skip
+
+    async def node_failed(
+        self,
+        ctx: WorkflowContext,
+        *,
+        error_type: str,
+        message: str,
+        state: dict[str, Any] | None = None,
+        updates: dict[str, Any] | None = None,
+    ) -> str:
+        return await self.publish(self._event("node.failed", ctx, {
+            "error": {"type": error_type, "message": message}, "state": state,
+            "updates": updates}))  # fmt: skip
+
+    async def workflow_completed(
+        self,
+        ctx: WorkflowContext,
+        *,
+        success: bool,
+        duration_ms: int,
+        node_count: int,
+        nodes_succeeded: int,
+        nodes_failed: int,
+        error_message: str | None = None,
+        task: str | None = None,
+        artifacts: list[dict[str, Any]] | None = None,
+        cleanup_checkpoints: bool | None = None,
+    ) -> str:
+        return await self.publish(self._event("workflow.completed", ctx, {
+            "outcome": "success" if success else "failure", "duration_ms": duration_ms,
+            "node_count": node_count, "nodes_succeeded": nodes_succeeded,
+            "nodes_failed": nodes_failed, "error_message": error_message, "task": task,
+            "artifacts": artifacts, "cleanup_checkpoints": cleanup_checkpoints}))  # fmt: skip
 
     async def _ensure_listener(self) -> None:
         async with self._listener_lock:  # concurrent merges share one listener
@@ -128,23 +206,20 @@ class AlmaClient:
     ) -> MergeReply:
         """Ask for a merge and await its reply. Raises MergeFailed on an error reply and
         MergeTimeout (naming the join) when none comes in ``timeout`` seconds."""
-        ctx.validate(require_tenant=True)
-        if not (ctx.tenant_id and ctx.workflow_id and ctx.run_id):
-            raise errors.ContextError("merge needs tenant_id, workflow_id and run_id")
         join_id = join_id or uuid.uuid4().hex
-        event = BranchJoin.model_validate({
-            # A new event per attempt (the inbox would drop a repeated event_id); the
-            # joiner recognises the join_id and answers a retry with the same reply.
-            "event_id": uuid.uuid4().hex,
-            "type": "branch.join",
-            "emitted_at": datetime.now(UTC),
-            "tenant_id": ctx.tenant_id, "workflow_id": ctx.workflow_id,
-            "workflow_version": ctx.workflow_version, "run_id": ctx.run_id,
-            "node_id": node_id or ctx.node_id,
-            "payload": {"join_id": join_id, "branch_ids": branch_ids, "states": states,
-                        "reducers": reducers, "default_reducer": default_reducer,
-                        "strict": strict},
-        }, strict=False)  # fmt: skip
+        # A new event per attempt (the inbox would drop a repeated event_id); the joiner
+        # recognises the join_id and answers a retry with the same reply.
+        payload = {
+            "join_id": join_id,
+            "branch_ids": branch_ids,
+            "states": states,
+            "reducers": reducers,
+            "default_reducer": default_reducer,
+            "strict": strict,
+        }
+        event = self._event(
+            "branch.join", replace(ctx, node_id=node_id or ctx.node_id), payload
+        )  # fmt: skip
         await self._ensure_listener()
         future: asyncio.Future[MergeReply] = asyncio.get_running_loop().create_future()
         self._waiting[join_id] = future

@@ -13,42 +13,30 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from datetime import UTC, datetime
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from alma_core.client import AlmaClient
 from alma_core.settings import load
 from alma_core.types import WorkflowContext
-from schemas.events import NodeCompleted
-
-
-def completed(ctx: WorkflowContext, node: str, branch: str | None, updates: dict[str, Any]) -> Any:
-    return NodeCompleted.model_validate({
-        "event_id": uuid.uuid4().hex, "type": "node.completed",
-        "emitted_at": datetime.now(UTC), "tenant_id": ctx.tenant_id,
-        "workflow_id": ctx.workflow_id, "run_id": ctx.run_id, "node_id": node,
-        "branch_id": branch, "payload": {"updates": updates},
-    }, strict=False)  # fmt: skip
 
 
 def settings_of_running_stack() -> Any:
     """The services of `alma up` (from .alma/endpoints.json), or the ALMA_* variables."""
     endpoints = Path(".alma/endpoints.json")
     found = json.loads(endpoints.read_text()) if endpoints.exists() else {}
-    found.pop("cluster_id", None)
-    return load(**{k: v for k, v in found.items() if v})
+    keys = ("kafka_bootstrap", "postgres_dsn", "redis_url")
+    return load(**{k: found[k] for k in keys if found.get(k)})
 
 
 async def main(settings: Any) -> None:
-    ctx = WorkflowContext(
-        tenant_id="acme", workflow_id="research", run_id=f"run-{uuid.uuid4().hex[:8]}"
-    )
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
+    ctx = WorkflowContext(tenant_id="acme", workflow_id="research", run_id=run_id)
     async with AlmaClient(settings) as client:
-        await client.publish(
-            completed(
-                ctx, "plan", None, {"question": "best vector index?", "findings": [], "cost": 0}
-            )
+        await client.node_completed(
+            replace(ctx, node_id="plan"),
+            updates={"question": "best vector index?", "findings": [], "cost": 0},
         )
         branches = {
             "web": ("HNSW is fast", 0.4, 0.7),
@@ -56,13 +44,9 @@ async def main(settings: Any) -> None:
             "code": ("exact scan wins below 10k rows", 0.2, 0.9),
         }
         for name, (finding, cost, score) in branches.items():
-            await client.publish(
-                completed(
-                    ctx,
-                    f"search-{name}",
-                    name,
-                    {"findings": [finding], "cost": cost, "score": score},
-                )
+            await client.node_completed(
+                replace(ctx, node_id=f"search-{name}", branch_id=name),
+                updates={"findings": [finding], "cost": cost, "score": score},
             )
         reply = await client.merge(
             ctx,

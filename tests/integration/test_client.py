@@ -1,0 +1,65 @@
+"""The SDK's publishing side on the real stack: each lifecycle call becomes the
+right event, keyed by run_id, and the context is checked before anything is sent."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from alma_core import errors
+from alma_core.client import AlmaClient
+from alma_core.settings import Settings
+from alma_core.types import WorkflowContext
+from tests.integration.harness import Worker, count, fetch, wait_for
+
+RUN = WorkflowContext(tenant_id="acme", workflow_id="wf", run_id="sdk-run")
+
+
+async def test_lifecycle_calls_become_checkpoints(settings: Settings, worker: Worker) -> None:
+    dsn = settings.postgres_dsn
+    assert dsn
+    async with AlmaClient(settings) as client:
+        node = replace(RUN, node_id="fetch")
+        await client.node_started(node, attempt=1, input={"url": "https://example.org"})
+        await client.node_completed(node, updates={"pages": 3})
+        await client.node_failed(replace(RUN, node_id="parse"), error_type="ValueError",
+                                 message="bad html", updates={"pages": 4})  # fmt: skip
+        retry = replace(RUN, node_id="parse")
+        await client.node_completed(retry, updates={"pages": 5}, expected_seq=2)
+        await client.workflow_completed(
+            RUN,
+            success=True,
+            duration_ms=1200,
+            node_count=2,
+            nodes_succeeded=2,
+            nodes_failed=0,
+            task="scrape",
+        )
+
+    async def all_recorded() -> bool:
+        return await count(dsn, "SELECT count(*) FROM run_events") == 5
+
+    await wait_for(all_recorded, what="the five events")
+    rows = await fetch(dsn, "SELECT seq, kind, node_id, state FROM checkpoints ORDER BY seq")
+    assert [(r["seq"], r["kind"], r["node_id"], r["state"]) for r in rows] == [
+        (1, "node", "fetch", {"pages": 3}),
+        (2, "failure", "parse", {"pages": 4}),
+        (3, "node", "parse", {"pages": 5}),
+    ]
+    run = await fetch(dsn, "SELECT status, completed_at FROM runs WHERE run_id = 'sdk-run'")
+    assert run[0]["status"] == "succeeded"
+
+
+async def test_context_is_checked_before_sending(settings: Settings) -> None:
+    async with AlmaClient(settings) as client:
+        with pytest.raises(errors.ContextError, match="needs node_id"):
+            await client.node_completed(RUN, updates={"a": 1})
+        with pytest.raises(errors.ContextError, match="tenant_id is required"):
+            await client.node_completed(
+                WorkflowContext(workflow_id="wf", run_id="r", node_id="n"), updates={"a": 1}
+            )
+        with pytest.raises(errors.ContextError, match="run_id requires workflow_id"):
+            await client.node_started(WorkflowContext(tenant_id="t", run_id="r", node_id="n"))
+        with pytest.raises(errors.ContextError, match="exactly one of 'state' or 'updates'"):
+            await client.node_completed(replace(RUN, node_id="n"))
