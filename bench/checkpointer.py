@@ -14,8 +14,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
-import platform
 import tempfile
 import time
 import uuid
@@ -26,9 +24,7 @@ from typing import Any, ClassVar
 
 import psutil
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from rich.console import Console
 from rich.progress import Progress
-from rich.table import Table
 
 from alma_core import settings as settings_mod
 from alma_core.batch_store import Incoming
@@ -40,22 +36,15 @@ from alma_core.postgres import connect
 from alma_core.reducers import ReducerRegistry
 from alma_core.resume import CheckpointReader
 from alma_core.topics import ensure_topics
+from bench.report import console, ms, pct, report
 from consumers import checkpointer
 from consumers.runtime import HandleResult
 from consumers.worker import Services, run_worker
 from schemas.decoder import decode
 
-console = Console()
 PARTITIONS = 12
 PRODUCER_SETTINGS: dict[str, Any] = {"acks": "all", "linger_ms": 5}
 FETCH_MAX_WAIT_MS = 50
-
-
-def pct(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
 def state_of(size: int, i: int) -> dict[str, Any]:
@@ -240,10 +229,6 @@ async def reads(
     return out
 
 
-def ms(values: list[float], p: float) -> str:
-    return f"{pct(values, p) * 1000:.2f}"
-
-
 async def main(quick: bool, out: Path | None) -> None:
     bench = Bench(quick)
     tmp = Path(tempfile.mkdtemp(prefix="alma-bench-"))
@@ -294,7 +279,7 @@ async def main(quick: bool, out: Path | None) -> None:
                 progress.advance(task)
     finally:
         await stack.stop()
-    report(bench, out)
+    report("checkpointer", bench.rows, HEADERS, TITLES, out)
 
 
 HEADERS = {
@@ -309,43 +294,6 @@ TITLES = {
     "latency": "Publish → durable, cached and handed on (fixed offered load)",
     "reads": "Latest-checkpoint read (resume path)",
 }
-
-
-def machine() -> str:
-    mem = psutil.virtual_memory().total / 2**30
-    return (f"{os.cpu_count()} cores, {mem:.0f} GiB, {platform.platform()}, "
-            f"Python {platform.python_version()}, {datetime.now(UTC):%Y-%m-%d}")  # fmt: skip
-
-
-def report(bench: Bench, out: Path | None) -> None:
-    lines = [f"Machine: {machine()}", ""]
-    for name, rows in bench.rows.items():
-        table = Table(title=TITLES[name])
-        for h in HEADERS[name]:
-            table.add_column(h)
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
-        lines += [f"### {TITLES[name]}", "", "| " + " | ".join(HEADERS[name]) + " |",
-                  "|" + "---|" * len(HEADERS[name])]  # fmt: skip
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-        lines.append("")
-    console.print(lines[0])
-    if out is not None:
-        write_section(out, "\n".join(lines))
-        console.print(f"written to {out}")
-
-
-def write_section(out: Path, body: str, name: str = "checkpointer") -> None:
-    """Replace one benchmark's section of ``out`` (between its markers), keeping the rest."""
-    start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
-    section = f"{start}\n{body}\n{end}"
-    text = out.read_text() if out.exists() else ""
-    if start in text and end in text:
-        text = text[: text.index(start)] + section + text[text.index(end) + len(end) :]
-    else:
-        text = (text.rstrip() + "\n\n" if text else "") + section + "\n"
-    out.write_text(text)
 
 
 if __name__ == "__main__":

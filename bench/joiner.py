@@ -15,9 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-from rich.console import Console
 from rich.progress import Progress
-from rich.table import Table
 
 from alma_core import settings as settings_mod
 from alma_core.client import AlmaClient
@@ -28,11 +26,11 @@ from alma_core.reducers import ReducerRegistry
 from alma_core.sequencing import Head, state_hash
 from alma_core.topics import alma_topics, ensure_topics
 from alma_core.types import WorkflowContext
-from bench.checkpointer import PARTITIONS, machine, ms, write_section
+from bench.checkpointer import PARTITIONS
+from bench.report import console, ms, report
 from consumers.worker import Services, run_worker
 from schemas.events import BranchJoinPayload, NodeCompleted
 
-console = Console()
 REDUCERS = {"log": "append", "cost": "sum", "score": "max", "facts": "merge_dict"}
 
 
@@ -134,20 +132,7 @@ async def main(quick: bool, out: Path | None) -> None:
         "merge": "Merge of 5 branch states (reducers, canonical JSON, hash; no I/O)",
         "e2e": "Join request → reply through the SDK (5 branches of 5 KB, embedded stack)",
     }
-    lines = [f"Machine: {machine()}", ""]
-    for name, body in rows.items():
-        table = Table(title=titles[name])
-        for h in headers[name]:
-            table.add_column(h)
-        for row in body:
-            table.add_row(*row)
-        console.print(table)
-        lines += [f"### {titles[name]}", "", "| " + " | ".join(headers[name]) + " |",
-                  "|" + "---|" * len(headers[name]), *("| " + " | ".join(r) + " |" for r in body),
-                  ""]  # fmt: skip
-    if out is not None:
-        write_section(out, "\n".join(lines), "joiner")
-        console.print(f"written to {out}")
+    report("joiner", rows, headers, titles, out)
 
 
 if __name__ == "__main__":
