@@ -15,7 +15,6 @@ import time
 from datetime import datetime
 from typing import Any
 
-from alma_core import errors
 from alma_core.batch_store import Incoming
 from alma_core.checkpoint_store import BatchResult, PostgresCheckpointStore
 from alma_core.offsets import TopicPartition
@@ -24,7 +23,6 @@ from alma_core.sequencing import CheckpointRow
 from alma_core.types import Checkpoint
 from consumers.handler import StoreHandler
 from consumers.runtime import HandleResult
-from schemas.decoder import Rejection, RejectReason
 
 log = logging.getLogger("alma.checkpointer")
 
@@ -58,14 +56,7 @@ class CheckpointHandler(StoreHandler):
         started = time.perf_counter()
         incoming = self.decode_batch(batch)
         count = sum(len(rs) for rs in incoming.values())
-        try:
-            results = [await self._apply(cluster_id, incoming)]
-        except errors.StorageRejected as exc:
-            log.warning(
-                "PostgreSQL refused a batch; applying its records one by one",
-                extra={"action": "isolate_batch", "consumer": NAME, "error": exc.message},
-            )
-            results = await self._isolate(cluster_id, incoming)
+        results = await self.apply_all(cluster_id, incoming, self._apply)
         out = HandleResult()
         for result in results:
             self._observe(result)
@@ -84,25 +75,6 @@ class CheckpointHandler(StoreHandler):
         result = await self.store.apply(cluster_id, batch)
         self.metrics.transaction_seconds.labels(NAME).observe(time.perf_counter() - started)
         return result
-
-    async def _isolate(
-        self, cluster_id: str, batch: dict[TopicPartition, list[Incoming]]
-    ) -> list[BatchResult]:
-        results = []
-        for tp, records in batch.items():
-            for record in records:
-                try:
-                    results.append(await self._apply(cluster_id, {tp: [record]}))
-                except errors.StorageRejected as exc:
-                    rejected = Incoming(
-                        record.topic, record.partition, record.offset, record.key, record.value,
-                        Rejection(RejectReason.STORAGE_REJECTED, exc.message[:500],
-                                  event_id=getattr(record.decoded, "event_id", None),
-                                  run_id=getattr(record.decoded, "run_id", None),
-                                  tenant_id=getattr(record.decoded, "tenant_id", None)),
-                    )  # fmt: skip
-                    results.append(await self._apply(cluster_id, {tp: [rejected]}))
-        return results
 
     def _observe(self, result: BatchResult) -> None:
         m = self.metrics

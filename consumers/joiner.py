@@ -24,16 +24,19 @@ class JoinHandler(StoreHandler):
 
     async def handle(self, cluster_id: str, batch: dict[TopicPartition, list[Any]]) -> HandleResult:
         started = time.perf_counter()
-        incoming = self.decode_batch(batch)
-        result = await self.store.apply(cluster_id, incoming)
-        self._observe(result)
-        if self.cache is not None and result.checkpoints:
-            entries = [e for cp in result.checkpoints for e in cache_entries({None: cp})]
-            ok = await self.cache.write(entries)
-            self.metrics.cache.labels("write" if ok else "write_error").inc()
-        await self.relay.publish(result.outbox_ids)
+        results = await self.apply_all(cluster_id, self.decode_batch(batch), self.store.apply)
+        out = HandleResult()
+        for result in results:
+            self._observe(result)
+            if self.cache is not None and result.checkpoints:
+                entries = [e for cp in result.checkpoints for e in cache_entries({None: cp})]
+                ok = await self.cache.write(entries)
+                self.metrics.cache.labels("write" if ok else "write_error").inc()
+            await self.relay.publish(result.outbox_ids)
+            out.next_offsets.update(result.next_offsets)
+            out.seeks.update(result.seeks)
         self.metrics.batch_seconds.labels(NAME).observe(time.perf_counter() - started)
-        return HandleResult(result.next_offsets, result.seeks)
+        return out
 
     def _observe(self, result: JoinBatchResult) -> None:
         m = self.metrics

@@ -8,6 +8,7 @@ labels use them).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -65,20 +66,29 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _has_nul(value: Any) -> bool:
-    """PostgreSQL's jsonb cannot store U+0000; find one anywhere in keys or strings."""
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _unstorable(value: Any, *, nul: bool, surrogates: bool) -> str | None:
+    """What PostgreSQL's jsonb cannot store, found anywhere in keys or strings: U+0000,
+    and lone UTF-16 surrogates (a JSON escape that is half of a pair)."""
     stack = [value]
     while stack:
         item = stack.pop()
         if isinstance(item, str):
-            if "\x00" in item:
-                return True
+            if nul and "\x00" in item:
+                return "strings may not contain U+0000 (NUL); PostgreSQL cannot store it"
+            if surrogates:
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return "strings may not contain lone UTF-16 surrogates (e.g. \\ud800)"
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
-    return False
+    return None
 
 
 def _ids(obj: dict[str, Any]) -> dict[str, str | None]:
@@ -147,12 +157,11 @@ def _decode(
             RejectReason.NOT_AN_OBJECT, f"value is a JSON {type(obj).__name__}, not an object"
         )
     ids = _ids(obj)
-    if "\\u0000" in text and _has_nul(obj):
-        return Rejection(
-            RejectReason.SCHEMA_VIOLATION,
-            "strings may not contain U+0000 (NUL); PostgreSQL cannot store it",
-            **ids,
-        )
+    nul, surrogates = "\\u0000" in text, _SURROGATE_ESCAPE.search(text) is not None
+    if nul or surrogates:
+        problem = _unstorable(obj, nul=nul, surrogates=surrogates)
+        if problem:
+            return Rejection(RejectReason.SCHEMA_VIOLATION, problem, **ids)
     type_ = obj.get("type")
     if not isinstance(type_, str):
         return Rejection(

@@ -177,6 +177,8 @@ async def test_bad_input_goes_to_the_dead_letters_and_the_partition_moves_on(
         (completed(run, updates={"grow2": "y" * 40_000}), run.encode(), "state_too_large"),
         (completed("other", workflow="broken", updates={"x": 1}), b"other", "unknown_reducer"),
         (completed(run, state={"a": "\u0000"}), run.encode(), "schema_violation"),
+        (json.dumps(completed(run, state={"a": "X"})).replace('"X"', '"\\ud800"').encode(),
+         run.encode(), "schema_violation"),
     ]  # fmt: skip
     async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
         # The run's first event exists so the tenant check has a run to compare with.

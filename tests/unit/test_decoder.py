@@ -272,3 +272,12 @@ def test_nul_characters_are_rejected_but_escaped_backslashes_are_not() -> None:
     assert "U+0000" in nul.detail
     literal = decode(raw(envelope(state={"x": "a\\u0000b"})))
     assert isinstance(literal, NodeCompleted)
+
+
+def test_lone_surrogates_are_rejected_but_pairs_are_not() -> None:
+    lone = raw(envelope(state={"x": "X"})).replace(b'"X"', b'"\\ud800"')
+    result = decode(lone)
+    assert isinstance(result, Rejection)
+    assert "surrogates" in result.detail
+    pair = raw(envelope(state={"x": "X"})).replace(b'"X"', b'"\\ud83d\\ude00"')  # an emoji
+    assert isinstance(decode(pair), NodeCompleted)
