@@ -1,5 +1,6 @@
 """AlmaClient: the orchestrator's side. Publishes lifecycle events (key = run_id,
-acks from all in-sync replicas) and awaits merge replies.
+acks from all in-sync replicas), awaits merge replies, and finds where a run
+resumes after a crash (Redis first, PostgreSQL on a miss).
 
 One reply listener per client reads the reply topic (every partition, from the
 end as of start-up) and resolves the future of each ``join_id`` it is waiting
@@ -14,18 +15,37 @@ import asyncio
 import contextlib
 import json
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 
+import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from pydantic import ValidationError
 
 from alma_core import errors
+from alma_core.cache import RedisCheckpointCache
+from alma_core.postgres import connect
+from alma_core.resume import CheckpointReader
 from alma_core.settings import Settings
-from alma_core.types import WorkflowContext
+from alma_core.types import Checkpoint, WorkflowContext
 from schemas.events import EVENT_MODELS, Event, EventType, MergeReply, encode
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """A run's resume point: ``latest`` is None for a run with no checkpoint (start over)."""
+
+    run_id: str
+    latest: Checkpoint | None
+    branch_heads: dict[str | None, Checkpoint]
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The main line's state to continue from (empty for a new run)."""
+        main = self.branch_heads.get(None)
+        return dict(main.state) if main else {}
 
 
 class AlmaClient:
@@ -44,6 +64,9 @@ class AlmaClient:
         self._listener: asyncio.Task[None] | None = None
         self._waiting: dict[str, asyncio.Future[MergeReply]] = {}
         self._listener_lock = asyncio.Lock()
+        self._reads: contextlib.AsyncExitStack | None = None
+        self._pool: asyncpg.Pool | None = None
+        self._cache: RedisCheckpointCache | None = None
 
     async def __aenter__(self) -> AlmaClient:
         await self.start()
@@ -65,6 +88,43 @@ class AlmaClient:
         if self._replies is not None:
             await self._replies.stop()
         await self._producer.stop()
+        if self._reads is not None:
+            await self._reads.aclose()
+
+    async def _reader(self, tenant_id: str) -> CheckpointReader:
+        """Reads go to Redis first and PostgreSQL on a miss (opened on first use)."""
+        if self._reads is None:
+            if not (self.settings.postgres_dsn and self.settings.redis_url):
+                raise errors.ConfigError(
+                    "resume needs ALMA_POSTGRES_DSN and ALMA_REDIS_URL (the services of `alma up` "
+                    "are in .alma/endpoints.json)"
+                )
+            stack = contextlib.AsyncExitStack()
+            self._pool = await stack.enter_async_context(
+                connect(self.settings.postgres_dsn, max_size=4)
+            )
+            self._cache = await stack.enter_async_context(
+                RedisCheckpointCache.connect(
+                    self.settings.redis_url, prefix=self.settings.redis_prefix,
+                    ttl_s=self.settings.cache_ttl_seconds,
+                )
+            )  # fmt: skip
+            self._reads = stack
+        assert self._pool is not None
+        return CheckpointReader(
+            self._pool, self._cache, tenant_id=tenant_id,
+            require_tenant=self.settings.require_tenant,
+        )  # fmt: skip
+
+    async def resume(self, ctx: WorkflowContext) -> ResumePoint:
+        """Where a run picks up after a crash: its latest checkpoint and branch heads."""
+        ctx.validate(require_tenant=True)
+        if not (ctx.tenant_id and ctx.run_id):
+            raise errors.ContextError("resume needs tenant_id and run_id")
+        reader = await self._reader(ctx.tenant_id)
+        latest = await reader.latest(ctx.run_id)
+        heads = await reader.branch_heads(ctx.run_id) if latest is not None else {}
+        return ResumePoint(ctx.run_id, latest, heads)
 
     async def publish(self, event: Event) -> str:
         """Publish one contract event and wait for the broker's acknowledgement (so one

@@ -63,3 +63,31 @@ async def test_context_is_checked_before_sending(settings: Settings) -> None:
             await client.node_started(WorkflowContext(tenant_id="t", run_id="r", node_id="n"))
         with pytest.raises(errors.ContextError, match="exactly one of 'state' or 'updates'"):
             await client.node_completed(replace(RUN, node_id="n"))
+
+
+async def test_an_orchestrator_that_crashed_resumes_from_the_latest_checkpoint(
+    settings: Settings, worker: Worker
+) -> None:
+    dsn = settings.postgres_dsn
+    assert dsn
+    async with AlmaClient(settings) as before_crash:
+        await before_crash.node_completed(replace(RUN, node_id="a"), updates={"done": ["a"]})
+        await before_crash.node_completed(replace(RUN, node_id="b"), updates={"done": ["a", "b"]})
+        await before_crash.node_completed(
+            replace(RUN, node_id="x", branch_id="side"), updates={"side": True}
+        )
+
+    async def three() -> bool:
+        return await count(dsn, "SELECT count(*) FROM checkpoints") == 3
+
+    await wait_for(three, what="three checkpoints")
+    async with AlmaClient(settings) as after_restart:  # a new process: nothing in memory
+        point = await after_restart.resume(RUN)
+        assert point.latest is not None
+        assert (point.latest.seq, point.latest.branch_id) == (3, "side")
+        assert point.state == {"done": ["a", "b"]}
+        assert {b: cp.node_id for b, cp in point.branch_heads.items()} == {None: "b", "side": "x"}
+        fresh = await after_restart.resume(replace(RUN, run_id="never-ran"))
+        assert (fresh.latest, fresh.state) == (None, {})
+        other = await after_restart.resume(replace(RUN, tenant_id="globex"))
+        assert other.latest is None
