@@ -50,32 +50,27 @@ def running_endpoints(s: settings_mod.Settings) -> dict[str, Any]:
     return {}
 
 
-def dsn(s: settings_mod.Settings) -> str:
-    dsn = s.postgres_dsn or running_endpoints(s).get("postgres_dsn")
-    if not dsn:
+def _service(s: settings_mod.Settings, field: str, what: str) -> str:
+    """A configured service, else the one a running `alma up` wrote down."""
+    value = getattr(s, field) or running_endpoints(s).get(field)
+    if not value:
         raise errors.ConfigError(
-            "no database: set ALMA_POSTGRES_DSN, or start the embedded stack with `alma up` "
+            f"no {what}: set ALMA_{field.upper()}, or start the embedded stack with `alma up` "
             f"(it writes {s.data_dir / ENDPOINTS_FILE})"
         )
-    return str(dsn)
+    return str(value)
+
+
+def dsn(s: settings_mod.Settings) -> str:
+    return _service(s, "postgres_dsn", "database")
 
 
 def redis_url(s: settings_mod.Settings) -> str:
-    url = s.redis_url or running_endpoints(s).get("redis_url")
-    if not url:
-        raise errors.ConfigError(
-            "no Redis: set ALMA_REDIS_URL, or start the embedded stack with `alma up`"
-        )
-    return str(url)
+    return _service(s, "redis_url", "Redis")
 
 
 def bootstrap(s: settings_mod.Settings) -> str:
-    bootstrap = s.kafka_bootstrap or running_endpoints(s).get("kafka_bootstrap")
-    if not bootstrap:
-        raise errors.ConfigError(
-            "no Kafka: set ALMA_KAFKA_BOOTSTRAP, or start the embedded stack with `alma up`"
-        )
-    return str(bootstrap)
+    return _service(s, "kafka_bootstrap", "Kafka")
 
 
 async def connect(dsn: str) -> asyncpg.Connection:

@@ -143,11 +143,14 @@ async def run_worker(
             cache_writer = CacheWriter(cache)
             await cache_writer.open()
 
-            def runtime(group: str, topic: str, handler: BatchHandler) -> ConsumerRuntime:
+            def group(name: str) -> str:
+                return f"{settings.group_prefix}-{name}"
+
+            def runtime(name: str, topic: str, handler: BatchHandler) -> ConsumerRuntime:
                 return ConsumerRuntime(
                     RuntimeConfig(
                         bootstrap=services.kafka_bootstrap,
-                        group_id=f"{settings.group_prefix}-{group}",
+                        group_id=group(name),
                         topics=[topic],
                         max_records=settings.max_batch_records,
                         session_timeout_ms=settings.session_timeout_ms,
@@ -158,18 +161,16 @@ async def run_worker(
                     metrics,
                 )
 
+            registry = default_registry()
+
             if "checkpoint" in consumers:
                 store = PostgresCheckpointStore(
                     pool,
-                    StoreConfig(
-                        group_id=f"{settings.group_prefix}-{checkpointer.GROUP}",
-                        consumer=checkpointer.NAME,
-                        handoff_topic=settings.sequenced_topic,
-                        dlq_topic=settings.dlq_topic,
-                        max_state_bytes=settings.max_state_bytes,
-                    ),
-                    default_registry(),
-                )
+                    StoreConfig(group(checkpointer.GROUP), checkpointer.NAME,
+                                settings.sequenced_topic, settings.dlq_topic,
+                                settings.max_state_bytes),
+                    registry,
+                )  # fmt: skip
                 handler = checkpointer.CheckpointHandler(
                     store, cache_writer, relay, metrics,
                     max_state_bytes=settings.max_state_bytes,
@@ -179,15 +180,10 @@ async def run_worker(
             if "join" in consumers:
                 join_store = PostgresJoinStore(
                     pool,
-                    JoinConfig(
-                        group_id=f"{settings.group_prefix}-{joiner.GROUP}",
-                        consumer=joiner.NAME,
-                        reply_topic=settings.merged_topic,
-                        dlq_topic=settings.dlq_topic,
-                        max_state_bytes=settings.max_state_bytes,
-                    ),
-                    default_registry(),
-                )
+                    JoinConfig(group(joiner.GROUP), joiner.NAME, settings.merged_topic,
+                               settings.dlq_topic, settings.max_state_bytes),
+                    registry,
+                )  # fmt: skip
                 join_handler = joiner.JoinHandler(
                     join_store, cache_writer, relay, metrics,
                     # the sequenced topic carries join states as the checkpointer accepted them
