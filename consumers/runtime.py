@@ -69,6 +69,8 @@ class RuntimeConfig:
     commit_interval_s: float = 0.5
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 5.0
+    leave_timeout_s: float = 5.0
+    linger_ms: int = 0  # after a short poll, keep polling this long to fill the batch
 
 
 def backoff_delay(attempt: int, initial: float, maximum: float, jitter: float = 0.2) -> float:
@@ -170,11 +172,38 @@ class ConsumerRuntime:
             with contextlib.suppress(KafkaError):
                 await self.commit_pending(consumer)
         finally:
-            with contextlib.suppress(Exception):
-                await consumer.stop()  # leaves the group
+            await self._leave(consumer)
             with contextlib.suppress(Exception):
                 await self._admin.close()
             self.metrics.assigned_partitions.labels(self.handler.name).set(0)
+
+    async def _leave(self, consumer: AIOKafkaConsumer) -> None:
+        """Leave the group, but never wait on it for long: aiokafka's ``stop()`` first
+        finishes a join in progress, which a broker may hold for the whole rebalance
+        timeout. Past ``leave_timeout_s`` the member just goes; the broker evicts it
+        after the session timeout, and nothing is lost (the offsets are stored with
+        the effects)."""
+        try:
+            async with asyncio.timeout(self.config.leave_timeout_s):
+                await consumer.stop()
+        except TimeoutError:
+            log.warning(
+                "leaving the group took too long; the broker will evict this member after "
+                "its session timeout",
+                extra={"action": "leave_timeout", "consumer": self.handler.name,
+                       "timeout_s": self.config.leave_timeout_s},
+            )  # fmt: skip
+            # What stop() would have done after leaving: aiokafka has no public call for it.
+            with contextlib.suppress(Exception):
+                if consumer._fetcher is not None:
+                    await consumer._fetcher.close()
+                await consumer._client.close()
+        except Exception as exc:  # noqa: BLE001 - shutting down: report, never raise
+            log.warning(
+                "leaving the group failed",
+                extra={"action": "leave_failed", "consumer": self.handler.name,
+                       "error": repr(exc)},
+            )  # fmt: skip
 
     async def _loop(self, consumer: AIOKafkaConsumer, stop: asyncio.Event) -> None:
         name = self.handler.name
@@ -182,6 +211,8 @@ class ConsumerRuntime:
             batch = await consumer.getmany(
                 timeout_ms=self.config.poll_timeout_ms, max_records=self.config.max_records
             )
+            if batch and self.config.linger_ms > 0:
+                batch = await self._linger(consumer, batch)
             self.last_poll = time.monotonic()
             self.metrics.last_poll.labels(name).set(time.time())
             if not batch:
@@ -192,6 +223,23 @@ class ConsumerRuntime:
             if result is None:
                 return  # stopping during an outage: the batch is redelivered later
             await self._after(consumer, result)
+
+    async def _linger(
+        self, consumer: AIOKafkaConsumer, batch: dict[TopicPartition, list[Any]]
+    ) -> dict[TopicPartition, list[Any]]:
+        """Gather more records, up to ``max_records`` or ``linger_ms``: a handler whose
+        cost is per call (one model call per batch) does more per call."""
+        deadline = time.monotonic() + self.config.linger_ms / 1000
+        while (n := sum(len(rs) for rs in batch.values())) < self.config.max_records:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                break
+            more = await consumer.getmany(
+                timeout_ms=left_ms, max_records=self.config.max_records - n
+            )
+            for tp, records in more.items():
+                batch.setdefault(tp, []).extend(records)
+        return batch
 
     async def _handle_with_retry(
         self, consumer: AIOKafkaConsumer, batch: dict[TP, list[Any]], stop: asyncio.Event

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from alma_core.embeddings import AsyncEmbedder
 from alma_core.settings import Settings
 from consumers.metrics import Metrics
 from consumers.worker import Services as WorkerServices
@@ -161,7 +162,10 @@ class Worker:
     @classmethod
     @contextlib.asynccontextmanager
     async def start(
-        cls, settings: Settings, consumers: tuple[str, ...] = ("checkpoint",)
+        cls,
+        settings: Settings,
+        consumers: tuple[str, ...] = ("checkpoint",),
+        embedder: AsyncEmbedder | None = None,
     ) -> AsyncIterator[Worker]:
         worker = cls(settings, Metrics())
         ready = asyncio.Event()
@@ -173,7 +177,7 @@ class Worker:
         )
         worker.task = asyncio.create_task(
             run_worker(settings, services, list(consumers), worker.stop, metrics=worker.metrics,
-                       ready=ready, status=worker.status)
+                       ready=ready, status=worker.status, embedder=embedder)
         )  # fmt: skip
         waiter = asyncio.ensure_future(ready.wait())
         await asyncio.wait([worker.task, waiter], timeout=60, return_when=asyncio.FIRST_COMPLETED)
@@ -194,9 +198,9 @@ class Worker:
 def worker_env(settings: Settings) -> dict[str, str]:
     """The environment that makes `alma worker` use these settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
-    for name, value in settings.model_dump().items():
+    for name, value in settings.model_dump(mode="json").items():
         if value is not None:
-            env[f"ALMA_{name.upper()}"] = str(value)
+            env[f"ALMA_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
     env["ALMA_LOG_FORMAT"] = "json"
     return env
 
@@ -209,8 +213,10 @@ class WorkerProcess:
         self.log_path = log_path
         self.consumers = consumers
         self.proc: subprocess.Popen[bytes] | None = None
+        self._log_start = 0
 
     def start(self) -> WorkerProcess:
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "alma_core.cli", "worker", "--consumers", self.consumers],
@@ -223,12 +229,31 @@ class WorkerProcess:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
 
+    def log_since_start(self) -> str:
+        with self.log_path.open("rb") as log:
+            log.seek(self._log_start)
+            return log.read().decode(errors="replace")
+
+    async def wait_started(self, limit_s: float = 60) -> None:
+        """Until this start of the process serves its endpoints: by then its cache writer
+        has bumped the Redis epoch, which makes every entry written before unreachable."""
+
+        async def listening() -> bool:
+            assert self.alive, f"worker exited:\n{self.log_since_start()[-3000:]}"
+            return '"http_listen"' in self.log_since_start()
+
+        await wait_for(listening, limit_s=limit_s, what=f"{self.log_path.name} to start")
+
     def terminate(self, timeout: float = 30) -> int | None:
+        """SIGTERM, then the exit code; SIGKILL (-9) after ``timeout`` s, with the log
+        tail printed so a failing test shows where the worker hung."""
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 return self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
+                print(f"--- {self.log_path.name} did not stop in {timeout} s; its log tail:")
+                print(self.log_since_start()[-4000:])
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode if self.proc else None

@@ -93,8 +93,10 @@ async def test_sigkill_members_at_random_points(settings: Settings, tmp_path: Pa
 
         await wait_for(all_in, limit_s=120, what=f"{total} checkpoints")
         await assert_exactly_once(dsn, published)
-        # One more event per run with the members stable: the cache must then equal
-        # PostgreSQL for every run.
+        # One more event per run with the members stable (every restarted member up,
+        # its start-up epoch bump done): the cache must then equal PostgreSQL.
+        for w in workers:
+            await w.wait_started()
         async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
             for run in runs:
                 doc = completed(run, updates={"final": True})
