@@ -64,6 +64,15 @@ if ARGV[3] == '' then return redis.call('HGETALL', key) end
 return redis.call('HMGET', key, ARGV[3], 'complete')
 """
 
+_DELETE = """
+local epoch = redis.call('GET', KEYS[1]) or '0'
+local n = 0
+for i = 2, #ARGV do
+  n = n + redis.call('DEL', ARGV[1] .. ':' .. epoch .. ':heads:' .. ARGV[i])
+end
+return n
+"""
+
 
 def field_for(branch_id: str | None) -> str:
     return MAIN_FIELD if branch_id is None else f"b:{branch_id}"
@@ -102,6 +111,7 @@ class RedisCheckpointCache:
         self.ttl_s = ttl_s
         self._put = client.register_script(_PUT)
         self._get = client.register_script(_GET)
+        self._delete = client.register_script(_DELETE)
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -140,6 +150,16 @@ class RedisCheckpointCache:
             return 0
         try:
             return int(await self._put(keys=[self._epoch_key], args=argv))
+        except RedisError as exc:
+            raise errors.CacheError(f"Redis: {exc!r}") from exc
+
+    async def delete(self, run_ids: Iterable[str]) -> int:
+        """Forget runs (their checkpoints were deleted); returns how many were cached."""
+        argv = [self.prefix, *run_ids]
+        if len(argv) == 1:
+            return 0
+        try:
+            return int(await self._delete(keys=[self._epoch_key], args=argv))
         except RedisError as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
 
@@ -196,6 +216,20 @@ class CacheWriter:
     @property
     def degraded(self) -> bool:
         return self._dirty and self.failures > 0
+
+    async def forget(self, run_ids: list[str]) -> bool:
+        """Drop runs whose checkpoints were deleted; when Redis is down, the epoch bump
+        on its return makes the old entries unreachable all the same."""
+        try:
+            if self._dirty:
+                await self.cache.bump_epoch()
+                self._dirty = False
+            await self.cache.delete(run_ids)
+            return True
+        except errors.CacheError:
+            self._dirty = True
+            self.failures += 1
+            return False
 
     async def write(self, entries: list[CacheEntry]) -> bool:
         """True when written; False when Redis is down (counted, never raised)."""

@@ -17,7 +17,7 @@ import typer
 from rich.table import Table
 
 from alma_core import cli_common as common
-from alma_core import cli_runs, errors, reducers
+from alma_core import cli_memory, cli_runs, errors, reducers
 from alma_core import settings as settings_mod
 from alma_core.embedded import EmbeddedStack, Endpoints
 from alma_core.logs import configure as configure_logs
@@ -36,6 +36,7 @@ app.add_typer(topics_app, name="topics")
 app.add_typer(schemas_app, name="schemas")
 app.add_typer(reducers_app, name="reducers")
 cli_runs.register(app)
+cli_memory.register(app, db_app)
 
 # --- alma up ----------------------------------------------------------------
 

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from alma_core import errors
+from alma_core.scoring import ScoringWeights
 
 
 class Settings(BaseSettings):
@@ -56,6 +57,32 @@ class Settings(BaseSettings):
     heartbeat_interval_ms: int = Field(default=1_000, ge=100)
     fetch_max_wait_ms: int = Field(default=100, ge=0, le=10_000)
     pg_pool_size: int = Field(default=8, ge=1, le=200)
+
+    # Learning and retrieval.
+    embedding_model_path: Path | None = Field(
+        default=None,
+        description="a sentence-transformers model folder; unset: the bundled all-MiniLM-L6-v2",
+    )
+    embed_batch_size: int = Field(default=32, ge=1, le=1024, description="texts per encode")
+    embed_max_wait_ms: int = Field(
+        default=50, ge=0, le=10_000, description="how long the learner gathers events for a batch"
+    )
+    embed_threads: int = Field(default=1, ge=1, le=64, description="torch threads for encoding")
+    embed_cache_size: int = Field(default=10_000, ge=0, description="vectors remembered by text")
+    learn_min_occurrences: int = Field(
+        default=3, ge=1, description="successes of a strategy before it becomes a heuristic"
+    )
+    cleanup_checkpoints: bool = Field(
+        default=False, description="delete a run's checkpoints once it was learned from"
+    )
+    checkpoint_retention_days: float = Field(
+        default=0, ge=0, description="prune checkpoints of runs completed this long ago (0: never)"
+    )
+    retrieval_exact_max_rows: int = Field(
+        default=3000, ge=0, description="largest scope searched exactly; above, HNSW"
+    )
+    retrieval_ef_search: int = Field(default=100, ge=1, le=1000)
+    scoring_weights: ScoringWeights = Field(default_factory=ScoringWeights)
 
     # Process.
     metrics_port: int = Field(default=9464, ge=0, le=65535)
@@ -102,3 +129,10 @@ def load(**overrides: object) -> Settings:
             name = "ALMA_" + "_".join(str(p) for p in err["loc"]).upper()
             problems.append(f"{name}={err.get('input')!r}: {err['msg']}")
         raise errors.ConfigError("invalid settings: " + "; ".join(problems)) from None
+    except SettingsError as exc:  # a complex value (JSON) that does not parse
+        field = str(exc).partition('field "')[2].partition('"')[0]
+        raise errors.ConfigError(
+            f"invalid settings: ALMA_{field.upper()} is not valid JSON ({exc.__cause__}); "
+            'expected e.g. {"similarity": 0.4, "recency": 0.3, "success_rate": 0.2, '
+            '"confidence": 0.1}'
+        ) from None

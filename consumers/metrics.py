@@ -100,6 +100,40 @@ class Metrics:
             "alma_outbox_failures_total", "Outbox publish attempts that failed", registry=r
         )
 
+        self.embeddings = Counter(
+            "alma_embeddings_total", "Texts embedded, by result (encoded, cached)", ["result"],
+            registry=r,
+        )  # fmt: skip
+        self.embed_batch = Histogram(
+            "alma_embedding_batch_size", "Texts per model call",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r,
+        )  # fmt: skip
+        self.embed_seconds = Histogram(
+            "alma_embedding_seconds", "Time of one model call (a batch of texts)",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.outcomes = Counter(
+            "alma_outcomes_total", "Workflow outcomes, by result (stored, duplicate)", ["result"],
+            registry=r,
+        )  # fmt: skip
+        self.memories = Counter(
+            "alma_memories_written_total", "Memories written or updated by the learner, by kind",
+            ["kind"], registry=r,
+        )  # fmt: skip
+        self.retrieval_seconds = Histogram(
+            "alma_retrieval_seconds", "Time of one scoped retrieval, embedding included",
+            ["scope", "plan"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.checkpoints_pruned = Counter(
+            "alma_checkpoints_pruned_total",
+            "Checkpoints deleted by cleanup after learning or by retention", ["reason"],
+            registry=r,
+        )  # fmt: skip
+
+    def observe_retrieval(self, scope: str, plan: str, seconds: float) -> None:
+        """``Retriever(observe=...)``: a process that serves retrievals records them here."""
+        self.retrieval_seconds.labels(scope, plan).observe(seconds)
+
     def forget_partition(self, consumer: str, topic: str, partition: int) -> None:
         """Drop the lag series of a revoked partition, so dashboards do not show a ghost."""
         with contextlib.suppress(KeyError):

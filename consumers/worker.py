@@ -20,11 +20,14 @@ from aiokafka import AIOKafkaProducer
 from alma_core import errors, postgres
 from alma_core.cache import CacheWriter, RedisCheckpointCache
 from alma_core.checkpoint_store import PostgresCheckpointStore, StoreConfig
+from alma_core.embeddings import AsyncEmbedder, load_embedder
 from alma_core.join_store import JoinConfig, PostgresJoinStore
+from alma_core.learn_store import LearnConfig, PostgresLearnStore, check_dimension
+from alma_core.learning import LearningPolicy
 from alma_core.migrations import Migrator, load_migrations
 from alma_core.reducers import default_registry
 from alma_core.settings import Settings
-from consumers import checkpointer, http, joiner
+from consumers import checkpointer, http, joiner, learner
 from consumers.metrics import Metrics
 from consumers.outbox import OutboxRelay
 from consumers.runtime import (
@@ -37,7 +40,7 @@ from consumers.runtime import (
 
 log = logging.getLogger("alma.worker")
 
-KNOWN_CONSUMERS = ("checkpoint", "join")
+KNOWN_CONSUMERS = ("checkpoint", "join", "learn")
 
 
 @dataclass
@@ -110,19 +113,28 @@ async def run_worker(
     metrics: Metrics | None = None,
     ready: asyncio.Event | None = None,
     status: WorkerStatus | None = None,
+    embedder: AsyncEmbedder | None = None,
 ) -> None:
-    """Run the named consumer groups until ``stop`` is set."""
+    """Run the named consumer groups until ``stop`` is set. The learner loads the
+    embedding model unless ``embedder`` is given (tests share one)."""
     unknown = [c for c in consumers if c not in KNOWN_CONSUMERS]
     if unknown:
         raise errors.ConfigError(
             f"unknown consumer(s) {', '.join(unknown)}; known: {', '.join(KNOWN_CONSUMERS)}"
         )
     metrics = metrics or Metrics()
+    owned: AsyncEmbedder | None = None
     pool = await _wait_for_pool(services.postgres_dsn, settings.pg_pool_size, stop)
     if pool is None:
         return
     try:
         await check_schema(pool)
+        if "learn" in consumers and embedder is None:
+            log.info("loading the embedding model", extra={"action": "embedder_load"})
+            embedder = owned = await asyncio.to_thread(load_embedder, settings)
+        if "learn" in consumers:
+            assert embedder is not None
+            await check_dimension(pool, embedder.dimension, embedder.embedder.name)
         async with (
             RedisCheckpointCache.connect(
                 services.redis_url, prefix=settings.redis_prefix, ttl_s=settings.cache_ttl_seconds
@@ -146,13 +158,17 @@ async def run_worker(
             def group(name: str) -> str:
                 return f"{settings.group_prefix}-{name}"
 
-            def runtime(name: str, topic: str, handler: BatchHandler) -> ConsumerRuntime:
+            def runtime(
+                name: str, topic: str, handler: BatchHandler, *, linger_ms: int = 0,
+                max_records: int = settings.max_batch_records,
+            ) -> ConsumerRuntime:  # fmt: skip
                 return ConsumerRuntime(
                     RuntimeConfig(
                         bootstrap=services.kafka_bootstrap,
                         group_id=group(name),
                         topics=[topic],
-                        max_records=settings.max_batch_records,
+                        max_records=max_records,
+                        linger_ms=linger_ms,
                         session_timeout_ms=settings.session_timeout_ms,
                         heartbeat_interval_ms=settings.heartbeat_interval_ms,
                         fetch_max_wait_ms=settings.fetch_max_wait_ms,
@@ -192,6 +208,26 @@ async def run_worker(
                 )  # fmt: skip
                 runtimes.append(runtime(joiner.GROUP, settings.sequenced_topic, join_handler))
 
+            if "learn" in consumers:
+                assert embedder is not None
+                learn_store = PostgresLearnStore(
+                    pool,
+                    LearnConfig(group(learner.GROUP), learner.NAME, settings.dlq_topic,
+                                LearningPolicy(min_occurrences=settings.learn_min_occurrences),
+                                settings.cleanup_checkpoints),
+                )  # fmt: skip
+                learn_handler = learner.LearnHandler(
+                    learn_store, cache_writer, relay, metrics, embedder,
+                    max_state_bytes=settings.max_record_bytes,
+                    max_record_bytes=settings.max_record_bytes,
+                    retention_days=settings.checkpoint_retention_days,
+                )  # fmt: skip
+                runtimes.append(
+                    runtime(learner.GROUP, settings.sequenced_topic, learn_handler,
+                            linger_ms=settings.embed_max_wait_ms,
+                            max_records=min(settings.max_batch_records, 256))
+                )  # fmt: skip
+
             async def database_ok() -> bool:
                 return bool(await pool.fetchval("SELECT 1"))
 
@@ -211,4 +247,6 @@ async def run_worker(
                 finally:
                     started.cancel()
     finally:
+        if owned is not None:
+            owned.close()
         await pool.close()

@@ -12,6 +12,7 @@ import asyncpg
 import pytest
 
 from alma_core.embedded import EmbeddedStack, Postgres, Redis
+from alma_core.embeddings import AsyncEmbedder
 from alma_core.migrations import Migrator
 from alma_core.settings import Settings, load
 from alma_core.topics import ensure_topics
@@ -134,6 +135,14 @@ def settings(services: Services, database: str, topics: Topics) -> Settings:
     return settings_for(
         services.kafka_bootstrap, database, services.redis_url, topics, max_state_bytes=64 * 1024
     )
+
+
+@pytest.fixture(scope="session")
+def embedder() -> AsyncEmbedder:
+    """The real model (all-MiniLM-L6-v2), loaded once for the in-process workers."""
+    from alma_core.embeddings import load_embedder
+
+    return load_embedder(load())
 
 
 @pytest.fixture

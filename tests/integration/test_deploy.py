@@ -67,21 +67,22 @@ def test_docker_compose_services_and_settings() -> None:
     compose: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
     assert {"kafka", "postgres", "redis", "prometheus", "grafana", "init", "checkpointer",
-            "joiner"} <= set(services)  # fmt: skip
+            "joiner", "learner"} <= set(services)  # fmt: skip
     assert "KAFKA_PROCESS_ROLES" in services["kafka"]["environment"]  # KRaft, no ZooKeeper
     assert services["postgres"]["image"].startswith("pgvector/pgvector")
     known = settings_variables()
-    for name in ("init", "checkpointer", "joiner"):
+    for name in ("init", "checkpointer", "joiner", "learner"):
         env = services[name]["environment"]
         assert set(env) <= known, f"{name}: unknown settings {set(env) - known}"
         assert {"ALMA_KAFKA_BOOTSTRAP", "ALMA_POSTGRES_DSN", "ALMA_REDIS_URL"} <= set(env)
-    for name in ("kafka", "postgres", "redis", "checkpointer", "joiner", "prometheus"):
+    for name in ("kafka", "postgres", "redis", "checkpointer", "joiner", "learner", "prometheus"):
         assert "healthcheck" in services[name], name
     assert services["checkpointer"]["command"] == ["worker", "--consumers", "checkpoint"]
     assert services["joiner"]["command"] == ["worker", "--consumers", "join"]
+    assert services["learner"]["command"] == ["worker", "--consumers", "learn"]
     prometheus = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     sd = prometheus["scrape_configs"][0]["dns_sd_configs"][0]
-    assert set(sd["names"]) == {"checkpointer", "joiner"}
+    assert set(sd["names"]) == {"checkpointer", "joiner", "learner"}
     assert sd["port"] == Settings.model_fields["metrics_port"].default
 
 
@@ -91,7 +92,7 @@ def test_kubernetes_manifests() -> None:
     for doc in docs:
         by_kind.setdefault(doc["kind"], []).append(doc)
     deployments = {d["metadata"]["name"]: d for d in by_kind["Deployment"]}
-    assert set(deployments) == {"alma-checkpointer", "alma-joiner"}
+    assert set(deployments) == {"alma-checkpointer", "alma-joiner", "alma-learner"}
     for name, deployment in deployments.items():
         pod = deployment["spec"]["template"]
         container = pod["spec"]["containers"][0]

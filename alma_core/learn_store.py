@@ -1,0 +1,349 @@
+"""PostgresLearnStore: finished runs become outcomes and memories, exactly once.
+
+The learner reads what it needs first (the runs' event history, which outcomes
+exist already), drafts and embeds outside any transaction (embedding is slow),
+then applies one transaction per polled batch:
+
+* offsets fenced as for the checkpointer (:mod:`alma_core.offsets`);
+* one outcome per run: ``workflow_outcomes`` is unique by ``event_id`` and by
+  (tenant, run), so a re-delivered or re-published completion writes nothing;
+* memories are upserted by (tenant, kind, dedupe key) with counts recomputed
+  from the stored outcomes, so nothing is counted twice;
+* artifacts linked to the outcome and to the memories learned from the run;
+* ``cleanup_checkpoints``: the run's checkpoints are deleted in the same
+  transaction, after everything was learned from them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import asyncpg
+
+from alma_core import errors, learning, offsets
+from alma_core.batch_store import (
+    BatchStore,
+    DeadLetter,
+    Incoming,
+    dead_letter_for,
+    insert_outbox,
+    record_dead_letter,
+)
+from alma_core.embeddings import Vector, vector_literal
+from alma_core.learning import LearningPolicy, MemoryDraft, OutcomeDraft
+from alma_core.offsets import TopicPartition
+from schemas.decoder import Rejection
+from schemas.events import ArtifactRef, WorkflowCompleted
+
+Coords = tuple[str, int, int]  # topic, partition, offset
+
+
+@dataclass(frozen=True)
+class LearnConfig:
+    group_id: str
+    consumer: str
+    dlq_topic: str
+    policy: LearningPolicy = field(default_factory=LearningPolicy)
+    cleanup_checkpoints: bool = False
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A completion drafted and embedded, ready for the transaction."""
+
+    draft: OutcomeDraft
+    vectors: dict[str, Vector]
+    artifacts: list[ArtifactRef]
+    cleanup: bool
+
+
+@dataclass
+class LearnBatchResult:
+    outcomes: int = 0
+    duplicates: int = 0
+    memories: Counter[str] = field(default_factory=Counter)
+    cleaned_runs: list[str] = field(default_factory=list)
+    checkpoints_removed: int = 0
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+    outbox_ids: list[int] = field(default_factory=list)
+    seeks: dict[TopicPartition, int] = field(default_factory=dict)
+    next_offsets: dict[TopicPartition, int] = field(default_factory=dict)
+    already_applied: int = 0
+
+
+async def check_dimension(pool: asyncpg.Pool, dimension: int, model: str) -> None:
+    """The embedding columns must have the model's dimension (a defect the seed lists)."""
+    rows = await pool.fetch(
+        """SELECT attrelid::regclass::text AS tbl, atttypmod AS dims FROM pg_attribute
+           WHERE attname = 'embedding' AND attnum > 0
+             AND attrelid IN ('memories'::regclass, 'workflow_outcomes'::regclass)"""
+    )
+    wrong = [f"{r['tbl']}.embedding is vector({r['dims']})" for r in rows if r["dims"] != dimension]
+    if wrong:
+        raise errors.ConfigError(
+            f"the embedding model {model} makes {dimension}-dimensional vectors but "
+            f"{'; '.join(wrong)}: use a {rows[0]['dims']}-dimensional model "
+            "(ALMA_EMBEDDING_MODEL_PATH), or migrate the columns to the model's dimension "
+            "and re-embed"
+        )
+
+
+class PostgresLearnStore(BatchStore):
+    def __init__(self, pool: asyncpg.Pool, config: LearnConfig) -> None:
+        super().__init__(pool, config.group_id)
+        self.config = config
+
+    # -- reads before the transaction -------------------------------------------
+
+    async def histories(
+        self, runs: list[tuple[str, str]]
+    ) -> dict[str, list[learning.HistoryEvent]]:
+        """Each run's audit log, in order (tenant-scoped)."""
+        if not runs:
+            return {}
+
+        async def read() -> list[asyncpg.Record]:
+            rows: list[asyncpg.Record] = await self.pool.fetch(
+                """SELECT e.run_id, e.type, e.node_id, e.branch_id,
+                          e.payload->'error'->>'type' AS error_type,
+                          e.payload->'error'->>'message' AS error_message
+                   FROM run_events e
+                   JOIN unnest($1::text[], $2::text[]) AS u(t, r)
+                     ON e.tenant_id = u.t AND e.run_id = u.r
+                   WHERE e.type IN ('node.completed', 'node.failed')
+                   ORDER BY e.run_id, e.ordinal""",
+                [t for t, _ in runs], [r for _, r in runs],
+            )  # fmt: skip
+            return rows
+
+        out: dict[str, list[learning.HistoryEvent]] = {r: [] for _, r in runs}
+        for row in await self._guarded("reading run histories", read()):
+            out[row["run_id"]].append(
+                learning.HistoryEvent(row["type"], row["node_id"], row["branch_id"],
+                                      row["error_type"], row["error_message"])
+            )  # fmt: skip
+        return out
+
+    async def learned(self, events: list[WorkflowCompleted]) -> set[str]:
+        """Event ids whose run already has an outcome (nothing to embed for them)."""
+        if not events:
+            return set()
+
+        async def read() -> list[asyncpg.Record]:
+            rows: list[asyncpg.Record] = await self.pool.fetch(
+                """SELECT u.e FROM unnest($1::text[], $2::text[], $3::text[]) AS u(e, t, r)
+                   WHERE EXISTS (
+                       SELECT 1 FROM workflow_outcomes o
+                       WHERE o.event_id = u.e OR (o.tenant_id = u.t AND o.run_id = u.r))""",
+                [e.event_id for e in events], [e.tenant_id for e in events],
+                [e.run_id for e in events],
+            )  # fmt: skip
+            return rows
+
+        return {r["e"] for r in await self._guarded("reading known outcomes", read())}
+
+    # -- the transaction ----------------------------------------------------------
+
+    async def apply(
+        self,
+        cluster_id: str,
+        batch: dict[TopicPartition, list[Incoming]],
+        prepared: dict[Coords, Prepared],
+    ) -> LearnBatchResult:
+        return await self.in_transaction(
+            "storing outcomes", lambda conn: self._apply(conn, cluster_id, batch, prepared)
+        )
+
+    async def _apply(
+        self,
+        conn: asyncpg.Connection,
+        cluster_id: str,
+        batch: dict[TopicPartition, list[Incoming]],
+        prepared: dict[Coords, Prepared],
+    ) -> LearnBatchResult:
+        result = LearnBatchResult()
+        fenced = await offsets.fence(conn, self.config.group_id, cluster_id, batch)
+        result.seeks, result.next_offsets = fenced.seeks, fenced.next_offsets
+        result.already_applied = fenced.already_applied
+        now = datetime.now(UTC)
+        stored: list[Prepared] = []
+        for records in fenced.todo.values():
+            for record in records:
+                decoded = record.decoded
+                if isinstance(decoded, Rejection):
+                    result.dead_letters.append(dead_letter_for(record, decoded))
+                    continue
+                if not isinstance(decoded, WorkflowCompleted):
+                    continue  # joins are the joiner's
+                item = prepared.get((record.topic, record.partition, record.offset))
+                if item is None or not await self._insert_outcome(conn, item, now):
+                    result.duplicates += 1
+                    continue
+                stored.append(item)
+        if stored:
+            result.outcomes = len(stored)
+            learned = await self._learn(conn, stored, now, result)
+            await conn.executemany(
+                "UPDATE workflow_outcomes SET learnings_extracted = $2 WHERE id = $1",
+                [(item.draft.id, learned[item.draft.id]) for item in stored],
+            )
+            await self._cleanup(conn, [i for i in stored if i.cleanup], result)
+        outbox = [
+            await record_dead_letter(conn, self.config.consumer, self.config.dlq_topic, dl)
+            for dl in result.dead_letters
+        ]
+        result.outbox_ids = await insert_outbox(conn, outbox)
+        ends = await offsets.advance(conn, self.config.group_id, cluster_id, fenced.todo)
+        result.next_offsets.update(ends)
+        return result
+
+    async def _insert_outcome(
+        self, conn: asyncpg.Connection, item: Prepared, now: datetime
+    ) -> bool:
+        d, run = item.draft, item.draft.run
+        inserted = await conn.fetchval(
+            """INSERT INTO workflow_outcomes (id, tenant_id, workflow_id, workflow_version, run_id,
+                   event_id, success, duration_ms, node_count, nodes_succeeded, nodes_failed,
+                   error_message, failing_node, task, description, embedding, strategy,
+                   error_signature, created_at)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
+                       $16::vector, $17, $18, $19)
+               ON CONFLICT DO NOTHING RETURNING id""",
+            d.id, run.tenant_id, run.workflow_id, run.workflow_version, run.run_id, run.event_id,
+            run.success, run.duration_ms, run.node_count, run.nodes_succeeded, run.nodes_failed,
+            run.error_message, d.failing_node, run.task, d.description,
+            vector_literal(item.vectors[d.description]), d.strategy, d.error_signature, now,
+        )  # fmt: skip
+        if inserted is None:
+            return False
+        await self._link(conn, run.tenant_id, "outcome", d.id, item.artifacts)
+        return True
+
+    async def _learn(
+        self, conn: asyncpg.Connection, stored: list[Prepared], now: datetime,
+        result: LearnBatchResult,
+    ) -> Counter[str]:  # fmt: skip
+        """Write node outcomes, then heuristics and anti-patterns the counts allow.
+        Returns how many memories each outcome (by id) gave."""
+        learned: Counter[str] = Counter()
+        policy = self.config.policy
+        rows: list[tuple[MemoryDraft, Vector, int, int, float]] = []
+        for item in stored:
+            for m in item.draft.node_outcomes:
+                rows.append((m, item.vectors[m.content], 1, 0, 1.0))
+                learned[item.draft.id] += 1
+        strategies = await self._counts(conn, stored, "strategy")
+        failures = await self._counts(conn, [i for i in stored if i.draft.error_signature],
+                                      "error_signature")  # fmt: skip
+        for item in stored:
+            d = item.draft
+            key = (d.run.tenant_id, d.run.workflow_id, d.strategy)
+            occurrences, successes = strategies[key]
+            if d.run.success and learning.heuristic_counts_qualify(occurrences, successes, policy):
+                rows.append((d.heuristic, item.vectors[d.heuristic.content], occurrences,
+                             successes, successes / occurrences))  # fmt: skip
+                learned[d.id] += 1
+            if d.anti_pattern is not None and d.error_signature is not None:
+                _, failed = failures[(d.run.tenant_id, d.run.workflow_id, d.error_signature)]
+                if failed >= policy.anti_pattern_min_failures:
+                    rows.append((d.anti_pattern, item.vectors[d.anti_pattern.content], failed, 0,
+                                 learning.anti_pattern_confidence(failed)))  # fmt: skip
+                    learned[d.id] += 1
+        # A heuristic whose strategy now fails more often keeps its row, with its
+        # counts and confidence brought up to date.
+        await conn.executemany(
+            """UPDATE memories SET occurrences = $3, successes = $4, confidence = $5,
+                      updated_at = $6
+               WHERE tenant_id = $1 AND kind = 'heuristic' AND dedupe_key = $2""",
+            [(d.run.tenant_id, d.heuristic.dedupe_key, *strategies[key], conf, now)
+             for item in stored if not item.draft.run.success
+             for d in [item.draft]
+             for key in [(d.run.tenant_id, d.run.workflow_id, d.strategy)]
+             for conf in [strategies[key][1] / max(1, strategies[key][0])]],
+        )  # fmt: skip
+        latest: dict[str, tuple[MemoryDraft, Vector, int, int, float]] = {}
+        for row in rows:  # one row per memory: the last (highest counts) wins
+            latest[row[0].id] = row
+        await conn.executemany(
+            """INSERT INTO memories (id, tenant_id, kind, workflow_id, run_id, node_id, content,
+                   condition, strategy, occurrences, successes, confidence, dedupe_key,
+                   embedding, metadata, created_at, updated_at)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14::vector,
+                       $15::jsonb, $16, $16)
+               ON CONFLICT (tenant_id, kind, dedupe_key) DO UPDATE SET
+                   content = EXCLUDED.content, embedding = EXCLUDED.embedding,
+                   occurrences = EXCLUDED.occurrences, successes = EXCLUDED.successes,
+                   confidence = EXCLUDED.confidence,
+                   metadata = memories.metadata || EXCLUDED.metadata,
+                   updated_at = EXCLUDED.updated_at""",
+            [(m.id, m.tenant_id, m.kind.value, m.workflow_id, m.run_id, m.node_id, m.content,
+              m.condition, m.strategy, occ, succ, conf, m.dedupe_key, vector_literal(vec),
+              json.dumps(m.metadata), now)
+             for m, vec, occ, succ, conf in latest.values()],
+        )  # fmt: skip
+        for m, *_ in latest.values():
+            result.memories[m.kind.value] += 1
+        for item in stored:  # the run's artifacts belong to what was learned from it
+            owned = list(item.draft.node_outcomes)
+            if item.draft.anti_pattern is not None and item.draft.anti_pattern.id in latest:
+                owned.append(item.draft.anti_pattern)
+            for m in owned:
+                await self._link(conn, m.tenant_id, "memory", m.id, item.artifacts)
+        return learned
+
+    async def _counts(
+        self, conn: asyncpg.Connection, stored: list[Prepared], column: str
+    ) -> dict[tuple[str, str, str], tuple[int, int]]:
+        """(occurrences, successes or failures) of each group of stored outcomes."""
+        keys = sorted({
+            (i.draft.run.tenant_id, i.draft.run.workflow_id, getattr(i.draft, column))
+            for i in stored
+        })  # fmt: skip
+        if not keys:
+            return {}
+        counted = "o.success" if column == "strategy" else "NOT o.success"
+        rows = await conn.fetch(
+            f"""SELECT u.t, u.w, u.k, count(o.id) AS n, count(o.id) FILTER (WHERE {counted}) AS c
+                FROM unnest($1::text[], $2::text[], $3::text[]) AS u(t, w, k)
+                LEFT JOIN workflow_outcomes o
+                  ON o.tenant_id = u.t AND o.workflow_id = u.w AND o.{column} = u.k
+                GROUP BY u.t, u.w, u.k""",
+            [k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys],
+        )  # fmt: skip
+        return {(r["t"], r["w"], r["k"]): (r["n"], r["c"]) for r in rows}
+
+    async def _link(
+        self, conn: asyncpg.Connection, tenant_id: str, owner_type: str, owner_id: str,
+        artifacts: list[ArtifactRef],
+    ) -> None:  # fmt: skip
+        if not artifacts:
+            return
+        await conn.executemany(
+            """INSERT INTO artifact_links (tenant_id, owner_type, owner_id, artifact_id,
+                   artifact_type, storage_path, content_hash, size_bytes, metadata)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb)
+               ON CONFLICT (owner_type, owner_id, artifact_id) DO NOTHING""",
+            [(tenant_id, owner_type, owner_id, a.id, a.artifact_type, a.storage_path,
+              a.content_hash, a.size_bytes, json.dumps(a.metadata)) for a in artifacts],
+        )  # fmt: skip
+
+    async def _cleanup(
+        self, conn: asyncpg.Connection, items: list[Prepared], result: LearnBatchResult
+    ) -> None:
+        if not items:
+            return
+        runs = [i.draft.run.run_id for i in items]
+        tenants = [i.draft.run.tenant_id for i in items]
+        removed = await conn.fetchval(
+            """WITH gone AS (
+                 DELETE FROM checkpoints c USING unnest($1::text[], $2::text[]) AS u(r, t)
+                 WHERE c.run_id = u.r AND c.tenant_id = u.t RETURNING 1)
+               SELECT count(*) FROM gone""",
+            runs, tenants,
+        )  # fmt: skip
+        await conn.execute("DELETE FROM run_heads WHERE run_id = ANY($1::text[])", runs)
+        result.cleaned_runs = runs
+        result.checkpoints_removed = int(removed or 0)

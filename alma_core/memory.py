@@ -1,0 +1,182 @@
+"""What ALMA Stream remembers and hands back: memories, workflow outcomes, and the
+``MemorySlice`` a retrieval returns, with ``to_prompt`` for an agent's context.
+
+Pure types: no I/O. ``score`` and ``similarity`` are filled in by retrieval.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from alma_core.types import RetrievalScope
+
+
+class MemoryKind(StrEnum):
+    HEURISTIC = "heuristic"  # "in workflow W, doing X succeeds" (learned from repeated success)
+    ANTI_PATTERN = "anti_pattern"  # "node N fails with E" (learned from repeated failure)
+    DOMAIN_KNOWLEDGE = "domain_knowledge"
+    PREFERENCE = "preference"
+    OUTCOME = "outcome"  # what one node of one run did: the raw record
+
+
+@dataclass(frozen=True)
+class ArtifactLink:
+    """An artifact kept in blob storage, linked to an outcome or a memory."""
+
+    artifact_id: str
+    artifact_type: str
+    storage_path: str
+    content_hash: str
+    size_bytes: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Memory:
+    id: str
+    tenant_id: str
+    kind: MemoryKind
+    content: str
+    agent: str | None = None
+    workflow_id: str | None = None
+    run_id: str | None = None
+    node_id: str | None = None
+    condition: str | None = None
+    strategy: str | None = None
+    occurrences: int = 1
+    successes: int = 0
+    confidence: float = 0.0
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    artifacts: tuple[ArtifactLink, ...] = ()
+    similarity: float = 0.0
+    score: float = 0.0
+
+
+@dataclass(frozen=True)
+class WorkflowOutcome:
+    """How one run of a workflow ended, with the text its embedding was made from."""
+
+    id: str
+    tenant_id: str
+    workflow_id: str
+    run_id: str
+    success: bool
+    duration_ms: int
+    node_count: int
+    nodes_succeeded: int
+    nodes_failed: int
+    description: str
+    workflow_version: str | None = None
+    error_message: str | None = None
+    failing_node: str | None = None
+    task: str | None = None
+    learnings_extracted: int = 0
+    created_at: datetime | None = None
+    artifacts: tuple[ArtifactLink, ...] = ()
+    similarity: float = 0.0
+    score: float = 0.0
+
+
+_TOKEN = re.compile(r"[A-Za-z0-9]+|[^\sA-Za-z0-9]")
+
+
+def estimate_tokens(text: str) -> int:
+    """A tokenizer-free estimate that does not undercount: a word is one token per 4
+    characters (at least one), any other character (punctuation, non-ASCII) is one.
+    The seed's ``len(text) / 4`` undercounts non-ASCII text badly."""
+    return sum(math.ceil(len(t) / 4) if t[0].isalnum() and t.isascii() else 1
+               for t in _TOKEN.findall(text))  # fmt: skip
+
+
+_SECTIONS: list[tuple[str, str]] = [
+    ("heuristics", "## Strategies that worked"),
+    ("anti_patterns", "## Mistakes to avoid"),
+    ("domain_knowledge", "## Domain knowledge"),
+    ("preferences", "## Preferences"),
+    ("outcomes", "## What happened in past runs"),
+    ("workflow_outcomes", "## Past workflow runs"),
+]
+
+
+def _line(item: Memory | WorkflowOutcome) -> str:
+    if isinstance(item, WorkflowOutcome):
+        status = "succeeded" if item.success else "failed"
+        text = (
+            f"- {item.workflow_id} run {item.run_id}: {status} "
+            f"({item.nodes_succeeded}/{item.node_count} nodes, {item.duration_ms} ms)"
+        )
+        if item.error_message:
+            failing = f" at {item.failing_node}" if item.failing_node else ""
+            text += f"; error{failing}: {item.error_message}"
+        return text
+    text = f"- {item.content}"
+    if item.kind is MemoryKind.HEURISTIC:
+        text += f" (confidence {item.confidence:.0%}, {item.successes}/{item.occurrences} runs)"
+    elif item.kind is MemoryKind.ANTI_PATTERN:
+        text += f" (seen {item.occurrences} times)"
+    return text
+
+
+@dataclass
+class MemorySlice:
+    """The memories relevant to one task, by kind, each list best first."""
+
+    heuristics: list[Memory] = field(default_factory=list)
+    anti_patterns: list[Memory] = field(default_factory=list)
+    domain_knowledge: list[Memory] = field(default_factory=list)
+    preferences: list[Memory] = field(default_factory=list)
+    outcomes: list[Memory] = field(default_factory=list)
+    workflow_outcomes: list[WorkflowOutcome] = field(default_factory=list)
+    query: str | None = None
+    agent: str | None = None
+    scope: RetrievalScope | None = None
+    plan: str | None = None  # "exact" or "approximate"
+    retrieval_time_ms: float | None = None
+
+    def items(self) -> list[Memory | WorkflowOutcome]:
+        """Everything in the slice, highest score first."""
+        out: list[Memory | WorkflowOutcome] = []
+        for name, _ in _SECTIONS:
+            out.extend(getattr(self, name))
+        return sorted(out, key=lambda i: -i.score)
+
+    @property
+    def empty(self) -> bool:
+        return not self.items()
+
+    def fit(
+        self, max_tokens: int, count_tokens: Callable[[str], int] = estimate_tokens
+    ) -> list[Memory | WorkflowOutcome]:
+        """The items ``to_prompt`` keeps: best score first, across kinds, while the
+        rendered prompt fits; the first that does not fit ends the selection, so what
+        is kept is always the highest-scored prefix."""
+        kept: list[Memory | WorkflowOutcome] = []
+        for item in self.items():
+            if count_tokens(self.render([*kept, item])) > max_tokens:
+                break
+            kept.append(item)
+        return kept
+
+    def to_prompt(
+        self, max_tokens: int = 2000, count_tokens: Callable[[str], int] = estimate_tokens
+    ) -> str:
+        """Markdown for an agent's context, at most ``max_tokens`` by ``count_tokens``:
+        the kept items (:meth:`fit`) under their kind's heading."""
+        return self.render(self.fit(max_tokens, count_tokens))
+
+    def render(self, kept: list[Memory | WorkflowOutcome]) -> str:
+        chosen = {id(i) for i in kept}
+        parts = []
+        for name, heading in _SECTIONS:
+            lines = [_line(i) for i in getattr(self, name) if id(i) in chosen]
+            if lines:
+                parts.append("\n".join([heading, *lines]))
+        return "\n\n".join(parts)

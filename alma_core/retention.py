@@ -1,0 +1,69 @@
+"""Retention: the checkpoints of runs that completed long ago are pruned, in
+bounded batches, and never those of a run that is still open.
+
+A run is closed once its ``workflow.completed`` was recorded (``completed_at``);
+a run without it keeps every checkpoint, however old. Each batch is its own
+short transaction that skips runs another pruner holds (``SKIP LOCKED``), so
+pruning never blocks the checkpointer for long and two pruners never collide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import asyncpg
+
+from alma_core.postgres import is_storage_failure, storage_error
+
+
+@dataclass
+class PruneResult:
+    runs: int = 0
+    checkpoints: int = 0
+    batches: int = 0
+    more: bool = False  # stopped at max_batches with work left
+
+
+async def prune_checkpoints(
+    pool: asyncpg.Pool,
+    older_than_days: float,
+    *,
+    batch_runs: int = 200,
+    max_batches: int = 50,
+) -> PruneResult:
+    """Delete the checkpoints (and branch heads) of runs completed more than
+    ``older_than_days`` ago; at most ``max_batches`` × ``batch_runs`` runs per call."""
+    result = PruneResult()
+    try:
+        for _ in range(max_batches):
+            async with pool.acquire() as conn, conn.transaction():
+                runs = await conn.fetch(
+                    """SELECT r.run_id FROM runs r
+                       WHERE r.completed_at IS NOT NULL
+                         AND r.completed_at < now() - make_interval(secs => $1)
+                         AND EXISTS (SELECT 1 FROM run_heads h WHERE h.run_id = r.run_id)
+                       ORDER BY r.completed_at
+                       LIMIT $2
+                       FOR UPDATE OF r SKIP LOCKED""",
+                    older_than_days * 86400.0,
+                    batch_runs,
+                )
+                if not runs:
+                    return result
+                ids = [r["run_id"] for r in runs]
+                deleted = await conn.fetchval(
+                    """WITH gone AS (DELETE FROM checkpoints WHERE run_id = ANY($1::text[])
+                                     RETURNING 1)
+                       SELECT count(*) FROM gone""",
+                    ids,
+                )
+                await conn.execute("DELETE FROM run_heads WHERE run_id = ANY($1::text[])", ids)
+            result.runs += len(ids)
+            result.checkpoints += int(deleted or 0)
+            result.batches += 1
+        result.more = True
+        return result
+    except Exception as exc:
+        if is_storage_failure(exc):
+            raise storage_error(exc, "pruning checkpoints") from exc
+        raise

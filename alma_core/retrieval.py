@@ -1,0 +1,244 @@
+"""Scoped retrieval: "what do we know about this task?" for a tenant, workflow,
+run, node or agent, as a :class:`~alma_core.memory.MemorySlice`.
+
+1. The scope becomes a filter (:mod:`alma_core.scopes`); a bad context is refused.
+2. The task is embedded (the same model and cache as the learner).
+3. The reads run as the ``alma_reader`` role with the tenant set for the
+   transaction: PostgreSQL's row-level security admits only that tenant's rows,
+   whatever the query says (guarantee 6).
+4. The plan follows the scope's size: up to ``exact_max_rows`` rows, an exact
+   distance scan over the B-tree-filtered rows (exact, ~1 ms for hundreds of
+   rows); above, the HNSW index with pgvector's iterative scan.
+5. Candidates are re-ranked by :mod:`alma_core.scoring`; ``top_k`` per kind.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
+
+import asyncpg
+
+from alma_core import errors, scopes
+from alma_core.embeddings import AsyncEmbedder, vector_literal
+from alma_core.memory import ArtifactLink, Memory, MemoryKind, MemorySlice, WorkflowOutcome
+from alma_core.postgres import is_storage_failure, storage_error
+from alma_core.scoring import ScoringWeights, memory_signals, outcome_signals, score
+from alma_core.types import RetrievalScope, WorkflowContext
+
+READER_ROLE = "alma_reader"
+SLICE_KINDS: dict[MemoryKind, str] = {
+    MemoryKind.HEURISTIC: "heuristics",
+    MemoryKind.ANTI_PATTERN: "anti_patterns",
+    MemoryKind.DOMAIN_KNOWLEDGE: "domain_knowledge",
+    MemoryKind.PREFERENCE: "preferences",
+    MemoryKind.OUTCOME: "outcomes",
+}
+_MEMORY_COLUMNS = """id, tenant_id, kind, agent, workflow_id, run_id, node_id, content,
+    condition, strategy, occurrences, successes, confidence, metadata, created_at, updated_at"""
+_OUTCOME_COLUMNS = """id, tenant_id, workflow_id, workflow_version, run_id, success, duration_ms,
+    node_count, nodes_succeeded, nodes_failed, error_message, failing_node, task, description,
+    learnings_extracted, created_at"""
+
+Observe = Callable[[str, str, float], None]  # scope, plan, seconds
+
+
+class Retriever:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        embedder: AsyncEmbedder,
+        *,
+        weights: ScoringWeights | None = None,
+        require_tenant: bool = True,
+        exact_max_rows: int = 3000,
+        ef_search: int = 100,
+        observe: Observe | None = None,
+    ) -> None:
+        self.pool = pool
+        self.embedder = embedder
+        self.weights = weights or ScoringWeights()
+        self.require_tenant = require_tenant
+        self.exact_max_rows = exact_max_rows
+        self.ef_search = ef_search
+        self.observe = observe
+
+    async def retrieve(
+        self,
+        task: str,
+        context: WorkflowContext,
+        scope: RetrievalScope = RetrievalScope.WORKFLOW,
+        *,
+        agent: str | None = None,
+        top_k: int = 5,
+        include_workflow_outcomes: bool = True,
+        plan: str | None = None,
+    ) -> MemorySlice:
+        """The ``top_k`` best memories of each kind in ``scope``, for ``task``.
+        ``plan`` forces "exact" or "approximate" (benchmarks compare them)."""
+        if top_k < 1:
+            raise errors.ContextError("top_k must be at least 1")
+        if plan not in (None, "exact", "approximate"):
+            raise errors.ContextError(f"unknown plan {plan!r}: exact or approximate")
+        started = time.perf_counter()
+        mem_filter = scopes.memory_filter(
+            context, scope, agent=agent, require_tenant=self.require_tenant
+        )
+        query = vector_literal((await self.embedder.embed([task]))[0])
+        try:
+            async with self.pool.acquire() as conn, conn.transaction(readonly=True):
+                await _as_reader(conn, mem_filter)
+                chosen = plan or await self._plan(conn, "memories", mem_filter)
+                if chosen == "approximate":
+                    await _approximate(conn, self.ef_search)
+                memories = await self._memories(conn, query, mem_filter, top_k * 3, chosen)
+                outcomes: list[WorkflowOutcome] = []
+                if include_workflow_outcomes:
+                    out_filter = scopes.outcome_filter(context, mem_filter)
+                    outcomes = await self._outcomes(conn, query, out_filter, top_k * 3, chosen)
+                links = await _artifacts(conn, [m.id for m in memories] + [o.id for o in outcomes])
+        except Exception as exc:
+            if is_storage_failure(exc):
+                raise storage_error(exc, "retrieving memories") from exc
+            raise
+        result = MemorySlice(query=task, agent=agent, scope=scope, plan=chosen)
+        for kind, attr in SLICE_KINDS.items():
+            ranked = sorted((m for m in memories if m.kind is kind), key=lambda m: -m.score)
+            setattr(result, attr, [_with_links(m, links) for m in ranked[:top_k]])
+        ranked_outcomes = sorted(outcomes, key=lambda o: -o.score)[:top_k]
+        result.workflow_outcomes = [_with_links(o, links) for o in ranked_outcomes]
+        elapsed = time.perf_counter() - started
+        result.retrieval_time_ms = elapsed * 1000
+        if self.observe is not None:
+            self.observe(scope.value, chosen, elapsed)
+        return result
+
+    async def _plan(self, conn: asyncpg.Connection, table: str, f: scopes.ScopeFilter) -> str:
+        where, args = f.sql(2)
+        n = await conn.fetchval(
+            f"SELECT count(*) FROM (SELECT 1 FROM {table} WHERE {where} LIMIT $1) s",
+            self.exact_max_rows + 1, *args,
+        )  # fmt: skip
+        return "exact" if n <= self.exact_max_rows else "approximate"
+
+    async def _memories(
+        self, conn: asyncpg.Connection, query: str, f: scopes.ScopeFilter, per_kind: int, plan: str
+    ) -> list[Memory]:
+        args: list[object]
+        if plan == "exact":
+            # Distances over the filtered rows only (the CTE keeps the HNSW index out).
+            where, filter_args = f.sql(3)
+            args = list(filter_args)
+            sql = f"""WITH scoped AS MATERIALIZED (
+                          SELECT {_MEMORY_COLUMNS}, embedding <=> $1::vector AS distance
+                          FROM memories WHERE {where} AND embedding IS NOT NULL)
+                      SELECT * FROM (SELECT *, row_number() OVER (
+                          PARTITION BY kind ORDER BY distance) AS rank FROM scoped) r
+                      WHERE rank <= $2"""
+        else:
+            # One index scan per kind, so no kind crowds the others out.
+            where, filter_args = f.sql(4)
+            sql = f"""SELECT m.* FROM unnest($3::text[]) AS k(kind) CROSS JOIN LATERAL (
+                          SELECT {_MEMORY_COLUMNS}, embedding <=> $1::vector AS distance
+                          FROM memories
+                          WHERE kind = k.kind AND {where} AND embedding IS NOT NULL
+                          ORDER BY embedding <=> $1::vector LIMIT $2) m"""
+            args = [[k.value for k in MemoryKind], *filter_args]
+        rows = await conn.fetch(sql, query, per_kind, *args)
+        now = datetime.now(UTC)
+        out = []
+        for r in rows:
+            m = _memory(r)
+            sig = memory_signals(m, r["distance"], now)
+            out.append(_scored(m, sig.similarity, score(sig, self.weights)))
+        return out
+
+    async def _outcomes(
+        self, conn: asyncpg.Connection, query: str, f: scopes.ScopeFilter, limit: int, plan: str
+    ) -> list[WorkflowOutcome]:
+        where, args = f.sql(3)
+        order = "embedding <=> $1::vector" if plan == "approximate" else "distance"
+        rows = await conn.fetch(
+            f"""SELECT {_OUTCOME_COLUMNS}, embedding <=> $1::vector AS distance
+                FROM workflow_outcomes WHERE {where} AND embedding IS NOT NULL
+                ORDER BY {order} LIMIT $2""",
+            query, limit, *args,
+        )  # fmt: skip
+        now = datetime.now(UTC)
+        out = []
+        for r in rows:
+            o = _outcome(r)
+            sig = outcome_signals(o, r["distance"], now)
+            out.append(_scored(o, sig.similarity, score(sig, self.weights)))
+        return out
+
+
+async def _as_reader(conn: asyncpg.Connection, f: scopes.ScopeFilter) -> None:
+    """Row-level security from here to the end of the transaction."""
+    await conn.execute(f"SET LOCAL ROLE {READER_ROLE}")
+    await conn.execute(
+        "SELECT set_config('alma.tenant_id', $1, true), set_config('alma.all_tenants', $2, true)",
+        f.tenant_id or "", "on" if f.all_tenants else "off",
+    )  # fmt: skip
+
+
+async def _approximate(conn: asyncpg.Connection, ef_search: int) -> None:
+    # hnsw.* settings exist once the library is loaded; a vector expression loads it
+    # (LOAD itself needs a superuser).
+    await conn.fetchval("SELECT '[1]'::vector IS NOT NULL")
+    await conn.execute("SET LOCAL hnsw.iterative_scan = relaxed_order")
+    await conn.execute(f"SET LOCAL hnsw.ef_search = {int(ef_search)}")
+
+
+async def _artifacts(
+    conn: asyncpg.Connection, owner_ids: list[str]
+) -> dict[str, list[ArtifactLink]]:
+    if not owner_ids:
+        return {}
+    rows = await conn.fetch(
+        """SELECT owner_id::text AS owner, artifact_id, artifact_type, storage_path,
+                  content_hash, size_bytes, metadata
+           FROM artifact_links WHERE owner_id = ANY($1::uuid[]) ORDER BY id""",
+        owner_ids,
+    )
+    out: dict[str, list[ArtifactLink]] = {}
+    for r in rows:
+        out.setdefault(r["owner"], []).append(
+            ArtifactLink(r["artifact_id"], r["artifact_type"], r["storage_path"],
+                         r["content_hash"], r["size_bytes"], r["metadata"] or {})
+        )  # fmt: skip
+    return out
+
+
+def _memory(r: asyncpg.Record) -> Memory:
+    return Memory(
+        id=str(r["id"]), tenant_id=r["tenant_id"], kind=MemoryKind(r["kind"]),
+        content=r["content"], agent=r["agent"], workflow_id=r["workflow_id"],
+        run_id=r["run_id"], node_id=r["node_id"], condition=r["condition"],
+        strategy=r["strategy"], occurrences=r["occurrences"], successes=r["successes"],
+        confidence=float(r["confidence"]), created_at=r["created_at"],
+        updated_at=r["updated_at"], metadata=r["metadata"] or {},
+    )  # fmt: skip
+
+
+def _outcome(r: asyncpg.Record) -> WorkflowOutcome:
+    return WorkflowOutcome(
+        id=str(r["id"]), tenant_id=r["tenant_id"], workflow_id=r["workflow_id"],
+        workflow_version=r["workflow_version"], run_id=r["run_id"], success=r["success"],
+        duration_ms=r["duration_ms"], node_count=r["node_count"],
+        nodes_succeeded=r["nodes_succeeded"], nodes_failed=r["nodes_failed"],
+        error_message=r["error_message"], failing_node=r["failing_node"], task=r["task"],
+        description=r["description"], learnings_extracted=r["learnings_extracted"],
+        created_at=r["created_at"],
+    )  # fmt: skip
+
+
+def _scored(item: Any, similarity: float, value: float) -> Any:
+    return replace(item, similarity=similarity, score=value)
+
+
+def _with_links(item: Any, links: dict[str, list[ArtifactLink]]) -> Any:
+    return replace(item, artifacts=tuple(links.get(item.id, ())))

@@ -1,0 +1,96 @@
+"""How retrieval ranks what it found: similarity, recency, success rate and
+confidence, with the architecture seed's default weights (0.4, 0.3, 0.2, 0.1) and
+a recency half-life of 30 days. Pure functions.
+
+Success rate and confidence mean something only for some kinds: a heuristic has
+its successes over occurrences and its stored confidence; a workflow outcome
+succeeded (1) or not (0) and is an observed fact (confidence 1). For
+anti-patterns, knowledge, preferences and node outcomes, success rate is
+neutral (0.5) so a failure record is not ranked down for being one; their
+confidence is the stored one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from alma_core.memory import Memory, MemoryKind, WorkflowOutcome
+
+NEUTRAL = 0.5
+
+
+class ScoringWeights(BaseModel):
+    """Weights of the four signals (they need not sum to 1) and the recency half-life."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    similarity: float = Field(default=0.4, ge=0)
+    recency: float = Field(default=0.3, ge=0)
+    success_rate: float = Field(default=0.2, ge=0)
+    confidence: float = Field(default=0.1, ge=0)
+    half_life_days: float = Field(default=30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _some_weight(self) -> ScoringWeights:
+        if self.similarity + self.recency + self.success_rate + self.confidence <= 0:
+            raise ValueError("at least one weight must be positive")
+        return self
+
+
+@dataclass(frozen=True)
+class Signals:
+    similarity: float
+    age_days: float
+    success_rate: float
+    confidence: float
+
+
+def similarity_from_distance(cosine_distance: float) -> float:
+    """pgvector's cosine distance (0 = same direction, 2 = opposite) as 0..1."""
+    return min(1.0, max(0.0, 1.0 - cosine_distance))
+
+
+def recency(age_days: float, half_life_days: float) -> float:
+    """``0.5 ** (age / half_life)``: 1 now, 0.5 after one half-life; the future counts as now."""
+    return float(0.5 ** (max(0.0, age_days) / half_life_days))
+
+
+def score(signals: Signals, weights: ScoringWeights) -> float:
+    """The weighted sum, divided by the weights' total: always within 0..1."""
+    total = weights.similarity + weights.recency + weights.success_rate + weights.confidence
+    raw = (
+        weights.similarity * signals.similarity
+        + weights.recency * recency(signals.age_days, weights.half_life_days)
+        + weights.success_rate * signals.success_rate
+        + weights.confidence * signals.confidence
+    )
+    return raw / total
+
+
+def _age_days(when: datetime | None, now: datetime) -> float:
+    return 0.0 if when is None else (now - when).total_seconds() / 86400.0
+
+
+def memory_signals(memory: Memory, distance: float, now: datetime) -> Signals:
+    if memory.kind is MemoryKind.HEURISTIC and memory.occurrences > 0:
+        success = memory.successes / memory.occurrences
+    else:
+        success = NEUTRAL
+    return Signals(
+        similarity=similarity_from_distance(distance),
+        age_days=_age_days(memory.updated_at or memory.created_at, now),
+        success_rate=success,
+        confidence=min(1.0, max(0.0, memory.confidence)),
+    )
+
+
+def outcome_signals(outcome: WorkflowOutcome, distance: float, now: datetime) -> Signals:
+    return Signals(
+        similarity=similarity_from_distance(distance),
+        age_days=_age_days(outcome.created_at, now),
+        success_rate=1.0 if outcome.success else 0.0,
+        confidence=1.0,
+    )

@@ -1,0 +1,160 @@
+"""The learner (group ``<prefix>-learner``): completions handed on by the
+checkpointer in, outcomes and memories out (:mod:`alma_core.learn_store`).
+
+Per polled batch (gathered for up to ``ALMA_EMBED_MAX_WAIT_MS``): read the runs'
+histories, draft what to learn (:mod:`alma_core.learning`), embed every text in
+batches off the event loop, then apply one transaction. Join requests on the same
+topic are the joiner's; the learner only moves its offsets past them. When idle,
+it publishes leftover outbox rows and, if a retention is set, prunes the
+checkpoints of runs completed long ago.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from alma_core import learning, retention
+from alma_core.batch_store import Incoming
+from alma_core.cache import CacheWriter
+from alma_core.embeddings import AsyncEmbedder
+from alma_core.learn_store import Coords, LearnBatchResult, PostgresLearnStore, Prepared
+from alma_core.offsets import TopicPartition
+from consumers.handler import StoreHandler
+from consumers.metrics import Metrics
+from consumers.outbox import OutboxRelay
+from consumers.runtime import HandleResult
+from schemas.events import WorkflowCompleted
+
+log = logging.getLogger("alma.learner")
+
+NAME = "learner"
+GROUP = "learner"
+
+
+class LearnHandler(StoreHandler):
+    name = NAME
+    store: PostgresLearnStore
+
+    def __init__(
+        self,
+        store: PostgresLearnStore,
+        cache: CacheWriter | None,
+        relay: OutboxRelay,
+        metrics: Metrics,
+        embedder: AsyncEmbedder,
+        *,
+        max_state_bytes: int,
+        max_record_bytes: int,
+        retention_days: float = 0,
+        prune_every_s: float = 300,
+    ) -> None:
+        super().__init__(store, cache, relay, metrics, max_state_bytes=max_state_bytes,
+                         max_record_bytes=max_record_bytes)  # fmt: skip
+        self.embedder = embedder
+        self.retention_days = retention_days
+        self.prune_every_s = prune_every_s
+        self._last_prune = 0.0
+
+    async def handle(self, cluster_id: str, batch: dict[TopicPartition, list[Any]]) -> HandleResult:
+        started = time.perf_counter()
+        incoming = self.decode_batch(batch)
+        prepared = await self.prepare(incoming)
+
+        async def apply(cid: str, part: dict[TopicPartition, list[Incoming]]) -> LearnBatchResult:
+            return await self.store.apply(cid, part, prepared)
+
+        results = await self.apply_all(cluster_id, incoming, apply)
+        out = HandleResult()
+        for result in results:
+            self._observe(result)
+            if self.cache is not None and result.cleaned_runs:
+                await self.cache.forget(result.cleaned_runs)
+            await self.relay.publish(result.outbox_ids)
+            out.next_offsets.update(result.next_offsets)
+            out.seeks.update(result.seeks)
+        self.metrics.batch_seconds.labels(NAME).observe(time.perf_counter() - started)
+        self.metrics.batch_size.labels(NAME).observe(sum(len(rs) for rs in incoming.values()))
+        return out
+
+    async def prepare(
+        self, incoming: dict[TopicPartition, list[Incoming]]
+    ) -> dict[Coords, Prepared]:
+        """Draft and embed every completion not learned yet (reads only, no transaction)."""
+        completions = [
+            (r, r.decoded) for rs in incoming.values() for r in rs
+            if isinstance(r.decoded, WorkflowCompleted)
+        ]  # fmt: skip
+        known = await self.store.learned([e for _, e in completions])
+        fresh = [(r, e) for r, e in completions if e.event_id not in known]
+        if not fresh:
+            return {}
+        histories = await self.store.histories(sorted({(e.tenant_id, e.run_id) for _, e in fresh}))
+        drafts = [(r, e, learning.draft(_finished(e), histories.get(e.run_id, [])))
+                  for r, e in fresh]  # fmt: skip
+        texts = [t for _, _, d in drafts for t in d.texts()]
+
+        def observe(size: int, seconds: float) -> None:
+            self.metrics.embed_batch.observe(size)
+            self.metrics.embed_seconds.observe(seconds)
+
+        encoded_before = self.embedder.encoded
+        vectors = await self.embedder.embed(texts, observe)
+        encoded = self.embedder.encoded - encoded_before
+        self.metrics.embeddings.labels("encoded").inc(encoded)
+        self.metrics.embeddings.labels("cached").inc(len(texts) - encoded)
+        by_text = dict(zip(texts, vectors, strict=True))
+        default_cleanup = self.store.config.cleanup_checkpoints
+        return {
+            (r.topic, r.partition, r.offset): Prepared(
+                draft=d,
+                vectors={t: by_text[t] for t in d.texts()},
+                artifacts=list(e.payload.artifacts),
+                cleanup=default_cleanup if e.payload.cleanup_checkpoints is None
+                else e.payload.cleanup_checkpoints,
+            )
+            for r, e, d in drafts
+        }  # fmt: skip
+
+    async def idle(self) -> None:
+        await super().idle()
+        if self.retention_days <= 0 or time.monotonic() - self._last_prune < self.prune_every_s:
+            return
+        self._last_prune = time.monotonic()
+        pruned = await retention.prune_checkpoints(
+            self.store.pool, self.retention_days, batch_runs=200, max_batches=5
+        )
+        if pruned.checkpoints:
+            self.metrics.checkpoints_pruned.labels("retention").inc(pruned.checkpoints)
+            log.info(
+                "pruned checkpoints of old runs",
+                extra={"action": "prune", "runs": pruned.runs, "checkpoints": pruned.checkpoints},
+            )
+
+    def _observe(self, result: LearnBatchResult) -> None:
+        m = self.metrics
+        if result.outcomes:
+            m.outcomes.labels("stored").inc(result.outcomes)
+            m.events.labels(NAME, "workflow.completed", "stored").inc(result.outcomes)
+        if result.duplicates:
+            m.outcomes.labels("duplicate").inc(result.duplicates)
+            m.duplicates.labels(NAME).inc(result.duplicates)
+        if result.already_applied:
+            m.duplicates.labels(NAME).inc(result.already_applied)
+        for kind, n in result.memories.items():
+            m.memories.labels(kind).inc(n)
+        if result.checkpoints_removed:
+            m.checkpoints_pruned.labels("cleanup").inc(result.checkpoints_removed)
+        for dl in result.dead_letters:
+            m.dead_letters.labels(NAME, dl.reason).inc()
+
+
+def _finished(e: WorkflowCompleted) -> learning.FinishedRun:
+    p = e.payload
+    return learning.FinishedRun(
+        tenant_id=e.tenant_id, workflow_id=e.workflow_id, run_id=e.run_id, event_id=e.event_id,
+        success=p.outcome == "success", duration_ms=p.duration_ms, node_count=p.node_count,
+        nodes_succeeded=p.nodes_succeeded, nodes_failed=p.nodes_failed,
+        workflow_version=e.workflow_version, error_message=p.error_message, task=p.task,
+    )  # fmt: skip

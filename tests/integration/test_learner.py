@@ -1,0 +1,267 @@
+"""The learner on the real stack: outcomes with embeddings, heuristics and
+anti-patterns from repeated runs, artifacts, cleanup and retention, the
+dimension check, and a learner SIGKILLed mid-batch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from alma_core import errors, retention
+from alma_core.embeddings import AsyncEmbedder
+from alma_core.postgres import connect
+from alma_core.retrieval import Retriever
+from alma_core.settings import Settings
+from alma_core.types import RetrievalScope, WorkflowContext
+from consumers.worker import Services, run_worker
+from tests.integration.harness import (
+    Publisher,
+    Worker,
+    WorkerProcess,
+    completed,
+    count,
+    event,
+    fetch,
+    wait_for,
+)
+
+WF = "research"
+
+
+def run_events(
+    run: str, *, fail_at: str | None = None, message: str = "", tenant: str = "acme", **done: Any
+) -> list[dict[str, Any]]:
+    """A run of nodes fetch → parse → summarise; with ``fail_at``, it stops there."""
+    docs = []
+    for node in ("fetch", "parse", "summarise"):
+        if node == fail_at:
+            docs.append(event("node.failed", run, tenant=tenant, workflow=WF, node=node,
+                              error={"type": "ValueError", "message": message}))  # fmt: skip
+            break
+        docs.append(completed(run, tenant=tenant, workflow=WF, node=node, updates={node: True}))
+    ok = fail_at is None
+    payload: dict[str, Any] = {
+        "outcome": "success" if ok else "failure", "duration_ms": 1500, "node_count": 3,
+        "nodes_succeeded": len(docs) - (0 if ok else 1), "nodes_failed": 0 if ok else 1,
+        "task": "summarise the research papers on graph databases", **done,
+    }  # fmt: skip
+    docs.append(event("workflow.completed", run, tenant=tenant, workflow=WF, node=None, **payload))
+    return docs
+
+
+async def publish(settings: Settings, docs: list[dict[str, Any]]) -> None:
+    async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
+        for doc in docs:
+            await pub.send(doc)
+        await pub.flush()
+
+
+ARTIFACT = {"id": "report-1", "artifact_type": "report", "storage_path": "s3://b/report-1.pdf",
+            "content_hash": "sha256:ab12", "size_bytes": 2048}  # fmt: skip
+
+
+async def test_learns_outcomes_heuristics_and_anti_patterns(
+    settings: Settings, embedder: AsyncEmbedder
+) -> None:
+    dsn = settings.postgres_dsn
+    assert dsn
+    docs: list[dict[str, Any]] = []
+    for i in range(3):
+        docs += run_events(f"ok-{i}", artifacts=[ARTIFACT] if i == 0 else [])
+    for i in range(2):  # the same failure, with different numbers in the message
+        docs += run_events(f"bad-{i}", fail_at="parse", message=f"unexpected tag at line {40 + i}",
+                           artifacts=[{**ARTIFACT, "id": f"log-{i}"}])  # fmt: skip
+    async with Worker.start(settings, ("checkpoint", "learn"), embedder):
+        await publish(settings, docs)
+
+        async def learned() -> bool:
+            return await count(dsn, "SELECT count(*) FROM workflow_outcomes") == 5
+
+        await wait_for(learned, limit_s=60, what="five outcomes")
+        await asyncio.sleep(0.3)
+    outcomes = await fetch(
+        dsn, "SELECT run_id, success, failing_node, strategy, learnings_extracted, "
+        "vector_dims(embedding) AS dims, description FROM workflow_outcomes ORDER BY run_id"
+    )  # fmt: skip
+    assert all(o["dims"] == 384 for o in outcomes)
+    bad = [o for o in outcomes if not o["success"]]
+    assert [o["failing_node"] for o in bad] == ["parse", "parse"]
+    assert "unexpected tag" in bad[0]["description"]
+    memories = await fetch(
+        dsn, "SELECT kind, node_id, run_id, occurrences, successes, confidence, content "
+        "FROM memories ORDER BY kind, run_id"
+    )  # fmt: skip
+    kinds = [m["kind"] for m in memories]
+    assert kinds.count("heuristic") == 1
+    heuristic = next(m for m in memories if m["kind"] == "heuristic")
+    assert (heuristic["occurrences"], heuristic["successes"]) == (3, 3)
+    assert heuristic["confidence"] == pytest.approx(1.0)
+    assert "fetch → parse → summarise" in heuristic["content"]
+    anti = [m for m in memories if m["kind"] == "anti_pattern"]
+    assert len(anti) == 1, "two failures with the same error, masked, are one anti-pattern"
+    assert (anti[0]["node_id"], anti[0]["occurrences"]) == ("parse", 2)
+    node_outcomes = [m for m in memories if m["kind"] == "outcome"]
+    assert sorted(m["run_id"] for m in node_outcomes) == ["bad-0", "bad-1"]
+    links = await fetch(dsn, "SELECT owner_type, artifact_id FROM artifact_links ORDER BY 1, 2")
+    assert ("outcome", "report-1") in [tuple(r) for r in links]
+    assert sum(1 for r in links if r["owner_type"] == "memory") >= 2
+
+    async with connect(dsn) as pool:
+        retriever = Retriever(pool, embedder)
+        ctx = WorkflowContext(tenant_id="acme", workflow_id=WF)
+        found = await retriever.retrieve("parsing the html fails", ctx, RetrievalScope.WORKFLOW)
+        assert found.plan == "exact"
+        assert [m.node_id for m in found.anti_patterns] == ["parse"]
+        assert found.heuristics
+        assert found.workflow_outcomes
+        assert any(a.artifact_id.startswith("log-") for m in found.outcomes for a in m.artifacts)
+        prompt = found.to_prompt(max_tokens=400)
+        assert "Mistakes to avoid" in prompt
+        assert "parse" in prompt
+        other = WorkflowContext(tenant_id="globex", workflow_id=WF)
+        assert (await retriever.retrieve("parsing", other, RetrievalScope.WORKFLOW)).empty
+
+
+async def test_cleanup_after_learning_and_retention_of_closed_runs_only(
+    settings: Settings, embedder: AsyncEmbedder
+) -> None:
+    dsn = settings.postgres_dsn
+    assert dsn
+    old = (datetime.now(UTC) - timedelta(days=40)).isoformat()
+    docs = run_events("cleaned", cleanup_checkpoints=True)
+    closed_long_ago = run_events("old-closed")
+    closed_long_ago[-1]["emitted_at"] = old  # completed 40 days ago
+    still_open = [completed("old-open", workflow=WF, node="fetch", updates={"x": 1})]
+    still_open[0]["emitted_at"] = old
+    recent = run_events("recent-closed")
+    async with Worker.start(settings, ("checkpoint", "learn"), embedder):
+        await publish(settings, docs + closed_long_ago + still_open + recent)
+
+        async def learned() -> bool:
+            return await count(dsn, "SELECT count(*) FROM workflow_outcomes") == 3
+
+        await wait_for(learned, limit_s=60, what="three outcomes")
+    per_run = {
+        r["run_id"]: r["n"]
+        for r in await fetch(dsn, "SELECT run_id, count(*) AS n FROM checkpoints GROUP BY 1")
+    }
+    assert "cleaned" not in per_run, "cleanup_checkpoints removes the run's checkpoints"
+    assert per_run == {"old-closed": 3, "old-open": 1, "recent-closed": 3}
+    async with connect(dsn) as pool:
+        pruned = await retention.prune_checkpoints(pool, 30, batch_runs=1, max_batches=10)
+        again = await retention.prune_checkpoints(pool, 30)
+    assert (pruned.runs, pruned.checkpoints, pruned.more) == (1, 3, False)
+    assert again.runs == 0
+    left = {r["run_id"] for r in await fetch(dsn, "SELECT DISTINCT run_id FROM checkpoints")}
+    assert left == {"old-open", "recent-closed"}, "an open run is never pruned, however old"
+
+
+async def test_embedding_dimension_mismatch_is_a_clear_start_up_error(
+    settings: Settings, embedder: AsyncEmbedder
+) -> None:
+    dsn = settings.postgres_dsn
+    assert dsn
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("ALTER TABLE memories ALTER COLUMN embedding TYPE vector(16)")
+    finally:
+        await conn.close()
+    services = Services(settings.kafka_bootstrap or "", dsn, settings.redis_url or "")
+    with pytest.raises(errors.ConfigError, match=r"384-dimensional.*memories.embedding is "
+                       r"vector\(16\)"):  # fmt: skip
+        await run_worker(settings, services, ["learn"], asyncio.Event(), embedder=embedder)
+
+
+@pytest.mark.chaos
+async def test_learner_killed_mid_batch_learns_each_run_once(
+    settings: Settings, embedder: AsyncEmbedder, tmp_path: Path
+) -> None:
+    dsn = settings.postgres_dsn
+    assert dsn
+    docs: list[dict[str, Any]] = []
+    for i in range(24):
+        fail = "parse" if i % 3 == 0 else None
+        docs += run_events(f"r{i:02d}", fail_at=fail, message="timeout after 30 s",
+                           artifacts=[{**ARTIFACT, "id": f"a{i}"}])  # fmt: skip
+    learner = WorkerProcess(settings, tmp_path / "learner.log", consumers="learn").start()
+    try:
+        async with Worker.start(settings, ("checkpoint",)):
+            await learner.wait_started(limit_s=120)
+            await publish(settings, docs[: len(docs) // 2])
+            await publish(settings, docs[len(docs) // 2 :])
+
+            async def some() -> bool:
+                return await count(dsn, "SELECT count(*) FROM workflow_outcomes") >= 4
+
+            await wait_for(some, limit_s=60, what="the first outcomes")
+            learner.kill()  # mid-stream: some batches applied, some not
+            learner.start()
+            await learner.wait_started(limit_s=120)
+
+            async def all_in() -> bool:
+                return await count(dsn, "SELECT count(*) FROM workflow_outcomes") >= 24
+
+            await wait_for(all_in, limit_s=120, what="24 outcomes")
+            await asyncio.sleep(0.5)
+    finally:
+        assert learner.terminate() == 0
+    rows = await fetch(dsn, "SELECT run_id, count(*) AS n FROM workflow_outcomes GROUP BY 1")
+    assert len(rows) == 24
+    assert all(r["n"] == 1 for r in rows)
+    memories = await fetch(dsn, "SELECT kind, occurrences, successes FROM memories")
+    assert sorted(m["kind"] for m in memories if m["kind"] != "outcome") == [
+        "anti_pattern", "heuristic"]  # fmt: skip
+    anti = next(m for m in memories if m["kind"] == "anti_pattern")
+    heuristic = next(m for m in memories if m["kind"] == "heuristic")
+    assert anti["occurrences"] == 8, "counted from the stored outcomes: never twice"
+    assert (heuristic["occurrences"], heuristic["successes"]) == (16, 16)
+    assert sum(1 for m in memories if m["kind"] == "outcome") == 8
+    links = await count(dsn, "SELECT count(*) FROM artifact_links WHERE owner_type = 'outcome'")
+    assert links == 24
+
+
+async def test_cli_retrieve_and_prune(settings: Settings, embedder: AsyncEmbedder) -> None:
+    from tests.integration.test_cli import alma
+    from tests.integration.test_cli_runs import env_of
+
+    dsn = settings.postgres_dsn
+    assert dsn
+    docs = run_events("c-0") + run_events("c-1", fail_at="parse", message="bad tag at line 3")
+    docs += run_events("c-2", fail_at="parse", message="bad tag at line 9")
+    async with Worker.start(settings, ("checkpoint", "learn"), embedder):
+        await publish(settings, docs)
+
+        async def learned() -> bool:
+            return await count(dsn, "SELECT count(*) FROM workflow_outcomes") == 3
+
+        await wait_for(learned, limit_s=60, what="three outcomes")
+    env = env_of(settings)
+    found = alma("retrieve", "the html parser breaks", "--tenant", "acme", "--workflow", WF,
+                 "--scope", "workflow", "--json", env=env)  # fmt: skip
+    assert found.returncode == 0, found.stderr
+    doc = json.loads(found.stdout)
+    assert doc["scope"] == "workflow"
+    assert doc["plan"] == "exact"
+    kinds = {i.get("kind") for i in doc["items"]}
+    assert {"anti_pattern", "outcome"} <= kinds
+    assert "Mistakes to avoid" in doc["prompt"]
+    human = alma("retrieve", "parser", "--tenant", "acme", "--workflow", WF, env=env)
+    assert human.returncode == 0
+    assert "workflow scope, exact search" in human.stdout
+    # bad input: a scope whose context is missing, no tenant in multi-tenant mode
+    no_node = alma("retrieve", "x", "--tenant", "acme", "--scope", "node", env=env)
+    assert no_node.returncode == 1
+    assert "NODE scope needs run_id" in no_node.stderr
+    no_tenant = alma("retrieve", "x", "--workflow", WF, env=env)
+    assert no_tenant.returncode == 1
+    assert "tenant_id is required" in no_tenant.stderr
+    pruned = alma("db", "prune", "--older-than-days", "0", env=env)
+    assert pruned.returncode == 0, pruned.stderr
+    assert "pruned 7 checkpoints of 3 runs" in pruned.stdout  # 3 + 2 + 2
+    assert await count(dsn, "SELECT count(*) FROM checkpoints") == 0

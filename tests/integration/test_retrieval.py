@@ -1,0 +1,158 @@
+"""Scoped retrieval on the real PostgreSQL: random tenants, workflows, runs and
+memories, random contexts and scopes; each scope returns exactly what its filter
+admits (a brute-force reference), nothing from another tenant ever comes back,
+and row-level security holds even for a query without a tenant filter."""
+
+from __future__ import annotations
+
+import math
+import random
+import uuid
+from typing import Any
+
+import asyncpg
+import pytest
+
+from alma_core import errors, scopes
+from alma_core.embeddings import AsyncEmbedder, vector_literal
+from alma_core.memory import Memory, estimate_tokens
+from alma_core.postgres import connect
+from alma_core.retrieval import Retriever
+from alma_core.types import RetrievalScope, WorkflowContext
+
+TENANTS = ["t0", "t1", "t2"]
+WORKFLOWS = ["w0", "w1", "w2"]
+RUNS = [f"r{i}" for i in range(6)]
+NODES = ["n0", "n1", "n2"]
+AGENTS = ["a0", "a1"]
+KINDS = ["heuristic", "anti_pattern", "domain_knowledge", "preference", "outcome"]
+
+
+def unit_vector(rng: random.Random) -> list[float]:
+    v = [rng.gauss(0, 1) for _ in range(384)]
+    norm = math.sqrt(sum(x * x for x in v))
+    return [x / norm for x in v]
+
+
+async def seed(dsn: str, rng: random.Random) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    memories: list[dict[str, Any]] = []
+    for _ in range(400):
+        run = rng.choice([*RUNS, None])
+        memories.append({
+            "id": str(uuid.UUID(int=rng.getrandbits(128))), "tenant_id": rng.choice(TENANTS),
+            "kind": rng.choice(KINDS), "agent": rng.choice([*AGENTS, None]),
+            "workflow_id": rng.choice([*WORKFLOWS, None]), "run_id": run,
+            "node_id": rng.choice(NODES) if run else None,
+        })  # fmt: skip
+    outcomes: list[dict[str, Any]] = []
+    for i in range(60):
+        outcomes.append({
+            "id": str(uuid.UUID(int=rng.getrandbits(128))), "tenant_id": rng.choice(TENANTS),
+            "workflow_id": rng.choice(WORKFLOWS), "run_id": f"run-{i}",
+        })  # fmt: skip
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.executemany(
+            """INSERT INTO memories (id, tenant_id, kind, agent, workflow_id, run_id, node_id,
+                   content, dedupe_key, confidence, embedding)
+               VALUES ($1::uuid, $2, $3, $4, $5, $6, $7, $8, $1::text, 0.5, $9::vector)""",
+            [(m["id"], m["tenant_id"], m["kind"], m["agent"], m["workflow_id"], m["run_id"],
+              m["node_id"], f"memory {m['id']}", vector_literal(unit_vector(rng)))
+             for m in memories],
+        )  # fmt: skip
+        await conn.executemany(
+            """INSERT INTO workflow_outcomes (id, tenant_id, workflow_id, run_id, event_id,
+                   success, duration_ms, node_count, nodes_succeeded, nodes_failed,
+                   description, embedding)
+               VALUES ($1::uuid, $2, $3, $4, $1::text, true, 10, 1, 1, 0, 'a run', $5::vector)""",
+            [(o["id"], o["tenant_id"], o["workflow_id"], o["run_id"],
+              vector_literal(unit_vector(rng))) for o in outcomes],
+        )  # fmt: skip
+    finally:
+        await conn.close()
+    return memories, outcomes
+
+
+def random_context(rng: random.Random) -> tuple[WorkflowContext, str | None]:
+    tenant = rng.choice([*TENANTS, None])
+    workflow = rng.choice([*WORKFLOWS, None])
+    run = rng.choice([*RUNS, None]) if workflow else None
+    node = rng.choice([*NODES, None]) if run else None
+    return WorkflowContext(tenant, workflow, None, run, node), rng.choice([*AGENTS, None])
+
+
+async def test_each_scope_returns_exactly_what_its_filter_admits(
+    database: str, embedder: AsyncEmbedder
+) -> None:
+    rng = random.Random(20261122)
+    memories, outcomes = await seed(database, rng)
+    checked = refused = 0
+    async with connect(database) as pool:
+        retriever = Retriever(pool, embedder, require_tenant=True)
+        for _ in range(60):
+            ctx, agent = random_context(rng)
+            scope = rng.choice(list(RetrievalScope))
+            plan = rng.choice(["exact", "approximate"])
+            try:
+                mf = scopes.memory_filter(ctx, scope, agent=agent, require_tenant=True)
+            except errors.ContextError:
+                with pytest.raises(errors.ContextError):
+                    await retriever.retrieve("anything", ctx, scope, agent=agent)
+                refused += 1
+                continue
+            found = await retriever.retrieve(
+                "anything", ctx, scope, agent=agent, top_k=1000, plan=plan
+            )
+            got = {m.id for m in found.items() if isinstance(m, Memory)}
+            admitted = {m["id"] for m in memories if mf.admits(m)}
+            assert {m.tenant_id for m in found.items()} <= {ctx.tenant_id}, "another tenant"
+            if plan == "exact":
+                assert got == admitted, (ctx, scope, agent)
+            else:
+                assert got <= admitted, (ctx, scope, agent)
+            of = scopes.outcome_filter(ctx, mf)
+            got_outcomes = {o.id for o in found.workflow_outcomes}
+            admitted_outcomes = {o["id"] for o in outcomes if of.admits(o)}
+            assert got_outcomes <= admitted_outcomes
+            if plan == "exact":
+                assert got_outcomes == admitted_outcomes
+            checked += 1
+    assert checked >= 15, checked
+    assert refused >= 5, refused
+
+
+async def test_row_level_security_admits_one_tenant_whatever_the_query(database: str) -> None:
+    await seed(database, random.Random(7))
+    conn = await asyncpg.connect(database)
+    try:
+        async with conn.transaction():
+            await conn.execute("SET LOCAL ROLE alma_reader")
+            await conn.execute("SELECT set_config('alma.tenant_id', 't1', true)")
+            tenants = {r[0] for r in await conn.fetch("SELECT tenant_id FROM memories")}
+            assert tenants == {"t1"}
+            outcome_tenants = await conn.fetch("SELECT DISTINCT tenant_id FROM workflow_outcomes")
+            assert [r[0] for r in outcome_tenants] == ["t1"]
+        async with conn.transaction():
+            await conn.execute("SET LOCAL ROLE alma_reader")  # no tenant set: nothing
+            assert await conn.fetchval("SELECT count(*) FROM memories") == 0
+        async with conn.transaction():
+            await conn.execute("SET LOCAL ROLE alma_reader")  # read only: no writes at all
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await conn.execute("DELETE FROM memories")
+    finally:
+        await conn.close()
+
+
+async def test_global_scope_only_in_single_tenant_mode(
+    database: str, embedder: AsyncEmbedder
+) -> None:
+    await seed(database, random.Random(3))
+    ctx = WorkflowContext("t0", "w0")
+    async with connect(database) as pool:
+        with pytest.raises(errors.ContextError, match="multi-tenant"):
+            await Retriever(pool, embedder).retrieve("x", ctx, RetrievalScope.GLOBAL)
+        found = await Retriever(pool, embedder, require_tenant=False).retrieve(
+            "x", ctx, RetrievalScope.GLOBAL, top_k=1000, include_workflow_outcomes=False
+        )
+    assert {m.tenant_id for m in found.items()} == set(TENANTS)
+    assert 0 < estimate_tokens(found.to_prompt(max_tokens=50)) <= 50

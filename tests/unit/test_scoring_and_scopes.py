@@ -1,0 +1,116 @@
+"""Scoring (weights, recency half-life) and scope filters, pure."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from alma_core import errors, scopes
+from alma_core.memory import Memory, MemoryKind, WorkflowOutcome
+from alma_core.scoring import (
+    ScoringWeights,
+    Signals,
+    memory_signals,
+    outcome_signals,
+    recency,
+    score,
+    similarity_from_distance,
+)
+from alma_core.types import RetrievalScope, WorkflowContext
+
+unit = st.floats(min_value=0, max_value=1)
+
+
+def test_recency_halves_every_half_life() -> None:
+    assert recency(0, 30) == 1.0
+    assert recency(30, 30) == pytest.approx(0.5)
+    assert recency(60, 30) == pytest.approx(0.25)
+    assert recency(-5, 30) == 1.0  # clocks disagree: the future counts as now
+
+
+@given(unit, st.floats(min_value=0, max_value=10_000), unit, unit)
+def test_score_is_within_zero_and_one(sim: float, age: float, rate: float, conf: float) -> None:
+    value = score(Signals(sim, age, rate, conf), ScoringWeights())
+    assert 0.0 <= value <= 1.0
+
+
+def test_default_weights_are_the_seeds() -> None:
+    w = ScoringWeights()
+    assert (w.similarity, w.recency, w.success_rate, w.confidence) == (0.4, 0.3, 0.2, 0.1)
+    assert w.half_life_days == 30
+    assert score(Signals(1, 0, 1, 1), w) == pytest.approx(1.0)
+    assert score(Signals(0.5, 0, 0, 0), w) == pytest.approx(0.2 + 0.3)
+
+
+def test_weights_are_validated() -> None:
+    with pytest.raises(ValidationError):
+        ScoringWeights(similarity=-1)
+    with pytest.raises(ValidationError):
+        ScoringWeights(similarity=0, recency=0, success_rate=0, confidence=0)
+
+
+def test_similarity_from_cosine_distance() -> None:
+    assert similarity_from_distance(0) == 1.0
+    assert similarity_from_distance(1) == 0.0
+    assert similarity_from_distance(2) == 0.0
+
+
+def test_signals_by_kind() -> None:
+    now = datetime.now(UTC)
+    h = Memory("1", "t", MemoryKind.HEURISTIC, "x", occurrences=4, successes=3, confidence=0.75,
+               updated_at=now - timedelta(days=30))  # fmt: skip
+    s = memory_signals(h, 0.2, now)
+    assert (s.success_rate, s.confidence) == (0.75, 0.75)
+    assert s.similarity == pytest.approx(0.8)
+    assert s.age_days == pytest.approx(30)
+    anti = Memory("2", "t", MemoryKind.ANTI_PATTERN, "y", occurrences=3, confidence=0.6)
+    assert memory_signals(anti, 0.0, now).success_rate == 0.5  # neutral, not "failed"
+    failed = WorkflowOutcome("3", "t", "w", "r", False, 1, 1, 0, 1, "d", created_at=now)
+    assert outcome_signals(failed, 0.0, now).success_rate == 0.0
+
+
+CTX = WorkflowContext("acme", "wf", None, "run-1", "node-1")
+
+
+@pytest.mark.parametrize(
+    ("scope", "expected"),
+    [
+        (RetrievalScope.NODE, {"tenant_id": "acme", "run_id": "run-1", "node_id": "node-1"}),
+        (RetrievalScope.RUN, {"tenant_id": "acme", "run_id": "run-1"}),
+        (RetrievalScope.WORKFLOW, {"tenant_id": "acme", "workflow_id": "wf"}),
+        (RetrievalScope.AGENT, {"tenant_id": "acme", "agent": "planner"}),
+        (RetrievalScope.TENANT, {"tenant_id": "acme"}),
+    ],
+)
+def test_every_scope_is_filtered_by_tenant(scope: RetrievalScope, expected: dict[str, str]) -> None:
+    f = scopes.memory_filter(CTX, scope, agent="planner")
+    assert dict(f.conditions) == expected
+    where, args = f.sql(3, "m")
+    assert where.startswith("m.tenant_id = $3")
+    assert args[0] == "acme"
+
+
+def test_a_scope_without_its_context_field_is_refused() -> None:
+    with pytest.raises(errors.ContextError, match="NODE scope needs node_id"):
+        scopes.memory_filter(WorkflowContext("acme", "wf", None, "r"), RetrievalScope.NODE)
+    with pytest.raises(errors.ContextError, match="AGENT scope needs an agent"):
+        scopes.memory_filter(CTX, RetrievalScope.AGENT)
+    with pytest.raises(errors.ContextError, match="tenant_id is required"):
+        scopes.memory_filter(WorkflowContext(None, "wf"), RetrievalScope.WORKFLOW)
+    with pytest.raises(errors.ContextError, match="multi-tenant"):
+        scopes.memory_filter(CTX, RetrievalScope.GLOBAL)
+
+
+def test_global_and_outcome_filters() -> None:
+    g = scopes.memory_filter(CTX, RetrievalScope.GLOBAL, require_tenant=False)
+    assert g.all_tenants
+    assert g.conditions == ()
+    assert g.sql(1) == ("TRUE", [])
+    of = scopes.outcome_filter(CTX, scopes.memory_filter(CTX, RetrievalScope.NODE))
+    assert dict(of.conditions) == {"tenant_id": "acme", "workflow_id": "wf"}
+    assert of.admits({"tenant_id": "acme", "workflow_id": "wf", "run_id": "other"})
+    assert not of.admits({"tenant_id": "globex", "workflow_id": "wf"})
