@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,27 +220,23 @@ class CacheWriter:
     async def forget(self, run_ids: list[str]) -> bool:
         """Drop runs whose checkpoints were deleted; when Redis is down, the epoch bump
         on its return makes the old entries unreachable all the same."""
-        try:
-            if self._dirty:
-                await self.cache.bump_epoch()
-                self._dirty = False
-            await self.cache.delete(run_ids)
-            return True
-        except errors.CacheError:
-            self._dirty = True
-            self.failures += 1
-            return False
+        return await self._attempt(lambda: self.cache.delete(run_ids))
 
     async def write(self, entries: list[CacheEntry]) -> bool:
         """True when written; False when Redis is down (counted, never raised)."""
         if time.monotonic() < self._skip_until:
             self.failures += 1
             return False
+        return await self._attempt(lambda: self.cache.put(entries))
+
+    async def _attempt(self, operation: Callable[[], Awaitable[int]]) -> bool:
+        """Run one cache operation after any pending epoch bump; on failure, remember
+        to bump on return and skip Redis for ``retry_after_s``."""
         try:
             if self._dirty:
                 await self.cache.bump_epoch()
                 self._dirty = False
-            await self.cache.put(entries)
+            await operation()
             return True
         except errors.CacheError:
             self._dirty = True
