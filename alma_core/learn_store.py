@@ -238,32 +238,33 @@ class PostgresLearnStore(BatchStore):
         strategies = await self._counts(conn, stored, "strategy")
         failures = await self._counts(conn, [i for i in stored if i.draft.error_signature],
                                       "error_signature")  # fmt: skip
+        # Heuristics: upserted while their strategy qualifies; otherwise an existing
+        # one keeps its row, with its counts and confidence brought up to date.
+        fading: list[tuple[str, str, int, int, float, datetime]] = []
         for item in stored:
             d = item.draft
-            key = (d.run.tenant_id, d.run.workflow_id, d.strategy)
-            occurrences, successes = strategies[key]
-            if d.run.success and learning.heuristic_counts_qualify(occurrences, successes, policy):
+            occurrences, successes = strategies[(d.run.tenant_id, d.run.workflow_id, d.strategy)]
+            confidence = successes / max(1, occurrences)
+            if learning.heuristic_counts_qualify(occurrences, successes, policy):
                 rows.append((d.heuristic, item.vectors[d.heuristic.content], occurrences,
-                             successes, successes / occurrences))  # fmt: skip
-                learned[d.id] += 1
+                             successes, confidence))  # fmt: skip
+                if d.run.success:  # a failed run only refreshes the counts
+                    learned[d.id] += 1
+            else:
+                fading.append((d.run.tenant_id, d.heuristic.dedupe_key, occurrences, successes,
+                               confidence, now))  # fmt: skip
             if d.anti_pattern is not None and d.error_signature is not None:
                 _, failed = failures[(d.run.tenant_id, d.run.workflow_id, d.error_signature)]
                 if failed >= policy.anti_pattern_min_failures:
                     rows.append((d.anti_pattern, item.vectors[d.anti_pattern.content], failed, 0,
                                  learning.anti_pattern_confidence(failed)))  # fmt: skip
                     learned[d.id] += 1
-        # A heuristic whose strategy now fails more often keeps its row, with its
-        # counts and confidence brought up to date.
         await conn.executemany(
             """UPDATE memories SET occurrences = $3, successes = $4, confidence = $5,
                       updated_at = $6
                WHERE tenant_id = $1 AND kind = 'heuristic' AND dedupe_key = $2""",
-            [(d.run.tenant_id, d.heuristic.dedupe_key, *strategies[key], conf, now)
-             for item in stored if not item.draft.run.success
-             for d in [item.draft]
-             for key in [(d.run.tenant_id, d.run.workflow_id, d.strategy)]
-             for conf in [strategies[key][1] / max(1, strategies[key][0])]],
-        )  # fmt: skip
+            fading,
+        )
         latest: dict[str, tuple[MemoryDraft, Vector, int, int, float]] = {}
         for row in rows:  # one row per memory: the last (highest counts) wins
             latest[row[0].id] = row

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 
@@ -26,7 +26,13 @@ from alma_core import errors, scopes
 from alma_core.embeddings import AsyncEmbedder, vector_literal
 from alma_core.memory import ArtifactLink, Memory, MemoryKind, MemorySlice, WorkflowOutcome
 from alma_core.postgres import is_storage_failure, storage_error
-from alma_core.scoring import ScoringWeights, memory_signals, outcome_signals, score
+from alma_core.scoring import (
+    ScoringWeights,
+    Signals,
+    memory_signals,
+    outcome_signals,
+    score,
+)
 from alma_core.types import RetrievalScope, WorkflowContext
 
 READER_ROLE = "alma_reader"
@@ -44,6 +50,7 @@ _OUTCOME_COLUMNS = """id, tenant_id, workflow_id, workflow_version, run_id, succ
     learnings_extracted, created_at"""
 
 Observe = Callable[[str, str, float], None]  # scope, plan, seconds
+T = TypeVar("T", Memory, WorkflowOutcome)
 
 
 class Retriever:
@@ -92,13 +99,16 @@ class Retriever:
             async with self.pool.acquire() as conn, conn.transaction(readonly=True):
                 await _as_reader(conn, mem_filter)
                 chosen = plan or await self._plan(conn, "memories", mem_filter)
-                if chosen == "approximate":
-                    await _approximate(conn, self.ef_search)
-                memories = await self._memories(conn, query, mem_filter, top_k * 3, chosen)
+                rows = await self._nearest(conn, "memories", query, mem_filter, top_k * 3, chosen)
+                memories = self._rank(rows, _memory, memory_signals)
                 outcomes: list[WorkflowOutcome] = []
                 if include_workflow_outcomes:
                     out_filter = scopes.outcome_filter(context, mem_filter)
-                    outcomes = await self._outcomes(conn, query, out_filter, top_k * 3, chosen)
+                    out_plan = plan or await self._plan(conn, "workflow_outcomes", out_filter)
+                    rows = await self._nearest(
+                        conn, "workflow_outcomes", query, out_filter, top_k * 3, out_plan
+                    )
+                    outcomes = self._rank(rows, _outcome, outcome_signals)
                 links = await _artifacts(conn, [m.id for m in memories] + [o.id for o in outcomes])
         except Exception as exc:
             if is_storage_failure(exc):
@@ -124,55 +134,66 @@ class Retriever:
         )  # fmt: skip
         return "exact" if n <= self.exact_max_rows else "approximate"
 
-    async def _memories(
-        self, conn: asyncpg.Connection, query: str, f: scopes.ScopeFilter, per_kind: int, plan: str
-    ) -> list[Memory]:
-        args: list[object]
-        if plan == "exact":
-            # Distances over the filtered rows only (the CTE keeps the HNSW index out).
-            where, filter_args = f.sql(3)
-            args = list(filter_args)
-            sql = f"""WITH scoped AS MATERIALIZED (
-                          SELECT {_MEMORY_COLUMNS}, embedding <=> $1::vector AS distance
-                          FROM memories WHERE {where} AND embedding IS NOT NULL)
-                      SELECT * FROM (SELECT *, row_number() OVER (
-                          PARTITION BY kind ORDER BY distance) AS rank FROM scoped) r
-                      WHERE rank <= $2"""
-        else:
-            # One index scan per kind, so no kind crowds the others out.
-            where, filter_args = f.sql(4)
-            sql = f"""SELECT m.* FROM unnest($3::text[]) AS k(kind) CROSS JOIN LATERAL (
-                          SELECT {_MEMORY_COLUMNS}, embedding <=> $1::vector AS distance
-                          FROM memories
-                          WHERE kind = k.kind AND {where} AND embedding IS NOT NULL
-                          ORDER BY embedding <=> $1::vector LIMIT $2) m"""
-            args = [[k.value for k in MemoryKind], *filter_args]
-        rows = await conn.fetch(sql, query, per_kind, *args)
-        now = datetime.now(UTC)
-        out = []
-        for r in rows:
-            m = _memory(r)
-            sig = memory_signals(m, r["distance"], now)
-            out.append(_scored(m, sig.similarity, score(sig, self.weights)))
-        return out
+    async def _nearest(
+        self,
+        conn: asyncpg.Connection,
+        table: str,
+        query: str,
+        f: scopes.ScopeFilter,
+        limit: int,
+        plan: str,
+    ) -> list[asyncpg.Record]:
+        """The ``limit`` rows nearest to ``query`` in the scope (per kind for memories).
 
-    async def _outcomes(
-        self, conn: asyncpg.Connection, query: str, f: scopes.ScopeFilter, limit: int, plan: str
-    ) -> list[WorkflowOutcome]:
-        where, args = f.sql(3)
-        order = "embedding <=> $1::vector" if plan == "approximate" else "distance"
-        rows = await conn.fetch(
-            f"""SELECT {_OUTCOME_COLUMNS}, embedding <=> $1::vector AS distance
-                FROM workflow_outcomes WHERE {where} AND embedding IS NOT NULL
-                ORDER BY {order} LIMIT $2""",
-            query, limit, *args,
-        )  # fmt: skip
+        exact: distances over the B-tree-filtered rows, in a materialised CTE that
+        keeps the HNSW index out (an ``ORDER BY`` on the distance, even by alias,
+        lets the planner pick HNSW, which loses recall under a filter).
+        approximate: the HNSW index with iterative scan; for memories one scan per
+        kind, so no kind crowds the others out."""
+        columns = _MEMORY_COLUMNS if table == "memories" else _OUTCOME_COLUMNS
+        per_kind = table == "memories"
+        if plan == "exact":
+            where, args = f.sql(3)
+            ranked = (
+                "SELECT * FROM (SELECT *, row_number() OVER (PARTITION BY kind "
+                "ORDER BY distance) AS rank FROM scoped) r WHERE rank <= $2"
+                if per_kind
+                else "SELECT * FROM scoped ORDER BY distance LIMIT $2"
+            )
+            sql = f"""WITH scoped AS MATERIALIZED (
+                          SELECT {columns}, embedding <=> $1::vector AS distance
+                          FROM {table} WHERE {where} AND embedding IS NOT NULL)
+                      {ranked}"""
+            return list(await conn.fetch(sql, query, limit, *args))
+        await _approximate(conn, self.ef_search)
+        if not per_kind:
+            where, args = f.sql(3)
+            sql = f"""SELECT {columns}, embedding <=> $1::vector AS distance FROM {table}
+                      WHERE {where} AND embedding IS NOT NULL
+                      ORDER BY embedding <=> $1::vector LIMIT $2"""
+            return list(await conn.fetch(sql, query, limit, *args))
+        where, args = f.sql(4)
+        sql = f"""SELECT m.* FROM unnest($3::text[]) AS k(kind) CROSS JOIN LATERAL (
+                      SELECT {columns}, embedding <=> $1::vector AS distance
+                      FROM {table}
+                      WHERE kind = k.kind AND {where} AND embedding IS NOT NULL
+                      ORDER BY embedding <=> $1::vector LIMIT $2) m"""
+        kinds = [k.value for k in MemoryKind]
+        return list(await conn.fetch(sql, query, limit, kinds, *args))
+
+    def _rank(
+        self,
+        rows: list[asyncpg.Record],
+        build: Callable[[asyncpg.Record], T],
+        signals: Callable[[T, float, datetime], Signals],
+    ) -> list[T]:
+        """Each row as its item, with its similarity and score filled in."""
         now = datetime.now(UTC)
         out = []
         for r in rows:
-            o = _outcome(r)
-            sig = outcome_signals(o, r["distance"], now)
-            out.append(_scored(o, sig.similarity, score(sig, self.weights)))
+            item = build(r)
+            sig = signals(item, r["distance"], now)
+            out.append(replace(item, similarity=sig.similarity, score=score(sig, self.weights)))
         return out
 
 
@@ -234,10 +255,6 @@ def _outcome(r: asyncpg.Record) -> WorkflowOutcome:
         description=r["description"], learnings_extracted=r["learnings_extracted"],
         created_at=r["created_at"],
     )  # fmt: skip
-
-
-def _scored(item: Any, similarity: float, value: float) -> Any:
-    return replace(item, similarity=similarity, score=value)
 
 
 def _with_links(item: Any, links: dict[str, list[ArtifactLink]]) -> Any:

@@ -129,11 +129,10 @@ async def run_worker(
         return
     try:
         await check_schema(pool)
-        if "learn" in consumers and embedder is None:
-            log.info("loading the embedding model", extra={"action": "embedder_load"})
-            embedder = owned = await asyncio.to_thread(load_embedder, settings)
         if "learn" in consumers:
-            assert embedder is not None
+            if embedder is None:
+                log.info("loading the embedding model", extra={"action": "embedder_load"})
+                embedder = owned = await asyncio.to_thread(load_embedder, settings)
             await check_dimension(pool, embedder.dimension, embedder.embedder.name)
         async with (
             RedisCheckpointCache.connect(
