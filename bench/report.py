@@ -45,11 +45,11 @@ def report(
         for h in headers[name]:
             table.add_column(h)
         for row in body:
-            table.add_row(*row)
+            table.add_row(*(str(c) for c in row))
         console.print(table)
         lines += [f"### {titles[name]}", "", "| " + " | ".join(headers[name]) + " |",
-                  "|" + "---|" * len(headers[name]), *("| " + " | ".join(r) + " |" for r in body),
-                  ""]  # fmt: skip
+                  "|" + "---|" * len(headers[name]),
+                  *("| " + " | ".join(map(str, r)) + " |" for r in body), ""]  # fmt: skip
     console.print(lines[0])
     if out is not None:
         write_section(out, "\n".join(lines), section)
