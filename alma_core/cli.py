@@ -17,9 +17,7 @@ import typer
 from rich.table import Table
 
 from alma_core import cli_common as common
-from alma_core import cli_memory, cli_runs, errors, reducers
-from alma_core import settings as settings_mod
-from alma_core.embedded import EmbeddedStack, Endpoints
+from alma_core import cli_demo, cli_memory, cli_runs, errors, reducer_store, reducers
 from alma_core.logs import configure as configure_logs
 from alma_core.migrations import Migrator
 from alma_core.topics import alma_topics, describe_topics, ensure_topics
@@ -36,39 +34,10 @@ app.add_typer(topics_app, name="topics")
 app.add_typer(schemas_app, name="schemas")
 app.add_typer(reducers_app, name="reducers")
 cli_runs.register(app)
+cli_demo.register(app)
 cli_memory.register(app, db_app)
 
 # --- alma up ----------------------------------------------------------------
-
-
-async def bring_up(
-    s: settings_mod.Settings, *, durable: bool = True
-) -> tuple[EmbeddedStack, Endpoints]:
-    """Start what is not configured, create topics, migrate. The caller stops the stack."""
-    stack = EmbeddedStack(
-        s.data_dir,
-        kafka_bootstrap=s.kafka_bootstrap,
-        postgres_dsn=s.postgres_dsn,
-        redis_url=s.redis_url,
-        durable=durable,
-    )
-    endpoints = await stack.start()
-    try:
-        await ensure_topics(
-            endpoints.kafka_bootstrap,
-            alma_topics(s),
-            partitions=s.partitions,
-            replication_factor=s.replication_factor,
-        )
-        conn = await common.connect(endpoints.postgres_dsn)
-        try:
-            await Migrator(conn).migrate()
-        finally:
-            await conn.close()
-    except BaseException:
-        await stack.stop()
-        raise
-    return stack, endpoints
 
 
 @app.command()
@@ -86,7 +55,7 @@ def up(
     async def main() -> None:
         started = time.monotonic()
         with common.out.status("starting broker, PostgreSQL and Redis..."):
-            stack, endpoints = await bring_up(s)
+            stack, endpoints = await common.bring_up(s)
         elapsed = time.monotonic() - started
         try:
             s.data_dir.mkdir(parents=True, exist_ok=True)
@@ -111,10 +80,15 @@ def up(
             status = WorkerStatus()
             workers = asyncio.create_task(
                 run_worker(
-                    s, _services(endpoints), list(KNOWN_CONSUMERS), stop, ready=ready, status=status
+                    s,
+                    common.worker_services(endpoints),
+                    list(KNOWN_CONSUMERS),
+                    stop,
+                    ready=ready,
+                    status=status,
                 )
             )
-            await _until_ready(workers, ready)
+            await common.until_ready(workers, ready)
             common.out.print(f"workers running: {', '.join(KNOWN_CONSUMERS)}")
             base = f"http://127.0.0.1:{status.http_port}"
             common.out.print(
@@ -143,18 +117,6 @@ def _stop_on_signals() -> asyncio.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     return stop
-
-
-def _services(endpoints: Endpoints) -> WorkerServices:
-    return WorkerServices(endpoints.kafka_bootstrap, endpoints.postgres_dsn, endpoints.redis_url)
-
-
-async def _until_ready(task: asyncio.Task[None], ready: asyncio.Event) -> None:
-    waiter = asyncio.ensure_future(ready.wait())
-    await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
-    waiter.cancel()
-    if task.done():
-        task.result()  # raises the worker's error
 
 
 @app.command()
@@ -359,13 +321,7 @@ def reducers_set(
         config.validate(reducers.default_registry())
         conn = await common.connect(common.dsn(s))
         try:
-            await conn.execute(
-                """INSERT INTO reducer_configs (tenant_id, workflow_id, config)
-                   VALUES ($1, $2, $3::jsonb)
-                   ON CONFLICT (tenant_id, workflow_id)
-                   DO UPDATE SET config = EXCLUDED.config, updated_at = now()""",
-                tenant, workflow_id, json.dumps(config.to_json()),
-            )  # fmt: skip
+            await reducer_store.save(conn, tenant, workflow_id, config)
         finally:
             await conn.close()
         common.out.print(f"reducers of workflow {workflow_id!r} (tenant {tenant!r}) saved")
@@ -384,11 +340,7 @@ def reducers_show(
     async def main() -> None:
         conn = await common.connect(common.dsn(s))
         try:
-            config = await conn.fetchval(
-                "SELECT config::text FROM reducer_configs "
-                "WHERE tenant_id = $1 AND workflow_id = $2",
-                tenant, workflow_id,
-            )  # fmt: skip
+            config = await reducer_store.load(conn, tenant, workflow_id)
         finally:
             await conn.close()
         if config is None:
@@ -396,7 +348,7 @@ def reducers_show(
                 f"no reducers registered for workflow {workflow_id!r} of tenant {tenant!r}: "
                 "`alma reducers set` registers them (runs use last_value meanwhile)"
             )
-        print(config)
+        print(json.dumps(config.to_json()))
 
     common.run(main)
 

@@ -14,6 +14,10 @@ from rich.console import Console
 
 from alma_core import errors
 from alma_core import settings as settings_mod
+from alma_core.embedded import EmbeddedStack, Endpoints
+from alma_core.migrations import Migrator
+from alma_core.topics import alma_topics, ensure_topics
+from consumers.worker import Services as WorkerServices
 
 out = Console()
 err = Console(stderr=True)
@@ -81,3 +85,52 @@ async def connect(dsn: str) -> asyncpg.Connection:
             f"cannot connect to PostgreSQL at {dsn}: {exc}; check ALMA_POSTGRES_DSN "
             "or that `alma up` is running"
         ) from exc
+
+
+def resolved(s: settings_mod.Settings) -> settings_mod.Settings:
+    """``s`` with every service filled in: configured, else the running `alma up`'s."""
+    return s.model_copy(
+        update={"kafka_bootstrap": bootstrap(s), "postgres_dsn": dsn(s), "redis_url": redis_url(s)}
+    )
+
+
+async def bring_up(
+    s: settings_mod.Settings, *, durable: bool = True
+) -> tuple[EmbeddedStack, Endpoints]:
+    """Start what is not configured, create topics, migrate. The caller stops the stack."""
+    stack = EmbeddedStack(
+        s.data_dir,
+        kafka_bootstrap=s.kafka_bootstrap,
+        postgres_dsn=s.postgres_dsn,
+        redis_url=s.redis_url,
+        durable=durable,
+    )
+    endpoints = await stack.start()
+    try:
+        await ensure_topics(
+            endpoints.kafka_bootstrap,
+            alma_topics(s),
+            partitions=s.partitions,
+            replication_factor=s.replication_factor,
+        )
+        conn = await connect(endpoints.postgres_dsn)
+        try:
+            await Migrator(conn).migrate()
+        finally:
+            await conn.close()
+    except BaseException:
+        await stack.stop()
+        raise
+    return stack, endpoints
+
+
+def worker_services(endpoints: Endpoints) -> WorkerServices:
+    return WorkerServices(endpoints.kafka_bootstrap, endpoints.postgres_dsn, endpoints.redis_url)
+
+
+async def until_ready(task: asyncio.Task[None], ready: asyncio.Event) -> None:
+    waiter = asyncio.ensure_future(ready.wait())
+    await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if task.done():
+        task.result()  # raises the worker's error

@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
-from typing import Any
 
 import typer
 from rich.table import Table
 
 from alma_core import cli_common as common
 from alma_core import retention, scopes
-from alma_core.memory import Memory, MemorySlice, WorkflowOutcome
+from alma_core.memory import MemorySlice, WorkflowOutcome
 from alma_core.postgres import connect
 from alma_core.retrieval import Retriever
 from alma_core.types import RetrievalScope, WorkflowContext
@@ -21,27 +19,6 @@ from alma_core.types import RetrievalScope, WorkflowContext
 def register(app: typer.Typer, db_app: typer.Typer) -> None:
     app.command("retrieve")(retrieve)
     db_app.command("prune")(prune)
-
-
-def _doc(item: Memory | WorkflowOutcome) -> dict[str, Any]:
-    doc = asdict(item)
-    for key in ("created_at", "updated_at"):
-        if doc.get(key) is not None:
-            doc[key] = doc[key].isoformat()
-    if "kind" in doc:
-        doc["kind"] = str(doc["kind"])
-    return doc
-
-
-def slice_doc(found: MemorySlice, max_tokens: int) -> dict[str, Any]:
-    return {
-        "query": found.query,
-        "scope": found.scope.value if found.scope else None,
-        "plan": found.plan,
-        "retrieval_time_ms": round(found.retrieval_time_ms or 0, 2),
-        "items": [{"type": type(i).__name__, **_doc(i)} for i in found.items()],
-        "prompt": found.to_prompt(max_tokens=max_tokens),
-    }
 
 
 def retrieve(
@@ -69,17 +46,14 @@ def retrieve(
             embedder = load_embedder(s)
         try:
             async with connect(common.dsn(s), max_size=2) as pool:
-                retriever = Retriever(
-                    pool, embedder, weights=s.scoring_weights, require_tenant=s.require_tenant,
-                    exact_max_rows=s.retrieval_exact_max_rows, ef_search=s.retrieval_ef_search,
-                )  # fmt: skip
+                retriever = Retriever.configured(pool, embedder, s)
                 return await retriever.retrieve(task, ctx, scope, agent=agent, top_k=top_k)
         finally:
             embedder.close()
 
     found = common.run(main)
     if as_json:
-        common.out.print_json(json.dumps(slice_doc(found, max_tokens)))
+        common.out.print_json(json.dumps(found.to_doc(max_tokens)))
         return
     table = Table(
         title=f"{len(found.items())} memories for {task!r} "

@@ -1,4 +1,5 @@
-"""``alma checkpoints``, ``alma resume`` and ``alma dlq``: reading runs and dead letters."""
+"""``alma runs``, ``alma checkpoints``, ``alma resume`` and ``alma dlq``: reading runs
+and dead letters. Exit codes: 0 done, 1 not found or a service failed, 2 bad input."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from alma_core.types import Checkpoint
 from schemas.decoder import Rejection, decode
 
 dlq_app = typer.Typer(help="Dead letters: list them, replay them.")
+runs_app = typer.Typer(help="Runs: list them, show one with its events, checkpoints and outcome.")
 
 TENANT_HELP = "Tenant of the run (required unless ALMA_REQUIRE_TENANT=false)."
 
@@ -28,6 +30,161 @@ def register(app: typer.Typer) -> None:
     app.command("checkpoints")(checkpoints)
     app.command("resume")(resume)
     app.add_typer(dlq_app, name="dlq")
+    app.add_typer(runs_app, name="runs")
+
+
+def _jsonable(row: Any) -> dict[str, Any]:
+    return {k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in dict(row).items()}
+
+
+def _tenant(s: Any, tenant: str | None) -> str | None:
+    if tenant is None and s.require_tenant:
+        raise errors.ContextError(
+            "--tenant is required (ALMA_REQUIRE_TENANT=true); pass the run's tenant"
+        )
+    return tenant
+
+
+@runs_app.command("list")
+def runs_list(
+    tenant: str = typer.Option(None, "--tenant", help=TENANT_HELP),
+    workflow: str = typer.Option(None, "--workflow", help="Only this workflow's runs."),
+    status: str = typer.Option(None, "--status", help="running, succeeded or failed."),
+    limit: int = typer.Option(50, min=1, max=10_000, help="How many, latest activity first."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Runs, latest activity first."""
+    s = common.settings()
+    if status not in (None, "running", "succeeded", "failed"):
+        common.err.print(f"[red]error:[/red] unknown status {status!r}: running, succeeded "
+                         "or failed")  # fmt: skip
+        raise typer.Exit(2)
+
+    async def main() -> list[dict[str, Any]]:
+        who = _tenant(s, tenant)
+        conn = await common.connect(common.dsn(s))
+        try:
+            rows = await conn.fetch(
+                """SELECT run_id, tenant_id, workflow_id, workflow_version, status, last_seq,
+                          event_count, created_at, updated_at, completed_at
+                   FROM runs
+                   WHERE ($1::text IS NULL OR tenant_id = $1)
+                     AND ($2::text IS NULL OR workflow_id = $2)
+                     AND ($3::text IS NULL OR status = $3)
+                   ORDER BY updated_at DESC LIMIT $4""",
+                who, workflow, status, limit,
+            )  # fmt: skip
+        finally:
+            await conn.close()
+        return [_jsonable(r) for r in rows]
+
+    docs = common.run(main)
+    if as_json:
+        print(json.dumps(docs))
+        return
+    table = Table(title=f"runs ({len(docs)})")
+    for col in ("run", "tenant", "workflow", "status", "checkpoints", "events", "updated"):
+        table.add_column(col, overflow="fold")
+    for d in docs:
+        table.add_row(d["run_id"], d["tenant_id"], d["workflow_id"], d["status"],
+                      str(d["last_seq"]), str(d["event_count"]), d["updated_at"][:19])  # fmt: skip
+    common.out.print(table)
+    if not docs:
+        common.out.print("no runs match: check --tenant/--workflow/--status, or publish events "
+                         "(`alma demo` runs a few)")  # fmt: skip
+
+
+async def run_report(conn: Any, run_id: str, tenant: str | None) -> dict[str, Any]:
+    """Everything about one run: the run, its events, checkpoints (without states),
+    joins, outcome and dead letters."""
+    run = await conn.fetchrow(
+        "SELECT * FROM runs WHERE run_id = $1 AND ($2::text IS NULL OR tenant_id = $2)",
+        run_id, tenant,
+    )  # fmt: skip
+    if run is None:
+        raise _not_found(run_id, tenant)
+    events = await conn.fetch(
+        """SELECT event_id, type, node_id, branch_id, effect, checkpoint_seq, emitted_at,
+                  recorded_at FROM run_events WHERE run_id = $1 ORDER BY ordinal""",
+        run_id,
+    )
+    checkpoints = await conn.fetch(
+        """SELECT seq, kind, node_id, branch_id, parent_seq, size_bytes, state_hash, created_at
+           FROM checkpoints WHERE run_id = $1 ORDER BY seq""",
+        run_id,
+    )
+    joins = await conn.fetch(
+        "SELECT join_id, status, checkpoint_seq, created_at FROM joins WHERE run_id = $1 "
+        "ORDER BY created_at",
+        run_id,
+    )
+    outcome = await conn.fetchrow(
+        """SELECT success, duration_ms, node_count, nodes_succeeded, nodes_failed, error_message,
+                  failing_node, task, strategy, learnings_extracted, created_at
+           FROM workflow_outcomes WHERE run_id = $1 AND tenant_id = $2""",
+        run_id,
+        run["tenant_id"],
+    )
+    dead = await conn.fetch(
+        "SELECT id, reason, detail, event_id, created_at FROM dead_letters "
+        "WHERE run_id = $1 AND tenant_id = $2 ORDER BY id", run_id, run["tenant_id"])  # fmt: skip
+    return {
+        "run": _jsonable(run), "events": [_jsonable(r) for r in events],
+        "checkpoints": [_jsonable(r) for r in checkpoints], "joins": [_jsonable(r) for r in joins],
+        "outcome": _jsonable(outcome) if outcome else None,
+        "dead_letters": [_jsonable(r) for r in dead],
+    }  # fmt: skip
+
+
+@runs_app.command("show")
+def runs_show(
+    run_id: str = typer.Argument(..., help="The run."),
+    tenant: str = typer.Option(None, "--tenant", help=TENANT_HELP),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """One run: its events, checkpoints (seq, node, branch, size), joins and outcome."""
+    s = common.settings()
+
+    async def main() -> dict[str, Any]:
+        who = _tenant(s, tenant)
+        conn = await common.connect(common.dsn(s))
+        try:
+            return await run_report(conn, run_id, who)
+        finally:
+            await conn.close()
+
+    doc = common.run(main)
+    if as_json:
+        print(json.dumps(doc))
+        return
+    run = doc["run"]
+    common.out.print(f"[bold]{run_id}[/bold]  tenant {run['tenant_id']}  workflow "
+                     f"{run['workflow_id']}  status {run['status']}  "
+                     f"last seq {run['last_seq']}")  # fmt: skip
+    sections = {
+        "events": ("type", "node_id", "branch_id", "effect", "checkpoint_seq", "emitted_at"),
+        "checkpoints": ("seq", "kind", "node_id", "branch_id", "parent_seq", "size_bytes",
+                        "created_at"),
+        "joins": ("join_id", "status", "checkpoint_seq", "created_at"),
+        "dead_letters": ("id", "reason", "event_id", "detail"),
+    }  # fmt: skip
+    for name, cols in sections.items():
+        if not doc[name]:
+            continue
+        table = Table(title=f"{name} ({len(doc[name])})")
+        for col in cols:
+            table.add_column(col, overflow="fold")
+        for row in doc[name]:
+            table.add_row(*("" if row[c] is None else str(row[c])[:80] for c in cols))
+        common.out.print(table)
+    outcome = doc["outcome"]
+    if outcome is None:
+        common.out.print("no outcome yet (the run has not completed, or the learner is behind)")
+    else:
+        common.out.print(f"outcome: {'success' if outcome['success'] else 'failure'} in "
+                         f"{outcome['duration_ms']} ms, {outcome['nodes_succeeded']}/"
+                         f"{outcome['node_count']} nodes, strategy {outcome['strategy']}, "
+                         f"{outcome['learnings_extracted']} learnings")  # fmt: skip
 
 
 def _row(cp: Checkpoint) -> list[str]:

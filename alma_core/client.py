@@ -2,18 +2,16 @@
 acks from all in-sync replicas), awaits merge replies, and finds where a run
 resumes after a crash (Redis first, PostgreSQL on a miss).
 
-One reply listener per client reads the reply topic (every partition, from the
-end as of start-up) and resolves the future of each ``join_id`` it is waiting
-for; replies that are not its own are ignored, so several clients can share
-one reply topic. A join sent again with the same ``join_id`` gets the same
-reply (the joiner remembers it), so retrying after a timeout is safe.
+Merge replies come through one :class:`~alma_core.replies.ReplyListener` per
+client. A join sent again with the same ``join_id`` gets the same reply (the
+joiner remembers it), so retrying after a timeout is safe.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import time
 import uuid
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -21,15 +19,19 @@ from types import TracebackType
 from typing import Any
 
 import asyncpg
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer
 from pydantic import ValidationError
 
-from alma_core import errors
+from alma_core import errors, reducer_store
 from alma_core.cache import RedisCheckpointCache
+from alma_core.embeddings import AsyncEmbedder, load_embedder
+from alma_core.memory import MemorySlice
 from alma_core.postgres import connect
+from alma_core.replies import ReplyListener
 from alma_core.resume import CheckpointReader
+from alma_core.retrieval import Observe, Retriever
 from alma_core.settings import Settings
-from alma_core.types import Checkpoint, WorkflowContext
+from alma_core.types import Checkpoint, RetrievalScope, WorkflowContext
 from schemas.events import EVENT_MODELS, Event, EventType, MergeReply, encode
 
 
@@ -48,8 +50,32 @@ class ResumePoint:
         return dict(main.state) if main else {}
 
 
+@dataclass(frozen=True)
+class Applied:
+    """What the checkpointer did with one event: ``checkpointed`` (at ``seq``),
+    ``unchanged`` (same state as the head at ``seq``), ``recorded`` or ``handed_off``."""
+
+    event_id: str
+    effect: str
+    seq: int | None
+
+
 class AlmaClient:
-    def __init__(self, settings: Settings, *, bootstrap: str | None = None) -> None:
+    """The orchestrator's handle on ALMA Stream: publish lifecycle events, merge
+    branches, wait for an event's effect, resume a run, and retrieve memories.
+
+    ``embedder`` serves :meth:`retrieve` (default: the model the settings name,
+    loaded on first use); ``observe_retrieval(scope, plan, seconds)`` is called
+    after each retrieval (a worker passes ``Metrics.observe_retrieval``)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        bootstrap: str | None = None,
+        embedder: AsyncEmbedder | None = None,
+        observe_retrieval: Observe | None = None,
+    ) -> None:
         self.settings = settings
         self.bootstrap = bootstrap or settings.kafka_bootstrap
         if not self.bootstrap:
@@ -60,13 +86,15 @@ class AlmaClient:
             linger_ms=1,
             max_request_size=settings.max_record_bytes + 64 * 1024,
         )
-        self._replies: AIOKafkaConsumer | None = None
-        self._listener: asyncio.Task[None] | None = None
-        self._waiting: dict[str, asyncio.Future[MergeReply]] = {}
-        self._listener_lock = asyncio.Lock()
+        self._replies = ReplyListener(
+            self.bootstrap, settings.merged_topic, fetch_max_wait_ms=settings.fetch_max_wait_ms
+        )
         self._reads: contextlib.AsyncExitStack | None = None
         self._pool: asyncpg.Pool | None = None
         self._cache: RedisCheckpointCache | None = None
+        self._embedder = embedder
+        self._own_embedder = False
+        self._observe_retrieval = observe_retrieval
 
     async def __aenter__(self) -> AlmaClient:
         await self.start()
@@ -81,18 +109,21 @@ class AlmaClient:
         await self._producer.start()
 
     async def stop(self) -> None:
-        if self._listener is not None:
-            self._listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._listener
-        if self._replies is not None:
-            await self._replies.stop()
+        await self._replies.stop()
         await self._producer.stop()
         if self._reads is not None:
             await self._reads.aclose()
+        if self._own_embedder and self._embedder is not None:
+            self._embedder.close()
 
     async def _reader(self, tenant_id: str) -> CheckpointReader:
         """Reads go to Redis first and PostgreSQL on a miss (opened on first use)."""
+        pool = await self._open_reads()
+        return CheckpointReader(
+            pool, self._cache, tenant_id=tenant_id, require_tenant=self.settings.require_tenant
+        )
+
+    async def _open_reads(self) -> asyncpg.Pool:
         if self._reads is None:
             if not (self.settings.postgres_dsn and self.settings.redis_url):
                 raise errors.ConfigError(
@@ -111,10 +142,77 @@ class AlmaClient:
             )  # fmt: skip
             self._reads = stack
         assert self._pool is not None
-        return CheckpointReader(
-            self._pool, self._cache, tenant_id=tenant_id,
-            require_tenant=self.settings.require_tenant,
+        return self._pool
+
+    async def applied(
+        self,
+        ctx: WorkflowContext,
+        event_id: str,
+        *,
+        timeout: float = 30.0,  # noqa: ASYNC109 - the SDK's documented parameter
+    ) -> Applied:
+        """Wait until the checkpointer has had ``event_id``'s effect (read-your-writes).
+        Raises the event's rejection (e.g. StaleExpectedSeq) if it was dead-lettered,
+        and EffectTimeout if neither happened in ``timeout`` seconds."""
+        if not ctx.tenant_id:
+            raise errors.ContextError("applied() needs the run's tenant_id")
+        pool = await self._open_reads()
+        deadline = time.monotonic() + timeout
+        pause = 0.005
+        while True:
+            row = await pool.fetchrow(
+                "SELECT effect, checkpoint_seq FROM run_events "
+                "WHERE event_id = $1 AND tenant_id = $2", event_id, ctx.tenant_id,
+            )  # fmt: skip
+            if row is not None:
+                return Applied(event_id, row["effect"], row["checkpoint_seq"])
+            dead = await pool.fetchrow(
+                "SELECT reason, detail FROM dead_letters WHERE event_id = $1 AND tenant_id = $2 "
+                "ORDER BY id DESC LIMIT 1", event_id, ctx.tenant_id,
+            )  # fmt: skip
+            if dead is not None:
+                raise errors.rejection(dead["reason"], f"event {event_id}: {dead['detail']}")
+            if time.monotonic() >= deadline:
+                raise errors.EffectTimeout(
+                    f"event {event_id} of run {ctx.run_id!r} had no effect within {timeout:.0f} s; "
+                    "check that the checkpointer runs (`alma up`) and is not lagging "
+                    "(alma_consumer_lag on /metrics)"
+                )
+            await asyncio.sleep(pause)
+            pause = min(0.1, pause * 2)
+
+    async def retrieve(
+        self,
+        task: str,
+        ctx: WorkflowContext,
+        scope: RetrievalScope = RetrievalScope.WORKFLOW,
+        *,
+        agent: str | None = None,
+        top_k: int = 5,
+        include_workflow_outcomes: bool = True,
+    ) -> MemorySlice:
+        """What ALMA Stream knows about ``task`` within ``scope`` of ``ctx``
+        (:class:`~alma_core.retrieval.Retriever`)."""
+        pool = await self._open_reads()
+        if self._embedder is None:
+            self._embedder = await asyncio.to_thread(load_embedder, self.settings)
+            self._own_embedder = True
+        retriever = Retriever.configured(
+            pool, self._embedder, self.settings, self._observe_retrieval
+        )
+        return await retriever.retrieve(
+            task, ctx, scope, agent=agent, top_k=top_k,
+            include_workflow_outcomes=include_workflow_outcomes,
         )  # fmt: skip
+
+    async def register_reducers(self, ctx: WorkflowContext, fields: dict[str, str]) -> None:
+        """Add ``fields`` (field -> reducer name) to the reducers of ``ctx``'s workflow
+        (:func:`alma_core.reducer_store.add_fields`)."""
+        if not (ctx.tenant_id and ctx.workflow_id):
+            raise errors.ContextError("register_reducers needs tenant_id and workflow_id")
+        await reducer_store.add_fields(
+            await self._open_reads(), ctx.tenant_id, ctx.workflow_id, fields
+        )
 
     async def resume(self, ctx: WorkflowContext) -> ResumePoint:
         """Where a run picks up after a crash: its latest checkpoint and branch heads."""
@@ -210,47 +308,6 @@ class AlmaClient:
             "nodes_failed": nodes_failed, "error_message": error_message, "task": task,
             "artifacts": artifacts, "cleanup_checkpoints": cleanup_checkpoints}))  # fmt: skip
 
-    async def _ensure_listener(self) -> None:
-        async with self._listener_lock:  # concurrent merges share one listener
-            if self._listener is None:
-                await self._start_listener()
-
-    async def _start_listener(self) -> None:
-        topic = self.settings.merged_topic
-        consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap,
-            enable_auto_commit=False,
-            fetch_max_wait_ms=self.settings.fetch_max_wait_ms,
-        )
-        await consumer.start()
-        partitions = consumer.partitions_for_topic(topic)
-        if not partitions:
-            await consumer.stop()
-            raise errors.ConfigError(
-                f"reply topic {topic!r} does not exist: run `alma topics create`"
-            )
-        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
-        consumer.assign(tps)
-        await consumer.seek_to_end(*tps)
-        for tp in tps:  # resolve positions now, before any join is sent
-            await consumer.position(tp)
-        self._replies = consumer
-        self._listener = asyncio.create_task(self._listen(consumer))
-
-    async def _listen(self, consumer: AIOKafkaConsumer) -> None:
-        while True:
-            batch = await consumer.getmany(timeout_ms=500)
-            for records in batch.values():
-                for record in records:
-                    join_id = dict(record.headers or []).get("alma.join_id", b"").decode()
-                    future = self._waiting.get(join_id)
-                    if future is None or future.done():
-                        continue  # someone else's reply, or one we already have
-                    try:
-                        future.set_result(MergeReply.model_validate(json.loads(record.value)))
-                    except (ValueError, ValidationError) as exc:
-                        future.set_exception(errors.MergeFailed(f"unreadable reply: {exc}"))
-
     async def merge(
         self,
         ctx: WorkflowContext,
@@ -280,9 +337,7 @@ class AlmaClient:
         event = self._event(
             "branch.join", replace(ctx, node_id=node_id or ctx.node_id), payload
         )  # fmt: skip
-        await self._ensure_listener()
-        future: asyncio.Future[MergeReply] = asyncio.get_running_loop().create_future()
-        self._waiting[join_id] = future
+        future = await self._replies.expect(join_id)
         try:
             await self.publish(event)
             reply = await asyncio.wait_for(future, timeout)
@@ -293,7 +348,7 @@ class AlmaClient:
                 "same join_id"
             ) from None
         finally:
-            self._waiting.pop(join_id, None)
+            self._replies.forget(join_id)
         if reply.status == "error":
             raise errors.MergeFailed(f"join {join_id!r} of run {ctx.run_id!r}: {reply.error}")
         return reply

@@ -17,6 +17,7 @@
     ├── CacheError              Redis failed (retriable; callers fall back to Postgres)
     ├── MergeFailed             a join was answered with status "error"
     ├── MergeTimeout            no reply to a join in time (retriable: same join_id)
+    ├── EffectTimeout           an event had no effect in time (retriable)
     ├── MigrationError          the schema cannot be moved to the asked version
     └── StackError              the embedded stack could not start or stop
 
@@ -142,6 +143,13 @@ class MergeTimeout(AlmaError):
     reason = "merge_timeout"
 
 
+class EffectTimeout(AlmaError):
+    """The event had no effect in time: the checkpointer is down or lagging."""
+
+    retriable = True
+    reason = "effect_timeout"
+
+
 class MigrationError(AlmaError):
     """The database schema cannot be moved to the requested version."""
 
@@ -152,3 +160,15 @@ class StackError(AlmaError):
     """The embedded stack could not be started or stopped."""
 
     reason = "stack"
+
+
+def rejection(reason: str, message: str) -> RejectedEvent:
+    """The RejectedEvent subclass a dead-letter ``reason`` stands for (the base class
+    for reasons of the decoder, such as ``schema_violation``)."""
+    todo: list[type[RejectedEvent]] = [RejectedEvent]
+    while todo:
+        cls = todo.pop()
+        if cls.reason == reason:
+            return cls(message)
+        todo.extend(cls.__subclasses__())
+    return RejectedEvent(f"{reason}: {message}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
@@ -172,6 +172,17 @@ class MemorySlice:
         the kept items (:meth:`fit`) under their kind's heading."""
         return self.render(self.fit(max_tokens, count_tokens))
 
+    def to_doc(self, max_tokens: int = 2000) -> dict[str, Any]:
+        """JSON-ready: the query, how it was searched, every item and the prompt."""
+        return {
+            "query": self.query,
+            "scope": self.scope.value if self.scope else None,
+            "plan": self.plan,
+            "retrieval_time_ms": round(self.retrieval_time_ms or 0, 2),
+            "items": [{"type": type(i).__name__, **_item_doc(i)} for i in self.items()],
+            "prompt": self.to_prompt(max_tokens=max_tokens),
+        }
+
     def render(self, kept: list[Memory | WorkflowOutcome]) -> str:
         chosen = {id(i) for i in kept}
         parts = []
@@ -180,3 +191,13 @@ class MemorySlice:
             if lines:
                 parts.append("\n".join([heading, *lines]))
         return "\n\n".join(parts)
+
+
+def _item_doc(item: Memory | WorkflowOutcome) -> dict[str, Any]:
+    doc = asdict(item)
+    for key in ("created_at", "updated_at"):
+        if doc.get(key) is not None:
+            doc[key] = doc[key].isoformat()
+    if "kind" in doc:
+        doc["kind"] = str(doc["kind"])
+    return doc

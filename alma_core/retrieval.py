@@ -33,6 +33,7 @@ from alma_core.scoring import (
     outcome_signals,
     score,
 )
+from alma_core.settings import Settings
 from alma_core.types import RetrievalScope, WorkflowContext
 
 READER_ROLE = "alma_reader"
@@ -72,6 +73,22 @@ class Retriever:
         self.exact_max_rows = exact_max_rows
         self.ef_search = ef_search
         self.observe = observe
+
+    @classmethod
+    def configured(
+        cls,
+        pool: asyncpg.Pool,
+        embedder: AsyncEmbedder,
+        settings: Settings,
+        observe: Observe | None = None,
+    ) -> Retriever:
+        """A retriever with the weights, tenancy and plan limits the settings give."""
+        return cls(
+            pool, embedder, weights=settings.scoring_weights,
+            require_tenant=settings.require_tenant,
+            exact_max_rows=settings.retrieval_exact_max_rows,
+            ef_search=settings.retrieval_ef_search, observe=observe,
+        )  # fmt: skip
 
     async def retrieve(
         self,

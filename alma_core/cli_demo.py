@@ -1,0 +1,164 @@
+"""``alma demo`` (the README's first command) and ``alma mcp`` (tools for agents)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+
+import typer
+from rich.progress import Progress
+from rich.table import Table
+
+from alma_core import cli_common as common
+from alma_core import settings as settings_mod
+from alma_core.client import AlmaClient
+from alma_core.demo import Demo, DemoReport
+from alma_core.embeddings import load_embedder
+from alma_core.logs import configure as configure_logs
+from alma_core.postgres import connect
+
+
+def register(app: typer.Typer) -> None:
+    app.command("demo")(demo)
+    app.command("mcp")(mcp)
+
+
+@contextlib.asynccontextmanager
+async def _stack(s: settings_mod.Settings) -> AsyncIterator[tuple[settings_mod.Settings, str]]:
+    """A running `alma up` if there is one; else the embedded stack (services not
+    configured) with the three workers in this process. Yields the settings with
+    every service and the metrics URL."""
+    from consumers.worker import KNOWN_CONSUMERS, WorkerStatus, run_worker
+
+    running = common.running_endpoints(s)
+    if running.get("metrics_url"):
+        common.out.print("using the stack of the running `alma up`")
+        yield common.resolved(s), str(running["metrics_url"])
+        return
+    with common.out.status("starting broker, PostgreSQL and Redis..."):
+        stack, endpoints = await common.bring_up(s)
+    try:
+        resolved = s.model_copy(update={
+            "kafka_bootstrap": endpoints.kafka_bootstrap, "postgres_dsn": endpoints.postgres_dsn,
+            "redis_url": endpoints.redis_url})  # fmt: skip
+        with common.out.status("loading the embedding model and starting the workers..."):
+            embedder = await asyncio.to_thread(load_embedder, s)
+            stop, ready, status = asyncio.Event(), asyncio.Event(), WorkerStatus()
+            services = common.worker_services(endpoints)
+            workers = asyncio.create_task(run_worker(
+                resolved, services, list(KNOWN_CONSUMERS), stop, ready=ready, status=status,
+                embedder=embedder))  # fmt: skip
+            await common.until_ready(workers, ready)
+        try:
+            yield resolved, f"http://127.0.0.1:{status.http_port}/metrics"
+        finally:
+            stop.set()
+            await workers
+            embedder.close()
+    finally:
+        with common.out.status("stopping..."):
+            await stack.stop()
+
+
+def _ms(values: list[float]) -> str:
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    p50 = ordered[len(ordered) // 2] * 1000
+    p95 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))] * 1000
+    return f"{p50:.0f} / {p95:.0f}"
+
+
+def _summary(report: DemoReport, elapsed: float) -> Table:
+    ok = sum(r.success for r in report.runs)
+    table = Table(title=f"ALMA Stream demo ({elapsed:.1f} s)")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_column("notes")
+    c = report.counts
+    rows = [
+        ("runs", f"{c.get('runs', 0)}", f"{ok} succeeded, {len(report.runs) - ok} failed, "
+                                         f"{len(report.resume_seconds)} resumed after a crash"),
+        ("checkpoints", f"{c.get('checkpoints', 0)}", "ordered, gapless, exactly once"),
+        ("joins", f"{c.get('joins', 0)}", "3 branches each: sources append, tokens sum, "
+                                           "confidence max"),
+        ("outcomes learned", f"{c.get('outcomes', 0)}", "with all-MiniLM-L6-v2 embeddings"),
+        ("memories (demo tenants)", f"{c.get('memories', 0)}",
+         "heuristics, anti-patterns, node outcomes"),
+        ("dead letters", f"{c.get('dead letters', 0)}",
+         f"{report.stale_writes_refused} stale optimistic writes refused, on purpose"),
+        ("concurrent increments", "{} / {}".format(*report.concurrent_increments),
+         "sent / counted: none lost"),
+        ("checkpoint p50 / p95 ms", _ms(report.checkpoint_seconds), "publish → durable"),
+        ("merge p50 / p95 ms", _ms(report.merge_seconds), "join → durable merged reply"),
+        ("resume p50 / p95 ms", _ms(report.resume_seconds), "new orchestrator → run finished"),
+    ]  # fmt: skip
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def demo(
+    runs: int = typer.Option(24, min=1, max=500, help="How many workflow runs."),
+    as_json: bool = typer.Option(False, "--json", help="The summary as JSON."),
+) -> None:
+    """Run realistic workflows through the SDK and show what ALMA Stream made of them."""
+    s = common.settings()
+    configure_logs(s.log_format, "WARNING" if s.log_level == "INFO" else s.log_level)
+
+    async def main() -> None:
+        async with _stack(s) as (resolved, metrics_url), AlmaClient(resolved) as client:
+            d = Demo(client, runs=runs)
+            started = time.monotonic()
+            with Progress(console=common.out, transient=not common.out.is_terminal) as bar:
+                task = bar.add_task("workflow runs", total=runs)
+                report = await d.run(lambda: bar.advance(task))
+            async with connect(resolved.postgres_dsn or "", max_size=2) as pool:
+                with common.out.status("waiting for the learner..."):
+                    await d.wait_learned(pool, timeout=120)
+                report.counts = await d.count(pool)
+            with common.out.status("retrieving what was learned..."):
+                report.retrieval = await d.retrieve()
+            elapsed = time.monotonic() - started
+            _print(report, elapsed, metrics_url, as_json)
+
+    common.run(main)
+
+
+def _print(report: DemoReport, elapsed: float, metrics_url: str, as_json: bool) -> None:
+    found = report.retrieval
+    if as_json:
+        print(json.dumps({
+            "counts": report.counts, "succeeded": sum(r.success for r in report.runs),
+            "failed": sum(not r.success for r in report.runs),
+            "resumed": len(report.resume_seconds),
+            "stale_writes_refused": report.stale_writes_refused,
+            "concurrent_increments": list(report.concurrent_increments),
+            "retrieval": found.to_doc(400) if found else None, "metrics_url": metrics_url,
+        }))  # fmt: skip
+        return
+    common.out.print(_summary(report, elapsed))
+    if found is not None:
+        common.out.print(
+            f"\n[bold]retrieve[/bold]('write a research report on battery storage', tenant acme, "
+            f"workflow research-report, WORKFLOW scope): {len(found.items())} items, "
+            f"{found.plan} search, {found.retrieval_time_ms or 0:.1f} ms. to_prompt(400):"
+        )
+        common.out.print(found.to_prompt(max_tokens=400) or "(nothing learned yet)", markup=False)
+    common.out.print(f"\nmetrics: {metrics_url} (while the stack runs; `alma up` keeps it up)")
+    common.out.print("explore: `alma runs list --tenant acme`, `alma runs show RUN --tenant acme`, "
+                     "`alma retrieve 'task' --tenant acme --workflow research-report`")  # fmt: skip
+
+
+def mcp() -> None:
+    """Serve ALMA Stream's tools to agents over MCP (stdio): alma_checkpoint,
+    alma_get_resume_point, alma_merge_states, alma_learn_workflow, alma_retrieve."""
+    from alma_core.mcp_tools import run_stdio
+
+    s = common.settings()
+    configure_logs(s.log_format, "WARNING")  # stdout is the protocol: logs go to stderr
+    resolved = common.resolved(s)
+    common.run(lambda: run_stdio(resolved))

@@ -1,0 +1,171 @@
+"""``alma mcp``: ALMA Stream's tools for agents, as a Model Context Protocol server on
+stdio (seed 000, task 7), over the SDK (:class:`~alma_core.client.AlmaClient`).
+
+Tools: ``alma_checkpoint`` (a node's state or updates, waits until durable),
+``alma_get_resume_point``, ``alma_merge_states`` (awaits the joiner's reply),
+``alma_learn_workflow`` (the run's outcome, learned from by the learner) and
+``alma_retrieve`` (memories for a task within a context and scope, with the prompt).
+Errors come back as tool errors whose text says what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, ParamSpec, TypeVar
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+
+from alma_core import errors
+from alma_core.client import AlmaClient
+from alma_core.resume import checkpoint_to_doc
+from alma_core.settings import Settings
+from alma_core.types import RetrievalScope, WorkflowContext
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _tool_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """ALMA errors become tool errors the model can read (not a bare crash)."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await fn(*args, **kwargs)
+        except errors.AlmaError as exc:
+            raise ToolError(f"{type(exc).__name__}: {exc.message}") from exc
+
+    return wrapper
+
+
+def build(settings: Settings, client: AlmaClient) -> MCPServer:
+    server: MCPServer = MCPServer(
+        "alma-stream",
+        instructions="Workflow memory: checkpoints, resume points, branch merges, "
+        "learning from finished runs and scoped retrieval of what was learned.",
+    )
+
+    @server.tool()
+    @_tool_errors
+    async def alma_checkpoint(
+        tenant_id: str,
+        workflow_id: str,
+        run_id: str,
+        node_id: str,
+        state: dict[str, Any] | None = None,
+        updates: dict[str, Any] | None = None,
+        branch_id: str | None = None,
+        expected_seq: int | None = None,
+    ) -> dict[str, Any]:
+        """Checkpoint a node: its full `state`, or `updates` folded into the run's state
+        with the workflow's reducers. Waits until durable; returns the checkpoint seq."""
+        ctx = WorkflowContext(tenant_id, workflow_id, None, run_id, node_id, branch_id)
+        event_id = await client.node_completed(ctx, state=state, updates=updates,
+                                               expected_seq=expected_seq)  # fmt: skip
+        applied = await client.applied(ctx, event_id)
+        return {"event_id": event_id, "effect": applied.effect, "seq": applied.seq}
+
+    @server.tool()
+    @_tool_errors
+    async def alma_get_resume_point(
+        tenant_id: str, workflow_id: str, run_id: str
+    ) -> dict[str, Any]:
+        """Where a run resumes after a crash: its latest checkpoint and branch heads."""
+        point = await client.resume(WorkflowContext(tenant_id, workflow_id, None, run_id))
+        if point.latest is None:
+            raise errors.AlmaError(f"run {run_id!r} has no checkpoint: start it from the beginning")
+        return {
+            "run_id": run_id, "latest": checkpoint_to_doc(point.latest), "state": point.state,
+            "branch_heads": {b or "": checkpoint_to_doc(c) for b, c in point.branch_heads.items()},
+        }  # fmt: skip
+
+    @server.tool()
+    @_tool_errors
+    async def alma_merge_states(
+        tenant_id: str,
+        workflow_id: str,
+        run_id: str,
+        branch_ids: list[str] | None = None,
+        states: list[dict[str, Any]] | None = None,
+        reducers: dict[str, str] | None = None,
+        default_reducer: str | None = None,
+        strict: bool | None = None,
+        node_id: str = "join",
+        join_id: str | None = None,
+    ) -> dict[str, Any]:
+        """Merge parallel branches (their latest states, by `branch_ids`, or the given
+        `states`) with reducers per field; returns the merged state, already durable."""
+        reply = await client.merge(
+            WorkflowContext(tenant_id, workflow_id, None, run_id, node_id),
+            branch_ids=branch_ids, states=states, reducers=reducers,
+            default_reducer=default_reducer, strict=strict, join_id=join_id,
+        )  # fmt: skip
+        return reply.model_dump(mode="json", exclude_none=True)
+
+    @server.tool()
+    @_tool_errors
+    async def alma_learn_workflow(
+        tenant_id: str,
+        workflow_id: str,
+        run_id: str,
+        success: bool,
+        duration_ms: int,
+        node_count: int,
+        nodes_succeeded: int,
+        nodes_failed: int,
+        error_message: str | None = None,
+        task: str | None = None,
+        artifacts: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """Record a finished run's outcome; the learner stores it with an embedding and
+        learns heuristics and anti-patterns from it and earlier runs."""
+        ctx = WorkflowContext(tenant_id, workflow_id, None, run_id)
+        event_id = await client.workflow_completed(
+            ctx, success=success, duration_ms=duration_ms, node_count=node_count,
+            nodes_succeeded=nodes_succeeded, nodes_failed=nodes_failed,
+            error_message=error_message, task=task, artifacts=artifacts,
+        )  # fmt: skip
+        applied = await client.applied(ctx, event_id)
+        return {"event_id": event_id, "effect": applied.effect}
+
+    @server.tool()
+    @_tool_errors
+    async def alma_retrieve(
+        task: str,
+        tenant_id: str,
+        workflow_id: str | None = None,
+        run_id: str | None = None,
+        node_id: str | None = None,
+        scope: str = "workflow",
+        agent: str | None = None,
+        top_k: int = 5,
+        max_tokens: int = 800,
+    ) -> dict[str, Any]:
+        """What was learned that bears on `task`, within `scope` (node, run, workflow,
+        agent, tenant) of the context; items best first and a prompt within max_tokens."""
+        try:
+            chosen = RetrievalScope(scope.lower())
+        except ValueError:
+            names = ", ".join(s.value for s in RetrievalScope)
+            raise errors.ContextError(f"unknown scope {scope!r}: one of {names}") from None
+        found = await client.retrieve(
+            task, WorkflowContext(tenant_id, workflow_id, None, run_id, node_id), chosen,
+            agent=agent, top_k=top_k,
+        )  # fmt: skip
+        return found.to_doc(max_tokens)
+
+    return server
+
+
+@contextlib.asynccontextmanager
+async def serving(settings: Settings) -> AsyncIterator[MCPServer]:
+    async with AlmaClient(settings) as client:
+        yield build(settings, client)
+
+
+async def run_stdio(settings: Settings) -> None:
+    async with serving(settings) as server:
+        await server.run_stdio_async()

@@ -1,0 +1,81 @@
+"""The client's reply listener: reads the merge-reply topic (every partition, from
+the end as of start-up) and resolves the future of each ``join_id`` it waits for.
+Replies that are not its own are ignored, so several clients share one reply topic."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from pydantic import ValidationError
+
+from alma_core import errors
+from schemas.events import MergeReply
+
+
+class ReplyListener:
+    def __init__(self, bootstrap: str, topic: str, *, fetch_max_wait_ms: int) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.fetch_max_wait_ms = fetch_max_wait_ms
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._waiting: dict[str, asyncio.Future[MergeReply]] = {}
+        self._lock = asyncio.Lock()
+
+    async def expect(self, join_id: str) -> asyncio.Future[MergeReply]:
+        """A future for ``join_id``'s reply; call before publishing the join (positions
+        are resolved first, so the reply cannot slip past)."""
+        async with self._lock:  # concurrent merges share one listener
+            if self._task is None:
+                await self._start()
+        future: asyncio.Future[MergeReply] = asyncio.get_running_loop().create_future()
+        self._waiting[join_id] = future
+        return future
+
+    def forget(self, join_id: str) -> None:
+        self._waiting.pop(join_id, None)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._consumer is not None:
+            await self._consumer.stop()
+
+    async def _start(self) -> None:
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap, enable_auto_commit=False,
+            fetch_max_wait_ms=self.fetch_max_wait_ms,
+        )  # fmt: skip
+        await consumer.start()
+        partitions = consumer.partitions_for_topic(self.topic)
+        if not partitions:
+            await consumer.stop()
+            raise errors.ConfigError(
+                f"reply topic {self.topic!r} does not exist: run `alma topics create`"
+            )
+        tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
+        consumer.assign(tps)
+        await consumer.seek_to_end(*tps)
+        for tp in tps:  # resolve positions now, before any join is sent
+            await consumer.position(tp)
+        self._consumer = consumer
+        self._task = asyncio.create_task(self._listen(consumer))
+
+    async def _listen(self, consumer: AIOKafkaConsumer) -> None:
+        while True:
+            batch = await consumer.getmany(timeout_ms=500)
+            for records in batch.values():
+                for record in records:
+                    join_id = dict(record.headers or []).get("alma.join_id", b"").decode()
+                    future = self._waiting.get(join_id)
+                    if future is None or future.done():
+                        continue  # someone else's reply, or one we already have
+                    try:
+                        future.set_result(MergeReply.model_validate(json.loads(record.value)))
+                    except (ValueError, ValidationError) as exc:
+                        future.set_exception(errors.MergeFailed(f"unreadable reply: {exc}"))

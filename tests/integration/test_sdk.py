@@ -1,0 +1,144 @@
+"""The orchestrator's side end to end on the real stack: hooks and the DAG orchestrator
+(publish → checkpoint → merge reply → outcome → retrieval), RunState under concurrent
+writers, and an orchestrator crash resumed from the latest checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from alma_core import errors
+from alma_core.client import AlmaClient
+from alma_core.dag import Orchestrator, SimulatedCrash
+from alma_core.demo import research
+from alma_core.embeddings import AsyncEmbedder
+from alma_core.hooks import WorkflowHooks
+from alma_core.run_state import RunState
+from alma_core.settings import Settings
+from alma_core.types import RetrievalScope, WorkflowContext
+from tests.integration.harness import Worker, count, fetch, wait_for
+
+# plan 120 + searches (web 330, papers 360, news 340) + draft 900, summed
+EXPECTED_TOKENS = 120 + 330 + 360 + 340 + 900
+
+
+def ctx(run: str, tenant: str = "acme") -> WorkflowContext:
+    return WorkflowContext(tenant, "research-report", "v1", run)
+
+
+async def test_orchestrator_end_to_end(settings: Settings, embedder: AsyncEmbedder) -> None:
+    dsn = settings.postgres_dsn
+    assert dsn
+    seen: list[tuple[str, str]] = []
+    async with (
+        Worker.start(settings, ("checkpoint", "join", "learn"), embedder),
+        AlmaClient(settings, embedder=embedder,
+                   observe_retrieval=lambda scope, plan, s: seen.append((scope, plan))) as client,
+    ):  # fmt: skip
+        orch = Orchestrator(WorkflowHooks(client))
+        results = []
+        for i in range(5):
+            wf = research(flaky=i == 1, broken=i >= 3)
+            results.append(await orch.run(wf, ctx(f"sdk-{i}"), task="report on heat pumps",
+                                          state={"topic": "heat pumps"}))  # fmt: skip
+        assert [r.success for r in results] == [True, True, True, False, False]
+        assert "citation checker timed out" in (results[3].error or "")
+        for r in results[:3]:
+            point = await client.resume(ctx(r.run_id))
+            assert point.state == r.state  # what the orchestrator saw is what is durable
+            assert point.state["sources"] == ["web:heat pumps", "papers:heat pumps",
+                                              "news:heat pumps"]  # fmt: skip
+            assert point.state["tokens"] == EXPECTED_TOKENS
+            assert point.state["confidence"] == 0.8
+            assert point.state["approved"] is True
+        assert await count(dsn, "SELECT count(*) FROM joins WHERE status = 'ok'") == 5
+        # the flaky draft failed once and was retried: a failure checkpoint, then the node
+        kinds = await fetch(dsn, "SELECT kind FROM checkpoints WHERE run_id = 'sdk-1' "
+                                 "AND node_id = 'draft' ORDER BY seq")  # fmt: skip
+        assert [k["kind"] for k in kinds] == ["failure", "node"]
+
+        async def learned() -> bool:
+            return await count(dsn, "SELECT count(*) FROM workflow_outcomes") == 5
+
+        await wait_for(learned, limit_s=60, what="five outcomes")
+        outcome = await fetch(dsn, "SELECT success, node_count, nodes_succeeded, nodes_failed "
+                                   "FROM workflow_outcomes WHERE run_id = 'sdk-3'")  # fmt: skip
+        # plan, 3 searches, the join, draft, review (failed)
+        assert dict(outcome[0]) == {"success": False, "node_count": 7, "nodes_succeeded": 6,
+                                    "nodes_failed": 1}  # fmt: skip
+        found = await client.retrieve("write a report on heat pumps", ctx("x"),
+                                      RetrievalScope.WORKFLOW)  # fmt: skip
+        assert found.anti_patterns and "citation checker" in found.anti_patterns[0].content
+        assert found.heuristics and found.heuristics[0].successes == 3
+        assert "Mistakes to avoid" in found.to_prompt(max_tokens=400)
+        assert seen == [("workflow", "exact")]
+        other = await client.retrieve("heat pumps", ctx("x", tenant="globex"))
+        assert other.empty  # another tenant sees nothing of acme's
+
+
+async def test_run_state_concurrent_writers_lose_nothing(settings: Settings) -> None:
+    async with (
+        Worker.start(settings, ("checkpoint",)),
+        AlmaClient(settings) as a,
+        AlmaClient(settings) as b,
+    ):
+        run = WorkflowContext("acme", "planner", None, "state-run")
+        writers = [RunState(c, run, counters=("steps",)) for c in (a, b, a, b)]
+        await asyncio.gather(*(
+            op for w, st in enumerate(writers) for i in range(10)
+            for op in (st.increment("steps"), st.record_action(f"w{w}-{i}"))
+        ))  # fmt: skip
+        state = RunState(a, run, counters=("steps",))
+        assert await state.get("steps") == 40
+        actions = await state.actions()
+        assert sorted(actions) == sorted(f"w{w}-{i}" for w in range(4) for i in range(10))
+        assert not await state.has("approved")
+        seq = await state.set("approved", True)
+        assert await state.has("approved") and state.seq == seq
+        with pytest.raises(errors.StaleExpectedSeq, match="the event expected"):
+            await state.set("approved", False, expected_seq=(seq or 0) - 1)
+        assert await state.get("approved") is True
+        with pytest.raises(errors.ContextError, match="not a counter"):
+            await state.increment("approved")
+        with pytest.raises(errors.ContextError, match="is a counter"):
+            await state.set("steps", 0)
+        clash = RunState(a, run, lists=("steps",))
+        with pytest.raises(errors.ConfigError, match="already uses reducers"):
+            await clash.append("steps", 1)
+
+
+async def test_orchestrator_crash_resumes_from_latest_checkpoint(settings: Settings) -> None:
+    dsn = settings.postgres_dsn
+    assert dsn
+    wf = research(flaky=False, broken=False)
+    run = ctx("crash-run")
+    async with Worker.start(settings, ("checkpoint", "join")):
+        async with AlmaClient(settings) as first:
+            with contextlib.suppress(SimulatedCrash):
+                await Orchestrator(WorkflowHooks(first)).run(
+                    wf, run, task="t", state={"topic": "wind"}, crash_after="gather"
+                )
+        async with AlmaClient(settings) as second:  # a new orchestrator process
+            hooks = WorkflowHooks(second)
+            result = await Orchestrator(hooks).resume(wf, run, task="t")
+    assert result.success and result.resumed_after == "gather"
+    assert result.state["tokens"] == EXPECTED_TOKENS
+    rows = await fetch(dsn, "SELECT node_id, count(*) AS n FROM checkpoints "
+                            "WHERE run_id = 'crash-run' GROUP BY node_id")  # fmt: skip
+    # nothing before the crash ran twice; everything after ran once
+    assert {r["node_id"]: r["n"] for r in rows} == {
+        "start": 1, "plan": 1, "search-web": 1, "search-papers": 1, "search-news": 1, "gather": 1,
+        "draft": 1, "review": 1,
+    }  # fmt: skip
+    status = await fetch(dsn, "SELECT status FROM runs WHERE run_id = 'crash-run'")
+    assert status[0]["status"] == "succeeded"
+
+
+async def test_applied_times_out_with_advice(settings: Settings) -> None:
+    async with AlmaClient(settings) as client:  # no checkpointer running
+        run = WorkflowContext("acme", "wf", None, "nobody-home", "n")
+        event_id = await client.node_completed(run, updates={"a": 1})
+        with pytest.raises(errors.EffectTimeout, match="checkpointer runs"):
+            await client.applied(run, event_id, timeout=0.5)
