@@ -16,7 +16,7 @@ from alma_core import cli_common as common
 from alma_core import settings as settings_mod
 from alma_core.client import AlmaClient
 from alma_core.demo import Demo, DemoReport
-from alma_core.embeddings import load_embedder
+from alma_core.embeddings import AsyncEmbedder, load_embedder
 from alma_core.logs import configure as configure_logs
 from alma_core.postgres import connect
 
@@ -27,16 +27,18 @@ def register(app: typer.Typer) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _stack(s: settings_mod.Settings) -> AsyncIterator[tuple[settings_mod.Settings, str]]:
+async def _stack(
+    s: settings_mod.Settings,
+) -> AsyncIterator[tuple[settings_mod.Settings, str, AsyncEmbedder | None]]:
     """A running `alma up` if there is one; else the embedded stack (services not
     configured) with the three workers in this process. Yields the settings with
-    every service and the metrics URL."""
+    every service, the metrics URL and the workers' embedder (to share)."""
     from consumers.worker import KNOWN_CONSUMERS, WorkerStatus, run_worker
 
     running = common.running_endpoints(s)
     if running.get("metrics_url"):
         common.out.print("using the stack of the running `alma up`")
-        yield common.resolved(s), str(running["metrics_url"])
+        yield common.resolved(s), str(running["metrics_url"]), None
         return
     with common.out.status("starting broker, PostgreSQL and Redis..."):
         stack, endpoints = await common.bring_up(s)
@@ -53,7 +55,7 @@ async def _stack(s: settings_mod.Settings) -> AsyncIterator[tuple[settings_mod.S
                 embedder=embedder))  # fmt: skip
             await common.until_ready(workers, ready)
         try:
-            yield resolved, f"http://127.0.0.1:{status.http_port}/metrics"
+            yield resolved, f"http://127.0.0.1:{status.http_port}/metrics", embedder
         finally:
             stop.set()
             await workers
@@ -107,10 +109,14 @@ def demo(
 ) -> None:
     """Run realistic workflows through the SDK and show what ALMA Stream made of them."""
     s = common.settings()
-    configure_logs(s.log_format, "WARNING" if s.log_level == "INFO" else s.log_level)
+    # the demo's dead letters are on purpose: the summary counts them, logs would repeat them
+    configure_logs(s.log_format, "ERROR" if s.log_level == "INFO" else s.log_level)
 
     async def main() -> None:
-        async with _stack(s) as (resolved, metrics_url), AlmaClient(resolved) as client:
+        async with (
+            _stack(s) as (resolved, metrics_url, embedder),
+            AlmaClient(resolved, embedder=embedder) as client,
+        ):
             d = Demo(client, runs=runs)
             started = time.monotonic()
             with Progress(console=common.out, transient=not common.out.is_terminal) as bar:

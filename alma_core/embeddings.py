@@ -48,6 +48,7 @@ class SentenceTransformerEmbedder:
     def __init__(self, model_path: str | None = None, *, threads: int = 1, device: str = "cpu"):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub at run time
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no bar per model load
         try:
             import torch
             from sentence_transformers import SentenceTransformer
