@@ -1,4 +1,6 @@
-# Set-up is part of every target: a fresh clone needs only `make up` or `make test`.
+# Set-up is part of every target: a fresh clone needs only `make demo` or `make test`.
+#   make demo   run realistic workflows through the SDK on the embedded stack and
+#               print what ALMA Stream made of them (the main job, start to finish)
 #   make up     start the embedded stack (Kafka-protocol broker, PostgreSQL+pgvector,
 #               Redis), create topics, migrate, run the workers, until Ctrl-C
 #   make test   lint, type-check and run the whole test suite on real services
@@ -24,6 +26,9 @@ $(STAMP): pyproject.toml
 
 up: $(STAMP)
 	$(VENV)/bin/alma up
+
+demo: $(STAMP)
+	$(VENV)/bin/alma demo
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

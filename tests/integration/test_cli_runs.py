@@ -125,16 +125,19 @@ async def test_runs_list_and_show(settings: Settings, worker: Worker) -> None:
     assert json.loads(alma("runs", "list", "--tenant", "acme", "--status", "succeeded",
                            "--json", env=env).stdout) == []  # fmt: skip
     human = alma("runs", "list", "--tenant", "acme", env=env)
-    assert "cli-run" in human.stdout and "runs (1)" in human.stdout
+    assert "cli-run" in human.stdout
+    assert "runs (1)" in human.stdout
     shown = alma("runs", "show", "cli-run", "--tenant", "acme", "--json", env=env)
     assert shown.returncode == 0, shown.stderr
     doc = json.loads(shown.stdout)
     assert [c["seq"] for c in doc["checkpoints"]] == [1, 2, 3, 4, 5]
     assert [c["branch_id"] for c in doc["checkpoints"]] == [None] * 4 + ["B"]
     assert [e["effect"] for e in doc["events"]] == ["checkpointed"] * 5
-    assert doc["outcome"] is None and doc["joins"] == []
+    assert doc["outcome"] is None
+    assert doc["joins"] == []
     table = alma("runs", "show", "cli-run", "--tenant", "acme", env=env)
-    assert "checkpoints (5)" in table.stdout and "no outcome yet" in table.stdout
+    assert "checkpoints (5)" in table.stdout
+    assert "no outcome yet" in table.stdout
     # bad input: unknown run, another tenant's run, no tenant, unknown status
     for args in (("runs", "show", "nope", "--tenant", "acme"),
                  ("runs", "show", "cli-run", "--tenant", "globex")):  # fmt: skip
@@ -142,6 +145,8 @@ async def test_runs_list_and_show(settings: Settings, worker: Worker) -> None:
         assert missing.returncode == 1
         assert "no checkpoints for run" in missing.stderr
     no_tenant = alma("runs", "list", env=env)
-    assert no_tenant.returncode == 1 and "--tenant is required" in no_tenant.stderr
+    assert no_tenant.returncode == 1
+    assert "--tenant is required" in no_tenant.stderr
     bad_status = alma("runs", "list", "--tenant", "acme", "--status", "done", env=env)
-    assert bad_status.returncode == 2 and "unknown status" in bad_status.stderr
+    assert bad_status.returncode == 2
+    assert "unknown status" in bad_status.stderr

@@ -17,11 +17,14 @@ def test_demo_runs_to_its_summary(settings: Settings, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     doc = json.loads(result.stdout.strip().splitlines()[-1])
     counts = doc["counts"]
-    assert counts["runs"] == 10 and counts["outcomes"] == 10
-    assert doc["succeeded"] == 9 and doc["failed"] == 1  # run 3 fails its review
+    assert counts["runs"] == 10
+    assert counts["outcomes"] == 10
+    assert doc["succeeded"] == 9
+    assert doc["failed"] == 1
     assert doc["resumed"] == 2  # runs 2 and 8 crash after the join and resume
     assert counts["joins"] == 8  # one per research run; invoices have none
-    assert doc["stale_writes_refused"] == 2 and counts["dead letters"] == 2
+    assert doc["stale_writes_refused"] == 2
+    assert counts["dead letters"] == 2
     sent, counted = doc["concurrent_increments"]
     assert sent == counted == 8
     assert doc["retrieval"]["items"], "the demo retrieves what was learned"

@@ -48,9 +48,10 @@ async def test_mcp_tools_over_stdio(
     ):
         tools = await client.list_tools()
         assert {t.name for t in tools.tools} == TOOLS
-        first = result_of(await client.call_tool(
-            "alma_checkpoint", {**RUN, "node_id": "plan", "state": {"steps": ["a", "b"]}}))  # fmt: skip
-        assert first["seq"] == 1 and first["effect"] == "checkpointed"
+        plan = {**RUN, "node_id": "plan", "state": {"steps": ["a", "b"]}}
+        plan = {**RUN, "node_id": "plan", "state": {"steps": ["a", "b"]}}
+        first = result_of(await client.call_tool("alma_checkpoint", plan))
+        assert first["effect"] == "checkpointed"
         second = result_of(await client.call_tool(
             "alma_checkpoint", {**RUN, "node_id": "act", "updates": {"done": 1}}))  # fmt: skip
         assert second["seq"] == 2

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +21,7 @@ from alma_core.hooks import WorkflowHooks
 from alma_core.run_state import RunState
 from alma_core.settings import Settings
 from alma_core.types import RetrievalScope, WorkflowContext
-from tests.integration.harness import Worker, count, fetch, wait_for
+from tests.integration.harness import Worker, count, fetch, wait_for, worker_env
 
 # plan 120 + searches (web 330, papers 360, news 340) + draft 900, summed
 EXPECTED_TOKENS = 120 + 330 + 360 + 340 + 900
@@ -70,8 +73,10 @@ async def test_orchestrator_end_to_end(settings: Settings, embedder: AsyncEmbedd
                                     "nodes_failed": 1}  # fmt: skip
         found = await client.retrieve("write a report on heat pumps", ctx("x"),
                                       RetrievalScope.WORKFLOW)  # fmt: skip
-        assert found.anti_patterns and "citation checker" in found.anti_patterns[0].content
-        assert found.heuristics and found.heuristics[0].successes == 3
+        assert found.anti_patterns
+        assert "citation checker" in found.anti_patterns[0].content
+        assert found.heuristics
+        assert found.heuristics[0].successes == 3
         assert "Mistakes to avoid" in found.to_prompt(max_tokens=400)
         assert seen == [("workflow", "exact")]
         other = await client.retrieve("heat pumps", ctx("x", tenant="globex"))
@@ -96,7 +101,8 @@ async def test_run_state_concurrent_writers_lose_nothing(settings: Settings) -> 
         assert sorted(actions) == sorted(f"w{w}-{i}" for w in range(4) for i in range(10))
         assert not await state.has("approved")
         seq = await state.set("approved", True)
-        assert await state.has("approved") and state.seq == seq
+        assert await state.has("approved")
+        assert state.seq == seq
         with pytest.raises(errors.StaleExpectedSeq, match="the event expected"):
             await state.set("approved", False, expected_seq=(seq or 0) - 1)
         assert await state.get("approved") is True
@@ -123,7 +129,8 @@ async def test_orchestrator_crash_resumes_from_latest_checkpoint(settings: Setti
         async with AlmaClient(settings) as second:  # a new orchestrator process
             hooks = WorkflowHooks(second)
             result = await Orchestrator(hooks).resume(wf, run, task="t")
-    assert result.success and result.resumed_after == "gather"
+    assert result.success
+    assert result.resumed_after == "gather"
     assert result.state["tokens"] == EXPECTED_TOKENS
     rows = await fetch(dsn, "SELECT node_id, count(*) AS n FROM checkpoints "
                             "WHERE run_id = 'crash-run' GROUP BY node_id")  # fmt: skip
@@ -142,3 +149,23 @@ async def test_applied_times_out_with_advice(settings: Settings) -> None:
         event_id = await client.node_completed(run, updates={"a": 1})
         with pytest.raises(errors.EffectTimeout, match="checkpointer runs"):
             await client.applied(run, event_id, timeout=0.5)
+
+
+async def test_the_dag_orchestrator_example_runs(
+    settings: Settings, embedder: AsyncEmbedder, tmp_path: Path
+) -> None:
+    """examples/dag_orchestrator.py against running workers, as a user runs it."""
+    example = Path(__file__).parents[2] / "examples" / "dag_orchestrator.py"
+    env = {**worker_env(settings), "PYTHONPATH": str(Path(__file__).parents[2]),
+           "ALMA_DATA_DIR": str(tmp_path)}  # fmt: skip
+    async with Worker.start(settings, ("checkpoint", "join", "learn"), embedder):
+        result = await asyncio.to_thread(
+            subprocess.run, [sys.executable, str(example)], env=env, cwd=tmp_path,
+            capture_output=True, text=True, timeout=180, check=False,
+        )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert sum("success=True" in line for line in lines) == 4, result.stdout
+    assert any("resumed after 'prepare', success=True" in line for line in lines)
+    assert "'cost': 1.5" in result.stdout  # summed over the two branches
+    assert "Past workflow runs" in result.stdout
