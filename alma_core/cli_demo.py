@@ -166,5 +166,4 @@ def mcp() -> None:
 
     s = common.settings()
     configure_logs(s.log_format, "WARNING")  # stdout is the protocol: logs go to stderr
-    resolved = common.resolved(s)
-    common.run(lambda: run_stdio(resolved))
+    common.run(lambda: run_stdio(common.resolved(s)))  # a missing service: message, exit 2
