@@ -127,7 +127,8 @@ class AlmaClient:
         if self._reads is None:
             if not (self.settings.postgres_dsn and self.settings.redis_url):
                 raise errors.ConfigError(
-                    "resume needs ALMA_POSTGRES_DSN and ALMA_REDIS_URL (the services of `alma up` "
+                    "reads (resume, applied, retrieve) need ALMA_POSTGRES_DSN and ALMA_REDIS_URL "
+                    "(the services of `alma up` "
                     "are in .alma/endpoints.json)"
                 )
             stack = contextlib.AsyncExitStack()
