@@ -21,7 +21,7 @@ from alma_core import cli_demo, cli_memory, cli_runs, errors, reducer_store, red
 from alma_core.logs import configure as configure_logs
 from alma_core.migrations import Migrator
 from alma_core.topics import alma_topics, describe_topics, ensure_topics
-from consumers.worker import KNOWN_CONSUMERS, WorkerStatus, run_worker
+from consumers.worker import KNOWN_CONSUMERS, run_worker
 from consumers.worker import Services as WorkerServices
 
 app = typer.Typer(help="ALMA Stream: workflow memory over Kafka, Postgres and Redis.")
@@ -76,19 +76,7 @@ def up(
             common.out.print(table)
             common.out.print(f"endpoints written to {s.data_dir / common.ENDPOINTS_FILE}")
             stop = _stop_on_signals()
-            ready = asyncio.Event()
-            status = WorkerStatus()
-            workers = asyncio.create_task(
-                run_worker(
-                    s,
-                    common.worker_services(endpoints),
-                    list(KNOWN_CONSUMERS),
-                    stop,
-                    ready=ready,
-                    status=status,
-                )
-            )
-            await common.until_ready(workers, ready)
+            workers, status = await common.start_workers(s, endpoints, stop)
             common.out.print(f"workers running: {', '.join(KNOWN_CONSUMERS)}")
             base = f"http://127.0.0.1:{status.http_port}"
             common.out.print(
@@ -318,10 +306,9 @@ def reducers_set(
     config = reducers.ReducerConfig.from_json(data)
 
     async def main() -> None:
-        config.validate(reducers.default_registry())
         conn = await common.connect(common.dsn(s))
         try:
-            await reducer_store.save(conn, tenant, workflow_id, config)
+            await reducer_store.save(conn, tenant, workflow_id, config)  # validates names first
         finally:
             await conn.close()
         common.out.print(f"reducers of workflow {workflow_id!r} (tenant {tenant!r}) saved")

@@ -15,8 +15,10 @@ from rich.console import Console
 from alma_core import errors
 from alma_core import settings as settings_mod
 from alma_core.embedded import EmbeddedStack, Endpoints
+from alma_core.embeddings import AsyncEmbedder
 from alma_core.migrations import Migrator
 from alma_core.topics import alma_topics, ensure_topics
+from consumers.worker import KNOWN_CONSUMERS, WorkerStatus, run_worker
 from consumers.worker import Services as WorkerServices
 
 out = Console()
@@ -87,11 +89,14 @@ async def connect(dsn: str) -> asyncpg.Connection:
         ) from exc
 
 
-def resolved(s: settings_mod.Settings) -> settings_mod.Settings:
-    """``s`` with every service filled in: configured, else the running `alma up`'s."""
-    return s.model_copy(
-        update={"kafka_bootstrap": bootstrap(s), "postgres_dsn": dsn(s), "redis_url": redis_url(s)}
-    )
+def resolved(s: settings_mod.Settings, endpoints: Endpoints | None = None) -> settings_mod.Settings:
+    """``s`` with every service filled in: from ``endpoints`` if given, else configured,
+    else the running `alma up`'s."""
+    if endpoints is None:
+        endpoints = Endpoints(bootstrap(s), dsn(s), redis_url(s))
+    return s.model_copy(update={"kafka_bootstrap": endpoints.kafka_bootstrap,
+                                "postgres_dsn": endpoints.postgres_dsn,
+                                "redis_url": endpoints.redis_url})  # fmt: skip
 
 
 async def bring_up(
@@ -124,13 +129,25 @@ async def bring_up(
     return stack, endpoints
 
 
-def worker_services(endpoints: Endpoints) -> WorkerServices:
-    return WorkerServices(endpoints.kafka_bootstrap, endpoints.postgres_dsn, endpoints.redis_url)
-
-
-async def until_ready(task: asyncio.Task[None], ready: asyncio.Event) -> None:
+async def start_workers(
+    s: settings_mod.Settings,
+    endpoints: Endpoints,
+    stop: asyncio.Event,
+    embedder: AsyncEmbedder | None = None,
+) -> tuple[asyncio.Task[None], WorkerStatus]:
+    """Every consumer group in this process on ``endpoints``, once ready (their
+    error, if they fail first); they run until ``stop`` is set."""
+    ready, status = asyncio.Event(), WorkerStatus()
+    services = WorkerServices(
+        endpoints.kafka_bootstrap, endpoints.postgres_dsn, endpoints.redis_url
+    )
+    task = asyncio.create_task(
+        run_worker(s, services, list(KNOWN_CONSUMERS), stop, ready=ready, status=status,
+                   embedder=embedder)
+    )  # fmt: skip
     waiter = asyncio.ensure_future(ready.wait())
     await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
     if task.done():
         task.result()  # raises the worker's error
+    return task, status

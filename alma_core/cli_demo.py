@@ -33,8 +33,6 @@ async def _stack(
     """A running `alma up` if there is one; else the embedded stack (services not
     configured) with the three workers in this process. Yields the settings with
     every service, the metrics URL and the workers' embedder (to share)."""
-    from consumers.worker import KNOWN_CONSUMERS, WorkerStatus, run_worker
-
     running = common.running_endpoints(s)
     if running.get("metrics_url"):
         common.out.print("using the stack of the running `alma up`")
@@ -43,17 +41,11 @@ async def _stack(
     with common.out.status("starting broker, PostgreSQL and Redis..."):
         stack, endpoints = await common.bring_up(s)
     try:
-        resolved = s.model_copy(update={
-            "kafka_bootstrap": endpoints.kafka_bootstrap, "postgres_dsn": endpoints.postgres_dsn,
-            "redis_url": endpoints.redis_url})  # fmt: skip
+        resolved = common.resolved(s, endpoints)
         with common.out.status("loading the embedding model and starting the workers..."):
             embedder = await asyncio.to_thread(load_embedder, s)
-            stop, ready, status = asyncio.Event(), asyncio.Event(), WorkerStatus()
-            services = common.worker_services(endpoints)
-            workers = asyncio.create_task(run_worker(
-                resolved, services, list(KNOWN_CONSUMERS), stop, ready=ready, status=status,
-                embedder=embedder))  # fmt: skip
-            await common.until_ready(workers, ready)
+            stop = asyncio.Event()
+            workers, status = await common.start_workers(resolved, endpoints, stop, embedder)
         try:
             yield resolved, f"http://127.0.0.1:{status.http_port}/metrics", embedder
         finally:

@@ -17,6 +17,7 @@ from alma_core import errors
 from alma_core.cache import RedisCheckpointCache
 from alma_core.postgres import connect
 from alma_core.resume import CheckpointReader, checkpoint_to_doc
+from alma_core.settings import Settings
 from alma_core.types import Checkpoint
 from schemas.decoder import Rejection, decode
 
@@ -37,7 +38,7 @@ def _jsonable(row: Any) -> dict[str, Any]:
     return {k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in dict(row).items()}
 
 
-def _tenant(s: Any, tenant: str | None) -> str | None:
+def _tenant(s: Settings, tenant: str | None) -> str | None:
     if tenant is None and s.require_tenant:
         raise errors.ContextError(
             "--tenant is required (ALMA_REQUIRE_TENANT=true); pass the run's tenant"

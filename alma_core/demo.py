@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import time
 import uuid
 from collections.abc import Callable
@@ -100,7 +99,8 @@ class Demo:
         self.runs = runs
         self.tag = tag or uuid.uuid4().hex[:6]
         self.report = DemoReport()
-        self.rng = random.Random(7)
+        self.hooks = WorkflowHooks(client)  # one orchestrator process for the runs
+        self.orch = Orchestrator(self.hooks)
 
     def _ctx(self, tenant: str, workflow: str, i: int) -> WorkflowContext:
         return WorkflowContext(tenant, workflow, "v1", f"demo-{self.tag}-{workflow}-{i}")
@@ -108,28 +108,26 @@ class Demo:
     async def one(self, i: int) -> RunResult:
         """Run ``i`` of the demo: its kind is fixed by ``i`` (so every feature shows)."""
         tenant = TENANTS[i % len(TENANTS)]
-        hooks = WorkflowHooks(self.client)
-        orch = Orchestrator(hooks)
         if i % 5 == 4:
             return await self._invoice(i, tenant)
         wf = research(flaky=i % 3 == 1, broken=i % 6 == 3)  # broken: tenant acme only
         ctx = self._ctx(tenant, wf.id, i)
         task = f"research report on {TOPICS[i % len(TOPICS)]}"
         start = {"topic": TOPICS[i % len(TOPICS)]}
-        if i % 6 == 2:  # the orchestrator dies after the join; a new one resumes the run
-            with contextlib.suppress(SimulatedCrash):
-                await orch.run(wf, ctx, task=task, state=start, crash_after="gather")
+        if i % 6 != 2:
+            return await self.orch.run(wf, ctx, task=task, state=start)
+        # an orchestrator process dies after the join; a new one resumes the run
+        doomed = WorkflowHooks(self.client)
+        with contextlib.suppress(SimulatedCrash):
+            await Orchestrator(doomed).run(wf, ctx, task=task, state=start, crash_after="gather")
+        self._collect(doomed)
+        async with AlmaClient(self.client.settings) as fresh:
+            hooks = WorkflowHooks(fresh)
+            began = time.perf_counter()
+            result = await Orchestrator(hooks).resume(wf, ctx, task=task)
+            self.report.resume_seconds.append(time.perf_counter() - began)
             self._collect(hooks)
-            async with AlmaClient(self.client.settings) as fresh:  # a new process
-                hooks = WorkflowHooks(fresh)
-                began = time.perf_counter()
-                result = await Orchestrator(hooks).resume(wf, ctx, task=task)
-                self.report.resume_seconds.append(time.perf_counter() - began)
-                self._collect(hooks)
-                return result
-        result = await orch.run(wf, ctx, task=task, state=start)
-        self._collect(hooks)
-        return result
+            return result
 
     def _collect(self, hooks: WorkflowHooks) -> None:
         self.report.checkpoint_seconds += hooks.checkpoint_seconds
@@ -140,9 +138,7 @@ class Demo:
         optimistic write refused."""
         wf = invoices()
         ctx = self._ctx(tenant, wf.id, i)
-        hooks = WorkflowHooks(self.client)
-        result = await Orchestrator(hooks).run(wf, ctx, task="approve a supplier invoice")
-        self._collect(hooks)
+        result = await self.orch.run(wf, ctx, task="approve a supplier invoice")
         state = RunState(self.client, ctx, counters=("checks",))
         await asyncio.gather(*(state.increment("checks") for _ in range(4)),
                              *(state.record_action(f"worker-{w}") for w in range(4)))  # fmt: skip
@@ -165,6 +161,7 @@ class Demo:
                 advance()
 
         await asyncio.gather(*(guarded(i) for i in range(self.runs)))
+        self._collect(self.hooks)
         return self.report
 
     async def wait_learned(self, pool: asyncpg.Pool, timeout: float) -> int:  # noqa: ASYNC109

@@ -9,6 +9,7 @@ failures, time), so ``on_workflow_complete`` fills the outcome's counts itself.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -43,10 +44,15 @@ class WorkflowHooks:
         self.checkpoint_seconds: list[float] = []  # publish → durable, per durable hook
         self.merge_seconds: list[float] = []  # join request → durable merged reply
 
-    async def _settle(self, ctx: WorkflowContext, event_id: str, started: float) -> None:
+    async def _checkpoint(self, ctx: WorkflowContext, publishing: Awaitable[str]) -> str:
+        """Publish (the client call, not yet awaited); if durable, return once the
+        event has had its effect."""
+        started = time.perf_counter()
+        event_id = await publishing
         if self.durable:
             await self.client.applied(ctx, event_id)
             self.checkpoint_seconds.append(time.perf_counter() - started)
+        return event_id
 
     def _tally(self, ctx: WorkflowContext) -> RunTally:
         return self.tallies.setdefault(ctx.run_id or "", RunTally())
@@ -56,11 +62,8 @@ class WorkflowHooks:
     ) -> str:
         """Checkpoint the run's input as its first state (not counted as a node)."""
         self._tally(ctx)
-        started = time.perf_counter()
         at = replace(ctx, node_id=node_id, branch_id=None)
-        event_id = await self.client.node_completed(at, state=state)
-        await self._settle(at, event_id, started)
-        return event_id
+        return await self._checkpoint(at, self.client.node_completed(at, state=state))
 
     async def on_node_start(
         self, ctx: WorkflowContext, *, attempt: int | None = None,
@@ -75,11 +78,8 @@ class WorkflowHooks:
         updates: dict[str, Any] | None = None, metadata: dict[str, Any] | None = None,
     ) -> str:  # fmt: skip
         """Checkpoint the node: its full ``state`` or its ``updates``."""
-        started = time.perf_counter()
-        event_id = await self.client.node_completed(
-            ctx, state=state, updates=updates, metadata=metadata
-        )
-        await self._settle(ctx, event_id, started)
+        event_id = await self._checkpoint(ctx, self.client.node_completed(
+            ctx, state=state, updates=updates, metadata=metadata))  # fmt: skip
         self._tally(ctx).last_status[ctx.node_id or ""] = "completed"
         return event_id
 
@@ -89,12 +89,9 @@ class WorkflowHooks:
     ) -> str:  # fmt: skip
         """Record the failure (a ``failure`` checkpoint if state or updates are given);
         a later completion of the same node (a retry) counts it as succeeded."""
-        started = time.perf_counter()
-        event_id = await self.client.node_failed(
+        event_id = await self._checkpoint(ctx, self.client.node_failed(
             ctx, error_type=type(error).__name__, message=str(error), state=state,
-            updates=updates,
-        )  # fmt: skip
-        await self._settle(ctx, event_id, started)
+            updates=updates))  # fmt: skip
         self._tally(ctx).last_status[ctx.node_id or ""] = "failed"
         return event_id
 

@@ -10,9 +10,8 @@ Errors come back as tool errors whose text says what to do.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, ParamSpec, TypeVar
 
 from mcp.server.mcpserver import MCPServer
@@ -41,7 +40,7 @@ def _tool_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
     return wrapper
 
 
-def build(settings: Settings, client: AlmaClient) -> MCPServer:
+def build(client: AlmaClient) -> MCPServer:
     server: MCPServer = MCPServer(
         "alma-stream",
         instructions="Workflow memory: checkpoints, resume points, branch merges, "
@@ -160,12 +159,6 @@ def build(settings: Settings, client: AlmaClient) -> MCPServer:
     return server
 
 
-@contextlib.asynccontextmanager
-async def serving(settings: Settings) -> AsyncIterator[MCPServer]:
-    async with AlmaClient(settings) as client:
-        yield build(settings, client)
-
-
 async def run_stdio(settings: Settings) -> None:
-    async with serving(settings) as server:
-        await server.run_stdio_async()
+    async with AlmaClient(settings) as client:
+        await build(client).run_stdio_async()

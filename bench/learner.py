@@ -32,6 +32,7 @@ from aiokafka import AIOKafkaProducer
 from pgvector.asyncpg import register_vector
 from rich.progress import Progress
 
+from alma_core import scopes
 from alma_core import settings as settings_mod
 from alma_core.embedded import EmbeddedStack
 from alma_core.embeddings import AsyncEmbedder, Vector, load_embedder
@@ -160,9 +161,9 @@ async def outcomes(
             learner.LearnHandler = original  # type: ignore[misc]
         encoded_before = embedder.encoded
         started = time.perf_counter()
-        load = None
+        paced = None
         if rate is not None:
-            load = asyncio.create_task(publish(services.kafka_bootstrap, topic, runs, rate, topic))
+            paced = asyncio.create_task(publish(services.kafka_bootstrap, topic, runs, rate, topic))
         first = None
         while time.perf_counter() - started < 600:
             stored = await pool.fetchval("SELECT count(*) FROM workflow_outcomes") - before
@@ -172,8 +173,8 @@ async def outcomes(
                 break
             await asyncio.sleep(0.05)
         elapsed = time.perf_counter() - (first or started)
-        if load is not None:
-            await load
+        if paced is not None:
+            await paced
         stop.set()
         await task
         memories = await pool.fetchval(
@@ -372,8 +373,6 @@ async def scope_size(
     pool: asyncpg.Pool, scope: RetrievalScope, ctx: WorkflowContext, agent: str | None
 ) -> int:
     """Memories the scope admits for the last context queried (sizes are uniform)."""
-    from alma_core import scopes
-
     f = scopes.memory_filter(ctx, scope, agent=agent, require_tenant=True)
     where, args = f.sql(1)
     return int(await pool.fetchval(f"SELECT count(*) FROM memories WHERE {where}", *args))
