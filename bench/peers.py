@@ -1,0 +1,361 @@
+"""ALMA Stream side by side with what users would otherwise write, in one run on one
+PostgreSQL server: LangGraph's ``AsyncPostgresSaver`` for checkpoints and latest
+reads, LangGraph's reducer application for a 5-branch merge, and the workflow
+state seed's JSONB column (``UPDATE ... SET state = state || $1``) for run state.
+
+Each figure is measured ``env.reps`` times, ALMA and the peer back to back in each
+repetition, so the ratios pair runs that shared the machine's noise."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import asyncpg
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from langgraph.checkpoint.base import empty_checkpoint
+from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from alma_core import errors
+from alma_core.batch_store import Incoming
+from alma_core.checkpoint_store import PostgresCheckpointStore, StoreConfig
+from alma_core.client import AlmaClient
+from alma_core.postgres import connect
+from alma_core.reducers import ReducerRegistry
+from alma_core.resume import CheckpointReader
+from alma_core.types import WorkflowContext
+from bench.env import Env, Waiters, checkpoint_worker, node_completed
+from bench.report import Section, Stat, pct, ratio
+from schemas.decoder import decode
+
+# On a fresh, short topic the embedded broker stays fast with a short fetch wait;
+# it does not wake a waiting fetch when data arrives (Apache Kafka does), so each
+# hop costs about half of it on sparse traffic: the "Kafka hop alone" rows show it.
+FETCH_WAIT_MS = 20
+WORDS = ("plan", "search", "the", "customer", "invoice", "tool", "call", "returned",
+         "result", "summary", "of", "a", "step", "agent", "retry", "cost", "token", "answer",
+         "draft", "review", "policy", "refund", "order", "shipping", "status", "error")  # fmt: skip
+
+
+def realistic_state(size: int, seed: int = 0) -> dict[str, Any]:
+    """An agent's state of about ``size`` bytes of JSON: a message list of varied
+    text (not a run of one character, which TOAST would compress to nothing),
+    facts, a summary and a step counter."""
+    rng = random.Random(seed)
+    messages: list[dict[str, Any]] = []
+    facts: dict[str, str] = {}
+    used = 120
+    while used < size:
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40)))
+        messages.append({"role": rng.choice(("user", "assistant", "tool")), "content": text,
+                         "tokens": rng.randint(10, 900)})  # fmt: skip
+        facts[f"fact-{len(facts)}"] = uuid.UUID(int=rng.getrandbits(128)).hex
+        used += len(text) + 110
+    return {"messages": messages, "facts": facts, "summary": "working on it", "step": 0}
+
+
+def figures(latencies: list[float], elapsed: float) -> dict[str, float]:
+    return {"per_s": len(latencies) / elapsed, "p50": pct(latencies, 50) * 1000,
+            "p95": pct(latencies, 95) * 1000, "p99": pct(latencies, 99) * 1000}  # fmt: skip
+
+
+# --- checkpoint writes --------------------------------------------------------------
+
+
+async def alma_writes(
+    env: Env, state: dict[str, Any], writers: int, each: int
+) -> tuple[list[float], float]:
+    """Closed loop, ``writers`` runs at once: publish one node.completed with the whole
+    state, wait until it is durable and cached, publish the next."""
+    topic = await env.topic("w")
+    s = env.settings_for(topic, fetch_max_wait_ms=FETCH_WAIT_MS)
+    waiters = Waiters()
+    latencies: list[float] = []
+    producer = AIOKafkaProducer(bootstrap_servers=env.services.kafka_bootstrap, acks="all",
+                                linger_ms=0, max_request_size=4 * 2**20)  # fmt: skip
+    await producer.start()
+    tag = uuid.uuid4().hex[:8]
+
+    async def writer(w: int, n: int, record: bool) -> None:
+        run = f"{tag}-{w}"
+        for i in range(n):
+            event_id, raw = node_completed(run, i, {**state, "step": i})
+            fut = waiters.expect(event_id)
+            started = time.perf_counter()
+            await producer.send_and_wait(topic, raw, key=run.encode(),
+                                         headers=[("eid", event_id.encode())])  # fmt: skip
+            await asyncio.wait_for(fut, 60)
+            if record:
+                latencies.append(time.perf_counter() - started)
+
+    try:
+        async with checkpoint_worker(s, env.services, waiters.on_done):
+            await writer(-1, 5, record=False)  # warm: assignment, connections, cache
+            started = time.perf_counter()
+            await asyncio.gather(*(writer(w, each, record=True) for w in range(writers)))
+            elapsed = time.perf_counter() - started
+    finally:
+        await producer.stop()
+    return latencies, elapsed
+
+
+async def bare_hop(env: Env, state: dict[str, Any], each: int) -> tuple[list[float], float]:
+    """The same sequential publishes through a plain consumer with the same fetch wait."""
+    topic = await env.topic("hop")
+    waiters = Waiters()
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=env.services.kafka_bootstrap,
+                                group_id=f"hop-{uuid.uuid4().hex[:6]}",
+                                auto_offset_reset="earliest", fetch_max_wait_ms=FETCH_WAIT_MS,
+                                max_partition_fetch_bytes=4 * 2**20)  # fmt: skip
+    producer = AIOKafkaProducer(bootstrap_servers=env.services.kafka_bootstrap, acks="all",
+                                linger_ms=0, max_request_size=4 * 2**20)  # fmt: skip
+    await consumer.start()
+    await producer.start()
+
+    async def consume() -> None:
+        while True:
+            batch = await consumer.getmany(timeout_ms=200)
+            now = time.perf_counter()
+            for records in batch.values():
+                for r in records:
+                    waiters.on_done(r, now)
+
+    reader = asyncio.create_task(consume())
+    latencies: list[float] = []
+    try:
+        await asyncio.sleep(1.5)  # assignment
+        started_all = time.perf_counter()
+        for i in range(each + 3):
+            event_id, raw = node_completed("hop", i, {**state, "step": i})
+            fut = waiters.expect(event_id)
+            started = time.perf_counter()
+            await producer.send_and_wait(topic, raw, key=b"hop",
+                                         headers=[("eid", event_id.encode())])  # fmt: skip
+            await asyncio.wait_for(fut, 30)
+            if i >= 3:
+                latencies.append(time.perf_counter() - started)
+            else:
+                started_all = time.perf_counter()
+        elapsed = time.perf_counter() - started_all
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await producer.stop()
+        await consumer.stop()
+    return latencies, elapsed
+
+
+def lg_config(thread: str) -> dict[str, Any]:
+    return {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+
+
+async def lg_put(
+    saver: AsyncPostgresSaver, config: dict[str, Any], state: dict[str, Any], step: int
+) -> dict[str, Any]:
+    """One LangGraph checkpoint holding ``state``, every channel changed (as ALMA's
+    node.completed carries the whole state)."""
+    cp = empty_checkpoint()
+    prev = config["configurable"].get("versions", {})
+    versions = {k: saver.get_next_version(prev.get(k), None) for k in state}
+    cp["channel_values"] = dict(state)
+    cp["channel_versions"] = versions
+    meta: Any = {"source": "loop", "step": step, "parents": {}}
+    out: dict[str, Any] = await saver.aput(config, cp, meta, versions)  # type: ignore[arg-type]
+    out["configurable"]["versions"] = versions
+    return out
+
+
+async def langgraph_writes(
+    pool: AsyncConnectionPool[Any], state: dict[str, Any], writers: int, each: int
+) -> tuple[list[float], float]:
+    """The same closed loop on ``aput``: a saver per writer (one saver serialises its
+    calls behind a lock), one pool of connections shared."""
+    tag = uuid.uuid4().hex[:8]
+    latencies: list[float] = []
+
+    async def writer(w: int, n: int, record: bool) -> None:
+        saver = AsyncPostgresSaver(pool)  # type: ignore[arg-type]
+        config = lg_config(f"{tag}-{w}")
+        for i in range(n):
+            started = time.perf_counter()
+            config = await lg_put(saver, config, {**state, "step": i}, i)
+            if record:
+                latencies.append(time.perf_counter() - started)
+
+    await writer(-1, 5, record=False)
+    started = time.perf_counter()
+    await asyncio.gather(*(writer(w, each, record=True) for w in range(writers)))
+    return latencies, time.perf_counter() - started
+
+
+ALMA_TABLES = ("checkpoints", "run_events", "run_heads", "runs")
+LG_TABLES = ("checkpoints", "checkpoint_blobs", "checkpoint_writes")
+
+
+async def table_bytes(dsn: str, tables: tuple[str, ...]) -> tuple[int, int, int]:
+    """Bytes of the first table, of all of them (indexes and TOAST included), and the
+    first table's rows."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        sizes = [await conn.fetchval("SELECT pg_total_relation_size($1::regclass)", t)
+                 for t in tables]  # fmt: skip
+        rows = await conn.fetchval(f"SELECT count(*) FROM {tables[0]}")
+    finally:
+        await conn.close()
+    return sizes[0], sum(sizes), rows
+
+
+async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> None:
+    section.table("writes", "Checkpoint writes: publish → durable and cached (ALMA) vs "
+                  "`AsyncPostgresSaver.aput` (LangGraph)",
+                  ["state", "writers", "system", "checkpoints/s", "p50 ms", "p95 ms",
+                   "p99 ms"])  # fmt: skip
+    section.table("write_ratio", "Checkpoint writes, ALMA ÷ LangGraph (paired repetitions)",
+                  ["state", "writers", "throughput ×", "p50 ×", "p99 ×"])  # fmt: skip
+    section.table("storage", "Storage per checkpoint (bytes, indexes and TOAST included)",
+                  ["state", "ALMA checkpoints table", "ALMA with audit trail and heads",
+                   "LangGraph checkpoints table", "LangGraph with blobs and writes"])  # fmt: skip
+    for size in (5_000, 100_000):
+        state = realistic_state(size, seed=size)
+        before_a = await table_bytes(env.services.postgres_dsn, ALMA_TABLES)
+        before_l = await table_bytes(env.peer_dsn, LG_TABLES)
+        for writers in (1, 50):
+            big = size > 50_000
+            if writers == 1:
+                each = (20 if big else 40) if env.quick else (50 if big else 150)
+            else:
+                each = (2 if big else 4) if env.quick else (4 if big else 10)
+            got: dict[str, list[dict[str, float]]] = {"ALMA": [], "LangGraph": [], "hop": []}
+            for _ in range(env.reps):
+                env.step(f"writes {size // 1000} KB × {writers} writers")
+                got["ALMA"].append(figures(*await alma_writes(env, state, writers, each)))
+                got["LangGraph"].append(figures(*await langgraph_writes(pool, state, writers,
+                                                                       each)))  # fmt: skip
+                if writers == 1:
+                    got["hop"].append(figures(*await bare_hop(env, state, each)))
+                env.done()
+            label = f"{size // 1000} KB"
+            for system, runs in got.items():
+                if not runs:
+                    continue
+                name = "Kafka hop alone (same settings)" if system == "hop" else system
+                section.add("writes", [label, writers, name,
+                                       *(Stat([r[k] for r in runs], 0 if k == "per_s" else 1)
+                                         for k in ("per_s", "p50", "p95", "p99"))])  # fmt: skip
+            a = {k: Stat([r[k] for r in got["ALMA"]]) for k in ("per_s", "p50", "p99")}
+            lg = {k: Stat([r[k] for r in got["LangGraph"]]) for k in ("per_s", "p50", "p99")}
+            ratios = [ratio(a[k], lg[k]) for k in ("per_s", "p50", "p99")]
+            section.add("write_ratio", [label, writers, *ratios])
+        after_a = await table_bytes(env.services.postgres_dsn, ALMA_TABLES)
+        after_l = await table_bytes(env.peer_dsn, LG_TABLES)
+        n_a, n_l = after_a[2] - before_a[2], after_l[2] - before_l[2]
+        section.add("storage", [f"{size // 1000} KB",
+                                f"{(after_a[0] - before_a[0]) / n_a:,.0f}",
+                                f"{(after_a[1] - before_a[1]) / n_a:,.0f}",
+                                f"{(after_l[0] - before_l[0]) / n_l:,.0f}",
+                                f"{(after_l[1] - before_l[1]) / n_l:,.0f}"])  # fmt: skip
+
+
+# --- latest-checkpoint reads --------------------------------------------------------
+
+
+async def fill_alma_run(env: Env, run: str, count: int, state: dict[str, Any]) -> None:
+    """``count`` checkpoints in one run through the checkpointer's own store (the rows
+    the pipeline writes, without waiting on the broker)."""
+    async with connect(env.services.postgres_dsn) as pg:
+        store = PostgresCheckpointStore(pg, StoreConfig("bench", "bench", "x", "y", 10**9),
+                                        ReducerRegistry())  # fmt: skip
+        records = []
+        for i in range(count):
+            raw = node_completed(run, i, {**state, "step": i})[1]
+            records.append(Incoming("bench", 0, i, run.encode(), raw, decode(raw)))
+        for lo in range(0, count, 250):
+            await store.apply(f"fill-{run}", {("bench", 0): records[lo : lo + 250]})
+
+
+async def time_calls(call: Callable[[], Awaitable[Any]], samples: int) -> list[float]:
+    await call()
+    out = []
+    for _ in range(samples):
+        started = time.perf_counter()
+        await call()
+        out.append(time.perf_counter() - started)
+    return out
+
+
+async def reads(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> None:
+    section.table("reads", "Latest checkpoint: ALMA's resume path vs `aget_tuple` (5 KB)",
+                  ["checkpoints in run", "ALMA resume, cached p50 ms", "p99 ms",
+                   "ALMA resume, PostgreSQL p50 ms", "p99 ms", "LangGraph aget_tuple p50 ms",
+                   "p99 ms", "cached ÷ LangGraph p50", "PostgreSQL ÷ LangGraph p50"])  # fmt: skip
+    state = realistic_state(5_000, seed=5)
+    for count in (10, 1_000):
+        env.step(f"reads, runs of {count} checkpoints")
+        cols = await read_latest(env, pool, count, state)
+        p50 = {k: Stat([pct(v, 50) * 1000 for v in runs]) for k, runs in cols.items()}
+        p99 = {k: Stat([pct(v, 99) * 1000 for v in runs]) for k, runs in cols.items()}
+        section.add("reads", [count, p50["cached"], p99["cached"], p50["pg"], p99["pg"],
+                              p50["lg"], p99["lg"], ratio(p50["cached"], p50["lg"]),
+                              ratio(p50["pg"], p50["lg"])])  # fmt: skip
+        env.done()
+
+
+async def read_latest(
+    env: Env, pool: AsyncConnectionPool[Any], count: int, state: dict[str, Any]
+) -> dict[str, list[list[float]]]:
+    """Latencies of the latest read of a run of ``count`` checkpoints, per repetition:
+    the SDK's resume (Redis), the same on a cache miss (PostgreSQL), ``aget_tuple``."""
+    samples = 60 if env.quick else 300
+    run = f"read-{count}-{uuid.uuid4().hex[:6]}"
+    await fill_alma_run(env, run, count, state)
+    saver = AsyncPostgresSaver(pool)  # type: ignore[arg-type]
+    config = lg_config(run)
+    for i in range(count):
+        config = await lg_put(saver, config, {**state, "step": i}, i)
+    ctx = WorkflowContext(tenant_id="bench", workflow_id="wf", run_id=run)
+    latest = lg_config(run)
+    cols: dict[str, list[list[float]]] = {"cached": [], "pg": [], "lg": []}
+    async with AlmaClient(env.s) as cached, connect(env.services.postgres_dsn) as pg:
+        reader = CheckpointReader(pg, None, tenant_id="bench")
+
+        async def from_postgres() -> None:  # what resume() does on a cache miss
+            await reader.latest(run)
+            await reader.branch_heads(run)
+
+        for _ in range(env.reps):
+            cols["cached"].append(await time_calls(lambda: cached.resume(ctx), samples))
+            cols["pg"].append(await time_calls(from_postgres, samples))
+            cols["lg"].append(await time_calls(lambda: saver.aget_tuple(latest), samples))
+        point = await cached.resume(ctx)
+    tuple_ = await saver.aget_tuple(latest)
+    if point.latest is None or point.latest.state.get("step") != count - 1:
+        raise errors.AlmaError(f"ALMA's resume point is wrong: {point.latest}")
+    if tuple_ is None or tuple_.checkpoint["channel_values"].get("step") != count - 1:
+        raise errors.AlmaError("LangGraph's latest checkpoint is wrong")
+    return cols
+
+
+async def langgraph_saver_pool(dsn: str, size: int = 10) -> AsyncConnectionPool[Any]:
+    """The pool LangGraph's docs prescribe (autocommit, dict rows), tables set up."""
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        dsn.replace("postgresql://", "postgres://", 1), min_size=size, max_size=size, open=False,
+        kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
+    )  # fmt: skip
+    await pool.open(wait=True)
+    await AsyncPostgresSaver(pool).setup()  # type: ignore[arg-type]
+    return pool
+
+
+async def run(env: Env, section: Section) -> None:
+    pool = await langgraph_saver_pool(env.peer_dsn)
+    try:
+        await writes(env, section, pool)
+        await reads(env, section, pool)
+    finally:
+        await pool.close()

@@ -1,0 +1,118 @@
+"""The scaling trend: 1, 2 and 4 ``alma worker --consumers checkpoint`` processes in
+one consumer group on a 12-partition topic, each given the same backlog. The
+group is settled (all 12 partitions assigned, read from the workers' /metrics)
+before the backlog is published; the rate is read between the end of publishing
+and 95 % drained, so neither start-up nor the producer is in it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import asyncpg
+from aiokafka import AIOKafkaProducer
+
+from alma_core import settings as settings_mod
+from alma_core.embedded import free_port
+from bench.checkpointer import event
+from bench.env import PARTITIONS, Env
+from bench.report import Section, Stat, ratio
+
+PROCESSES = (1, 2, 4)
+RUNS = 200
+
+
+def worker_env(s: settings_mod.Settings) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
+    for name, value in s.model_dump(mode="json").items():
+        if value is not None:
+            env[f"ALMA_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    return env | {"ALMA_LOG_LEVEL": "WARNING"}
+
+
+def assigned(port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+               if line.startswith('alma_assigned_partitions{consumer="checkpoint"}'))  # fmt: skip
+
+
+async def drained(pool: asyncpg.Pool, runs: list[str]) -> int:
+    return int(await pool.fetchval("SELECT coalesce(sum(event_count), 0) FROM runs "
+                                   "WHERE run_id = ANY($1::text[])", runs))  # fmt: skip
+
+
+async def one(env: Env, processes: int, backlog: int, logs: Path) -> float:
+    topic = await env.topic("scale")
+    tag = uuid.uuid4().hex[:6]
+    ports = [free_port() for _ in range(processes)]
+    procs = []
+    for port in ports:
+        s = env.settings_for(topic, group_prefix=f"scale-{tag}", metrics_port=port)
+        with (logs / f"worker-{tag}-{port}.log").open("wb") as log:
+            procs.append(subprocess.Popen(  # noqa: ASYNC220 - a spawn, it does not wait
+                [sys.executable, "-m", "alma_core.cli", "worker", "--consumers", "checkpoint"],
+                env=worker_env(s), stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL))  # fmt: skip
+    runs = [f"{tag}-{r}" for r in range(RUNS)]
+    try:
+        deadline = time.monotonic() + 90
+        while sum(assigned(p) for p in ports) != PARTITIONS or any(assigned(p) == 0 for p in ports):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"the {processes} workers did not settle; see {logs}")
+            await asyncio.sleep(0.3)
+        await asyncio.sleep(1.0)
+        producer = AIOKafkaProducer(bootstrap_servers=env.services.kafka_bootstrap, acks="all",
+                                    linger_ms=20, max_batch_size=1 << 20)  # fmt: skip
+        await producer.start()
+        for i in range(backlog):
+            doc = event(runs[i % RUNS], i, 1_000)
+            await producer.send(topic, json.dumps(doc).encode(), key=doc["run_id"].encode())
+        await producer.flush()
+        await producer.stop()
+        async with asyncpg.create_pool(env.services.postgres_dsn, min_size=1, max_size=1) as pool:
+            t0, n0 = time.perf_counter(), await drained(pool, runs)
+            t1, n1 = t0, n0
+            deadline = time.monotonic() + 300
+            while n1 < 0.95 * backlog and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                t1, n1 = time.perf_counter(), await drained(pool, runs)
+        if n1 <= n0:
+            raise RuntimeError(f"nothing was checkpointed after publishing; see {logs}")
+        return (n1 - n0) / (t1 - t0)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def run(env: Env, section: Section) -> None:
+    section.table("scaling", "Checkpointer processes in one group (12 partitions, 1 KB states, "
+                  f"{RUNS} runs, backlog drained)",
+                  ["processes", "checkpoints/s", "× one process"])  # fmt: skip
+    backlog = 15_000 if env.quick else 40_000
+    logs = Path(tempfile.mkdtemp(prefix="alma-bench-scaling-"))
+    rates: dict[int, Stat] = {}
+    for processes in PROCESSES:
+        env.step(f"scaling: {processes} checkpointer process(es)")
+        rates[processes] = Stat([await one(env, processes, backlog, logs)
+                                 for _ in range(env.reps)], 0)  # fmt: skip
+        section.add("scaling", [processes, rates[processes], ratio(rates[processes], rates[1])])
+        env.done()
+    section.note("scaling", f"{os.cpu_count()} cores shared by the workers, PostgreSQL, Redis, "
+                 "the broker and the benchmark.")  # fmt: skip
