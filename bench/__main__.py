@@ -48,7 +48,7 @@ async def main(args: argparse.Namespace) -> int:
         return 2
     reps = args.reps or (2 if args.quick else 3)
     mode = "quick" if args.quick else "full" if args.full else "default"
-    sections: list[Section] = []
+    label = f"{mode}, {reps} repetitions"
     started = time.perf_counter()
     columns = (TextColumn("{task.description:<44}"), BarColumn(), TextColumn("{task.completed}/"
                "{task.total}"), TimeElapsedColumn())  # fmt: skip
@@ -56,22 +56,22 @@ async def main(args: argparse.Namespace) -> int:
         async with stack(args.quick, reps, args.full, progress) as env:
             progress.update(env.task, total=steps(env, only))
             m = machine(await services_versions(env))
+            # Each suite is written as soon as it ends: a later failure keeps it.
             if "peers" in only:
                 side = Section("peers")
                 await peers.run(env, side)
                 await run_state.run(env, side)
                 merges.run(env, side, curves=None)
-                sections.append(side)
+                write([side], m, args.out, label)
             if "curves" in only:
                 cost = Section("curves")
                 merges.run(env, None, curves=cost)
                 await curves.run(env, cost)
-                sections.append(cost)
+                write([cost], m, args.out, label)
             if "scaling" in only:
                 scale = Section("scaling")
                 await scaling.run(env, scale)
-                sections.append(scale)
-    write(sections, m, args.out, f"{mode}, {reps} repetitions")
+                write([scale], m, args.out, label)
     if args.out is not None:
         for png in plots.draw(args.out.with_suffix(".json"), args.out.parent / "img"):
             console.print(f"plotted {png}")

@@ -23,8 +23,15 @@ from alma_core.resume import CheckpointReader
 from bench import learner
 from bench.checkpointer import sent_at, start_load, state_of
 from bench.env import Env, checkpoint_worker, node_completed
-from bench.peers import langgraph_saver_pool, lg_config, lg_put, realistic_state, time_calls
-from bench.report import Section, Stat, pct
+from bench.peers import (
+    analyze,
+    langgraph_saver_pool,
+    lg_config,
+    lg_put,
+    realistic_state,
+    time_calls,
+)
+from bench.report import Section, Stat, console, pct
 from schemas.decoder import decode
 
 SATURATED_P99_S = 2.0
@@ -205,6 +212,7 @@ async def run_length(env: Env, section: Section, pool: AsyncConnectionPool[Any])
             env.step(f"run length {length:,}")
             await alma.extend(length - alma.offset, state)
             await lg.extend(length - lg.step, state)
+            await analyze(env)
             section.add("run_length", [f"{length:,}", *await costs(env, alma, lg, state)])
             env.done()
 
@@ -253,8 +261,11 @@ async def table_size(env: Env, section: Section, pool: AsyncConnectionPool[Any])
     async with connect(env.services.postgres_dsn) as pg:
         for size in table_sizes(env):
             env.step(f"table of {size:,} checkpoints: filling")
+            started = time.perf_counter()
             await fill(env.services.postgres_dsn, ALMA_FILL, filled, size)
             await fill(env.peer_dsn, [LG_FILL], filled, size)
+            console.print(f"filled both tables to {size:,} checkpoints in "
+                          f"{time.perf_counter() - started:.0f} s")  # fmt: skip
             filled = size
             env.step(f"table of {size:,} checkpoints: measuring")
             tag = uuid.uuid4().hex[:6]

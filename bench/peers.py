@@ -279,6 +279,15 @@ async def fill_alma_run(env: Env, run: str, count: int, state: dict[str, Any]) -
             await store.apply(f"fill-{run}", {("bench", 0): records[lo : lo + 250]})
 
 
+async def analyze(env: Env) -> None:
+    for dsn in (env.services.postgres_dsn, env.peer_dsn):
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute("ANALYZE")
+        finally:
+            await conn.close()
+
+
 async def time_calls(call: Callable[[], Awaitable[Any]], samples: int) -> list[float]:
     await call()
     out = []
@@ -318,6 +327,7 @@ async def read_latest(
     config = lg_config(run)
     for i in range(count):
         config = await lg_put(saver, config, {**state, "step": i}, i)
+    await analyze(env)  # as autovacuum would have by now: plans for the tables' real size
     ctx = WorkflowContext(tenant_id="bench", workflow_id="wf", run_id=run)
     latest = lg_config(run)
     cols: dict[str, list[list[float]]] = {"cached": [], "pg": [], "lg": []}

@@ -149,6 +149,7 @@ def write(sections: list[Section], m: dict[str, Any], out: Path | None, mode: st
     console.print(f"Machine: {machine_line(m)}")
     if out is None:
         return
+    out.parent.mkdir(parents=True, exist_ok=True)
     for section in sections:
         body = [f"Machine: {machine_line(m)}; mode: {mode}.", "", *section.markdown()]
         write_section(out, "\n".join(body).rstrip() + "\n", section.name)
