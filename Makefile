@@ -4,6 +4,8 @@
 #   make up     start the embedded stack (Kafka-protocol broker, PostgreSQL+pgvector,
 #               Redis), create topics, migrate, run the workers, until Ctrl-C
 #   make test   lint, type-check and run the whole test suite on real services
+#   make bench  every benchmark, side by side with LangGraph and a JSONB column, written
+#               to docs/benchmarks.md (+ .json, docs/img/*.png); BENCH="--quick" for ~3 min
 #
 # TORCH picks the PyTorch build installed before the project. The default is the
 # CPU build; for a GPU build use e.g. `make up TORCH="torch==2.13.0 --index-url
@@ -14,7 +16,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: up demo test lint typecheck unit integration clean-venv tools
+.PHONY: up demo bench test lint typecheck unit integration clean-venv tools
 
 $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) (PyTorch: $(TORCH))"
@@ -29,6 +31,10 @@ up: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/alma demo
+
+BENCH ?=
+bench: $(STAMP)
+	$(PY) -m bench $(BENCH) --out docs/benchmarks.md
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

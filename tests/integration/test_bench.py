@@ -1,0 +1,66 @@
+"""`python -m bench` runs as the README says, on already-running services (the
+session's broker, PostgreSQL and Redis), and what it writes holds together: every
+side-by-side table, ALMA's run state losing nothing under concurrent writers, and
+a clear refusal of a suite that does not exist."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from alma_core.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def bench(settings: Settings, *args: str) -> tuple[int, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
+    env |= {"ALMA_KAFKA_BOOTSTRAP": settings.kafka_bootstrap or "",
+            "ALMA_POSTGRES_DSN": settings.postgres_dsn or "",
+            "ALMA_REDIS_URL": settings.redis_url or "", "COLUMNS": "200"}  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench", *args, cwd=ROOT, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 280)
+    return proc.returncode or 0, out.decode(errors="replace")
+
+
+@pytest.mark.timeout(300)
+async def test_quick_side_by_side_run_writes_every_table(settings: Settings, tmp_path: Path) -> None:
+    out = tmp_path / "benchmarks.md"
+    rc, log = await bench(settings, "--quick", "--reps", "1", "--only", "peers", "--out", str(out))
+    assert rc == 0, log[-3000:]
+    text = out.read_text()
+    assert "<!-- bench:peers:start -->" in text and "<!-- bench:peers:end -->" in text
+    doc = json.loads(out.with_suffix(".json").read_text())
+    tables = doc["peers"]["tables"]
+    assert set(tables) == {"writes", "write_ratio", "storage", "reads", "run_state",
+                           "run_state_ratio", "merge"}  # fmt: skip
+    assert doc["peers"]["machine"]["services"]["PostgreSQL"]
+    writes = tables["writes"]["rows"]
+    assert {(r["state"], r["writers"], r["system"]) for r in writes} >= {
+        (s, w, system) for s in ("5 KB", "100 KB") for w in (1, 50) for system in ("ALMA", "LangGraph")
+    }
+    assert all(r["checkpoints/s"]["median"] > 0 for r in writes)
+    assert [r["checkpoints in run"] for r in tables["reads"]["rows"]] == [10, 1000]
+    alma = [r for r in tables["run_state"]["rows"] if r["system"].startswith("ALMA")]
+    assert len(alma) == 2
+    for row in alma:  # the guarantee: concurrent increments and appends all count
+        assert row["lost increments"]["max"] == 0
+        assert row["lost actions"]["max"] == 0
+    for row in tables["storage"]["rows"]:
+        per_checkpoint = [int(v.replace(",", "")) for k, v in row.items() if k != "state"]
+        assert len(per_checkpoint) == 4 and min(per_checkpoint) > 0
+
+
+async def test_an_unknown_suite_is_refused_with_the_choices(settings: Settings) -> None:
+    rc, log = await bench(settings, "--only", "nonsense")
+    assert rc == 2
+    assert "unknown suite(s) ['nonsense']" in log
+    assert "peers" in log and "scaling" in log
