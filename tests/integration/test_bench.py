@@ -32,21 +32,24 @@ async def bench(settings: Settings, *args: str) -> tuple[int, str]:
 
 
 @pytest.mark.timeout(300)
-async def test_quick_side_by_side_run_writes_every_table(settings: Settings, tmp_path: Path) -> None:
+async def test_quick_side_by_side_run_writes_every_table(
+    settings: Settings, tmp_path: Path
+) -> None:
     out = tmp_path / "benchmarks.md"
     rc, log = await bench(settings, "--quick", "--reps", "1", "--only", "peers", "--out", str(out))
     assert rc == 0, log[-3000:]
     text = out.read_text()
-    assert "<!-- bench:peers:start -->" in text and "<!-- bench:peers:end -->" in text
+    assert "<!-- bench:peers:start -->" in text
+    assert "<!-- bench:peers:end -->" in text
     doc = json.loads(out.with_suffix(".json").read_text())
     tables = doc["peers"]["tables"]
     assert set(tables) == {"writes", "write_ratio", "storage", "reads", "run_state",
                            "run_state_ratio", "merge"}  # fmt: skip
     assert doc["peers"]["machine"]["services"]["PostgreSQL"]
     writes = tables["writes"]["rows"]
-    assert {(r["state"], r["writers"], r["system"]) for r in writes} >= {
-        (s, w, system) for s in ("5 KB", "100 KB") for w in (1, 50) for system in ("ALMA", "LangGraph")
-    }
+    expected = {(s, w, system) for s in ("5 KB", "100 KB") for w in (1, 50)
+                for system in ("ALMA", "LangGraph")}  # fmt: skip
+    assert {(r["state"], r["writers"], r["system"]) for r in writes} >= expected
     assert all(r["checkpoints/s"]["median"] > 0 for r in writes)
     assert [r["checkpoints in run"] for r in tables["reads"]["rows"]] == [10, 1000]
     alma = [r for r in tables["run_state"]["rows"] if r["system"].startswith("ALMA")]
@@ -56,11 +59,13 @@ async def test_quick_side_by_side_run_writes_every_table(settings: Settings, tmp
         assert row["lost actions"]["max"] == 0
     for row in tables["storage"]["rows"]:
         per_checkpoint = [int(v.replace(",", "")) for k, v in row.items() if k != "state"]
-        assert len(per_checkpoint) == 4 and min(per_checkpoint) > 0
+        assert len(per_checkpoint) == 4
+        assert min(per_checkpoint) > 0
 
 
 async def test_an_unknown_suite_is_refused_with_the_choices(settings: Settings) -> None:
     rc, log = await bench(settings, "--only", "nonsense")
     assert rc == 2
     assert "unknown suite(s) ['nonsense']" in log
-    assert "peers" in log and "scaling" in log
+    assert "peers" in log
+    assert "scaling" in log

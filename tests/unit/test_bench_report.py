@@ -68,10 +68,10 @@ def test_plots_read_cells_as_numbers() -> None:
 
 def test_plots_draw_the_curves_from_the_json(tmp_path: Path) -> None:
     curves = Section("curves")
-    curves.table("merge_branches", "m", ["branches", "state per branch", "ALMA merge p50 ms",
-                                         "LangGraph reducers p50 ms", "ALMA ÷ LangGraph"])  # fmt: skip
-    curves.table("merge_size", "s", ["branches", "state per branch", "ALMA merge p50 ms",
-                                     "LangGraph reducers p50 ms", "ALMA ÷ LangGraph"])  # fmt: skip
+    headers = ["branches", "state per branch", "ALMA merge p50 ms", "LangGraph reducers p50 ms",
+               "ALMA ÷ LangGraph"]  # fmt: skip
+    curves.table("merge_branches", "m", headers)
+    curves.table("merge_size", "s", headers)
     for n in (2, 4):
         curves.add("merge_branches", [n, "5 KB", Stat([0.1 * n]), Stat([0.02 * n]), Stat([5.0])])
         curves.add("merge_size", [5, f"{n} KB", Stat([0.1 * n]), Stat([0.02 * n]), Stat([5.0])])
@@ -87,4 +87,4 @@ def test_realistic_states_have_about_the_size_asked_for(size: int) -> None:
     state = realistic_state(size, seed=size)
     length = len(json.dumps(state))
     assert 0.8 * size <= length <= 1.3 * size
-    assert len(set(m["content"] for m in state["messages"])) > len(state["messages"]) // 2
+    assert len({m["content"] for m in state["messages"]}) > len(state["messages"]) // 2
