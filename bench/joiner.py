@@ -20,16 +20,14 @@ from rich.progress import Progress
 from alma_core import settings as settings_mod
 from alma_core.client import AlmaClient
 from alma_core.embedded import EmbeddedStack
-from alma_core.joining import merge
 from alma_core.migrations import Migrator
-from alma_core.reducers import ReducerRegistry
-from alma_core.sequencing import Head, state_hash
 from alma_core.topics import alma_topics, ensure_topics
 from alma_core.types import WorkflowContext
+from bench import merges
 from bench.checkpointer import PARTITIONS
 from bench.report import console, ms, report
 from consumers.worker import Services, run_worker
-from schemas.events import BranchJoinPayload, NodeCompleted
+from schemas.events import NodeCompleted
 
 REDUCERS = {"log": "append", "cost": "sum", "score": "max", "facts": "merge_dict"}
 
@@ -40,19 +38,8 @@ def branch_state(i: int, size: int) -> dict[str, Any]:
 
 
 def merge_cost(size: int, samples: int) -> list[float]:
-    branches = {f"b{i}": Head(i + 2, "", branch_state(i, size)) for i in range(5)}
-    main = Head(1, state_hash({"log": []}), {"log": []})
-    payload = BranchJoinPayload.model_validate(
-        {"join_id": "j", "branch_ids": list(branches), "reducers": REDUCERS}, strict=False
-    )
-    registry = ReducerRegistry()
-    out = []
-    for _ in range(samples):
-        started = time.perf_counter()
-        merge(payload, main=main, branches=branches, registered=None, registry=registry,
-              max_state_bytes=10_000_000)  # fmt: skip
-        out.append(time.perf_counter() - started)
-    return out
+    """5 branch states of ``size`` bytes, merged with the reducers (bench.merges)."""
+    return merges.alma_merge(5, size, samples)
 
 
 def completed(ctx: WorkflowContext, branch: str | None, updates: dict[str, Any]) -> Any:
