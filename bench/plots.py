@@ -80,7 +80,7 @@ def draw(source: Path, out: Path) -> list[Path]:
                           ("table_size", "checkpoints in table", "table size")):  # fmt: skip
         if rows := curves.get(key, {}).get("rows"):
             fig, ax = plt.subplots(figsize=(7, 4))
-            lines(ax, rows, x, {h: h for h in list(rows[0])[1:]})
+            lines(ax, rows, x, {h: h for h in sorted(rows[0]) if h != x})
             ax.set(xlabel=x, ylabel="p50 ms", title=f"Write and read cost against {title}",
                    xscale="log", yscale="log")  # fmt: skip
             made.append(save(fig, out / f"bench-{key.replace('_', '-')}.png"))
