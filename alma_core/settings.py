@@ -5,6 +5,7 @@ Nothing else in ALMA Stream reads ``os.environ``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -117,6 +118,13 @@ class Settings(BaseSettings):
     def external_services(self) -> bool:
         """True when every service is given, so the embedded stack is not needed."""
         return bool(self.kafka_bootstrap and self.postgres_dsn and self.redis_url)
+
+    def to_env(self) -> dict[str, str]:
+        """The ``ALMA_`` variables that make another process (`alma worker`) load
+        these settings."""
+        return {f"ALMA_{name.upper()}": value if isinstance(value, str) else json.dumps(value)
+                for name, value in self.model_dump(mode="json").items()
+                if value is not None}  # fmt: skip
 
 
 def load(**overrides: object) -> Settings:

@@ -14,35 +14,26 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import tempfile
 import time
 import uuid
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import psutil
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from rich.progress import Progress
 
 from alma_core import settings as settings_mod
-from alma_core.batch_store import Incoming
 from alma_core.cache import RedisCheckpointCache
-from alma_core.checkpoint_store import PostgresCheckpointStore, StoreConfig
-from alma_core.embedded import EmbeddedStack
-from alma_core.migrations import Migrator
 from alma_core.postgres import connect
-from alma_core.reducers import ReducerRegistry
 from alma_core.resume import CheckpointReader
 from alma_core.topics import ensure_topics
+from bench.env import PARTITIONS, AlmaRun, checkpoint_worker, stack
 from bench.report import console, ms, pct, report
-from consumers import checkpointer
-from consumers.runtime import HandleResult
 from consumers.worker import Services, run_worker
-from schemas.decoder import decode
 
-PARTITIONS = 12
 PRODUCER_SETTINGS: dict[str, Any] = {"acks": "all", "linger_ms": 5}
 FETCH_MAX_WAIT_MS = 50
 
@@ -122,41 +113,21 @@ async def bare_hop(bootstrap: str, rate: float, seconds: float, size: int) -> li
     return got
 
 
-class TimedHandler(checkpointer.CheckpointHandler):
-    """Records, per event, when its batch is durable, cached and handed on."""
-
-    done: ClassVar[list[float]] = []
-
-    async def handle(self, cluster_id: str, batch: dict[Any, list[Any]]) -> HandleResult:
-        result = await super().handle(cluster_id, batch)
-        now = time.perf_counter()
-        self.done.extend(now - sent_at(r) for records in batch.values() for r in records)
-        return result
-
-
 async def alma_latency(
     s: settings_mod.Settings, services: Services, rate: float, seconds: float, size: int
 ) -> tuple[list[float], float]:
     topic = f"bench-life-{uuid.uuid4().hex[:8]}"
     await ensure_topics(services.kafka_bootstrap, [topic], partitions=PARTITIONS)
     s = s.model_copy(update={"lifecycle_topic": topic})
-    TimedHandler.done = done = []
-    original = checkpointer.CheckpointHandler
-    checkpointer.CheckpointHandler = TimedHandler  # type: ignore[misc]
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(run_worker(s, services, ["checkpoint"], stop, ready=ready))
-    await asyncio.wait_for(ready.wait(), 60)
-    checkpointer.CheckpointHandler = original  # type: ignore[misc]
-    await asyncio.sleep(1.0)
-    load = start_load(services.kafka_bootstrap, topic, rate, seconds, size)
-    total = int(rate * seconds)
-    deadline = time.monotonic() + seconds + 120
-    while len(done) < total and time.monotonic() < deadline:  # noqa: ASYNC110 - sampling
-        await asyncio.sleep(0.05)
-    rss = psutil.Process().memory_info().rss / 1e6
-    load.join()
-    stop.set()
-    await task
+    done: list[float] = []
+    async with checkpoint_worker(s, services, lambda r, now: done.append(now - sent_at(r))):
+        load = start_load(services.kafka_bootstrap, topic, rate, seconds, size)
+        total = int(rate * seconds)
+        deadline = time.monotonic() + seconds + 120
+        while len(done) < total and time.monotonic() < deadline:  # noqa: ASYNC110 - sampling
+            await asyncio.sleep(0.05)
+        rss = psutil.Process().memory_info().rss / 1e6
+        await asyncio.to_thread(load.join)
     return done, rss
 
 
@@ -205,17 +176,9 @@ async def reads(
         connect(services.postgres_dsn) as pool,
         RedisCheckpointCache.connect(services.redis_url, prefix=prefix) as cache,
     ):
-        store = PostgresCheckpointStore(
-            pool, StoreConfig("bench", "bench", "x", "y", 1_000_000), ReducerRegistry()
-        )
-        records = []
-        for i in range(history):
-            raw = json.dumps(event(run, i, 5000)).encode()
-            records.append(Incoming("bench", 0, i, run.encode(), raw, decode(raw)))
-        for chunk in range(0, history, 500):
-            await store.apply(f"c-{run}", {("bench", 0): records[chunk : chunk + 500]})
+        uncached = AlmaRun(pool, run)
+        await uncached.extend(history, state_of(5000, 0))
         reader = CheckpointReader(pool, cache, tenant_id="bench")
-        uncached = CheckpointReader(pool, None, tenant_id="bench")
         await reader.branch_heads(run)  # fill the cache
         out: dict[str, list[float]] = {"cache": [], "postgres": []}
         for _ in range(samples):
@@ -223,7 +186,7 @@ async def reads(
             await reader.latest(run)
             out["cache"].append(time.perf_counter() - t)
             t = time.perf_counter()
-            await uncached.latest(run)
+            await uncached.reader.latest(run)
             out["postgres"].append(time.perf_counter() - t)
         assert reader.stats["cache_hit"] >= samples
     return out
@@ -231,31 +194,15 @@ async def reads(
 
 async def main(quick: bool, out: Path | None) -> None:
     bench = Bench(quick)
-    tmp = Path(tempfile.mkdtemp(prefix="alma-bench-"))
-    s = settings_mod.load()
-    stack = EmbeddedStack(tmp, kafka_bootstrap=s.kafka_bootstrap, postgres_dsn=s.postgres_dsn,
-                          redis_url=s.redis_url, durable=True)  # fmt: skip
-    endpoints = await stack.start()
-    services = Services(endpoints.kafka_bootstrap, endpoints.postgres_dsn, endpoints.redis_url)
-    conn = await __import__("asyncpg").connect(endpoints.postgres_dsn)
-    await Migrator(conn).migrate()
-    await conn.close()
-    prefix = f"bench{uuid.uuid4().hex[:6]}"
-    s = settings_mod.load(
-        kafka_bootstrap=services.kafka_bootstrap, postgres_dsn=services.postgres_dsn,
-        redis_url=services.redis_url, redis_prefix=prefix, fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
-        session_timeout_ms=6000, heartbeat_interval_ms=500, metrics_port=0,
-    )  # fmt: skip
-    await ensure_topics(
-        services.kafka_bootstrap, [s.sequenced_topic, s.dlq_topic], partitions=PARTITIONS
-    )
     seconds = 3.0 if quick else 8.0
     sizes = [1_000, 5_000] if quick else [1_000, 5_000, 100_000]
     loads = [200, 1000] if quick else [200, 1000, 2000]
     backlog = 3_000 if quick else 20_000
-    try:
-        with Progress(console=console) as progress:
-            task = progress.add_task("benchmarks", total=len(sizes) * (len(loads) * 2 + 1) + 2)
+    with Progress(console=console) as progress:
+        async with stack(quick, 1, False, progress) as env:
+            s, services, task = env.s, env.services, env.task
+            progress.update(task, description="benchmarks",
+                            total=len(sizes) * (len(loads) * 2 + 1) + 2)  # fmt: skip
             for size in sizes:
                 rate_list = loads if size < 50_000 else [200]
                 for rate in rate_list:
@@ -273,12 +220,10 @@ async def main(quick: bool, out: Path | None) -> None:
                 bench.add("throughput", [f"{size // 1000} KB", n, f"{rate_done:,.0f}"])
                 progress.advance(task)
             for history in (10, 1000):
-                r = await reads(services, prefix, history, 300 if quick else 1000)
+                r = await reads(services, s.redis_prefix, history, 300 if quick else 1000)
                 bench.add("reads", [history, ms(r["cache"], 50), ms(r["cache"], 99),
                                     ms(r["postgres"], 50), ms(r["postgres"], 99)])  # fmt: skip
                 progress.advance(task)
-    finally:
-        await stack.stop()
     report("checkpointer", bench.rows, HEADERS, TITLES, out)
 
 

@@ -15,14 +15,10 @@ import numpy as np
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from psycopg_pool import AsyncConnectionPool
 
-from alma_core.batch_store import Incoming
-from alma_core.checkpoint_store import PostgresCheckpointStore, StoreConfig
 from alma_core.postgres import connect
-from alma_core.reducers import ReducerRegistry
-from alma_core.resume import CheckpointReader
 from bench import learner
 from bench.checkpointer import sent_at, start_load, state_of
-from bench.env import Env, checkpoint_worker, node_completed
+from bench.env import AlmaRun, Env, checkpoint_worker
 from bench.peers import (
     analyze,
     langgraph_saver_pool,
@@ -32,7 +28,6 @@ from bench.peers import (
     time_calls,
 )
 from bench.report import Section, Stat, console, pct
-from schemas.decoder import decode
 
 SATURATED_P99_S = 2.0
 
@@ -143,30 +138,6 @@ async def offered_load(env: Env, section: Section, pool: AsyncConnectionPool[Any
 
 
 # --- run length and table size --------------------------------------------------------
-
-
-class AlmaRun:
-    """One run written through the checkpointer's own store (what the pipeline writes,
-    without the broker), so its length can be set and one more write timed."""
-
-    def __init__(self, pg: asyncpg.Pool, run: str) -> None:
-        self.store = PostgresCheckpointStore(pg, StoreConfig("bench", "bench", "x", "y", 10**9),
-                                             ReducerRegistry())  # fmt: skip
-        self.reader = CheckpointReader(pg, None, tenant_id="bench")
-        self.run, self.offset = run, 0
-
-    async def extend(self, count: int, state: dict[str, Any]) -> None:
-        records = []
-        for _ in range(count):
-            raw = node_completed(self.run, self.offset, {**state, "step": self.offset})[1]
-            records.append(Incoming("bench", 0, self.offset, self.run.encode(), raw, decode(raw)))
-            self.offset += 1
-        for lo in range(0, count, 250):
-            await self.store.apply(f"c-{self.run}", {("bench", 0): records[lo : lo + 250]})
-
-    async def latest(self) -> None:
-        await self.reader.latest(self.run)
-        await self.reader.branch_heads(self.run)
 
 
 class LangGraphThread:

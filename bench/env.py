@@ -22,12 +22,17 @@ import asyncpg
 from rich.progress import Progress, TaskID
 
 from alma_core import settings as settings_mod
+from alma_core.batch_store import Incoming
+from alma_core.checkpoint_store import PostgresCheckpointStore, StoreConfig
 from alma_core.embedded import EmbeddedStack
 from alma_core.migrations import Migrator
+from alma_core.reducers import ReducerRegistry
+from alma_core.resume import CheckpointReader
 from alma_core.topics import alma_topics, ensure_topics
 from consumers import checkpointer
 from consumers.runtime import HandleResult
 from consumers.worker import Services, run_worker
+from schemas.decoder import decode
 
 PARTITIONS = 12
 PEER_DB = "alma_bench_peers"
@@ -181,3 +186,27 @@ def node_completed(run: str, i: int, state: dict[str, Any]) -> tuple[str, bytes]
            "workflow_id": "wf", "run_id": run, "node_id": f"n{i}",
            "payload": {"state": state}}  # fmt: skip
     return event_id, json.dumps(doc).encode()
+
+
+class AlmaRun:
+    """One run written through the checkpointer's own store (what the pipeline writes,
+    without the broker), so its length can be set and one more write timed."""
+
+    def __init__(self, pg: asyncpg.Pool, run: str) -> None:
+        self.store = PostgresCheckpointStore(pg, StoreConfig("bench", "bench", "x", "y", 10**9),
+                                             ReducerRegistry())  # fmt: skip
+        self.reader = CheckpointReader(pg, None, tenant_id="bench")
+        self.run, self.offset = run, 0
+
+    async def extend(self, count: int, state: dict[str, Any]) -> None:
+        records = []
+        for _ in range(count):
+            raw = node_completed(self.run, self.offset, {**state, "step": self.offset})[1]
+            records.append(Incoming("bench", 0, self.offset, self.run.encode(), raw, decode(raw)))
+            self.offset += 1
+        for lo in range(0, count, 250):
+            await self.store.apply(f"c-{self.run}", {("bench", 0): records[lo : lo + 250]})
+
+    async def latest(self) -> None:
+        await self.reader.latest(self.run)
+        await self.reader.branch_heads(self.run)

@@ -8,23 +8,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 from rich.progress import Progress
 
 from alma_core import settings as settings_mod
 from alma_core.client import AlmaClient
-from alma_core.embedded import EmbeddedStack
-from alma_core.migrations import Migrator
-from alma_core.topics import alma_topics, ensure_topics
 from alma_core.types import WorkflowContext
 from bench import merges
-from bench.checkpointer import PARTITIONS
+from bench.env import stack
 from bench.report import console, ms, report
 from consumers.worker import Services, run_worker
 from schemas.events import NodeCompleted
@@ -86,31 +81,17 @@ async def join_latency(s: settings_mod.Settings, rate: float, joins: int) -> lis
 async def main(quick: bool, out: Path | None) -> None:
     rows: dict[str, list[list[str]]] = {"merge": [], "e2e": []}
     with Progress(console=console) as progress:
-        task = progress.add_task("joiner benchmarks", total=4)
-        for size in (5_000, 50_000):
-            cost = merge_cost(size, 200 if quick else 1000)
-            rows["merge"].append([f"{size // 1000} KB", ms(cost, 50), ms(cost, 99)])
-            progress.advance(task)
-        stack = EmbeddedStack(Path(tempfile.mkdtemp(prefix="alma-bench-")), durable=True)
-        endpoints = await stack.start()
-        try:
-            conn = await asyncpg.connect(endpoints.postgres_dsn)
-            await Migrator(conn).migrate()
-            await conn.close()
-            s = settings_mod.load(
-                kafka_bootstrap=endpoints.kafka_bootstrap, postgres_dsn=endpoints.postgres_dsn,
-                redis_url=endpoints.redis_url, fetch_max_wait_ms=50,
-                session_timeout_ms=6000, heartbeat_interval_ms=500,
-                metrics_port=0, require_tenant=True,
-            )  # fmt: skip
-            await ensure_topics(s.kafka_bootstrap or "", alma_topics(s), partitions=PARTITIONS)
+        async with stack(quick, 1, False, progress) as env:
+            progress.update(env.task, description="joiner benchmarks", total=4)
+            for size in (5_000, 50_000):
+                cost = merge_cost(size, 200 if quick else 1000)
+                rows["merge"].append([f"{size // 1000} KB", ms(cost, 50), ms(cost, 99)])
+                env.done()
             for rate in (10, 50):
-                lat = await join_latency(s, rate, 60 if quick else 300)
+                lat = await join_latency(env.s, rate, 60 if quick else 300)
                 rows["e2e"].append([str(rate), str(len(lat)), ms(lat, 50), ms(lat, 95),
                                     ms(lat, 99)])  # fmt: skip
-                progress.advance(task)
-        finally:
-            await stack.stop()
+                env.done()
     headers = {
         "merge": ["branch state", "merge p50 ms", "merge p99 ms"],
         "e2e": ["offered joins/s", "joins", "request → reply p50 ms", "p95 ms", "p99 ms"],

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import random
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -34,19 +33,17 @@ from rich.progress import Progress
 
 from alma_core import scopes
 from alma_core import settings as settings_mod
-from alma_core.embedded import EmbeddedStack
 from alma_core.embeddings import AsyncEmbedder, Vector, load_embedder
-from alma_core.migrations import Migrator
 from alma_core.postgres import connect
 from alma_core.retrieval import Retriever
 from alma_core.topics import ensure_topics
 from alma_core.types import RetrievalScope, WorkflowContext
+from bench.env import PARTITIONS, stack
 from bench.report import console, ms, report
 from consumers import learner
 from consumers.runtime import HandleResult
 from consumers.worker import Services, run_worker
 
-PARTITIONS = 12
 DIM = 384
 TENANTS = 50
 WORKFLOWS = 10  # per tenant
@@ -390,53 +387,38 @@ async def query_embedding(embedder: AsyncEmbedder, samples: int) -> list[float]:
 
 async def main(quick: bool, sizes: list[int], out: Path | None) -> None:
     rows: dict[str, list[list[str]]] = {"outcomes": [], "retrieval": [], "load": []}
-    tmp = Path(tempfile.mkdtemp(prefix="alma-bench-"))
-    stack = EmbeddedStack(tmp, durable=True)
-    endpoints = await stack.start()
-    services = Services(endpoints.kafka_bootstrap, endpoints.postgres_dsn, endpoints.redis_url)
-    conn = await asyncpg.connect(endpoints.postgres_dsn)
-    await Migrator(conn).migrate()
-    await conn.close()
-    s = settings_mod.load(
-        kafka_bootstrap=services.kafka_bootstrap, postgres_dsn=services.postgres_dsn,
-        redis_url=services.redis_url, redis_prefix=f"bench{uuid.uuid4().hex[:6]}",
-        fetch_max_wait_ms=50, session_timeout_ms=6000, heartbeat_interval_ms=500,
-        metrics_port=0,
-    )  # fmt: skip
-    await ensure_topics(services.kafka_bootstrap, [s.sequenced_topic, s.dlq_topic],
-                        partitions=PARTITIONS)  # fmt: skip
-    console.print("loading the embedding model (torch + sentence-transformers)…")
-    embedder = await asyncio.to_thread(load_embedder, s)
     c = centres(np.random.default_rng(7))
-    try:
-        with Progress(console=console) as progress:
-            steps = 3 + len(sizes)
-            task = progress.add_task("benchmarks", total=steps)
-            backlog = 60 if quick else 400
-            for label, runs, rate in (("backlog", backlog, None),
-                                      ("5 runs/s", 30 if quick else 100, 5.0),
-                                      ("20 runs/s", 60 if quick else 300, 20.0)):  # fmt: skip
-                r = await outcomes(s, services, embedder, runs, rate)
-                e2e = [ms(r["e2e"], 50), ms(r["e2e"], 95)] if rate else ["—", "—"]
-                rows["outcomes"].append([
-                    label, r["stored"], f"{r['capacity']:.1f}", f"{np.mean(r['batch']):.1f}",
-                    ms(r["save"], 50), ms(r["save"], 95), *e2e, r["encoded"],
-                    r["memories"]])  # fmt: skip
-                progress.advance(task)
-            q = await query_embedding(embedder, 30 if quick else 100)
-            query_row = ["model, one query text", ms(q, 50), ms(q, 95)]
-            for total in sizes:
-                timings = await load(endpoints.postgres_dsn, total, c, 11, progress)
-                rows["load"].append([f"{total:,}", f"{total // RUN_ROWS:,}",
-                                     f"{total / timings['copy']:,.0f}", f"{timings['hnsw']:.0f}",
-                                     f"{timings['size_mb']:.0f}"])  # fmt: skip
-                rows["retrieval"] += await retrieval(endpoints.postgres_dsn, total, c,
-                                                     30 if quick else 100, 11)  # fmt: skip
-                progress.advance(task)
-    finally:
-        embedder.close()
-        await stack.stop()
-    rows["query"] = [query_row]
+    with Progress(console=console) as progress:
+        async with stack(quick, 1, False, progress) as env:
+            s, services, task = env.s, env.services, env.task
+            progress.update(task, description="loading the embedding model", total=3 + len(sizes))
+            embedder = await asyncio.to_thread(load_embedder, s)
+            progress.update(task, description="benchmarks")
+            try:
+                backlog = 60 if quick else 400
+                for label, runs, rate in (("backlog", backlog, None),
+                                          ("5 runs/s", 30 if quick else 100, 5.0),
+                                          ("20 runs/s", 60 if quick else 300, 20.0)):  # fmt: skip
+                    r = await outcomes(s, services, embedder, runs, rate)
+                    e2e = [ms(r["e2e"], 50), ms(r["e2e"], 95)] if rate else ["—", "—"]
+                    rows["outcomes"].append([
+                        label, r["stored"], f"{r['capacity']:.1f}", f"{np.mean(r['batch']):.1f}",
+                        ms(r["save"], 50), ms(r["save"], 95), *e2e, r["encoded"],
+                        r["memories"]])  # fmt: skip
+                    progress.advance(task)
+                q = await query_embedding(embedder, 30 if quick else 100)
+                rows["query"] = [["model, one query text", ms(q, 50), ms(q, 95)]]
+                for total in sizes:
+                    dsn = services.postgres_dsn
+                    timings = await load(dsn, total, c, 11, progress)
+                    copy_rate = total / timings["copy"]
+                    rows["load"].append([f"{total:,}", f"{total // RUN_ROWS:,}",
+                                         f"{copy_rate:,.0f}", f"{timings['hnsw']:.0f}",
+                                         f"{timings['size_mb']:.0f}"])  # fmt: skip
+                    rows["retrieval"] += await retrieval(dsn, total, c, 30 if quick else 100, 11)
+                    progress.advance(task)
+            finally:
+                embedder.close()
     report("learner", rows, HEADERS, TITLES, out)
 
 

@@ -23,16 +23,11 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from alma_core import errors
-from alma_core.batch_store import Incoming
-from alma_core.checkpoint_store import PostgresCheckpointStore, StoreConfig
 from alma_core.client import AlmaClient
 from alma_core.postgres import connect
-from alma_core.reducers import ReducerRegistry
-from alma_core.resume import CheckpointReader
 from alma_core.types import WorkflowContext
-from bench.env import Env, Waiters, checkpoint_worker, node_completed
+from bench.env import AlmaRun, Env, Waiters, checkpoint_worker, node_completed
 from bench.report import Section, Stat, pct, ratio
-from schemas.decoder import decode
 
 # On a fresh, short topic the embedded broker stays fast with a short fetch wait;
 # it does not wake a waiting fetch when data arrives (Apache Kafka does), so each
@@ -265,20 +260,6 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
 # --- latest-checkpoint reads --------------------------------------------------------
 
 
-async def fill_alma_run(env: Env, run: str, count: int, state: dict[str, Any]) -> None:
-    """``count`` checkpoints in one run through the checkpointer's own store (the rows
-    the pipeline writes, without waiting on the broker)."""
-    async with connect(env.services.postgres_dsn) as pg:
-        store = PostgresCheckpointStore(pg, StoreConfig("bench", "bench", "x", "y", 10**9),
-                                        ReducerRegistry())  # fmt: skip
-        records = []
-        for i in range(count):
-            raw = node_completed(run, i, {**state, "step": i})[1]
-            records.append(Incoming("bench", 0, i, run.encode(), raw, decode(raw)))
-        for lo in range(0, count, 250):
-            await store.apply(f"fill-{run}", {("bench", 0): records[lo : lo + 250]})
-
-
 async def analyze(env: Env) -> None:
     for dsn in (env.services.postgres_dsn, env.peer_dsn):
         conn = await asyncpg.connect(dsn)
@@ -322,25 +303,20 @@ async def read_latest(
     the SDK's resume (Redis), the same on a cache miss (PostgreSQL), ``aget_tuple``."""
     samples = 60 if env.quick else 300
     run = f"read-{count}-{uuid.uuid4().hex[:6]}"
-    await fill_alma_run(env, run, count, state)
     saver = AsyncPostgresSaver(pool)  # type: ignore[arg-type]
     config = lg_config(run)
     for i in range(count):
         config = await lg_put(saver, config, {**state, "step": i}, i)
-    await analyze(env)  # as autovacuum would have by now: plans for the tables' real size
     ctx = WorkflowContext(tenant_id="bench", workflow_id="wf", run_id=run)
     latest = lg_config(run)
     cols: dict[str, list[list[float]]] = {"cached": [], "pg": [], "lg": []}
     async with AlmaClient(env.s) as cached, connect(env.services.postgres_dsn) as pg:
-        reader = CheckpointReader(pg, None, tenant_id="bench")
-
-        async def from_postgres() -> None:  # what resume() does on a cache miss
-            await reader.latest(run)
-            await reader.branch_heads(run)
-
+        alma = AlmaRun(pg, run)  # its latest() is what resume() does on a cache miss
+        await alma.extend(count, state)
+        await analyze(env)  # as autovacuum would have by now: plans for the tables' real size
         for _ in range(env.reps):
             cols["cached"].append(await time_calls(lambda: cached.resume(ctx), samples))
-            cols["pg"].append(await time_calls(from_postgres, samples))
+            cols["pg"].append(await time_calls(alma.latest, samples))
             cols["lg"].append(await time_calls(lambda: saver.aget_tuple(latest), samples))
         point = await cached.resume(ctx)
     tuple_ = await saver.aget_tuple(latest)

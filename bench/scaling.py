@@ -33,10 +33,7 @@ RUNS = 200
 
 def worker_env(s: settings_mod.Settings) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
-    for name, value in s.model_dump(mode="json").items():
-        if value is not None:
-            env[f"ALMA_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
-    return env | {"ALMA_LOG_LEVEL": "WARNING"}
+    return env | s.to_env() | {"ALMA_LOG_LEVEL": "WARNING"}
 
 
 def assigned(port: int) -> int:

@@ -198,11 +198,7 @@ class Worker:
 def worker_env(settings: Settings) -> dict[str, str]:
     """The environment that makes `alma worker` use these settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
-    for name, value in settings.model_dump(mode="json").items():
-        if value is not None:
-            env[f"ALMA_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
-    env["ALMA_LOG_FORMAT"] = "json"
-    return env
+    return env | settings.to_env() | {"ALMA_LOG_FORMAT": "json"}
 
 
 class WorkerProcess:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from alma_core import errors
@@ -52,3 +54,16 @@ def test_context_hierarchy() -> None:
     with pytest.raises(errors.ContextError, match="ALMA_REQUIRE_TENANT"):
         WorkflowContext(workflow_id="w").validate(require_tenant=True)
     WorkflowContext(workflow_id="w").validate(require_tenant=False)
+
+
+def test_to_env_makes_another_process_load_the_same_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    original = load(postgres_dsn="postgresql://u@h:5/db", partitions=7,
+                             fetch_max_wait_ms=20, redis_prefix="p")  # fmt: skip
+    for name in list(os.environ):
+        if name.startswith("ALMA_"):
+            monkeypatch.delenv(name)
+    for name, value in original.to_env().items():
+        monkeypatch.setenv(name, value)
+    assert load() == original
