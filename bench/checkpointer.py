@@ -26,10 +26,10 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from rich.progress import Progress
 
 from alma_core import settings as settings_mod
-from alma_core.cache import RedisCheckpointCache
-from alma_core.postgres import connect
-from alma_core.resume import CheckpointReader
-from alma_core.topics import ensure_topics
+from alma_core.cli.topics import ensure_topics
+from alma_core.storage.cache import RedisCheckpointCache
+from alma_core.storage.postgres import connect
+from alma_core.storage.reader import CheckpointReader
 from bench.env import PARTITIONS, AlmaRun, checkpoint_worker, stack
 from bench.report import console, ms, pct, report
 from consumers.worker import Services, run_worker

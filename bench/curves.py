@@ -15,7 +15,7 @@ import numpy as np
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from psycopg_pool import AsyncConnectionPool
 
-from alma_core.postgres import connect
+from alma_core.storage.postgres import connect
 from bench import learner
 from bench.checkpointer import sent_at, start_load, state_of
 from bench.env import AlmaRun, Env, checkpoint_worker

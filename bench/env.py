@@ -22,13 +22,13 @@ import asyncpg
 from rich.progress import Progress, TaskID
 
 from alma_core import settings as settings_mod
-from alma_core.batch_store import Incoming
-from alma_core.checkpoint_store import PostgresCheckpointStore, StoreConfig
-from alma_core.embedded import EmbeddedStack
-from alma_core.migrations import Migrator
+from alma_core.cli.embedded import EmbeddedStack
+from alma_core.cli.topics import alma_topics, ensure_topics
 from alma_core.reducers import ReducerRegistry
-from alma_core.resume import CheckpointReader
-from alma_core.topics import alma_topics, ensure_topics
+from alma_core.storage.batches import Incoming
+from alma_core.storage.checkpoints import PostgresCheckpointStore, StoreConfig
+from alma_core.storage.migrations import Migrator
+from alma_core.storage.reader import CheckpointReader
 from consumers import checkpointer
 from consumers.runtime import HandleResult
 from consumers.worker import Services, run_worker

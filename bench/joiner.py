@@ -16,7 +16,7 @@ from typing import Any
 from rich.progress import Progress
 
 from alma_core import settings as settings_mod
-from alma_core.client import AlmaClient
+from alma_core.sdk.client import AlmaClient
 from alma_core.types import WorkflowContext
 from bench import merges
 from bench.env import stack

@@ -33,10 +33,10 @@ from rich.progress import Progress
 
 from alma_core import scopes
 from alma_core import settings as settings_mod
-from alma_core.embeddings import AsyncEmbedder, Vector, load_embedder
-from alma_core.postgres import connect
-from alma_core.retrieval import Retriever
-from alma_core.topics import ensure_topics
+from alma_core.cli.topics import ensure_topics
+from alma_core.storage.embeddings import AsyncEmbedder, Vector, load_embedder
+from alma_core.storage.postgres import connect
+from alma_core.storage.retrieval import Retriever
 from alma_core.types import RetrievalScope, WorkflowContext
 from bench.env import PARTITIONS, stack
 from bench.report import console, ms, report

@@ -23,8 +23,8 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from alma_core import errors
-from alma_core.client import AlmaClient
-from alma_core.postgres import connect
+from alma_core.sdk.client import AlmaClient
+from alma_core.storage.postgres import connect
 from alma_core.types import WorkflowContext
 from bench.env import AlmaRun, Env, Waiters, checkpoint_worker, node_completed
 from bench.report import Section, Stat, pct, ratio

@@ -18,8 +18,8 @@ from typing import Any
 
 import asyncpg
 
-from alma_core.client import AlmaClient
-from alma_core.run_state import RunState
+from alma_core.sdk.client import AlmaClient
+from alma_core.sdk.run_state import RunState
 from alma_core.types import WorkflowContext
 from bench.env import Env, Waiters, checkpoint_worker
 from bench.report import Section, Stat, pct, ratio

@@ -22,7 +22,7 @@ import asyncpg
 from aiokafka import AIOKafkaProducer
 
 from alma_core import settings as settings_mod
-from alma_core.embedded import free_port
+from alma_core.cli.embedded import free_port
 from bench.checkpointer import event
 from bench.env import PARTITIONS, Env
 from bench.report import Section, Stat, ratio

@@ -1,6 +1,6 @@
 """The checkpointer (group ``alma-checkpointer``): lifecycle events in, ordered
 exactly-once checkpoints out. Decode, apply in one transaction
-(:mod:`alma_core.checkpoint_store`), then cache, publish the outbox, and let
+(:mod:`alma_core.storage.checkpoints`), then cache, publish the outbox, and let
 the runtime commit to Kafka.
 
 A batch that PostgreSQL refuses for its data (not for an outage) is split:
@@ -15,11 +15,11 @@ import time
 from datetime import datetime
 from typing import Any
 
-from alma_core.batch_store import Incoming
-from alma_core.checkpoint_store import BatchResult, PostgresCheckpointStore
-from alma_core.offsets import TopicPartition
-from alma_core.resume import cache_entries
 from alma_core.sequencing import CheckpointRow
+from alma_core.storage.batches import Incoming
+from alma_core.storage.cache import cache_entries
+from alma_core.storage.checkpoints import BatchResult, PostgresCheckpointStore
+from alma_core.storage.offsets import TopicPartition
 from alma_core.types import Checkpoint
 from consumers.handler import StoreHandler
 from consumers.runtime import HandleResult

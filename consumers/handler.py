@@ -9,9 +9,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from alma_core import errors
-from alma_core.batch_store import BatchStore, Incoming
-from alma_core.cache import CacheWriter
-from alma_core.offsets import TopicPartition
+from alma_core.storage.batches import BatchStore, Incoming
+from alma_core.storage.cache import CacheWriter
+from alma_core.storage.offsets import TopicPartition
 from consumers.metrics import Metrics
 from consumers.outbox import OutboxRelay
 from schemas.decoder import Rejection, RejectReason, decode

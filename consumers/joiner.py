@@ -1,5 +1,5 @@
 """The joiner (group ``<prefix>-joiner``): merge requests handed on by the
-checkpointer in, merged checkpoints and replies out (:mod:`alma_core.join_store`).
+checkpointer in, merged checkpoints and replies out (:mod:`alma_core.storage.joins`).
 Completion events on the same topic are the learner's; the joiner only moves
 its offsets past them."""
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from alma_core.join_store import JoinBatchResult, PostgresJoinStore
-from alma_core.offsets import TopicPartition
-from alma_core.resume import cache_entries
+from alma_core.storage.cache import cache_entries
+from alma_core.storage.joins import JoinBatchResult, PostgresJoinStore
+from alma_core.storage.offsets import TopicPartition
 from consumers.handler import StoreHandler
 from consumers.runtime import HandleResult
 

@@ -1,5 +1,5 @@
 """The learner (group ``<prefix>-learner``): completions handed on by the
-checkpointer in, outcomes and memories out (:mod:`alma_core.learn_store`).
+checkpointer in, outcomes and memories out (:mod:`alma_core.storage.memories`).
 
 Per polled batch (gathered for up to ``ALMA_EMBED_MAX_WAIT_MS``): read the runs'
 histories, draft what to learn (:mod:`alma_core.learning`), embed every text in
@@ -15,12 +15,13 @@ import logging
 import time
 from typing import Any
 
-from alma_core import learning, retention
-from alma_core.batch_store import Incoming
-from alma_core.cache import CacheWriter
-from alma_core.embeddings import AsyncEmbedder
-from alma_core.learn_store import Coords, LearnBatchResult, PostgresLearnStore, Prepared
-from alma_core.offsets import TopicPartition
+from alma_core import learning
+from alma_core.storage import retention
+from alma_core.storage.batches import Incoming
+from alma_core.storage.cache import CacheWriter
+from alma_core.storage.embeddings import AsyncEmbedder
+from alma_core.storage.memories import Coords, LearnBatchResult, PostgresLearnStore, Prepared
+from alma_core.storage.offsets import TopicPartition
 from consumers.handler import StoreHandler
 from consumers.metrics import Metrics
 from consumers.outbox import OutboxRelay

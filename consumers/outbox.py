@@ -18,7 +18,7 @@ import asyncpg
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from alma_core.postgres import STORAGE_FAILURES, is_storage_failure
+from alma_core.storage.postgres import STORAGE_FAILURES, is_storage_failure
 from consumers.metrics import Metrics
 
 log = logging.getLogger("alma.outbox")

@@ -17,16 +17,17 @@ from typing import Any
 import asyncpg
 from aiokafka import AIOKafkaProducer
 
-from alma_core import errors, postgres
-from alma_core.cache import CacheWriter, RedisCheckpointCache
-from alma_core.checkpoint_store import PostgresCheckpointStore, StoreConfig
-from alma_core.embeddings import AsyncEmbedder, load_embedder
-from alma_core.join_store import JoinConfig, PostgresJoinStore
-from alma_core.learn_store import LearnConfig, PostgresLearnStore, check_dimension
+from alma_core import errors
 from alma_core.learning import LearningPolicy
-from alma_core.migrations import Migrator, load_migrations
 from alma_core.reducers import default_registry
 from alma_core.settings import Settings
+from alma_core.storage import postgres
+from alma_core.storage.cache import CacheWriter, RedisCheckpointCache
+from alma_core.storage.checkpoints import PostgresCheckpointStore, StoreConfig
+from alma_core.storage.embeddings import AsyncEmbedder, load_embedder
+from alma_core.storage.joins import JoinConfig, PostgresJoinStore
+from alma_core.storage.memories import LearnConfig, PostgresLearnStore, check_dimension
+from alma_core.storage.migrations import Migrator, load_migrations
 from consumers import checkpointer, http, joiner, learner
 from consumers.metrics import Metrics
 from consumers.outbox import OutboxRelay

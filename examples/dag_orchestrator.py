@@ -20,9 +20,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from alma_core.client import AlmaClient
-from alma_core.dag import Node, Orchestrator, Parallel, SimulatedCrash, Workflow
-from alma_core.hooks import WorkflowHooks
+from alma_core.sdk.client import AlmaClient
+from alma_core.sdk.dag import Node, Orchestrator, Parallel, SimulatedCrash, Workflow
+from alma_core.sdk.hooks import WorkflowHooks
 from alma_core.settings import Settings, load
 from alma_core.types import RetrievalScope, WorkflowContext
 

@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from alma_core.client import AlmaClient
+from alma_core.sdk.client import AlmaClient
 from alma_core.settings import load
 from alma_core.types import WorkflowContext
 

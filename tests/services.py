@@ -3,7 +3,7 @@
 1. already running ones named by ``ALMA_TEST_KAFKA_BOOTSTRAP``,
    ``ALMA_TEST_POSTGRES_DSN`` and ``ALMA_TEST_REDIS_URL`` (each on its own);
 2. containers from testcontainers, when a Docker engine answers;
-3. the embedded processes (``alma_core.embedded``), started here.
+3. the embedded processes (``alma_core.cli.embedded``), started here.
 
 A service is never skipped: if none of the three works, the session fails
 with the reason.
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from alma_core.embedded import EmbeddedStack
+from alma_core.cli.embedded import EmbeddedStack
 
 
 @dataclass

@@ -11,11 +11,11 @@ from typing import Any
 import asyncpg
 import pytest
 
-from alma_core.embedded import EmbeddedStack, Postgres, Redis
-from alma_core.embeddings import AsyncEmbedder
-from alma_core.migrations import Migrator
+from alma_core.cli.embedded import EmbeddedStack, Postgres, Redis
+from alma_core.cli.topics import ensure_topics
 from alma_core.settings import Settings, load
-from alma_core.topics import ensure_topics
+from alma_core.storage.embeddings import AsyncEmbedder
+from alma_core.storage.migrations import Migrator
 from tests.integration.harness import Worker
 from tests.services import Services, real_services
 
@@ -140,7 +140,7 @@ def settings(services: Services, database: str, topics: Topics) -> Settings:
 @pytest.fixture(scope="session")
 def embedder() -> AsyncEmbedder:
     """The real model (all-MiniLM-L6-v2), loaded once for the in-process workers."""
-    from alma_core.embeddings import load_embedder
+    from alma_core.storage.embeddings import load_embedder
 
     return load_embedder(load())
 

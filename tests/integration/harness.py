@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from alma_core.embeddings import AsyncEmbedder
 from alma_core.settings import Settings
+from alma_core.storage.embeddings import AsyncEmbedder
 from consumers.metrics import Metrics
 from consumers.worker import Services as WorkerServices
 from consumers.worker import WorkerStatus, run_worker
@@ -276,9 +276,9 @@ async def assert_exactly_once(dsn: str, published: dict[str, list[dict[str, Any]
 async def assert_cache_matches(settings: Settings, runs: list[str], *, require_all: bool) -> int:
     """The cached latest checkpoint of each run is PostgreSQL's (never older).
     Returns how many runs were served from the cache."""
-    from alma_core.cache import RedisCheckpointCache
-    from alma_core.postgres import connect
-    from alma_core.resume import CheckpointReader
+    from alma_core.storage.cache import RedisCheckpointCache
+    from alma_core.storage.postgres import connect
+    from alma_core.storage.reader import CheckpointReader
 
     assert settings.postgres_dsn
     assert settings.redis_url

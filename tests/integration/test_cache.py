@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from alma_core.cache import CacheEntry, CacheWriter, RedisCheckpointCache
+from alma_core.storage.cache import CacheEntry, CacheWriter, RedisCheckpointCache
 from tests.services import Services
 
 

@@ -148,7 +148,7 @@ async def test_joiner_killed_mid_stream_every_join_answered_once(
     checkpoint and the reply): orchestrators retrying with the same join_id all get
     their answer, and each join has exactly one merged checkpoint."""
     from alma_core import errors
-    from alma_core.client import AlmaClient
+    from alma_core.sdk.client import AlmaClient
     from alma_core.types import WorkflowContext
 
     dsn = settings.postgres_dsn

@@ -8,10 +8,10 @@ from typing import Any
 
 import asyncpg
 
-from alma_core.cache import RedisCheckpointCache
-from alma_core.postgres import connect
-from alma_core.resume import CheckpointReader
 from alma_core.settings import Settings
+from alma_core.storage.cache import RedisCheckpointCache
+from alma_core.storage.postgres import connect
+from alma_core.storage.reader import CheckpointReader
 from tests.integration.harness import (
     Publisher,
     Worker,

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from alma_core import errors
-from alma_core.client import AlmaClient
+from alma_core.sdk.client import AlmaClient
 from alma_core.settings import Settings
 from alma_core.types import WorkflowContext
 from tests.integration.harness import Worker, count, fetch, wait_for

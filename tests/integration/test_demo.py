@@ -11,7 +11,7 @@ from tests.integration.test_cli import alma
 from tests.integration.test_cli_runs import env_of
 
 
-def test_demo_runs_to_its_summary(settings: Settings, tmp_path: Path) -> None:
+def test_demo_workflows_to_its_summary(settings: Settings, tmp_path: Path) -> None:
     env = {**env_of(settings), "ALMA_DATA_DIR": str(tmp_path)}
     result = alma("demo", "--runs", "10", "--json", env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

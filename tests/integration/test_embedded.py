@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from alma_core import errors
-from alma_core.embedded import EmbeddedStack, Redis
+from alma_core.cli.embedded import EmbeddedStack, Redis
 
 
 async def test_broken_data_directory_says_how_to_reset(tmp_path: Path) -> None:

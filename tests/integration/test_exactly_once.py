@@ -8,10 +8,10 @@ import asyncio
 import json
 from typing import Any
 
-from alma_core.batch_store import Incoming
-from alma_core.checkpoint_store import PostgresCheckpointStore, StoreConfig
-from alma_core.postgres import connect
 from alma_core.reducers import ReducerRegistry
+from alma_core.storage.batches import Incoming
+from alma_core.storage.checkpoints import PostgresCheckpointStore, StoreConfig
+from alma_core.storage.postgres import connect
 from schemas.decoder import decode
 from tests.integration.harness import completed, count, fetch
 

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 
 from alma_core import errors
-from alma_core.batch_store import Incoming
-from alma_core.client import AlmaClient
-from alma_core.join_store import JoinConfig, PostgresJoinStore
-from alma_core.postgres import connect
 from alma_core.reducers import ReducerRegistry, default_registry
+from alma_core.sdk.client import AlmaClient
 from alma_core.settings import Settings
+from alma_core.storage.batches import Incoming
+from alma_core.storage.joins import JoinConfig, PostgresJoinStore
+from alma_core.storage.postgres import connect
 from alma_core.types import WorkflowContext
 from schemas.decoder import decode
 from tests.integration.harness import (

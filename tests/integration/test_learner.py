@@ -13,11 +13,12 @@ from typing import Any
 import asyncpg
 import pytest
 
-from alma_core import errors, retention
-from alma_core.embeddings import AsyncEmbedder
-from alma_core.postgres import connect
-from alma_core.retrieval import Retriever
+from alma_core import errors
 from alma_core.settings import Settings
+from alma_core.storage import retention
+from alma_core.storage.embeddings import AsyncEmbedder
+from alma_core.storage.postgres import connect
+from alma_core.storage.retrieval import Retriever
 from alma_core.types import RetrievalScope, WorkflowContext
 from consumers.worker import Services, run_worker
 from tests.integration.harness import (

@@ -10,8 +10,8 @@ from typing import Any
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
-from alma_core.embeddings import AsyncEmbedder
 from alma_core.settings import Settings
+from alma_core.storage.embeddings import AsyncEmbedder
 from tests.integration.harness import Worker, count, wait_for
 from tests.integration.test_cli_runs import env_of
 

@@ -8,7 +8,7 @@ import asyncpg
 import pytest
 
 from alma_core import errors
-from alma_core.migrations import VERSION_TABLE, Migrator, load_migrations
+from alma_core.storage.migrations import VERSION_TABLE, Migrator, load_migrations
 
 CATALOG = {
     "columns": """SELECT table_name, column_name, data_type, udt_name, is_nullable,

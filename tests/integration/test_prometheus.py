@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from alma_core.embedded import free_port
+from alma_core.cli.embedded import free_port
 from alma_core.settings import Settings
 from tests.integration.harness import Publisher, Worker, completed, count, wait_for
 

@@ -14,10 +14,10 @@ import asyncpg
 import pytest
 
 from alma_core import errors, scopes
-from alma_core.embeddings import AsyncEmbedder, vector_literal
 from alma_core.memory import Memory, estimate_tokens
-from alma_core.postgres import connect
-from alma_core.retrieval import Retriever
+from alma_core.storage.embeddings import AsyncEmbedder, vector_literal
+from alma_core.storage.postgres import connect
+from alma_core.storage.retrieval import Retriever
 from alma_core.types import RetrievalScope, WorkflowContext
 
 TENANTS = ["t0", "t1", "t2"]

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from alma_core import errors
-from alma_core.client import AlmaClient
-from alma_core.dag import Orchestrator, SimulatedCrash
-from alma_core.demo import research
-from alma_core.embeddings import AsyncEmbedder
-from alma_core.hooks import WorkflowHooks
-from alma_core.run_state import RunState
+from alma_core.cli.demo_workflows import research
+from alma_core.sdk.client import AlmaClient
+from alma_core.sdk.dag import Orchestrator, SimulatedCrash
+from alma_core.sdk.hooks import WorkflowHooks
+from alma_core.sdk.run_state import RunState
 from alma_core.settings import Settings
+from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.types import RetrievalScope, WorkflowContext
 from tests.integration.harness import Worker, count, fetch, wait_for, worker_env
 

@@ -7,8 +7,8 @@ import asyncio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from alma_core.embeddings import AsyncEmbedder
 from alma_core.memory import Memory, MemoryKind, MemorySlice, WorkflowOutcome, estimate_tokens
+from alma_core.storage.embeddings import AsyncEmbedder
 
 KIND_ATTR = {
     MemoryKind.HEURISTIC: "heuristics",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from alma_core import errors
-from alma_core.migrations import Migration, load_migrations, plan
+from alma_core.storage.migrations import Migration, load_migrations, plan
 
 M = [Migration(v, f"m{v}", f"up{v}", f"down{v}") for v in (1, 2, 3)]
 

@@ -14,12 +14,7 @@ from rich.console import Console
 
 from alma_core import errors
 from alma_core import settings as settings_mod
-from alma_core.embedded import EmbeddedStack, Endpoints
-from alma_core.embeddings import AsyncEmbedder
-from alma_core.migrations import Migrator
-from alma_core.topics import alma_topics, ensure_topics
-from consumers.worker import KNOWN_CONSUMERS, WorkerStatus, run_worker
-from consumers.worker import Services as WorkerServices
+from alma_core.cli.embedded import Endpoints
 
 out = Console()
 err = Console(stderr=True)
@@ -97,57 +92,3 @@ def resolved(s: settings_mod.Settings, endpoints: Endpoints | None = None) -> se
     return s.model_copy(update={"kafka_bootstrap": endpoints.kafka_bootstrap,
                                 "postgres_dsn": endpoints.postgres_dsn,
                                 "redis_url": endpoints.redis_url})  # fmt: skip
-
-
-async def bring_up(
-    s: settings_mod.Settings, *, durable: bool = True
-) -> tuple[EmbeddedStack, Endpoints]:
-    """Start what is not configured, create topics, migrate. The caller stops the stack."""
-    stack = EmbeddedStack(
-        s.data_dir,
-        kafka_bootstrap=s.kafka_bootstrap,
-        postgres_dsn=s.postgres_dsn,
-        redis_url=s.redis_url,
-        durable=durable,
-    )
-    endpoints = await stack.start()
-    try:
-        await ensure_topics(
-            endpoints.kafka_bootstrap,
-            alma_topics(s),
-            partitions=s.partitions,
-            replication_factor=s.replication_factor,
-        )
-        conn = await connect(endpoints.postgres_dsn)
-        try:
-            await Migrator(conn).migrate()
-        finally:
-            await conn.close()
-    except BaseException:
-        await stack.stop()
-        raise
-    return stack, endpoints
-
-
-async def start_workers(
-    s: settings_mod.Settings,
-    endpoints: Endpoints,
-    stop: asyncio.Event,
-    embedder: AsyncEmbedder | None = None,
-) -> tuple[asyncio.Task[None], WorkerStatus]:
-    """Every consumer group in this process on ``endpoints``, once ready (their
-    error, if they fail first); they run until ``stop`` is set."""
-    ready, status = asyncio.Event(), WorkerStatus()
-    services = WorkerServices(
-        endpoints.kafka_bootstrap, endpoints.postgres_dsn, endpoints.redis_url
-    )
-    task = asyncio.create_task(
-        run_worker(s, services, list(KNOWN_CONSUMERS), stop, ready=ready, status=status,
-                   embedder=embedder)
-    )  # fmt: skip
-    waiter = asyncio.ensure_future(ready.wait())
-    await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
-    waiter.cancel()
-    if task.done():
-        task.result()  # raises the worker's error
-    return task, status

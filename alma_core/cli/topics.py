@@ -1,16 +1,26 @@
-"""Kafka topics: create ALMA's topics explicitly (never rely on auto-creation,
+"""``alma topics``: create ALMA's topics explicitly (never rely on auto-creation,
 which gives 4 partitions on the embedded broker) and describe them."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass
 
+import typer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from rich.table import Table
 
 from alma_core import errors
+from alma_core.cli import common
 from alma_core.settings import Settings
+
+topics_app = typer.Typer(help="Kafka topics.")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(topics_app, name="topics")
 
 
 @dataclass(frozen=True)
@@ -74,3 +84,43 @@ async def describe_topics(bootstrap: str, names: list[str]) -> list[TopicInfo]:
         ) from exc
     finally:
         await admin.close()
+
+
+@topics_app.command("create")
+def topics_create(
+    partitions: int = typer.Option(None, help="Partitions (ALMA_PARTITIONS)."),
+) -> None:
+    """Create ALMA's topics where missing."""
+    s = common.settings(partitions=partitions)
+
+    async def main() -> None:
+        created = await ensure_topics(
+            common.bootstrap(s), alma_topics(s), partitions=s.partitions,
+            replication_factor=s.replication_factor,
+        )  # fmt: skip
+        common.out.print(f"created: {', '.join(created)}" if created else "all topics exist")
+
+    common.run(main)
+
+
+@topics_app.command("describe")
+def topics_describe(as_json: bool = typer.Option(False, "--json")) -> None:
+    """Partition counts of ALMA's topics."""
+    s = common.settings()
+
+    async def main() -> None:
+        infos = await describe_topics(common.bootstrap(s), alma_topics(s))
+        if as_json:
+            print(json.dumps([i.__dict__ for i in infos]))
+        else:
+            table = Table(title="topics")
+            for col in ("topic", "partitions", "note"):
+                table.add_column(col)
+            for i in infos:
+                table.add_row(i.name, str(i.partitions), i.error or "")
+            common.out.print(table)
+        if any(i.error for i in infos):
+            common.err.print("some topics are missing: run `alma topics create`")
+            raise typer.Exit(1)
+
+    common.run(main)

@@ -8,17 +8,16 @@ import json
 import typer
 from rich.table import Table
 
-from alma_core import cli_common as common
-from alma_core import retention, scopes
+from alma_core import scopes
+from alma_core.cli import common
 from alma_core.memory import MemorySlice, WorkflowOutcome
-from alma_core.postgres import connect
-from alma_core.retrieval import Retriever
+from alma_core.storage.postgres import connect
+from alma_core.storage.retrieval import Retriever
 from alma_core.types import RetrievalScope, WorkflowContext
 
 
-def register(app: typer.Typer, db_app: typer.Typer) -> None:
+def register(app: typer.Typer) -> None:
     app.command("retrieve")(retrieve)
-    db_app.command("prune")(prune)
 
 
 def retrieve(
@@ -37,7 +36,7 @@ def retrieve(
     s = common.settings()
 
     async def main() -> MemorySlice:
-        from alma_core.embeddings import load_embedder
+        from alma_core.storage.embeddings import load_embedder
 
         ctx = WorkflowContext(tenant, workflow, None, run, node)
         # a context the scope cannot use is refused before the model loads (seconds)
@@ -76,27 +75,3 @@ def retrieve(
                          "workflow.completed arrives (the learner must be running)")  # fmt: skip
     else:
         common.out.print(found.to_prompt(max_tokens=max_tokens), markup=False)
-
-
-def prune(
-    older_than_days: float = typer.Option(
-        ..., "--older-than-days", min=0.0, help="Prune runs completed longer ago than this."
-    ),
-    batch_runs: int = typer.Option(200, min=1, help="Runs per transaction."),
-    max_batches: int = typer.Option(1000, min=1, help="Stop after this many batches."),
-) -> None:
-    """Delete the checkpoints of runs completed long ago (never of an open run)."""
-    s = common.settings()
-
-    async def main() -> retention.PruneResult:
-        async with connect(common.dsn(s), max_size=1) as pool:
-            with common.out.status("pruning..."):
-                return await retention.prune_checkpoints(
-                    pool, older_than_days, batch_runs=batch_runs, max_batches=max_batches
-                )
-
-    result = common.run(main)
-    common.out.print(
-        f"pruned {result.checkpoints} checkpoints of {result.runs} runs "
-        f"in {result.batches} batches" + ("; more left: run it again" if result.more else "")
-    )

@@ -20,8 +20,9 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -30,6 +31,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from alma_core import errors
+from alma_core.types import Checkpoint
 
 MAIN_FIELD = "@"
 LATEST_FIELD = "latest"
@@ -93,6 +95,61 @@ class CacheEntry:
 
     def encode(self) -> str:
         return f"{self.seq}:{json.dumps(self.document, separators=(',', ':'))}"
+
+
+def checkpoint_to_doc(cp: Checkpoint) -> dict[str, Any]:
+    return {
+        "run_id": cp.run_id,
+        "tenant_id": cp.tenant_id,
+        "seq": cp.seq,
+        "kind": cp.kind,
+        "node_id": cp.node_id,
+        "branch_id": cp.branch_id,
+        "parent_seq": cp.parent_seq,
+        "event_id": cp.event_id,
+        "state": cp.state,
+        "state_hash": cp.state_hash,
+        "size_bytes": cp.size_bytes,
+        "merged_from": list(cp.merged_from),
+        "metadata": cp.metadata,
+        "created_at": cp.created_at.isoformat() if cp.created_at else None,
+    }
+
+
+def checkpoint_from_doc(doc: Mapping[str, Any]) -> Checkpoint:
+    """A checkpoint from a database row or a cached document (``created_at`` a
+    datetime or an ISO string)."""
+    created = doc.get("created_at")
+    return Checkpoint(
+        run_id=doc["run_id"],
+        tenant_id=doc["tenant_id"],
+        seq=doc["seq"],
+        state=doc["state"],
+        state_hash=doc["state_hash"],
+        size_bytes=doc["size_bytes"],
+        kind=doc.get("kind") or "node",
+        node_id=doc.get("node_id"),
+        branch_id=doc.get("branch_id"),
+        parent_seq=doc.get("parent_seq"),
+        event_id=doc.get("event_id"),
+        merged_from=tuple(doc.get("merged_from") or ()),
+        metadata=doc.get("metadata") or {},
+        created_at=datetime.fromisoformat(created) if isinstance(created, str) else created,
+    )
+
+
+def cache_entries(heads: Mapping[str | None, Checkpoint]) -> list[CacheEntry]:
+    """Entries for a set of branch heads, plus the run's ``latest``."""
+    entries = [
+        CacheEntry(cp.run_id, field_for(branch), cp.seq, checkpoint_to_doc(cp))
+        for branch, cp in heads.items()
+    ]
+    if heads:
+        newest = max(heads.values(), key=lambda cp: cp.seq)
+        entries.append(
+            CacheEntry(newest.run_id, LATEST_FIELD, newest.seq, checkpoint_to_doc(newest))
+        )
+    return entries
 
 
 def _decode(value: bytes | str | None) -> dict[str, Any] | None:

@@ -1,8 +1,8 @@
 """What every store that applies polled batches to PostgreSQL shares: the consumed
 record, dead letters, outbox rows, stored offsets and the batch transaction.
 
-Stores (:mod:`alma_core.checkpoint_store`, :mod:`alma_core.join_store`) apply a
-batch in one transaction: fence the offsets (:mod:`alma_core.offsets`), write
+Stores (:mod:`alma_core.storage.checkpoints`, :mod:`alma_core.storage.joins`) apply a
+batch in one transaction: fence the offsets (:mod:`alma_core.storage.offsets`), write
 their effects, dead letters and outbox rows, advance the offsets. What the
 outbox holds is published after commit by the worker's relay.
 """
@@ -16,10 +16,11 @@ from typing import TypeVar
 
 import asyncpg
 
-from alma_core import errors, offsets
-from alma_core.offsets import TopicPartition
-from alma_core.postgres import is_storage_failure, storage_error
+from alma_core import errors
 from alma_core.sequencing import Coordinates
+from alma_core.storage import offsets
+from alma_core.storage.offsets import TopicPartition
+from alma_core.storage.postgres import is_storage_failure, storage_error
 from schemas.decoder import Decoded, Rejection
 
 T = TypeVar("T")

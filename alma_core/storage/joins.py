@@ -1,7 +1,7 @@
 """PostgresJoinStore: merge requests handed on by the checkpointer become merged
 checkpoints and replies, exactly once, in one transaction per batch.
 
-* Offsets fenced as for the checkpointer (:mod:`alma_core.offsets`).
+* Offsets fenced as for the checkpointer (:mod:`alma_core.storage.offsets`).
 * ``joins`` (run_id, join_id) remembers every answer: a join delivered again
   gets the very same reply again (same bytes) and no second checkpoint.
 * The reply is an outbox row written with the merged checkpoint, published
@@ -22,8 +22,11 @@ from typing import Any
 
 import asyncpg
 
-from alma_core import errors, joining, offsets
-from alma_core.batch_store import (
+from alma_core import errors, joining
+from alma_core.reducers import ReducerConfig, ReducerRegistry
+from alma_core.sequencing import MAIN, Head, canonical_json
+from alma_core.storage import offsets
+from alma_core.storage.batches import (
     BatchStore,
     DeadLetter,
     Incoming,
@@ -32,9 +35,7 @@ from alma_core.batch_store import (
     insert_outbox,
     record_dead_letter,
 )
-from alma_core.offsets import TopicPartition
-from alma_core.reducers import ReducerConfig, ReducerRegistry
-from alma_core.sequencing import MAIN, Head, canonical_json
+from alma_core.storage.offsets import TopicPartition
 from alma_core.types import Checkpoint
 from schemas.decoder import Rejection
 from schemas.events import BranchJoin, MergeReply

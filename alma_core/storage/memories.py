@@ -4,7 +4,7 @@ The learner reads what it needs first (the runs' event history, which outcomes
 exist already), drafts and embeds outside any transaction (embedding is slow),
 then applies one transaction per polled batch:
 
-* offsets fenced as for the checkpointer (:mod:`alma_core.offsets`);
+* offsets fenced as for the checkpointer (:mod:`alma_core.storage.offsets`);
 * one outcome per run: ``workflow_outcomes`` is unique by ``event_id`` and by
   (tenant, run), so a re-delivered or re-published completion writes nothing;
 * memories are upserted by (tenant, kind, dedupe key) with counts recomputed
@@ -23,8 +23,10 @@ from datetime import UTC, datetime
 
 import asyncpg
 
-from alma_core import errors, learning, offsets
-from alma_core.batch_store import (
+from alma_core import errors, learning
+from alma_core.learning import LearningPolicy, MemoryDraft, OutcomeDraft
+from alma_core.storage import offsets
+from alma_core.storage.batches import (
     BatchStore,
     DeadLetter,
     Incoming,
@@ -32,9 +34,8 @@ from alma_core.batch_store import (
     insert_outbox,
     record_dead_letter,
 )
-from alma_core.embeddings import Vector, vector_literal
-from alma_core.learning import LearningPolicy, MemoryDraft, OutcomeDraft
-from alma_core.offsets import TopicPartition
+from alma_core.storage.embeddings import Vector, vector_literal
+from alma_core.storage.offsets import TopicPartition
 from schemas.decoder import Rejection
 from schemas.events import ArtifactRef, WorkflowCompleted
 

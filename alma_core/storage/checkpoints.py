@@ -2,7 +2,7 @@
 
 How a batch becomes effects exactly once, without Kafka transactions:
 
-1. **Offsets in Postgres, fenced** (:mod:`alma_core.offsets`): records already
+1. **Offsets in Postgres, fenced** (:mod:`alma_core.storage.offsets`): records already
    applied are dropped, a gap sends the partition back, and a zombie member's
    late writes have no effect.
 2. **Inbox.** ``run_events.event_id`` is the primary key: an event published
@@ -22,8 +22,17 @@ from datetime import UTC, datetime
 
 import asyncpg
 
-from alma_core import errors, offsets
-from alma_core.batch_store import (
+from alma_core import errors
+from alma_core.reducers import ReducerConfig, ReducerRegistry
+from alma_core.sequencing import (
+    CheckpointRow,
+    Head,
+    RunView,
+    Sequencer,
+    branch_key,
+)
+from alma_core.storage import offsets
+from alma_core.storage.batches import (
     BatchStore,
     DeadLetter,
     Incoming,
@@ -33,15 +42,7 @@ from alma_core.batch_store import (
     insert_outbox,
     record_dead_letter,
 )
-from alma_core.offsets import TopicPartition
-from alma_core.reducers import ReducerConfig, ReducerRegistry
-from alma_core.sequencing import (
-    CheckpointRow,
-    Head,
-    RunView,
-    Sequencer,
-    branch_key,
-)
+from alma_core.storage.offsets import TopicPartition
 from schemas.decoder import Decoded, Rejection
 from schemas.events import Event, NodeCompleted, NodeFailed
 

@@ -2,7 +2,7 @@
 acks from all in-sync replicas), awaits merge replies, and finds where a run
 resumes after a crash (Redis first, PostgreSQL on a miss).
 
-Merge replies come through one :class:`~alma_core.replies.ReplyListener` per
+Merge replies come through one :class:`~alma_core.sdk.replies.ReplyListener` per
 client. A join sent again with the same ``join_id`` gets the same reply (the
 joiner remembers it), so retrying after a timeout is safe.
 """
@@ -22,15 +22,16 @@ import asyncpg
 from aiokafka import AIOKafkaProducer
 from pydantic import ValidationError
 
-from alma_core import errors, reducer_store
-from alma_core.cache import RedisCheckpointCache
-from alma_core.embeddings import AsyncEmbedder, load_embedder
+from alma_core import errors
 from alma_core.memory import MemorySlice
-from alma_core.postgres import connect
-from alma_core.replies import ReplyListener
-from alma_core.resume import CheckpointReader
-from alma_core.retrieval import Observe, Retriever
+from alma_core.sdk.replies import ReplyListener
 from alma_core.settings import Settings
+from alma_core.storage import reducer_configs
+from alma_core.storage.cache import RedisCheckpointCache
+from alma_core.storage.embeddings import AsyncEmbedder, load_embedder
+from alma_core.storage.postgres import connect
+from alma_core.storage.reader import CheckpointReader
+from alma_core.storage.retrieval import Observe, Retriever
 from alma_core.types import Checkpoint, RetrievalScope, WorkflowContext
 from schemas.events import EVENT_MODELS, Event, EventType, MergeReply, encode
 
@@ -193,7 +194,7 @@ class AlmaClient:
         include_workflow_outcomes: bool = True,
     ) -> MemorySlice:
         """What ALMA Stream knows about ``task`` within ``scope`` of ``ctx``
-        (:class:`~alma_core.retrieval.Retriever`)."""
+        (:class:`~alma_core.storage.retrieval.Retriever`)."""
         pool = await self._open_reads()
         if self._embedder is None:
             self._embedder = await asyncio.to_thread(load_embedder, self.settings)
@@ -208,10 +209,10 @@ class AlmaClient:
 
     async def register_reducers(self, ctx: WorkflowContext, fields: dict[str, str]) -> None:
         """Add ``fields`` (field -> reducer name) to the reducers of ``ctx``'s workflow
-        (:func:`alma_core.reducer_store.add_fields`)."""
+        (:func:`alma_core.storage.reducer_configs.add_fields`)."""
         if not (ctx.tenant_id and ctx.workflow_id):
             raise errors.ContextError("register_reducers needs tenant_id and workflow_id")
-        await reducer_store.add_fields(
+        await reducer_configs.add_fields(
             await self._open_reads(), ctx.tenant_id, ctx.workflow_id, fields
         )
 

@@ -16,11 +16,11 @@ from typing import Any
 import asyncpg
 
 from alma_core import errors
-from alma_core.client import AlmaClient
-from alma_core.dag import Node, Orchestrator, Parallel, RunResult, SimulatedCrash, Workflow
-from alma_core.hooks import WorkflowHooks
 from alma_core.memory import MemorySlice
-from alma_core.run_state import RunState
+from alma_core.sdk.client import AlmaClient
+from alma_core.sdk.dag import Node, Orchestrator, Parallel, RunResult, SimulatedCrash, Workflow
+from alma_core.sdk.hooks import WorkflowHooks
+from alma_core.sdk.run_state import RunState
 from alma_core.types import RetrievalScope, WorkflowContext
 
 TENANTS = ("acme", "globex", "initech")

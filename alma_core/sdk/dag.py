@@ -1,5 +1,5 @@
 """A small orchestrator for series-parallel DAG workflows, wired to ALMA Stream through
-:class:`~alma_core.hooks.WorkflowHooks` (every hook). The demo and ``examples/`` run
+:class:`~alma_core.sdk.hooks.WorkflowHooks` (every hook). The demo and ``examples/`` run
 their workflows with it; a real engine (Temporal, Airflow, LangGraph) calls the same
 hooks from its own callbacks.
 
@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from alma_core.hooks import WorkflowHooks
 from alma_core.reducers import ReducerConfig, apply_updates
+from alma_core.sdk.hooks import WorkflowHooks
 from alma_core.types import WorkflowContext
 
 NodeFn = Callable[[dict[str, Any], int], Awaitable[dict[str, Any]]]  # (state, attempt) -> updates

@@ -23,9 +23,7 @@ from typing import Any, TypeVar
 import asyncpg
 
 from alma_core import errors, scopes
-from alma_core.embeddings import AsyncEmbedder, vector_literal
 from alma_core.memory import ArtifactLink, Memory, MemoryKind, MemorySlice, WorkflowOutcome
-from alma_core.postgres import is_storage_failure, storage_error
 from alma_core.scoring import (
     ScoringWeights,
     Signals,
@@ -34,6 +32,8 @@ from alma_core.scoring import (
     score,
 )
 from alma_core.settings import Settings
+from alma_core.storage.embeddings import AsyncEmbedder, vector_literal
+from alma_core.storage.postgres import is_storage_failure, storage_error
 from alma_core.types import RetrievalScope, WorkflowContext
 
 READER_ROLE = "alma_reader"

@@ -1,7 +1,7 @@
 """WorkflowHooks: the orchestrator's callbacks (seed 000: ``on_node_start``,
 ``on_node_complete``, ``on_parallel_join``, ``on_workflow_complete``, ``on_resume``;
 plus ``on_workflow_start``, which checkpoints the run's input, and ``on_node_failed``)
-on top of :class:`~alma_core.client.AlmaClient`, ready to register with a workflow
+on top of :class:`~alma_core.sdk.client.AlmaClient`, ready to register with a workflow
 engine. The hooks keep count of what they saw of each run (nodes, retries,
 failures, time), so ``on_workflow_complete`` fills the outcome's counts itself.
 """
@@ -13,7 +13,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from alma_core.client import AlmaClient
+from alma_core.sdk.client import AlmaClient
 from alma_core.types import WorkflowContext
 
 

@@ -9,7 +9,7 @@ front the learner and retrieval use.
   is never encoded again.
 * A deployment plugs another model by passing any object with ``name``,
   ``dimension`` and ``encode``; the database column is checked against
-  ``dimension`` at start-up (:func:`alma_core.learn_store.check_dimension`).
+  ``dimension`` at start-up (:func:`alma_core.storage.memories.check_dimension`).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ class MigrationStatus:
 
 def load_migrations() -> list[Migration]:
     """Every migration shipped with the package, in version order, each with up and down."""
-    folder = resources.files("alma_core") / "sql" / "migrations"
+    folder = resources.files("alma_core.storage") / "sql" / "migrations"
     parts: dict[int, dict[str, str]] = {}
     for entry in folder.iterdir():
         match = _NAME.match(entry.name)

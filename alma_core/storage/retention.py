@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from alma_core.postgres import is_storage_failure, storage_error
+from alma_core.storage.postgres import is_storage_failure, storage_error
 
 
 @dataclass

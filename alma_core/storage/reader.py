@@ -9,80 +9,24 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
-from datetime import datetime
 from typing import Any
 
 import asyncpg
 
 from alma_core import errors
-from alma_core.cache import (
+from alma_core.storage.cache import (
     LATEST_FIELD,
     MAIN_FIELD,
-    CacheEntry,
     RedisCheckpointCache,
     branch_of,
-    field_for,
+    cache_entries,
+    checkpoint_from_doc,
 )
-from alma_core.postgres import is_storage_failure, storage_error
+from alma_core.storage.postgres import is_storage_failure, storage_error
 from alma_core.types import Checkpoint
 
 _COLUMNS = """run_id, tenant_id, seq, kind, node_id, branch_id, parent_seq, event_id, state,
               state_hash, size_bytes, merged_from, metadata, created_at"""
-
-
-def checkpoint_to_doc(cp: Checkpoint) -> dict[str, Any]:
-    return {
-        "run_id": cp.run_id,
-        "tenant_id": cp.tenant_id,
-        "seq": cp.seq,
-        "kind": cp.kind,
-        "node_id": cp.node_id,
-        "branch_id": cp.branch_id,
-        "parent_seq": cp.parent_seq,
-        "event_id": cp.event_id,
-        "state": cp.state,
-        "state_hash": cp.state_hash,
-        "size_bytes": cp.size_bytes,
-        "merged_from": list(cp.merged_from),
-        "metadata": cp.metadata,
-        "created_at": cp.created_at.isoformat() if cp.created_at else None,
-    }
-
-
-def checkpoint_from_doc(doc: Mapping[str, Any]) -> Checkpoint:
-    """A checkpoint from a database row or a cached document (``created_at`` a
-    datetime or an ISO string)."""
-    created = doc.get("created_at")
-    return Checkpoint(
-        run_id=doc["run_id"],
-        tenant_id=doc["tenant_id"],
-        seq=doc["seq"],
-        state=doc["state"],
-        state_hash=doc["state_hash"],
-        size_bytes=doc["size_bytes"],
-        kind=doc.get("kind") or "node",
-        node_id=doc.get("node_id"),
-        branch_id=doc.get("branch_id"),
-        parent_seq=doc.get("parent_seq"),
-        event_id=doc.get("event_id"),
-        merged_from=tuple(doc.get("merged_from") or ()),
-        metadata=doc.get("metadata") or {},
-        created_at=datetime.fromisoformat(created) if isinstance(created, str) else created,
-    )
-
-
-def cache_entries(heads: Mapping[str | None, Checkpoint]) -> list[CacheEntry]:
-    """Entries for a set of branch heads, plus the run's ``latest``."""
-    entries = [
-        CacheEntry(cp.run_id, field_for(branch), cp.seq, checkpoint_to_doc(cp))
-        for branch, cp in heads.items()
-    ]
-    if heads:
-        newest = max(heads.values(), key=lambda cp: cp.seq)
-        entries.append(
-            CacheEntry(newest.run_id, LATEST_FIELD, newest.seq, checkpoint_to_doc(newest))
-        )
-    return entries
 
 
 class CheckpointReader:

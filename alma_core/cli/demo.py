@@ -12,18 +12,18 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
-from alma_core import cli_common as common
 from alma_core import settings as settings_mod
-from alma_core.client import AlmaClient
-from alma_core.demo import Demo, DemoReport
-from alma_core.embeddings import AsyncEmbedder, load_embedder
+from alma_core.cli import common
+from alma_core.cli.demo_workflows import Demo, DemoReport
+from alma_core.cli.stack import bring_up, start_workers
 from alma_core.logs import configure as configure_logs
-from alma_core.postgres import connect
+from alma_core.sdk.client import AlmaClient
+from alma_core.storage.embeddings import AsyncEmbedder, load_embedder
+from alma_core.storage.postgres import connect
 
 
 def register(app: typer.Typer) -> None:
     app.command("demo")(demo)
-    app.command("mcp")(mcp)
 
 
 @contextlib.asynccontextmanager
@@ -39,13 +39,13 @@ async def _stack(
         yield common.resolved(s), str(running["metrics_url"]), None
         return
     with common.out.status("starting broker, PostgreSQL and Redis..."):
-        stack, endpoints = await common.bring_up(s)
+        stack, endpoints = await bring_up(s)
     try:
         resolved = common.resolved(s, endpoints)
         with common.out.status("loading the embedding model and starting the workers..."):
             embedder = await asyncio.to_thread(load_embedder, s)
             stop = asyncio.Event()
-            workers, status = await common.start_workers(resolved, endpoints, stop, embedder)
+            workers, status = await start_workers(resolved, endpoints, stop, embedder)
         try:
             yield resolved, f"http://127.0.0.1:{status.http_port}/metrics", embedder
         finally:
@@ -149,13 +149,3 @@ def _print(report: DemoReport, elapsed: float, metrics_url: str, as_json: bool) 
     common.out.print(f"\nmetrics: {metrics_url} (while the stack runs; `alma up` keeps it up)")
     common.out.print("explore: `alma runs list --tenant acme`, `alma runs show RUN --tenant acme`, "
                      "`alma retrieve 'task' --tenant acme --workflow research-report`")  # fmt: skip
-
-
-def mcp() -> None:
-    """Serve ALMA Stream's tools to agents over MCP (stdio): alma_checkpoint,
-    alma_get_resume_point, alma_merge_states, alma_learn_workflow, alma_retrieve."""
-    from alma_core.mcp_tools import run_stdio
-
-    s = common.settings()
-    configure_logs(s.log_format, "WARNING")  # stdout is the protocol: logs go to stderr
-    common.run(lambda: run_stdio(common.resolved(s)))  # a missing service: message, exit 2

@@ -1,5 +1,5 @@
 """``alma mcp``: ALMA Stream's tools for agents, as a Model Context Protocol server on
-stdio (seed 000, task 7), over the SDK (:class:`~alma_core.client.AlmaClient`).
+stdio (seed 000, task 7), over the SDK (:class:`~alma_core.sdk.client.AlmaClient`).
 
 Tools: ``alma_checkpoint`` (a node's state or updates, waits until durable),
 ``alma_get_resume_point``, ``alma_merge_states`` (awaits the joiner's reply),
@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-from mcp.server.mcpserver import MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
+import typer
 
 from alma_core import errors
-from alma_core.client import AlmaClient
-from alma_core.resume import checkpoint_to_doc
+from alma_core.cli import common
+from alma_core.logs import configure as configure_logs
+from alma_core.sdk.client import AlmaClient
 from alma_core.settings import Settings
+from alma_core.storage.cache import checkpoint_to_doc
 from alma_core.types import RetrievalScope, WorkflowContext
+
+if TYPE_CHECKING:
+    from mcp.server.mcpserver import MCPServer
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -32,6 +36,8 @@ def _tool_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
 
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        from mcp.server.mcpserver.exceptions import ToolError
+
         try:
             return await fn(*args, **kwargs)
         except errors.AlmaError as exc:
@@ -40,7 +46,15 @@ def _tool_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
     return wrapper
 
 
+def register(app: typer.Typer) -> None:
+    app.command("mcp")(mcp)
+
+
 def build(client: AlmaClient) -> MCPServer:
+    """The MCP server with ALMA Stream's tools over ``client`` (the library is imported
+    only here, so the rest of the command line starts without it)."""
+    from mcp.server.mcpserver import MCPServer
+
     server: MCPServer = MCPServer(
         "alma-stream",
         instructions="Workflow memory: checkpoints, resume points, branch merges, "
@@ -162,3 +176,11 @@ def build(client: AlmaClient) -> MCPServer:
 async def run_stdio(settings: Settings) -> None:
     async with AlmaClient(settings) as client:
         await build(client).run_stdio_async()
+
+
+def mcp() -> None:
+    """Serve ALMA Stream's tools to agents over MCP (stdio): alma_checkpoint,
+    alma_get_resume_point, alma_merge_states, alma_learn_workflow, alma_retrieve."""
+    s = common.settings()
+    configure_logs(s.log_format, "WARNING")  # stdout is the protocol: logs go to stderr
+    common.run(lambda: run_stdio(common.resolved(s)))  # a missing service: message, exit 2

@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 from alma_core import errors
-from alma_core.client import AlmaClient
+from alma_core.sdk.client import AlmaClient
 from alma_core.types import WorkflowContext
 
 ACTIONS = "actions"

@@ -1,0 +1,16 @@
+"""The ``alma`` command line: one module per command group. Human tables by default,
+``--json`` for scripts.
+
+Exit codes: 0 done; 1 the operation failed (the message says what to do next);
+2 wrong usage or settings.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from alma_core.cli import db, demo, dlq, mcp, memory, reducers, runs, stack, topics
+
+app = typer.Typer(help="ALMA Stream: workflow memory over Kafka, Postgres and Redis.")
+for group in (stack, db, topics, reducers, runs, dlq, memory, demo, mcp):
+    group.register(app)

@@ -1,0 +1,121 @@
+"""``alma dlq``: dead letters, listed and replayed (as they were, or corrected)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from rich.table import Table
+
+from alma_core import errors
+from alma_core.cli import common
+from schemas.decoder import Rejection, decode
+
+dlq_app = typer.Typer(help="Dead letters: list them, replay them.")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(dlq_app, name="dlq")
+
+
+@dlq_app.command("list")
+def dlq_list(
+    limit: int = typer.Option(50, min=1, max=10_000),
+    reason: str = typer.Option(None, help="Only this reason (e.g. schema_violation)."),
+    tenant: str = typer.Option(None, "--tenant", help="Only this tenant's dead letters."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Dead letters, newest first."""
+    s = common.settings()
+
+    async def main() -> None:
+        conn = await common.connect(common.dsn(s))
+        try:
+            rows = await conn.fetch(
+                """SELECT id, consumer, reason, detail, event_id, run_id, tenant_id, source_topic,
+                          source_partition, source_offset, created_at, replayed_at
+                   FROM dead_letters
+                   WHERE ($1::text IS NULL OR reason = $1) AND ($2::text IS NULL OR tenant_id = $2)
+                   ORDER BY id DESC LIMIT $3""",
+                reason, tenant, limit,
+            )  # fmt: skip
+        finally:
+            await conn.close()
+        docs: list[dict[str, Any]] = [
+            {k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in dict(r).items()}
+            for r in rows
+        ]
+        if as_json:
+            print(json.dumps(docs))
+            return
+        table = Table(title=f"dead letters ({len(docs)})")
+        for col in ("id", "reason", "run", "event", "source", "when", "replayed", "detail"):
+            table.add_column(col, overflow="fold")
+        for d in docs:
+            table.add_row(
+                str(d["id"]), d["reason"], d["run_id"] or "", d["event_id"] or "",
+                f"{d['source_topic']}[{d['source_partition']}]@{d['source_offset']}",
+                d["created_at"][:19], (d["replayed_at"] or "")[:19], d["detail"][:120],
+            )  # fmt: skip
+        common.out.print(table)
+
+    common.run(main)
+
+
+@dlq_app.command("replay")
+def dlq_replay(
+    letter_id: int = typer.Argument(..., help="The dead letter's id (from `alma dlq list`)."),
+    value_file: Path = typer.Option(
+        None, "--value-file", help="A corrected JSON event to send instead of the original."
+    ),
+    force: bool = typer.Option(False, help="Send even if the value would be rejected again."),
+) -> None:
+    """Send a dead letter (or a corrected version) back to the lifecycle topic."""
+    s = common.settings()
+    try:
+        corrected = value_file.read_bytes() if value_file else None
+    except OSError as exc:
+        common.err.print(f"[red]error:[/red] cannot read {value_file}: {exc.strerror}")
+        raise typer.Exit(2) from None
+
+    async def main() -> None:
+        conn = await common.connect(common.dsn(s))
+        try:
+            row = await conn.fetchrow(
+                "SELECT key, value, replayed_at FROM dead_letters WHERE id = $1", letter_id
+            )
+            if row is None:
+                raise errors.AlmaError(f"no dead letter {letter_id}: see `alma dlq list`")
+            value: bytes = corrected if corrected is not None else (row["value"] or b"")
+            key: bytes | None = row["key"]
+            decoded = decode(value, max_state_bytes=s.max_state_bytes)
+            if isinstance(decoded, Rejection):
+                if not force:
+                    raise errors.AlmaError(
+                        f"the value would be rejected again ({decoded.describe()}); "
+                        "correct it and pass --value-file, or pass --force"
+                    )
+            else:
+                key = decoded.run_id.encode()
+            producer = AIOKafkaProducer(bootstrap_servers=common.bootstrap(s), acks="all")
+            try:
+                await producer.start()
+                await producer.send_and_wait(s.lifecycle_topic, value, key=key)
+            except KafkaError as exc:
+                raise errors.AlmaError(
+                    f"cannot publish to {s.lifecycle_topic}: {exc!r}; check ALMA_KAFKA_BOOTSTRAP"
+                ) from exc
+            finally:
+                await producer.stop()
+            await conn.execute(
+                "UPDATE dead_letters SET replayed_at = now() WHERE id = $1", letter_id
+            )
+        finally:
+            await conn.close()
+        common.out.print(f"replayed dead letter {letter_id} to {s.lifecycle_topic}")
+
+    common.run(main)

@@ -1,0 +1,119 @@
+"""``alma reducers`` (list, set, show a workflow's reducers) and ``alma schemas``
+(the event contract's JSON Schema files)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from alma_core import errors, reducers
+from alma_core.cli import common
+from alma_core.storage import reducer_configs
+
+reducers_app = typer.Typer(help="Reducers.")
+schemas_app = typer.Typer(help="The event contract's JSON Schema files.")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(reducers_app, name="reducers")
+    app.add_typer(schemas_app, name="schemas")
+
+
+@schemas_app.command("export")
+def schemas_export(
+    check: bool = typer.Option(False, "--check", help="Fail if files drift."),
+) -> None:
+    """Regenerate schemas/*.json from the pydantic models."""
+    from schemas import export
+
+    raise typer.Exit(export.main(["--check"] if check else []))
+
+
+@reducers_app.command("list")
+def reducers_list(as_json: bool = typer.Option(False, "--json")) -> None:
+    """Reducers available by name (built-ins and the alma.reducers entry points)."""
+    registry = reducers.default_registry()
+    rows = [registry.get(n) for n in registry.names()]
+    if as_json:
+        print(
+            json.dumps(
+                [{"name": r.name, "expects": r.expects, "associative": r.associative} for r in rows]
+            )
+        )
+        return
+    table = Table(title="reducers")
+    for col in ("name", "expects", "associative"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r.name, r.expects, "yes" if r.associative else "no")
+    common.out.print(table)
+
+
+@reducers_app.command("set")
+def reducers_set(
+    workflow_id: str = typer.Argument(..., help="The workflow."),
+    config_file: Path = typer.Argument(
+        ...,
+        help='JSON: {"reducers": {"field": "name"}, '
+        '"default_reducer": "last_value", "strict": false}',
+    ),
+    tenant: str = typer.Option(..., "--tenant", help="The workflow's tenant."),
+) -> None:
+    """Register a workflow's reducers; joins and `updates` of its runs use them."""
+    s = common.settings()
+    try:
+        data = json.loads(config_file.read_text())
+    except OSError as exc:
+        common.err.print(f"[red]error:[/red] cannot read {config_file}: {exc.strerror}")
+        raise typer.Exit(2) from None
+    except json.JSONDecodeError as exc:
+        common.err.print(f"[red]error:[/red] {config_file} is not JSON: {exc}")
+        raise typer.Exit(2) from None
+    unknown = (
+        set(data) - {"reducers", "default_reducer", "strict"} if isinstance(data, dict) else {}
+    )
+    if not isinstance(data, dict) or unknown or not isinstance(data.get("reducers", {}), dict):
+        common.err.print(
+            f'[red]error:[/red] {config_file} must be an object with "reducers" (an object '
+            'of field -> reducer name), optional "default_reducer" and "strict"'
+            + (f"; unknown keys: {', '.join(sorted(unknown))}" if unknown else "")
+        )
+        raise typer.Exit(2)
+    config = reducers.ReducerConfig.from_json(data)
+
+    async def main() -> None:
+        conn = await common.connect(common.dsn(s))
+        try:
+            await reducer_configs.save(conn, tenant, workflow_id, config)  # validates names first
+        finally:
+            await conn.close()
+        common.out.print(f"reducers of workflow {workflow_id!r} (tenant {tenant!r}) saved")
+
+    common.run(main)
+
+
+@reducers_app.command("show")
+def reducers_show(
+    workflow_id: str = typer.Argument(..., help="The workflow."),
+    tenant: str = typer.Option(..., "--tenant", help="The workflow's tenant."),
+) -> None:
+    """A workflow's registered reducers, as JSON."""
+    s = common.settings()
+
+    async def main() -> None:
+        conn = await common.connect(common.dsn(s))
+        try:
+            config = await reducer_configs.load(conn, tenant, workflow_id)
+        finally:
+            await conn.close()
+        if config is None:
+            raise errors.AlmaError(
+                f"no reducers registered for workflow {workflow_id!r} of tenant {tenant!r}: "
+                "`alma reducers set` registers them (runs use last_value meanwhile)"
+            )
+        print(json.dumps(config.to_json()))
+
+    common.run(main)

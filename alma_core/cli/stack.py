@@ -1,0 +1,165 @@
+"""``alma up`` (the embedded stack and every worker in one process) and ``alma worker``
+(consumer groups against configured services). The only module of the command line
+that imports ``consumers``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from alma_core.cli import common
+from alma_core.cli.embedded import EmbeddedStack, Endpoints
+from alma_core.cli.topics import alma_topics, ensure_topics
+from alma_core.logs import configure as configure_logs
+from alma_core.settings import Settings
+from alma_core.storage.embeddings import AsyncEmbedder
+from alma_core.storage.migrations import Migrator
+from consumers.worker import KNOWN_CONSUMERS, WorkerStatus, run_worker
+from consumers.worker import Services as WorkerServices
+
+
+def register(app: typer.Typer) -> None:
+    app.command("up")(up)
+    app.command("worker")(worker)
+
+
+def up(
+    partitions: int = typer.Option(
+        None, help="Partitions per topic (ALMA_PARTITIONS, default 12)."
+    ),
+    data_dir: Path = typer.Option(None, help="Where embedded data lives (ALMA_DATA_DIR, .alma)."),
+    check: bool = typer.Option(False, "--check", help="Bring everything up, report, then stop."),
+) -> None:
+    """Start the stack (embedded services for those not configured) until Ctrl-C."""
+    s = common.settings(partitions=partitions, data_dir=data_dir)
+    configure_logs(s.log_format, "WARNING" if s.log_level == "INFO" else s.log_level)
+
+    async def main() -> None:
+        started = time.monotonic()
+        with common.out.status("starting broker, PostgreSQL and Redis..."):
+            stack, endpoints = await bring_up(s)
+        elapsed = time.monotonic() - started
+        try:
+            s.data_dir.mkdir(parents=True, exist_ok=True)
+            (s.data_dir / common.ENDPOINTS_FILE).write_text(
+                json.dumps(endpoints.as_dict(), indent=2)
+            )
+            table = Table(title=f"ALMA Stream is up ({elapsed:.1f} s)")
+            table.add_column("service")
+            table.add_column("endpoint")
+            table.add_column("source")
+            for name, url, svc in (
+                ("Kafka", endpoints.kafka_bootstrap, stack.broker),
+                ("PostgreSQL", endpoints.postgres_dsn, stack.postgres),
+                ("Redis", endpoints.redis_url, stack.redis),
+            ):
+                table.add_row(name, url, "embedded" if svc else "configured")
+            table.add_row("topics", ", ".join(alma_topics(s)), f"{s.partitions} partitions")
+            common.out.print(table)
+            common.out.print(f"endpoints written to {s.data_dir / common.ENDPOINTS_FILE}")
+            stop = _stop_on_signals()
+            workers, status = await start_workers(s, endpoints, stop)
+            common.out.print(f"workers running: {', '.join(KNOWN_CONSUMERS)}")
+            base = f"http://127.0.0.1:{status.http_port}"
+            common.out.print(
+                f"metrics: {base}/metrics  health: {base}/healthz  ready: {base}/readyz"
+            )
+            (s.data_dir / common.ENDPOINTS_FILE).write_text(
+                json.dumps({**endpoints.as_dict(), "metrics_url": f"{base}/metrics"}, indent=2)
+            )
+            if check:
+                stop.set()
+            else:
+                common.out.print("Press Ctrl-C to stop.")
+            await workers
+        finally:
+            with common.out.status("stopping..."):
+                await stack.stop()
+            (s.data_dir / common.ENDPOINTS_FILE).unlink(missing_ok=True)
+            common.out.print("stopped")
+
+    common.run(main)
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def worker(
+    consumers: str = typer.Option(
+        ",".join(KNOWN_CONSUMERS), help=f"Comma-separated: {', '.join(KNOWN_CONSUMERS)}."
+    ),
+) -> None:
+    """Run consumer groups against the configured services until SIGTERM or Ctrl-C."""
+    s = common.settings()
+    configure_logs(s.log_format, s.log_level)
+    names = [c.strip() for c in consumers.split(",") if c.strip()]
+
+    async def main() -> None:
+        services = WorkerServices(common.bootstrap(s), common.dsn(s), common.redis_url(s))
+        stop = _stop_on_signals()
+        await run_worker(s, services, names, stop)
+
+    common.run(main)
+
+
+async def bring_up(s: Settings, *, durable: bool = True) -> tuple[EmbeddedStack, Endpoints]:
+    """Start what is not configured, create topics, migrate. The caller stops the stack."""
+    stack = EmbeddedStack(
+        s.data_dir,
+        kafka_bootstrap=s.kafka_bootstrap,
+        postgres_dsn=s.postgres_dsn,
+        redis_url=s.redis_url,
+        durable=durable,
+    )
+    endpoints = await stack.start()
+    try:
+        await ensure_topics(
+            endpoints.kafka_bootstrap,
+            alma_topics(s),
+            partitions=s.partitions,
+            replication_factor=s.replication_factor,
+        )
+        conn = await common.connect(endpoints.postgres_dsn)
+        try:
+            await Migrator(conn).migrate()
+        finally:
+            await conn.close()
+    except BaseException:
+        await stack.stop()
+        raise
+    return stack, endpoints
+
+
+async def start_workers(
+    s: Settings,
+    endpoints: Endpoints,
+    stop: asyncio.Event,
+    embedder: AsyncEmbedder | None = None,
+) -> tuple[asyncio.Task[None], WorkerStatus]:
+    """Every consumer group in this process on ``endpoints``, once ready (their
+    error, if they fail first); they run until ``stop`` is set."""
+    ready, status = asyncio.Event(), WorkerStatus()
+    services = WorkerServices(
+        endpoints.kafka_bootstrap, endpoints.postgres_dsn, endpoints.redis_url
+    )
+    task = asyncio.create_task(
+        run_worker(s, services, list(KNOWN_CONSUMERS), stop, ready=ready, status=status,
+                   embedder=embedder)
+    )  # fmt: skip
+    waiter = asyncio.ensure_future(ready.wait())
+    await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if task.done():
+        task.result()  # raises the worker's error
+    return task, status
