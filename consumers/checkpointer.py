@@ -50,6 +50,7 @@ def _checkpoint(row: CheckpointRow, created_at: datetime) -> Checkpoint:
 
 class CheckpointHandler(StoreHandler):
     name = NAME
+    result_type = BatchResult
     store: PostgresCheckpointStore
 
     async def handle(self, cluster_id: str, batch: dict[TopicPartition, list[Any]]) -> HandleResult:

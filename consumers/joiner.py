@@ -20,6 +20,7 @@ GROUP = "joiner"
 
 class JoinHandler(StoreHandler):
     name = NAME
+    result_type = JoinBatchResult
     store: PostgresJoinStore
 
     async def handle(self, cluster_id: str, batch: dict[TopicPartition, list[Any]]) -> HandleResult:

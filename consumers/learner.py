@@ -22,10 +22,11 @@ from alma_core.storage.cache import CacheWriter
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.storage.memories import Coords, LearnBatchResult, PostgresLearnStore, Prepared
 from alma_core.storage.offsets import TopicPartition
-from consumers.handler import StoreHandler
+from consumers.handler import StoreHandler, as_rejected, failure_text, reraise_retriable
 from consumers.metrics import Metrics
 from consumers.outbox import OutboxRelay
 from consumers.runtime import HandleResult
+from schemas.decoder import RejectReason
 from schemas.events import WorkflowCompleted
 
 log = logging.getLogger("alma.learner")
@@ -36,6 +37,7 @@ GROUP = "learner"
 
 class LearnHandler(StoreHandler):
     name = NAME
+    result_type = LearnBatchResult
     store: PostgresLearnStore
 
     def __init__(
@@ -61,7 +63,7 @@ class LearnHandler(StoreHandler):
     async def handle(self, cluster_id: str, batch: dict[TopicPartition, list[Any]]) -> HandleResult:
         started = time.perf_counter()
         incoming = self.decode_batch(batch)
-        prepared = await self.prepare(incoming)
+        prepared = await self._prepare_isolated(incoming)
 
         async def apply(cid: str, part: dict[TopicPartition, list[Incoming]]) -> LearnBatchResult:
             return await self.store.apply(cid, part, prepared)
@@ -78,6 +80,28 @@ class LearnHandler(StoreHandler):
         self.metrics.batch_seconds.labels(NAME).observe(time.perf_counter() - started)
         self.metrics.batch_size.labels(NAME).observe(sum(len(rs) for rs in incoming.values()))
         return out
+
+    async def _prepare_isolated(
+        self, incoming: dict[TopicPartition, list[Incoming]]
+    ) -> dict[Coords, Prepared]:
+        """Prepare the batch; if that fails for a reason other than the server's, prepare
+        record by record, and a record that fails alone becomes an ``internal_error``
+        rejection (dead-lettered, replayable) instead of stopping the partition."""
+        try:
+            return await self.prepare(incoming)
+        except Exception as exc:  # noqa: BLE001 - isolated below, retriable ones re-raised
+            reraise_retriable(exc)
+        prepared: dict[Coords, Prepared] = {}
+        for tp, records in incoming.items():
+            for i, record in enumerate(records):
+                try:
+                    prepared.update(await self.prepare({tp: [record]}))
+                except Exception as exc:  # noqa: BLE001 - dead-lettered as internal_error
+                    reraise_retriable(exc)
+                    records[i] = as_rejected(
+                        record, RejectReason.INTERNAL_ERROR, f"preparing: {failure_text(exc)}"
+                    )
+        return prepared
 
     async def prepare(
         self, incoming: dict[TopicPartition, list[Incoming]]

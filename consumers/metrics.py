@@ -34,6 +34,12 @@ class Metrics:
             "alma_dead_letters_total", "Records sent to the dead-letter topic, by reason",
             ["consumer", "reason"], registry=r,
         )  # fmt: skip
+        self.dead_letter_failures = Counter(
+            "alma_dead_letter_failures_total",
+            "Records whose dead-letter row could not be stored: skipped, sent to the "
+            "dead-letter topic directly and logged whole (an alert fires)",
+            ["consumer"], registry=r,
+        )  # fmt: skip
         self.checkpoints = Counter(
             "alma_checkpoints_total", "Checkpoints written", ["consumer", "kind"], registry=r
         )

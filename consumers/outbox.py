@@ -53,6 +53,23 @@ class OutboxRelay:
             ids,
         )
 
+    async def send_now(
+        self, topic: str, key: bytes | None, value: bytes, headers: list[list[str]]
+    ) -> bool:
+        """Send one record outside the outbox (the last resort for a dead letter that
+        could not be stored); False when Kafka refused it."""
+        try:
+            await self.producer.send_and_wait(
+                topic, value, key=key, headers=[(str(k), str(v).encode()) for k, v in headers]
+            )
+        except KafkaError as exc:
+            log.error(
+                "sending a record to %s failed", topic,
+                extra={"action": "send_failed", "topic": topic, "error": repr(exc)},
+            )  # fmt: skip
+            return False
+        return True
+
     async def sweep(self, *, force: bool = False) -> int:
         """Publish rows a crashed worker left behind; prune old published rows."""
         now = time.monotonic()

@@ -34,6 +34,9 @@ class RejectReason(StrEnum):
     # Not produced by the decoder: PostgreSQL refused a record the contract
     # admits (the checkpointer isolates it and dead-letters it with this reason).
     STORAGE_REJECTED = "storage_rejected"
+    # Not produced by the decoder either: applying the record failed in a way that is
+    # neither the server's state nor a refusal of the data (a defect); kept for replay.
+    INTERNAL_ERROR = "internal_error"
 
 
 @dataclass(frozen=True)

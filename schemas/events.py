@@ -43,6 +43,11 @@ class _Model(BaseModel):
 
 Timestamp = Annotated[AwareDatetime, Field(strict=False)]
 
+# Counters and sequence numbers are stored as PostgreSQL bigint (attempts as integer):
+# a larger number is a schema violation here, not an overflow in the database.
+BIGINT_MAX = 2**63 - 1
+INTEGER_MAX = 2**31 - 1
+
 
 # --- payloads ---------------------------------------------------------------
 
@@ -50,7 +55,7 @@ Timestamp = Annotated[AwareDatetime, Field(strict=False)]
 class NodeStartedPayload(_Model):
     """Recorded for the run's audit trail and metrics; no checkpoint."""
 
-    attempt: int | None = Field(default=None, ge=1)
+    attempt: int | None = Field(default=None, ge=1, le=INTEGER_MAX)
     input: JsonObject | None = None
 
 
@@ -62,6 +67,7 @@ class NodeCompletedPayload(_Model):
     expected_seq: int | None = Field(
         default=None,
         ge=0,
+        le=BIGINT_MAX,
         description="Optimistic concurrency: rejected unless the run's latest seq equals this.",
     )
     metadata: JsonObject | None = None
@@ -107,9 +113,12 @@ class BranchJoinPayload(_Model):
     )
     default_reducer: ReducerName | None = None
     strict: bool | None = None
-    reply_to: Annotated[str, StringConstraints(min_length=1, max_length=249)] | None = Field(
-        default=None, description="Reply topic; the configured merged topic when absent."
-    )
+    reply_to: (
+        Annotated[
+            str, StringConstraints(min_length=1, max_length=249, pattern=r"^[a-zA-Z0-9._-]+$")
+        ]
+        | None
+    ) = Field(default=None, description="Reply topic; the configured merged topic when absent.")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> BranchJoinPayload:
@@ -125,17 +134,17 @@ class ArtifactRef(_Model):
     artifact_type: Annotated[str, StringConstraints(min_length=1, max_length=128)]
     storage_path: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
     content_hash: Annotated[str, StringConstraints(min_length=1, max_length=256)]
-    size_bytes: int = Field(ge=0)
+    size_bytes: int = Field(ge=0, le=BIGINT_MAX)
     created_at: Timestamp | None = None
     metadata: JsonObject = Field(default_factory=dict)
 
 
 class WorkflowCompletedPayload(_Model):
     outcome: Literal["success", "failure"]
-    duration_ms: int = Field(ge=0)
-    node_count: int = Field(ge=0)
-    nodes_succeeded: int = Field(ge=0)
-    nodes_failed: int = Field(ge=0)
+    duration_ms: int = Field(ge=0, le=BIGINT_MAX)
+    node_count: int = Field(ge=0, le=BIGINT_MAX)
+    nodes_succeeded: int = Field(ge=0, le=BIGINT_MAX)
+    nodes_failed: int = Field(ge=0, le=BIGINT_MAX)
     error_message: str | None = None
     task: str | None = Field(default=None, max_length=65536)
     artifacts: list[ArtifactRef] = Field(default_factory=list, max_length=1024)
@@ -219,7 +228,7 @@ class MergeReply(_Model):
     tenant_id: Id
     status: Literal["ok", "error"]
     merged_state: JsonObject | None = None
-    checkpoint_seq: int | None = Field(default=None, ge=1)
+    checkpoint_seq: int | None = Field(default=None, ge=1, le=BIGINT_MAX)
     error: str | None = None
 
     @model_validator(mode="after")

@@ -66,8 +66,18 @@ def dead_letter_for(record: Incoming, exc: errors.AlmaError | Rejection) -> Dead
     )
 
 
+def storable(text: str | None, limit: int | None = None) -> str | None:
+    """``text`` as PostgreSQL's text and jsonb can hold it: a NUL becomes ``\\x00`` and a
+    lone surrogate its ``\\udXXX`` escape. Used for whatever a hostile record may put in
+    a dead letter's columns and headers (its bytes are kept exactly, as bytea)."""
+    if text is None:
+        return None
+    clean = text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+    return clean[:limit] if limit is not None else clean
+
+
 def headers_json(pairs: dict[str, str | int | None]) -> str:
-    return json.dumps([[k, str(v)] for k, v in pairs.items() if v is not None])
+    return json.dumps([[k, storable(str(v))] for k, v in pairs.items() if v is not None])
 
 
 async def record_dead_letter(
@@ -80,12 +90,18 @@ async def record_dead_letter(
                source_topic, source_partition, source_offset, key, value)
            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
            ON CONFLICT DO NOTHING""",
-        consumer, dl.reason, dl.detail, dl.event_id, dl.run_id, dl.tenant_id,
-        rec.topic, rec.partition, rec.offset, rec.key, rec.value,
+        consumer, dl.reason, storable(dl.detail), storable(dl.event_id), storable(dl.run_id),
+        storable(dl.tenant_id), rec.topic, rec.partition, rec.offset, rec.key, rec.value,
     )  # fmt: skip
+    return dead_letter_record(consumer, dlq_topic, dl)
+
+
+def dead_letter_record(consumer: str, dlq_topic: str, dl: DeadLetter) -> OutboxRow:
+    """The dead-letter topic's record: the original key and value, the reason in headers."""
+    rec = dl.record
     return (
         dlq_topic, rec.key, rec.value or b"",
-        headers_json({"alma.reason": dl.reason, "alma.detail": dl.detail[:1000],
+        headers_json({"alma.reason": dl.reason, "alma.detail": storable(dl.detail, 1000),
                       "alma.consumer": consumer, "alma.source.topic": rec.topic,
                       "alma.source.partition": rec.partition, "alma.source.offset": rec.offset}),
     )  # fmt: skip
@@ -106,9 +122,11 @@ async def insert_outbox(conn: asyncpg.Connection, rows: list[OutboxRow]) -> list
 class BatchStore:
     """Base of the stores: the pool, the group's stored offsets, the batch transaction."""
 
-    def __init__(self, pool: asyncpg.Pool, group_id: str) -> None:
+    def __init__(self, pool: asyncpg.Pool, group_id: str, *, consumer: str, dlq_topic: str) -> None:
         self.pool = pool
         self.group_id = group_id
+        self.consumer = consumer
+        self.dlq_topic = dlq_topic
 
     async def stored_offsets(
         self, cluster_id: str, partitions: list[TopicPartition]
@@ -127,6 +145,22 @@ class BatchStore:
                 return await work(conn)
 
         return await self._guarded(doing, run())
+
+    async def skip(
+        self, cluster_id: str, batch: dict[TopicPartition, list[Incoming]]
+    ) -> offsets.Fenced[Incoming]:
+        """The last resort: store that these records are done without any effect (their
+        dead-letter row could not be written). Fenced like every batch, so a zombie
+        member cannot skip what the partition's owner has not seen."""
+
+        async def work(conn: asyncpg.Connection) -> offsets.Fenced[Incoming]:
+            fenced = await offsets.fence(conn, self.group_id, cluster_id, batch)
+            fenced.next_offsets.update(
+                await offsets.advance(conn, self.group_id, cluster_id, fenced.todo)
+            )
+            return fenced
+
+        return await self.in_transaction("skipping an unstorable record", work)
 
     @staticmethod
     async def _guarded(doing: str, work: Awaitable[T]) -> T:

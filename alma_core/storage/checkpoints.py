@@ -84,7 +84,9 @@ def _needs_head_state(event: Decoded) -> tuple[str, str] | None:
 
 class PostgresCheckpointStore(BatchStore):
     def __init__(self, pool: asyncpg.Pool, config: StoreConfig, registry: ReducerRegistry) -> None:
-        super().__init__(pool, config.group_id)
+        super().__init__(
+            pool, config.group_id, consumer=config.consumer, dlq_topic=config.dlq_topic
+        )
         self.config = config
         self.registry = registry
 

@@ -1,7 +1,11 @@
 """The PostgreSQL edge: a pool with JSON codecs, and asyncpg errors mapped to ours.
 
-Retriable: the connection or the server went away, a deadlock or serialization
-failure, too many connections. Anything else PostgreSQL says about the data is
+Retriable: anything about the server's state rather than the data — the connection
+or the server went away, a deadlock or serialization failure, too many connections,
+a full disk or out of memory (SQLSTATE class 53), an operator's shutdown (57), an
+internal error (58, XX), a read-only server after a failover (25006), a lock that was
+not granted in time (55P03). The consumers pause and retry those; nothing is
+dead-lettered for them. Anything else PostgreSQL says is about the data and is
 :class:`errors.StorageRejected` (a retry would fail the same way).
 """
 
@@ -29,11 +33,21 @@ _RETRIABLE_PG = (
     pgx.ConnectionDoesNotExistError,
 )
 _RETRIABLE_OS = (OSError, TimeoutError, asyncpg.InterfaceError, ConnectionError)
+_RETRIABLE_SQLSTATE_CLASSES = ("08", "40", "53", "57", "58", "XX")
+_RETRIABLE_SQLSTATES = ("25006", "55P03", "55006")
+
+
+def _server_state(exc: BaseException) -> bool:
+    """True when PostgreSQL's error code says the server, not the data, is at fault."""
+    code = getattr(exc, "sqlstate", None)
+    if not isinstance(exc, asyncpg.PostgresError) or not isinstance(code, str):
+        return False
+    return code[:2] in _RETRIABLE_SQLSTATE_CLASSES or code in _RETRIABLE_SQLSTATES
 
 
 def storage_error(exc: BaseException, doing: str) -> errors.StorageError:
     """Our error for an asyncpg/OS failure while ``doing`` something."""
-    if isinstance(exc, (*_RETRIABLE_PG, *_RETRIABLE_OS)):
+    if isinstance(exc, (*_RETRIABLE_PG, *_RETRIABLE_OS)) or _server_state(exc):
         return errors.StorageError(f"PostgreSQL unavailable while {doing}: {exc!r}")
     return errors.StorageRejected(f"PostgreSQL refused {doing}: {exc!r}")
 

@@ -63,7 +63,9 @@ def completed(run_id: str, **kw: Any) -> dict[str, Any]:
 class Publisher:
     def __init__(self, bootstrap: str, topic: str) -> None:
         self.topic = topic
-        self.producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+        self.producer = AIOKafkaProducer(
+            bootstrap_servers=bootstrap, acks="all", linger_ms=5, max_request_size=12 * 1024 * 1024
+        )
 
     async def __aenter__(self) -> Publisher:
         await self.producer.start()
@@ -72,13 +74,19 @@ class Publisher:
     async def __aexit__(self, *exc: object) -> None:
         await self.producer.stop()
 
-    async def send(self, doc: dict[str, Any] | bytes, key: str | bytes | None = None) -> None:
+    async def send(
+        self,
+        doc: dict[str, Any] | bytes,
+        key: str | bytes | None = None,
+        *,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> None:
         """Queue one record; ``flush`` waits for all of them."""
         value = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
         if key is None and isinstance(doc, dict):
             key = doc["run_id"]
         key_bytes = key.encode() if isinstance(key, str) else key
-        await self.producer.send(self.topic, value, key=key_bytes)
+        await self.producer.send(self.topic, value, key=key_bytes, headers=headers)
 
     async def flush(self) -> None:
         await self.producer.flush()
