@@ -1,9 +1,16 @@
 """The outbox relay: publishes records written in a committed transaction.
 
 Right after a batch commits, the worker publishes that batch's outbox rows; a
-sweep picks up rows left behind by a crash (older than ``sweep_age_s``).
-Publishing twice is possible (a crash between send and mark) and harmless:
-every reader de-duplicates (by event_id, join_id or source coordinates).
+sweep, every ``sweep_every_s`` whether or not records flow, picks up rows left
+behind by a crash or a failed send (older than ``sweep_age_s``) and prunes rows
+published long ago. Publishing twice is possible (a crash between send and mark)
+and harmless: every reader de-duplicates (by event_id, join_id or source
+coordinates).
+
+Each row succeeds or fails on its own: the rows sent are marked published; a row
+Kafka refuses keeps its place with ``attempts``, ``last_error`` and a
+``next_attempt_at`` that doubles up to ``retry_max_s``, so one bad row (a reply
+topic that does not exist) never holds back the others.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import asyncpg
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from alma_core.storage.postgres import STORAGE_FAILURES, is_storage_failure
+from alma_core.storage.postgres import STORAGE_FAILURES
 from consumers.metrics import Metrics
 
 log = logging.getLogger("alma.outbox")
@@ -34,6 +41,7 @@ class OutboxRelay:
         kinds: dict[str, str],
         sweep_age_s: float = 10.0,
         sweep_every_s: float = 5.0,
+        retry_max_s: float = 300.0,
     ) -> None:
         self.pool = pool
         self.producer = producer
@@ -41,6 +49,7 @@ class OutboxRelay:
         self.kinds = kinds  # topic -> metric label (handoff, dlq, reply)
         self.sweep_age_s = sweep_age_s
         self.sweep_every_s = sweep_every_s
+        self.retry_max_s = retry_max_s
         self._last_sweep = 0.0
 
     async def publish(self, ids: list[int]) -> int:
@@ -78,7 +87,8 @@ class OutboxRelay:
         self._last_sweep = now
         sent = await self._publish(
             "SELECT id, topic, key, value, headers FROM outbox WHERE published_at IS NULL "
-            "AND created_at < now() - make_interval(secs => $1) ORDER BY id LIMIT 1000",
+            "AND created_at < now() - make_interval(secs => $1) "
+            "AND (next_attempt_at IS NULL OR next_attempt_at <= now()) ORDER BY id LIMIT 1000",
             0.0 if force else self.sweep_age_s,
         )
         with contextlib.suppress(*STORAGE_FAILURES):
@@ -90,35 +100,63 @@ class OutboxRelay:
     async def _publish(self, sql: str, arg: object) -> int:
         try:
             rows = await self.pool.fetch(sql, arg)
-            if not rows:
-                return 0
-            futures = [
-                await self.producer.send(
-                    r["topic"],
-                    r["value"],
-                    key=r["key"],
+        except STORAGE_FAILURES as exc:
+            return self._failed(exc, "reading the outbox")
+        if not rows:
+            return 0
+        sent: list[asyncpg.Record] = []
+        failed: list[tuple[asyncpg.Record, str]] = []
+        pending = []
+        for r in rows:  # queue every row; one refused never holds back the others
+            try:
+                pending.append((r, await self.producer.send(
+                    r["topic"], r["value"], key=r["key"],
                     headers=[(k, v.encode()) for k, v in _pairs(r["headers"])],
-                )
-                for r in rows
-            ]
-            for future in futures:
+                )))  # fmt: skip
+            except KafkaError as exc:
+                failed.append((r, repr(exc)))
+        for r, future in pending:
+            try:
                 await future
-            await self.pool.execute(
-                "UPDATE outbox SET published_at = now() WHERE id = ANY($1::bigint[])",
-                [r["id"] for r in rows],
-            )
-        except Exception as exc:
-            if not (isinstance(exc, KafkaError) or is_storage_failure(exc)):
-                raise
+                sent.append(r)
+            except KafkaError as exc:
+                failed.append((r, repr(exc)))
+        try:
+            if sent:
+                await self.pool.execute(
+                    "UPDATE outbox SET published_at = now() WHERE id = ANY($1::bigint[])",
+                    [r["id"] for r in sent],
+                )
+            if failed:
+                await self.pool.execute(
+                    """UPDATE outbox o SET attempts = o.attempts + 1, last_error = u.error,
+                           next_attempt_at = now() + make_interval(
+                               secs => least($3::float8, power(2, o.attempts + 1)))
+                       FROM unnest($1::bigint[], $2::text[]) AS u(id, error)
+                       WHERE o.id = u.id""",
+                    [r["id"] for r, _ in failed], [e[:1000] for _, e in failed],
+                    self.retry_max_s,
+                )  # fmt: skip
+        except STORAGE_FAILURES as exc:
+            self._failed(exc, "marking outbox rows")  # sent again later: readers de-duplicate
+        for r in sent:
+            self.metrics.outbox_published.labels(self.kinds.get(r["topic"], "other")).inc()
+        for r, error in failed:
             self.metrics.outbox_failures.inc()
             log.warning(
-                "outbox publish failed; the sweep will retry",
-                extra={"action": "outbox_failed", "error": repr(exc)},
-            )
-            return 0
-        for r in rows:
-            self.metrics.outbox_published.labels(self.kinds.get(r["topic"], "other")).inc()
-        return len(rows)
+                "outbox row not published; it is retried later",
+                extra={"action": "outbox_failed", "outbox_id": r["id"], "topic": r["topic"],
+                       "error": error[:300]},
+            )  # fmt: skip
+        return len(sent)
+
+    def _failed(self, exc: BaseException, doing: str) -> int:
+        self.metrics.outbox_failures.inc()
+        log.warning(
+            "outbox: PostgreSQL failed while %s; the sweep will retry", doing,
+            extra={"action": "outbox_failed", "error": repr(exc)},
+        )  # fmt: skip
+        return 0
 
 
 def _pairs(headers: object) -> list[tuple[str, str]]:

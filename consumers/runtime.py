@@ -52,7 +52,8 @@ class BatchHandler(Protocol):
         """Apply a batch durably; raise a retriable StorageError to have it retried."""
 
     async def idle(self) -> None:
-        """Called when a poll returned nothing (periodic work such as outbox sweeps)."""
+        """Periodic work (outbox sweeps, pruning): called when a poll returns nothing,
+        and after a batch at least every ``periodic_every_s`` under steady load."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class RuntimeConfig:
     backoff_max_s: float = 5.0
     leave_timeout_s: float = 5.0
     linger_ms: int = 0  # after a short poll, keep polling this long to fill the batch
+    periodic_every_s: float = 1.0  # the handler's periodic work runs under load too
 
 
 def backoff_delay(attempt: int, initial: float, maximum: float, jitter: float = 0.2) -> float:
@@ -108,6 +110,7 @@ class ConsumerRuntime:
         self._admin: AIOKafkaAdminClient | None = None
         self._pending: dict[TopicPartition, int] = {}
         self._last_commit = 0.0
+        self._last_periodic = 0.0
 
     async def _refresh_cluster_id(self) -> str:
         assert self._admin is not None
@@ -216,13 +219,19 @@ class ConsumerRuntime:
             self.last_poll = time.monotonic()
             self.metrics.last_poll.labels(name).set(time.time())
             if not batch:
-                await self.handler.idle()
+                await self._periodic()
                 continue
             plain = {(tp.topic, tp.partition): records for tp, records in batch.items()}
             result = await self._handle_with_retry(consumer, plain, stop)
             if result is None:
                 return  # stopping during an outage: the batch is redelivered later
             await self._after(consumer, result)
+            if time.monotonic() - self._last_periodic >= self.config.periodic_every_s:
+                await self._periodic()
+
+    async def _periodic(self) -> None:
+        self._last_periodic = time.monotonic()
+        await self.handler.idle()
 
     async def _linger(
         self, consumer: AIOKafkaConsumer, batch: dict[TopicPartition, list[Any]]

@@ -339,7 +339,8 @@ class AlmaClient:
         event = self._event(
             "branch.join", replace(ctx, node_id=node_id or ctx.node_id), payload
         )  # fmt: skip
-        future = await self._replies.expect(join_id)
+        key = (ctx.tenant_id or "", ctx.run_id or "", join_id)
+        future = await self._replies.expect(key)
         try:
             await self.publish(event)
             reply = await asyncio.wait_for(future, timeout)
@@ -350,7 +351,7 @@ class AlmaClient:
                 "same join_id"
             ) from None
         finally:
-            self._replies.forget(join_id)
+            self._replies.forget(key)
         if reply.status == "error":
             raise errors.MergeFailed(f"join {join_id!r} of run {ctx.run_id!r}: {reply.error}")
         return reply

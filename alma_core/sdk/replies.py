@@ -1,18 +1,28 @@
 """The client's reply listener: reads the merge-reply topic (every partition, from
-the end as of start-up) and resolves the future of each ``join_id`` it waits for.
-Replies that are not its own are ignored, so several clients share one reply topic."""
+the end as of start-up) and resolves the future of each join it waits for.
+
+A join is identified by ``(tenant_id, run_id, join_id)``: the reply topic is shared
+by every client and every tenant, and a ``join_id`` is chosen by the caller and
+unique only within its run, so a reply resolves a future only when all three match.
+Replies that are not its own, or that cannot be read, are ignored; several clients
+share one reply topic."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import logging
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from pydantic import ValidationError
 
 from alma_core import errors
 from schemas.events import MergeReply
+
+log = logging.getLogger("alma.sdk")
+
+JoinKey = tuple[str, str, str]  # tenant_id, run_id, join_id
 
 
 class ReplyListener:
@@ -22,21 +32,22 @@ class ReplyListener:
         self.fetch_max_wait_ms = fetch_max_wait_ms
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
-        self._waiting: dict[str, asyncio.Future[MergeReply]] = {}
+        self._waiting: dict[JoinKey, asyncio.Future[MergeReply]] = {}
         self._lock = asyncio.Lock()
 
-    async def expect(self, join_id: str) -> asyncio.Future[MergeReply]:
-        """A future for ``join_id``'s reply; call before publishing the join (positions
-        are resolved first, so the reply cannot slip past)."""
+    async def expect(self, key: JoinKey) -> asyncio.Future[MergeReply]:
+        """A future for the reply to join ``key`` (tenant, run, join id); call before
+        publishing the join (positions are resolved first, so the reply cannot slip
+        past)."""
         async with self._lock:  # concurrent merges share one listener
             if self._task is None:
                 await self._start()
         future: asyncio.Future[MergeReply] = asyncio.get_running_loop().create_future()
-        self._waiting[join_id] = future
+        self._waiting[key] = future
         return future
 
-    def forget(self, join_id: str) -> None:
-        self._waiting.pop(join_id, None)
+    def forget(self, key: JoinKey) -> None:
+        self._waiting.pop(key, None)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -72,10 +83,17 @@ class ReplyListener:
             for records in batch.values():
                 for record in records:
                     join_id = dict(record.headers or []).get("alma.join_id", b"").decode()
-                    future = self._waiting.get(join_id)
-                    if future is None or future.done():
-                        continue  # someone else's reply, or one we already have
+                    if not any(key[2] == join_id for key in self._waiting):
+                        continue  # someone else's reply (cheap check before parsing)
                     try:
-                        future.set_result(MergeReply.model_validate(json.loads(record.value)))
+                        reply = MergeReply.model_validate(json.loads(record.value))
                     except (ValueError, ValidationError) as exc:
-                        future.set_exception(errors.MergeFailed(f"unreadable reply: {exc}"))
+                        log.warning(
+                            "unreadable merge reply ignored",
+                            extra={"action": "reply_unreadable", "join_id": join_id[:200],
+                                   "error": str(exc)[:300]},
+                        )  # fmt: skip
+                        continue
+                    future = self._waiting.get((reply.tenant_id, reply.run_id, reply.join_id))
+                    if future is not None and not future.done():
+                        future.set_result(reply)  # another tenant's or run's reply never gets here

@@ -243,3 +243,36 @@ async def test_several_clients_share_one_reply_topic(
         replies = await asyncio.gather(*(ask(i, run) for i, run in enumerate(runs)))
     assert [r.join_id for r in replies] == [f"{run}-join" for run in runs]
     assert [r.run_id for r in replies] == runs
+
+
+async def test_a_reply_for_another_tenant_never_answers_a_join(settings: Settings) -> None:
+    """The reply topic is shared by every tenant and a join_id is unique only per run:
+    a reply naming the same run and join of another tenant (or a garbled one) must not
+    resolve the wait; the right one does."""
+    from alma_core.sdk.replies import ReplyListener
+    from schemas.events import MergeReply
+
+    bootstrap = settings.kafka_bootstrap or ""
+    listener = ReplyListener(bootstrap, settings.merged_topic, fetch_max_wait_ms=50)
+    try:
+        future = await listener.expect(("acme", "r1", "j1"))
+        headers = [("alma.join_id", b"j1")]
+
+        def reply(tenant: str) -> bytes:
+            return MergeReply(join_id="j1", run_id="r1", tenant_id=tenant, status="ok",
+                              merged_state={"who": tenant}, checkpoint_seq=3
+                              ).model_dump_json().encode()  # fmt: skip
+
+        async with Publisher(bootstrap, settings.merged_topic) as pub:
+            await pub.send(reply("globex"), key="r1", headers=headers)
+            await pub.send(b"{garbled", key="r1", headers=headers)
+            await pub.flush()
+            await asyncio.sleep(1.5)  # several fetches: both were read and ignored
+            assert not future.done()
+            await pub.send(reply("acme"), key="r1", headers=headers)
+            await pub.flush()
+        answer = await asyncio.wait_for(future, 30)
+        assert answer.tenant_id == "acme"
+        assert answer.merged_state == {"who": "acme"}
+    finally:
+        await listener.stop()
