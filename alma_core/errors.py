@@ -9,6 +9,7 @@
     │   │   ├── ReducerTypeError
     │   │   └── ConflictingUpdate
     │   ├── MissingBranch
+    │   ├── RunMovedPastJoin
     │   ├── StateTooLarge
     │   ├── TenantMismatch
     │   └── StaleExpectedSeq
@@ -89,6 +90,13 @@ class MissingBranch(RejectedEvent):
     """A join names a branch that has no checkpoint in the run."""
 
     reason = "missing_branch"
+
+
+class RunMovedPastJoin(RejectedEvent):
+    """Checkpoints were added to the run after the join's position before it was merged:
+    the merged checkpoint can no longer take the seq after the join."""
+
+    reason = "run_moved_past_join"
 
 
 class StateTooLarge(RejectedEvent):

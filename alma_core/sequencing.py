@@ -102,6 +102,7 @@ class EventRow:
     effect: Effect
     checkpoint_seq: int | None
     coords: Coordinates
+    run_seq: int = 0  # the run's latest seq once this event is applied (its position)
 
 
 @dataclass
@@ -166,7 +167,7 @@ class Sequencer:
         run.event_count += 1
         run.changed = True
         self.seen.add(event.event_id)
-        row = EventRow(event, effect, seq, coords)
+        row = EventRow(event, effect, seq, coords, run.last_seq)
         self.effects.events.append(row)
         if effect == "handed_off":
             self.effects.handoffs.append(row)

@@ -67,7 +67,8 @@ class StoreHandler:
             tp: [
                 Incoming(r.topic, r.partition, r.offset, r.key, r.value,
                          decode(r.value, key=r.key, max_state_bytes=self.max_state_bytes,
-                                max_record_bytes=self.max_record_bytes))
+                                max_record_bytes=self.max_record_bytes),
+                         tuple(r.headers or ()))
                 for r in records
             ]
             for tp, records in batch.items()

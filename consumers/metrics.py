@@ -75,6 +75,12 @@ class Metrics:
             "alma_consumer_lag", "High watermark minus committed offset, per partition",
             ["consumer", "topic", "partition"], registry=r,
         )  # fmt: skip
+        self.offsets_ahead_of_log = Gauge(
+            "alma_offsets_ahead_of_log",
+            "Records this group applied beyond the end of the broker's log (the broker "
+            "lost or replaced it): the partition is paused until `alma offsets reset`",
+            ["consumer", "topic", "partition"], registry=r,
+        )  # fmt: skip
         self.assigned_partitions = Gauge(
             "alma_assigned_partitions", "Partitions assigned to this worker", ["consumer"],
             registry=r,
@@ -141,6 +147,7 @@ class Metrics:
         self.retrieval_seconds.labels(scope, plan).observe(seconds)
 
     def forget_partition(self, consumer: str, topic: str, partition: int) -> None:
-        """Drop the lag series of a revoked partition, so dashboards do not show a ghost."""
-        with contextlib.suppress(KeyError):
-            self.lag.remove(consumer, topic, str(partition))
+        """Drop the per-partition series of a revoked partition (no ghosts on dashboards)."""
+        for gauge in (self.lag, self.offsets_ahead_of_log):
+            with contextlib.suppress(KeyError):
+                gauge.remove(consumer, topic, str(partition))

@@ -10,7 +10,12 @@ What the runtime guarantees the handler:
   (offsets stored with the effects), falling back to Kafka's committed offset;
 * a retriable :class:`errors.StorageError` pauses consumption and retries the
   same batch with backoff until it succeeds or the worker stops; nothing is
-  skipped, and the heartbeat and poll keep the membership alive meanwhile.
+  skipped, and the heartbeat and poll keep the membership alive meanwhile;
+* a partition whose log ends before the offset the handler already applied (the
+  broker lost or replaced its log: a restart without its data, a new cluster with
+  the same id) is paused and reported, never skipped silently: its records would
+  otherwise look "already applied" (``alma_offsets_ahead_of_log``, an alert, and
+  a log line that says to run ``alma offsets reset``).
 """
 
 from __future__ import annotations
@@ -111,6 +116,8 @@ class ConsumerRuntime:
         self._pending: dict[TopicPartition, int] = {}
         self._last_commit = 0.0
         self._last_periodic = 0.0
+        self._applied_to: dict[TopicPartition, int] = {}  # next offset the store expects
+        self._log_behind: set[TopicPartition] = set()
 
     async def _refresh_cluster_id(self) -> str:
         assert self._admin is not None
@@ -120,6 +127,8 @@ class ConsumerRuntime:
 
     async def on_assigned(self, assigned: set[TopicPartition]) -> None:
         self.assigned = set(assigned)
+        self._applied_to.clear()
+        self._log_behind.clear()
         name = self.handler.name
         self.metrics.assigned_partitions.labels(name).set(len(assigned))
         if not assigned or self.consumer is None:
@@ -142,6 +151,7 @@ class ConsumerRuntime:
             offset = stored.get((tp.topic, tp.partition))
             if offset is not None:
                 self.consumer.seek(tp, offset)
+                self._applied_to[tp] = offset
         log.info(
             "partitions assigned",
             extra={"action": "assigned", "consumer": name, "partitions": len(assigned)},
@@ -216,6 +226,7 @@ class ConsumerRuntime:
             )
             if batch and self.config.linger_ms > 0:
                 batch = await self._linger(consumer, batch)
+            batch = self._check_log_ends(consumer, batch)
             self.last_poll = time.monotonic()
             self.metrics.last_poll.labels(name).set(time.time())
             if not batch:
@@ -232,6 +243,40 @@ class ConsumerRuntime:
     async def _periodic(self) -> None:
         self._last_periodic = time.monotonic()
         await self.handler.idle()
+
+    def _check_log_ends(
+        self, consumer: AIOKafkaConsumer, batch: dict[TopicPartition, list[Any]]
+    ) -> dict[TopicPartition, list[Any]]:
+        """Pause (and leave out of the batch) every partition whose log, as the broker's
+        high watermark says, ends before what the store already applied; resume one
+        whose log has caught up again."""
+        name = self.handler.name
+        for tp in consumer.assignment():
+            applied, high = self._applied_to.get(tp), consumer.highwater(tp)
+            if applied is None or high is None:
+                continue
+            gauge = self.metrics.offsets_ahead_of_log.labels(name, tp.topic, str(tp.partition))
+            if applied > high:
+                batch.pop(tp, None)
+                gauge.set(applied - high)
+                if tp not in self._log_behind:
+                    self._log_behind.add(tp)
+                    consumer.pause(tp)
+                    log.error(
+                        "the broker's log ends before what this group already applied; the "
+                        "partition is paused, nothing is skipped. If the broker lost its log "
+                        "and those records are gone, run `alma offsets reset` for it, then "
+                        "restart the workers",
+                        extra={"action": "log_behind_stored_offset", "consumer": name,
+                               "topic": tp.topic, "partition": tp.partition,
+                               "applied_to": applied, "high_watermark": high,
+                               "cluster_id": self.cluster_id},
+                    )  # fmt: skip
+            elif tp in self._log_behind:
+                self._log_behind.discard(tp)
+                consumer.resume(tp)
+                gauge.set(0)
+        return batch
 
     async def _linger(
         self, consumer: AIOKafkaConsumer, batch: dict[TopicPartition, list[Any]]
@@ -300,8 +345,11 @@ class ConsumerRuntime:
         for key, offset in result.next_offsets.items():
             if key in owned:
                 tp = owned[key]
-                self._pending[tp] = offset
+                self._applied_to[tp] = offset
                 high = consumer.highwater(tp)
+                if high is not None and offset > high:
+                    continue  # the log ends before it: never commit that; the next poll reports
+                self._pending[tp] = offset
                 if high is not None:
                     self.metrics.lag.labels(name, tp.topic, str(tp.partition)).set(
                         max(0, high - offset)

@@ -246,6 +246,7 @@ async def run_worker(
                     await asyncio.gather(*tasks)
                 finally:
                     started.cancel()
+                    await cache_writer.close()
     finally:
         if owned is not None:
             owned.close()

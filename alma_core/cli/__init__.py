@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import typer
 
-from alma_core.cli import db, demo, dlq, mcp, memory, reducers, runs, stack, topics
+from alma_core.cli import db, demo, dlq, mcp, memory, offsets, reducers, runs, stack, topics
 
 app = typer.Typer(help="ALMA Stream: workflow memory over Kafka, Postgres and Redis.")
-for group in (stack, db, topics, reducers, runs, dlq, memory, demo, mcp):
+for group in (stack, db, topics, offsets, reducers, runs, dlq, memory, demo, mcp):
     group.register(app)

@@ -27,6 +27,10 @@ T = TypeVar("T")
 
 OutboxRow = tuple[str, bytes | None, bytes, str]  # topic, key, value, headers (JSON pairs)
 
+# On a hand-off: the run's latest seq at the event's place in its partition. A join is
+# merged from the heads as they stood there and takes the next seq.
+RUN_SEQ_HEADER = "alma.run.seq"
+
 
 @dataclass(frozen=True)
 class Incoming:
@@ -38,6 +42,17 @@ class Incoming:
     key: bytes | None
     value: bytes | None
     decoded: Decoded
+    headers: tuple[tuple[str, bytes], ...] = ()
+
+    def header_int(self, name: str) -> int | None:
+        """A header holding a decimal integer, or None (absent or unreadable)."""
+        for key, value in self.headers:
+            if key == name:
+                try:
+                    return int(value.decode("ascii"))
+                except (UnicodeDecodeError, ValueError):
+                    return None
+        return None
 
     @property
     def coords(self) -> Coordinates:

@@ -8,7 +8,8 @@ all heads were filled from PostgreSQL. Values are ``<seq>:<json>``.
 * **Never backwards.** Every write goes through a Lua script that replaces a
   field only when the new seq is higher (guarantee 4).
 * **Never stale after an outage.** A writer that failed to write bumps the
-  epoch once Redis answers again, and every writer bumps it at start (a crash
+  epoch as soon as Redis answers again (a repair task retries it with backoff,
+  whether or not another write comes), and every writer bumps it at start (a crash
   during an outage leaves no one who remembers): all older keys become
   unreachable at once and expire by TTL.
 * **Never stalls.** Short timeouts, no client retries; callers count the
@@ -17,6 +18,7 @@ all heads were filled from PostgreSQL. Values are ``<seq>:<json>``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -253,11 +255,19 @@ class CacheWriter:
     """The writers' side: count failures, skip Redis while it is down, and bump the
     epoch when it answers again so nothing written before the outage is served."""
 
-    def __init__(self, cache: RedisCheckpointCache, *, retry_after_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        cache: RedisCheckpointCache,
+        *,
+        retry_after_s: float = 1.0,
+        repair_max_s: float = 10.0,
+    ) -> None:
         self.cache = cache
         self.retry_after_s = retry_after_s
+        self.repair_max_s = repair_max_s
         self._dirty = True  # a fresh writer cannot know what happened before it
         self._skip_until = 0.0
+        self._repair: asyncio.Task[None] | None = None
         self.failures = 0
 
     async def open(self) -> None:
@@ -269,6 +279,32 @@ class CacheWriter:
             self._dirty = False
         except errors.CacheError:
             self.failures += 1
+            self._schedule_repair()
+
+    async def close(self) -> None:
+        """Stop the repair task (a bump still pending happens at the next start)."""
+        if self._repair is not None:
+            self._repair.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._repair
+            self._repair = None
+
+    def _schedule_repair(self) -> None:
+        """After a failed write Redis may still serve the entry that write should have
+        replaced: bump the epoch as soon as Redis answers, not at this writer's next
+        write (there may be none: the run's last event)."""
+        if self._repair is None or self._repair.done():
+            self._repair = asyncio.create_task(self._repair_loop())
+
+    async def _repair_loop(self) -> None:
+        delay = self.retry_after_s
+        while self._dirty:
+            await asyncio.sleep(delay)
+            try:
+                await self.cache.bump_epoch()
+                self._dirty = False
+            except errors.CacheError:
+                delay = min(delay * 2, self.repair_max_s)
 
     @property
     def degraded(self) -> bool:
@@ -298,5 +334,6 @@ class CacheWriter:
         except errors.CacheError:
             self._dirty = True
             self.failures += 1
+            self._schedule_repair()
             self._skip_until = time.monotonic() + self.retry_after_s
             return False

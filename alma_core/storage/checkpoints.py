@@ -33,6 +33,7 @@ from alma_core.sequencing import (
 )
 from alma_core.storage import offsets
 from alma_core.storage.batches import (
+    RUN_SEQ_HEADER,
     BatchStore,
     DeadLetter,
     Incoming,
@@ -262,6 +263,7 @@ class PostgresCheckpointStore(BatchStore):
                 self.config.handoff_topic, row.event.run_id.encode(), record_value,
                 headers_json({"alma.event_type": row.event.type,
                               "alma.event_id": row.event.event_id,
+                              RUN_SEQ_HEADER: row.run_seq,
                               "alma.source.topic": row.coords.topic,
                               "alma.source.partition": row.coords.partition,
                               "alma.source.offset": row.coords.offset}),

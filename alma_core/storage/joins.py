@@ -27,6 +27,7 @@ from alma_core.reducers import ReducerConfig, ReducerRegistry
 from alma_core.sequencing import MAIN, Head, canonical_json
 from alma_core.storage import offsets
 from alma_core.storage.batches import (
+    RUN_SEQ_HEADER,
     BatchStore,
     DeadLetter,
     Incoming,
@@ -141,6 +142,13 @@ class PostgresJoinStore(BatchStore):
             )
             if run is None or run["tenant_id"] != event.tenant_id:
                 raise errors.MissingBranch(f"run {event.run_id!r} is unknown for this tenant")
+            position = record.header_int(RUN_SEQ_HEADER)
+            if position is not None and run["last_seq"] > position:
+                raise errors.RunMovedPastJoin(
+                    f"the run was at seq {position} at the join and is at {run['last_seq']} "
+                    "now: publish a run's next events only after its merge reply (the SDK's "
+                    "merge() waits for it)"
+                )
             heads = await self._heads(conn, event.run_id)
             merged = joining.merge(
                 payload,

@@ -120,3 +120,28 @@ async def advance(
             list(ends.values()),
         )  # fmt: skip
     return ends
+
+
+async def listing(conn: asyncpg.Connection) -> list[asyncpg.Record]:
+    """Every stored offset: group, broker cluster, topic, partition, next offset."""
+    rows: list[asyncpg.Record] = await conn.fetch(
+        """SELECT group_id, cluster_id, topic, partition, next_offset, updated_at
+           FROM consumer_offsets ORDER BY group_id, cluster_id, topic, partition"""
+    )
+    return rows
+
+
+async def forget(
+    conn: asyncpg.Connection, group_id: str, cluster_id: str, topic: str, partition: int | None
+) -> list[asyncpg.Record]:
+    """Delete a group's stored offsets on one broker cluster (one partition or all of a
+    topic); returns the rows deleted. The group then starts from Kafka's committed
+    offset, else the log's start; the inbox still drops events it has applied."""
+    rows: list[asyncpg.Record] = await conn.fetch(
+        """DELETE FROM consumer_offsets
+           WHERE group_id = $1 AND cluster_id = $2 AND topic = $3
+             AND ($4::int IS NULL OR partition = $4)
+           RETURNING topic, partition, next_offset""",
+        group_id, cluster_id, topic, partition,
+    )  # fmt: skip
+    return rows

@@ -46,3 +46,40 @@ async def test_writer_counts_failures_and_never_raises() -> None:
         assert await writer.write([entry("r", "latest", 2)]) is False  # skipped while down
         assert writer.failures == 2
         assert writer.degraded
+
+
+async def test_a_failed_write_invalidates_as_soon_as_redis_answers(services: Services) -> None:
+    """Redis refuses writes but still serves reads (out of memory): the entry a failed
+    write should have replaced must stop being served once Redis takes writes again,
+    without waiting for another write (the run's last event may have been that one)."""
+    import redis.asyncio as aioredis
+
+    from tests.integration.harness import wait_for
+
+    admin = aioredis.Redis.from_url(services.redis_url)
+    async with RedisCheckpointCache.connect(services.redis_url, prefix=uuid.uuid4().hex) as cache:
+        writer = CacheWriter(cache, retry_after_s=0.2)
+        await writer.open()
+        try:
+            assert await writer.write([entry("r", "latest", 1)])
+            before = {**await admin.config_get("maxmemory"),
+                      **await admin.config_get("maxmemory-policy")}  # fmt: skip
+            await admin.config_set("maxmemory-policy", "noeviction")
+            await admin.config_set("maxmemory", 1)  # every write refused, reads served
+            try:
+                assert await writer.write([entry("r", "latest", 2)]) is False
+                doc, _ = await cache.get("r", "latest")
+                assert doc is not None
+                assert doc["seq"] == 1  # what PostgreSQL has moved past
+            finally:
+                await admin.config_set("maxmemory", before["maxmemory"])
+                await admin.config_set("maxmemory-policy", before["maxmemory-policy"])
+
+            async def not_stale() -> bool:
+                doc, _ = await cache.get("r", "latest")
+                return doc is None or doc["seq"] >= 2
+
+            await wait_for(not_stale, what="the stale entry to stop being served", limit_s=10)
+        finally:
+            await writer.close()
+            await admin.aclose()

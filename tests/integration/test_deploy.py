@@ -46,7 +46,7 @@ def test_alert_rules_pass_promtool() -> None:
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 7 rules found" in result.stdout
+    assert "SUCCESS: 8 rules found" in result.stdout
 
 
 def test_every_metric_in_rules_and_dashboard_exists() -> None:

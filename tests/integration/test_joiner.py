@@ -276,3 +276,47 @@ async def test_a_reply_for_another_tenant_never_answers_a_join(settings: Setting
         assert answer.merged_state == {"who": "acme"}
     finally:
         await listener.stop()
+
+
+async def test_a_join_takes_its_place_in_the_partition_or_fails_clearly(
+    settings: Settings,
+) -> None:
+    """Events published after a join without waiting for its reply are applied by the
+    checkpointer before the joiner merges. The merge must not fold them in nor take a
+    seq after theirs (order); it is answered with a clear error instead, and seqs stay
+    gapless. A join whose run has not moved is merged as usual."""
+    from tests.integration.harness import event
+
+    dsn, bootstrap = settings.postgres_dsn or "", settings.kafka_bootstrap or ""
+    async with Publisher(bootstrap, settings.lifecycle_topic) as pub:
+        for run in ("moved", "still"):
+            await pub.send(completed(run, node="a", branch="a", updates={"xs": ["a"]}))
+            await pub.send(completed(run, node="b", branch="b", updates={"xs": ["b"]}))
+            await pub.send(event("branch.join", run, node="join", join_id="j",
+                                 branch_ids=["a", "b"], reducers={"xs": "append"}))  # fmt: skip
+        await pub.send(completed("moved", node="after", updates={"xs": ["after"]}))
+        await pub.flush()
+    async with Worker.start(settings, ("checkpoint",)):  # the joiner is not running yet
+
+        async def applied() -> bool:
+            return await count(dsn, "SELECT count(*) FROM run_events") == 7
+
+        await wait_for(applied, what="every event before the joiner starts")
+    async with Worker.start(settings, ("checkpoint", "join")):
+
+        async def answered() -> bool:
+            return await count(dsn, "SELECT count(*) FROM joins") == 2
+
+        await wait_for(answered, what="both joins answered")
+    joins = {r["run_id"]: r for r in await fetch(dsn, "SELECT run_id, status, reply FROM joins")}
+    assert joins["moved"]["status"] == "error"
+    assert "run_moved_past_join" in joins["moved"]["reply"]["error"]
+    assert joins["still"]["status"] == "ok"
+    assert joins["still"]["reply"]["merged_state"] == {"xs": ["a", "b"]}
+    for run, kinds in (("moved", ["node", "node", "node"]), ("still", ["node", "node", "merge"])):
+        rows = await fetch(dsn, "SELECT seq, kind FROM checkpoints WHERE run_id = $1 "
+                                "ORDER BY seq", run)  # fmt: skip
+        assert [r["seq"] for r in rows] == [1, 2, 3]
+        assert [r["kind"] for r in rows] == kinds
+    letters = await fetch(dsn, "SELECT consumer, reason FROM dead_letters")
+    assert [(r["consumer"], r["reason"]) for r in letters] == [("joiner", "run_moved_past_join")]

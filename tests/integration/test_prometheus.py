@@ -99,5 +99,6 @@ async def test_prometheus_sees_the_work_and_the_lag_drains(
     await wait_for(lambda: scraped("max(alma_consumer_lag)", 0), what="the lag back at zero")
     rules = await asyncio.to_thread(_get, f"{prometheus}/api/v1/rules")
     names = {r["name"] for g in rules["data"]["groups"] for r in g["rules"]}
-    assert {"AlmaConsumerLagGrowing", "AlmaDeadLetterUnstorable"} <= names
-    assert len(names) == 7
+    assert {"AlmaConsumerLagGrowing", "AlmaDeadLetterUnstorable",
+            "AlmaLogBehindStoredOffsets"} <= names  # fmt: skip
+    assert len(names) == 8

@@ -1,0 +1,68 @@
+"""Offsets stored beyond the end of the broker's log (the broker lost or replaced it)
+are never trusted silently: the partition pauses, a metric and an error say so, and
+nothing is skipped as "already applied"; `alma offsets reset` forgets them and the
+records of the new log are applied."""
+
+from __future__ import annotations
+
+import asyncpg
+
+from alma_core.cli.offsets import cluster_id
+from alma_core.settings import Settings
+from tests.integration.conftest import TEST_PARTITIONS
+from tests.integration.harness import Publisher, Worker, completed, count, wait_for
+from tests.integration.test_cli import alma
+from tests.integration.test_cli_runs import env_of
+
+
+async def test_offsets_beyond_the_log_pause_until_reset(settings: Settings) -> None:
+    dsn, bootstrap = settings.postgres_dsn or "", settings.kafka_bootstrap or ""
+    group = f"{settings.group_prefix}-checkpointer"
+    cluster = await cluster_id(bootstrap)
+    conn = await asyncpg.connect(dsn)
+    try:  # what a group remembers from a broker whose log is gone (same cluster id)
+        await conn.executemany(
+            """INSERT INTO consumer_offsets (group_id, cluster_id, topic, partition, next_offset)
+               VALUES ($1, $2, $3, $4, 1000)""",
+            [(group, cluster, settings.lifecycle_topic, p) for p in range(TEST_PARTITIONS)],
+        )
+    finally:
+        await conn.close()
+    events = [completed("after-loss", state={"n": i}) for i in range(3)]
+    async with Publisher(bootstrap, settings.lifecycle_topic) as pub:
+        for doc in events:
+            await pub.send(doc)
+        await pub.flush()
+
+    async with Worker.start(settings) as worker:
+
+        def behind() -> float:
+            return sum(
+                worker.value("alma_offsets_ahead_of_log", {
+                    "consumer": "checkpointer", "topic": settings.lifecycle_topic,
+                    "partition": str(p)})
+                for p in range(TEST_PARTITIONS)
+            )  # fmt: skip
+
+        async def reported() -> bool:
+            return behind() > 0
+
+        await wait_for(reported, what="the partitions reported behind their stored offsets")
+        assert await count(dsn, "SELECT count(*) FROM run_events") == 0
+        assert await count(dsn, "SELECT count(*) FROM dead_letters") == 0
+
+    reset = alma("offsets", "reset", "--group", group, "--topic", settings.lifecycle_topic,
+                 env=env_of(settings))  # fmt: skip
+    assert reset.returncode == 0, reset.stderr
+    assert "forgot" in reset.stdout
+    again = alma("offsets", "reset", "--group", group, "--topic", settings.lifecycle_topic,
+                 env=env_of(settings))  # fmt: skip
+    assert again.returncode == 1
+    assert "alma offsets list" in again.stderr
+
+    async with Worker.start(settings):
+
+        async def applied() -> bool:
+            return await count(dsn, "SELECT count(*) FROM run_events") == len(events)
+
+        await wait_for(applied, what="the new log's records once the offsets were reset")
