@@ -142,13 +142,7 @@ class PostgresJoinStore(BatchStore):
             )
             if run is None or run["tenant_id"] != event.tenant_id:
                 raise errors.MissingBranch(f"run {event.run_id!r} is unknown for this tenant")
-            position = record.header_int(RUN_SEQ_HEADER)
-            if position is not None and run["last_seq"] > position:
-                raise errors.RunMovedPastJoin(
-                    f"the run was at seq {position} at the join and is at {run['last_seq']} "
-                    "now: publish a run's next events only after its merge reply (the SDK's "
-                    "merge() waits for it)"
-                )
+            await self._check_position(conn, event.run_id, record.header_int(RUN_SEQ_HEADER))
             heads = await self._heads(conn, event.run_id)
             merged = joining.merge(
                 payload,
@@ -178,6 +172,26 @@ class PostgresJoinStore(BatchStore):
             reply.get("checkpoint_seq"), canonical_json(reply),
         )  # fmt: skip
         outbox.append((topic, event.run_id.encode(), reply_bytes(reply), headers))
+
+    @staticmethod
+    async def _check_position(conn: asyncpg.Connection, run_id: str, position: int | None) -> None:
+        """The join is merged at its place in the partition: every checkpoint after its
+        position must be a merge of an earlier join (the joiner takes joins in partition
+        order). A node's checkpoint there means events after the join were applied
+        first, and a merge now would fold them in and take a seq after theirs."""
+        if position is None:  # a hand-off from before the header existed
+            return
+        later = await conn.fetchval(
+            """SELECT min(seq) FROM checkpoints
+               WHERE run_id = $1 AND seq > $2 AND kind <> 'merge'""",
+            run_id, position,
+        )  # fmt: skip
+        if later is not None:
+            raise errors.RunMovedPastJoin(
+                f"the run was at seq {position} at the join, and seq {later} (a later event) "
+                "was applied before the merge: publish a run's next events only after its "
+                "merge reply (the SDK's merge() waits for it)"
+            )
 
     async def _heads(self, conn: asyncpg.Connection, run_id: str) -> dict[str, Head]:
         rows = await conn.fetch(

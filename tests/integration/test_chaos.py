@@ -1,11 +1,15 @@
 """Chaos: checkpointer processes killed with SIGKILL at random points while several
-producers publish (with duplicates); members joining and leaving mid-stream.
-Afterwards the invariants must hold: one checkpoint per accepted event, seq
-1..n per run in publish order, and the cache equal to PostgreSQL."""
+producers publish (with duplicates); members joining and leaving mid-stream; the
+joiner killed with joins in flight; and processes running every group (checkpointer,
+joiner, learner) killed, one left dead, with each side effect counted afterwards.
+The invariants must hold: one checkpoint per accepted event, seq 1..n per run in
+publish order, one answered join and one outcome per run, and the cache never
+older than PostgreSQL."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -195,3 +199,118 @@ async def test_joiner_killed_mid_stream_every_join_answered_once(
     for run in runs:  # three joins of one run: seqs follow each other, no gap
         seqs = await fetch(dsn, "SELECT seq FROM checkpoints WHERE run_id = $1 ORDER BY seq", run)
         assert [r["seq"] for r in seqs] == list(range(1, 6))
+
+
+async def test_every_group_killed_each_side_effect_once(settings: Settings, tmp_path: Path) -> None:
+    """Two worker processes run all three groups (checkpointer, joiner, learner) and are
+    SIGKILLed at random points, one left dead for a while, while runs fan out, join and
+    complete, with duplicate deliveries. Every side effect is counted afterwards:
+    checkpoints and merges once and in order, one answered join with its merge durable
+    at the reply's seq, one outcome per run, heuristic counts equal to the outcomes they
+    come from, each hand-off present, no dead letter; then the cache is compared with
+    PostgreSQL before anything else is written."""
+    from tests.integration.harness import event
+
+    rng = random.Random(2026)
+    dsn, bootstrap = settings.postgres_dsn or "", settings.kafka_bootstrap or ""
+    runs = [f"all-{i:02d}" for i in range(16)]
+    workers = [WorkerProcess(settings, tmp_path / f"all-{i}.log", consumers="checkpoint,join,learn")
+               .start() for i in range(2)]  # fmt: skip
+    sent: dict[str, list[dict[str, Any]]] = {run: [] for run in runs}
+
+    async def publish() -> None:
+        async with Publisher(bootstrap, settings.lifecycle_topic) as pub:
+            for run in runs:
+                docs = [
+                    completed(run, node="a", branch="a", updates={"xs": [f"{run}-a"]}),
+                    completed(run, node="b", branch="b", updates={"xs": [f"{run}-b"]}),
+                    event("branch.join", run, node="join", join_id="j", branch_ids=["a", "b"],
+                          reducers={"xs": "append"}),
+                    event("workflow.completed", run, node=None, outcome="success",
+                          duration_ms=10, node_count=2, nodes_succeeded=2, nodes_failed=0,
+                          task=f"chaos run {run}"),
+                ]  # fmt: skip
+                sent[run] = docs
+                for doc in docs:
+                    await pub.send(doc)
+                    if rng.random() < 0.25:
+                        await pub.send(doc)  # a redelivery: same event_id, new offset
+                await pub.flush()
+                await asyncio.sleep(rng.uniform(0.2, 0.8))
+
+    try:
+        for w in workers:  # kills must hit members at work, not ones loading the model
+            await w.wait_started(limit_s=120)
+        producing = asyncio.create_task(publish())
+        for i in range(4):
+            victim = workers[i % 2]
+            await victim.wait_started(limit_s=120)
+            await asyncio.sleep(rng.uniform(0.3, 1.5))
+            victim.kill()
+            if i < 3:  # the last victim stays dead while the other one carries on
+                victim.start()
+        await producing
+        await asyncio.sleep(3.0)
+        workers[1].start()
+
+        async def settled() -> bool:
+            joins = await count(dsn, "SELECT count(*) FROM joins")
+            outcomes = await count(dsn, "SELECT count(*) FROM workflow_outcomes")
+            return joins == len(runs) and outcomes == len(runs)
+
+        await wait_for(settled, limit_s=180, what="every join answered and every run learned")
+        # The cache against PostgreSQL first: nothing else has been written since.
+        await assert_cache_matches(settings, runs, require_all=False)
+        for run, docs in sent.items():
+            rows = await fetch(dsn, "SELECT seq, kind, event_id, state FROM checkpoints "
+                                    "WHERE run_id = $1 ORDER BY seq", run)  # fmt: skip
+            assert [(r["seq"], r["kind"], r["event_id"]) for r in rows] == [
+                (1, "node", docs[0]["event_id"]), (2, "node", docs[1]["event_id"]),
+                (3, "merge", docs[2]["event_id"])], run  # fmt: skip
+            assert rows[2]["state"] == {"xs": [f"{run}-a", f"{run}-b"]}
+        joins = await fetch(dsn, "SELECT run_id, status, checkpoint_seq, reply FROM joins")
+        for j in joins:  # reply after durable: the reply's seq and state are the merge's
+            assert (j["status"], j["checkpoint_seq"]) == ("ok", 3), j["run_id"]
+            assert j["reply"]["merged_state"] == {"xs": [f"{j['run_id']}-a", f"{j['run_id']}-b"]}
+        events = await fetch(dsn, "SELECT event_id, count(*) AS n FROM run_events GROUP BY 1")
+        assert sorted(e["event_id"] for e in events) == sorted(
+            d["event_id"] for docs in sent.values() for d in docs)  # fmt: skip
+        outcomes = await fetch(dsn, "SELECT run_id, event_id FROM workflow_outcomes")
+        completions = sorted(docs[3]["event_id"] for docs in sent.values())
+        assert sorted(o["event_id"] for o in outcomes) == completions
+        # Learned counts are derived from the outcomes, whatever was delivered twice.
+        heuristics = await fetch(dsn, "SELECT occurrences, successes FROM memories "
+                                      "WHERE kind = 'heuristic'")  # fmt: skip
+        assert [(h["occurrences"], h["successes"]) for h in heuristics] == [(len(runs), len(runs))]
+        handoffs = await read_topic_ids(bootstrap, settings.sequenced_topic, 2 * len(runs))
+        assert handoffs == {d["event_id"] for docs in sent.values() for d in docs[2:]}
+        replies = await read_topic_ids(bootstrap, settings.merged_topic, len(runs),
+                                       key=lambda v: json.loads(v)["run_id"])  # fmt: skip
+        assert replies == set(runs)
+        assert await count(dsn, "SELECT count(*) FROM dead_letters") == 0
+    finally:
+        codes = [w.terminate() for w in workers]
+    assert codes == [0, 0], "every member leaves cleanly on SIGTERM"
+
+
+async def read_topic_ids(
+    bootstrap: str, topic: str, distinct: int, key: Any = None, limit_s: float = 30
+) -> set[str]:
+    """The distinct ids on a topic (an event's ``event_id`` unless ``key`` says), read
+    from the start until ``distinct`` are seen or ``limit_s`` passes; duplicates are
+    allowed there (every reader de-duplicates)."""
+    from aiokafka import AIOKafkaConsumer
+
+    pick = key or (lambda v: json.loads(v)["event_id"])
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap,
+                                auto_offset_reset="earliest", enable_auto_commit=False)  # fmt: skip
+    await consumer.start()
+    seen: set[str] = set()
+    try:
+        deadline = asyncio.get_running_loop().time() + limit_s
+        while len(seen) < distinct and asyncio.get_running_loop().time() < deadline:
+            batch = await consumer.getmany(timeout_ms=300)
+            seen.update(pick(r.value) for rs in batch.values() for r in rs)
+    finally:
+        await consumer.stop()
+    return seen
