@@ -248,17 +248,19 @@ class ConsumerRuntime:
         self, consumer: AIOKafkaConsumer, batch: dict[TopicPartition, list[Any]]
     ) -> dict[TopicPartition, list[Any]]:
         """Pause (and leave out of the batch) every partition whose log, as the broker's
-        high watermark says, ends before what the store already applied; resume one
-        whose log has caught up again."""
+        high watermark says, ends before what the store already applied. A paused
+        partition fetches nothing, so it stays paused until the next assignment (a
+        restart or a rebalance), which reads the stored offsets again."""
         name = self.handler.name
         for tp in consumer.assignment():
             applied, high = self._applied_to.get(tp), consumer.highwater(tp)
             if applied is None or high is None:
                 continue
-            gauge = self.metrics.offsets_ahead_of_log.labels(name, tp.topic, str(tp.partition))
             if applied > high:
                 batch.pop(tp, None)
-                gauge.set(applied - high)
+                self.metrics.offsets_ahead_of_log.labels(name, tp.topic, str(tp.partition)).set(
+                    applied - high
+                )
                 if tp not in self._log_behind:
                     self._log_behind.add(tp)
                     consumer.pause(tp)
@@ -272,10 +274,6 @@ class ConsumerRuntime:
                                "applied_to": applied, "high_watermark": high,
                                "cluster_id": self.cluster_id},
                     )  # fmt: skip
-            elif tp in self._log_behind:
-                self._log_behind.discard(tp)
-                consumer.resume(tp)
-                gauge.set(0)
         return batch
 
     async def _linger(
