@@ -5,7 +5,6 @@ decoding a polled batch."""
 from __future__ import annotations
 
 import base64
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -16,7 +15,7 @@ from alma_core.storage.batches import (
     BatchStore,
     Incoming,
     dead_letter_for,
-    dead_letter_record,
+    dead_letter_headers,
 )
 from alma_core.storage.cache import CacheWriter
 from alma_core.storage.offsets import TopicPartition
@@ -139,10 +138,11 @@ class StoreHandler:
             return result  # already past it (a redelivery): nothing to do
         assert isinstance(record.decoded, Rejection)
         letter = dead_letter_for(record, record.decoded)
-        topic, key, value, headers = dead_letter_record(self.name, self.store.dlq_topic, letter)
+        headers = {**dead_letter_headers(self.name, letter), "alma.dead_letter_stored": "false"}
         sent = await self.relay.send_now(
-            topic, key, value, [*json.loads(headers), ["alma.dead_letter_stored", "false"]]
-        )
+            self.store.dlq_topic, record.key, record.value or b"",
+            [(k, str(v)) for k, v in headers.items() if v is not None],
+        )  # fmt: skip
         self.metrics.dead_letter_failures.labels(self.name).inc()
         self.metrics.dead_letters.labels(self.name, letter.reason).inc()
         log.error(

@@ -63,13 +63,13 @@ class OutboxRelay:
         )
 
     async def send_now(
-        self, topic: str, key: bytes | None, value: bytes, headers: list[list[str]]
+        self, topic: str, key: bytes | None, value: bytes, headers: list[tuple[str, str]]
     ) -> bool:
         """Send one record outside the outbox (the last resort for a dead letter that
         could not be stored); False when Kafka refused it."""
         try:
             await self.producer.send_and_wait(
-                topic, value, key=key, headers=[(str(k), str(v).encode()) for k, v in headers]
+                topic, value, key=key, headers=[(k, v.encode()) for k, v in headers]
             )
         except KafkaError as exc:
             log.error(

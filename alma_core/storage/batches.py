@@ -111,15 +111,18 @@ async def record_dead_letter(
     return dead_letter_record(consumer, dlq_topic, dl)
 
 
+def dead_letter_headers(consumer: str, dl: DeadLetter) -> dict[str, str | int | None]:
+    """What a dead-letter record says in its headers: the reason and where it came from."""
+    rec = dl.record
+    return {"alma.reason": dl.reason, "alma.detail": storable(dl.detail, 1000),
+            "alma.consumer": consumer, "alma.source.topic": rec.topic,
+            "alma.source.partition": rec.partition, "alma.source.offset": rec.offset}  # fmt: skip
+
+
 def dead_letter_record(consumer: str, dlq_topic: str, dl: DeadLetter) -> OutboxRow:
     """The dead-letter topic's record: the original key and value, the reason in headers."""
     rec = dl.record
-    return (
-        dlq_topic, rec.key, rec.value or b"",
-        headers_json({"alma.reason": dl.reason, "alma.detail": storable(dl.detail, 1000),
-                      "alma.consumer": consumer, "alma.source.topic": rec.topic,
-                      "alma.source.partition": rec.partition, "alma.source.offset": rec.offset}),
-    )  # fmt: skip
+    return (dlq_topic, rec.key, rec.value or b"", headers_json(dead_letter_headers(consumer, dl)))
 
 
 async def insert_outbox(conn: asyncpg.Connection, rows: list[OutboxRow]) -> list[int]:
@@ -137,10 +140,9 @@ async def insert_outbox(conn: asyncpg.Connection, rows: list[OutboxRow]) -> list
 class BatchStore:
     """Base of the stores: the pool, the group's stored offsets, the batch transaction."""
 
-    def __init__(self, pool: asyncpg.Pool, group_id: str, *, consumer: str, dlq_topic: str) -> None:
+    def __init__(self, pool: asyncpg.Pool, group_id: str, *, dlq_topic: str) -> None:
         self.pool = pool
         self.group_id = group_id
-        self.consumer = consumer
         self.dlq_topic = dlq_topic
 
     async def stored_offsets(

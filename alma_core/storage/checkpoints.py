@@ -85,9 +85,7 @@ def _needs_head_state(event: Decoded) -> tuple[str, str] | None:
 
 class PostgresCheckpointStore(BatchStore):
     def __init__(self, pool: asyncpg.Pool, config: StoreConfig, registry: ReducerRegistry) -> None:
-        super().__init__(
-            pool, config.group_id, consumer=config.consumer, dlq_topic=config.dlq_topic
-        )
+        super().__init__(pool, config.group_id, dlq_topic=config.dlq_topic)
         self.config = config
         self.registry = registry
 

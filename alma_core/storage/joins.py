@@ -70,9 +70,7 @@ def reply_bytes(reply: dict[str, Any]) -> bytes:
 
 class PostgresJoinStore(BatchStore):
     def __init__(self, pool: asyncpg.Pool, config: JoinConfig, registry: ReducerRegistry) -> None:
-        super().__init__(
-            pool, config.group_id, consumer=config.consumer, dlq_topic=config.dlq_topic
-        )
+        super().__init__(pool, config.group_id, dlq_topic=config.dlq_topic)
         self.config = config
         self.registry = registry
 

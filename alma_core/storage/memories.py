@@ -94,9 +94,7 @@ async def check_dimension(pool: asyncpg.Pool, dimension: int, model: str) -> Non
 
 class PostgresLearnStore(BatchStore):
     def __init__(self, pool: asyncpg.Pool, config: LearnConfig) -> None:
-        super().__init__(
-            pool, config.group_id, consumer=config.consumer, dlq_topic=config.dlq_topic
-        )
+        super().__init__(pool, config.group_id, dlq_topic=config.dlq_topic)
         self.config = config
 
     # -- reads before the transaction -------------------------------------------
