@@ -7,7 +7,12 @@ Exit codes: 0 done; 1 the operation failed (the message says what to do next);
 
 from __future__ import annotations
 
-import typer
+try:
+    import typer
+except ImportError:  # pragma: no cover - an install without the `cli` extra
+    raise SystemExit(
+        "the `alma` command needs the cli extra: pip install 'alma-stream[cli]'"
+    ) from None
 
 from alma_core.cli import db, demo, dlq, mcp, memory, offsets, reducers, runs, stack, topics
 

@@ -15,6 +15,7 @@ from rich.console import Console
 from alma_core import errors
 from alma_core import settings as settings_mod
 from alma_core.cli.embedded import Endpoints
+from alma_core.storage import embeddings
 
 out = Console()
 err = Console(stderr=True)
@@ -36,11 +37,15 @@ def run(make: Callable[[], Awaitable[T]]) -> T:
 
 
 def settings(**overrides: Any) -> settings_mod.Settings:
+    """The command's settings. An ``alma`` process is ALMA Stream's own, so a model it
+    loads may set torch's threads (``ALMA_EMBED_THREADS``) and silence progress bars."""
     try:
-        return settings_mod.load(**{k: v for k, v in overrides.items() if v is not None})
+        loaded = settings_mod.load(**{k: v for k, v in overrides.items() if v is not None})
     except errors.ConfigError as exc:
         err.print(f"[red]error:[/red] {exc.message}")
         raise typer.Exit(2) from None
+    embeddings.configure_process(loaded.embed_threads)
+    return loaded
 
 
 def running_endpoints(s: settings_mod.Settings) -> dict[str, Any]:

