@@ -10,7 +10,8 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+from alma_core.storage.observer import LATENCY_BUCKETS, CacheResult, ReadMetrics
+
 E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
@@ -92,10 +93,10 @@ class Metrics:
             "alma_last_poll_timestamp_seconds", "Unix time of the last successful poll",
             ["consumer"], registry=r,
         )  # fmt: skip
-        self.cache = Counter(
-            "alma_cache_operations_total", "Redis cache operations, by result (hit, miss, error, "
-            "write, write_error)", ["result"], registry=r,
-        )  # fmt: skip
+        # the read side's families (a process that serves reads reports them here too)
+        self.reads = ReadMetrics(r)
+        self.cache = self.reads.cache
+        self.retrieval_seconds = self.reads.retrieval_seconds
         self.merges = Counter(
             "alma_merges_total", "Join requests answered, by outcome (ok, error, duplicate)",
             ["outcome"], registry=r,
@@ -132,19 +133,18 @@ class Metrics:
             "alma_memories_written_total", "Memories written or updated by the learner, by kind",
             ["kind"], registry=r,
         )  # fmt: skip
-        self.retrieval_seconds = Histogram(
-            "alma_retrieval_seconds", "Time of one scoped retrieval, embedding included",
-            ["scope", "plan"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
         self.checkpoints_pruned = Counter(
             "alma_checkpoints_pruned_total",
             "Checkpoints deleted by cleanup after learning or by retention", ["reason"],
             registry=r,
         )  # fmt: skip
 
-    def observe_retrieval(self, scope: str, plan: str, seconds: float) -> None:
-        """``Retriever(observe=...)``: a process that serves retrievals records them here."""
-        self.retrieval_seconds.labels(scope, plan).observe(seconds)
+    # ReadObserver: a process that runs workers and serves reads (the demo) reports both
+    def cache_read(self, result: CacheResult) -> None:
+        self.reads.cache_read(result)
+
+    def retrieval(self, scope: str, plan: str, seconds: float) -> None:
+        self.reads.retrieval(scope, plan, seconds)
 
     def forget_partition(self, consumer: str, topic: str, partition: int) -> None:
         """Drop the per-partition series of a revoked partition (no ghosts on dashboards)."""

@@ -46,9 +46,11 @@ KNOWN_CONSUMERS = ("checkpoint", "join", "learn")
 
 @dataclass
 class WorkerStatus:
-    """What a running worker tells its caller: where its HTTP endpoints listen."""
+    """What a running worker tells its caller: where its HTTP endpoints listen, and its
+    metrics (a process that also serves reads reports them there: the demo)."""
 
     http_port: int = 0
+    metrics: Metrics | None = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,8 @@ async def run_worker(
             f"unknown consumer(s) {', '.join(unknown)}; known: {', '.join(KNOWN_CONSUMERS)}"
         )
     metrics = metrics or Metrics()
+    if status is not None:
+        status.metrics = metrics
     owned: AsyncEmbedder | None = None
     pool = await _wait_for_pool(services.postgres_dsn, settings.pg_pool_size, stop)
     if pool is None:

@@ -19,6 +19,7 @@ from alma_core.cli.stack import bring_up, start_workers
 from alma_core.logs import configure as configure_logs
 from alma_core.sdk.client import AlmaClient
 from alma_core.storage.embeddings import AsyncEmbedder, load_embedder
+from alma_core.storage.observer import ReadObserver
 from alma_core.storage.postgres import connect
 
 
@@ -29,14 +30,15 @@ def register(app: typer.Typer) -> None:
 @contextlib.asynccontextmanager
 async def _stack(
     s: settings_mod.Settings,
-) -> AsyncIterator[tuple[settings_mod.Settings, str, AsyncEmbedder | None]]:
+) -> AsyncIterator[tuple[settings_mod.Settings, str, AsyncEmbedder | None, ReadObserver | None]]:
     """A running `alma up` if there is one; else the embedded stack (services not
     configured) with the three workers in this process. Yields the settings with
-    every service, the metrics URL and the workers' embedder (to share)."""
+    every service, the metrics URL, the workers' embedder (to share) and their
+    metrics (the demo's reads are reported there too)."""
     running = common.running_endpoints(s)
     if running.get("metrics_url"):
         common.out.print("using the stack of the running `alma up`")
-        yield common.resolved(s), str(running["metrics_url"]), None
+        yield common.resolved(s), str(running["metrics_url"]), None, None
         return
     with common.out.status("starting broker, PostgreSQL and Redis..."):
         stack, endpoints = await bring_up(s)
@@ -47,7 +49,8 @@ async def _stack(
             stop = asyncio.Event()
             workers, status = await start_workers(resolved, endpoints, stop, embedder)
         try:
-            yield resolved, f"http://127.0.0.1:{status.http_port}/metrics", embedder
+            url = f"http://127.0.0.1:{status.http_port}/metrics"
+            yield resolved, url, embedder, status.metrics
         finally:
             stop.set()
             await workers
@@ -106,8 +109,8 @@ def demo(
 
     async def main() -> None:
         async with (
-            _stack(s) as (resolved, metrics_url, embedder),
-            AlmaClient(resolved, embedder=embedder) as client,
+            _stack(s) as (resolved, metrics_url, embedder, observer),
+            AlmaClient(resolved, embedder=embedder, observer=observer) as client,
         ):
             d = Demo(client, runs=runs)
             started = time.monotonic()

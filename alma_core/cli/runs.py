@@ -13,6 +13,7 @@ from alma_core import errors
 from alma_core.cli import common
 from alma_core.settings import Settings
 from alma_core.storage.cache import RedisCheckpointCache, checkpoint_to_doc
+from alma_core.storage.observer import Tally
 from alma_core.storage.postgres import connect
 from alma_core.storage.reader import CheckpointReader
 from alma_core.types import Checkpoint
@@ -246,8 +247,9 @@ def resume(
                 common.redis_url(s), prefix=s.redis_prefix, ttl_s=s.cache_ttl_seconds
             ) as cache,
         ):
+            tally = Tally()
             reader = CheckpointReader(
-                pool, cache, tenant_id=tenant, require_tenant=s.require_tenant
+                pool, cache, tenant_id=tenant, require_tenant=s.require_tenant, observer=tally
             )
             latest = await reader.latest(run_id)
             heads = await reader.branch_heads(run_id)
@@ -258,7 +260,7 @@ def resume(
                 "run_id": run_id,
                 "latest": checkpoint_to_doc(latest),
                 "branch_heads": {b or "": checkpoint_to_doc(cp) for b, cp in heads.items()},
-                "cache": dict(reader.stats),
+                "cache": dict(tally.counts),
             }))  # fmt: skip
             return
         common.out.print(_table(f"resume point of {run_id}", [latest]))

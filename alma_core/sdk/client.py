@@ -29,9 +29,10 @@ from alma_core.settings import Settings
 from alma_core.storage import reducer_configs
 from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.embeddings import AsyncEmbedder, load_embedder
+from alma_core.storage.observer import ReadMetrics, ReadObserver
 from alma_core.storage.postgres import connect
 from alma_core.storage.reader import CheckpointReader
-from alma_core.storage.retrieval import Observe, Retriever
+from alma_core.storage.retrieval import Retriever
 from alma_core.types import Checkpoint, RetrievalScope, WorkflowContext
 from schemas.events import EVENT_MODELS, Event, EventType, MergeReply, encode
 
@@ -66,8 +67,8 @@ class AlmaClient:
     branches, wait for an event's effect, resume a run, and retrieve memories.
 
     ``embedder`` serves :meth:`retrieve` (default: the model the settings name,
-    loaded on first use); ``observe_retrieval(scope, plan, seconds)`` is called
-    after each retrieval (a worker passes ``Metrics.observe_retrieval``)."""
+    loaded on first use); ``observer`` hears of every cache lookup and retrieval
+    (default: :meth:`ReadMetrics.shared`, this process's Prometheus registry)."""
 
     def __init__(
         self,
@@ -75,7 +76,7 @@ class AlmaClient:
         *,
         bootstrap: str | None = None,
         embedder: AsyncEmbedder | None = None,
-        observe_retrieval: Observe | None = None,
+        observer: ReadObserver | None = None,
     ) -> None:
         self.settings = settings
         self.bootstrap = bootstrap or settings.kafka_bootstrap
@@ -95,7 +96,7 @@ class AlmaClient:
         self._cache: RedisCheckpointCache | None = None
         self._embedder = embedder
         self._own_embedder = False
-        self._observe_retrieval = observe_retrieval
+        self.observer = observer or ReadMetrics.shared()
 
     async def __aenter__(self) -> AlmaClient:
         await self.start()
@@ -121,8 +122,9 @@ class AlmaClient:
         """Reads go to Redis first and PostgreSQL on a miss (opened on first use)."""
         pool = await self._open_reads()
         return CheckpointReader(
-            pool, self._cache, tenant_id=tenant_id, require_tenant=self.settings.require_tenant
-        )
+            pool, self._cache, tenant_id=tenant_id, require_tenant=self.settings.require_tenant,
+            observer=self.observer,
+        )  # fmt: skip
 
     async def _open_reads(self) -> asyncpg.Pool:
         if self._reads is None:
@@ -199,9 +201,7 @@ class AlmaClient:
         if self._embedder is None:
             self._embedder = await asyncio.to_thread(load_embedder, self.settings)
             self._own_embedder = True
-        retriever = Retriever.configured(
-            pool, self._embedder, self.settings, self._observe_retrieval
-        )
+        retriever = Retriever.configured(pool, self._embedder, self.settings, self.observer)
         return await retriever.retrieve(
             task, ctx, scope, agent=agent, top_k=top_k,
             include_workflow_outcomes=include_workflow_outcomes,

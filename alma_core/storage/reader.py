@@ -7,7 +7,6 @@ a tenant is an operator's reader and exists only when multi-tenant mode is off.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +21,7 @@ from alma_core.storage.cache import (
     cache_entries,
     checkpoint_from_doc,
 )
+from alma_core.storage.observer import ReadMetrics, ReadObserver
 from alma_core.storage.postgres import is_storage_failure, storage_error
 from alma_core.types import Checkpoint
 
@@ -30,7 +30,8 @@ _COLUMNS = """run_id, tenant_id, seq, kind, node_id, branch_id, parent_seq, even
 
 
 class CheckpointReader:
-    """Reads of one tenant's checkpoints."""
+    """Reads of one tenant's checkpoints; each cache lookup is reported to ``observer``
+    (default: this process's :class:`~alma_core.storage.observer.ReadMetrics`)."""
 
     def __init__(
         self,
@@ -39,6 +40,7 @@ class CheckpointReader:
         *,
         tenant_id: str | None,
         require_tenant: bool = True,
+        observer: ReadObserver | None = None,
     ) -> None:
         if require_tenant and not tenant_id:
             raise errors.ContextError(
@@ -48,7 +50,7 @@ class CheckpointReader:
         self.pool = pool
         self.cache = cache
         self.tenant_id = tenant_id
-        self.stats: Counter[str] = Counter()
+        self.observer = observer or ReadMetrics.shared()
 
     def _mine(self, doc: Mapping[str, Any] | None) -> bool:
         return doc is not None and (self.tenant_id is None or doc["tenant_id"] == self.tenant_id)
@@ -68,12 +70,9 @@ class CheckpointReader:
         try:
             doc, _ = await self.cache.get(run_id, field)
         except errors.CacheError:
-            self.stats["cache_error"] += 1
+            self.observer.cache_read("error")
             return None
-        if doc is None:
-            self.stats["cache_miss"] += 1
-            return None
-        self.stats["cache_hit"] += 1
+        self.observer.cache_read("miss" if doc is None else "hit")
         return doc
 
     async def _fill(self, heads: Mapping[str | None, Checkpoint]) -> None:
@@ -82,7 +81,7 @@ class CheckpointReader:
         try:
             await self.cache.put(cache_entries(heads), complete=True)
         except errors.CacheError:
-            self.stats["cache_error"] += 1
+            self.observer.cache_read("error")
 
     async def _heads_from_db(self, run_id: str) -> dict[str | None, Checkpoint]:
         rows = await self._fetch(
@@ -113,14 +112,14 @@ class CheckpointReader:
             try:
                 cached = await self.cache.heads(run_id)
             except errors.CacheError:
-                self.stats["cache_error"] += 1
+                self.observer.cache_read("error")
                 cached = None
             if cached is not None:
-                self.stats["cache_hit"] += 1
+                self.observer.cache_read("hit")
                 if not all(self._mine(d) for d in cached.values()):
                     return {}
                 return {branch_of(f): checkpoint_from_doc(d) for f, d in cached.items()}
-            self.stats["cache_miss"] += 1
+            self.observer.cache_read("miss")
         return await self._heads_from_db(run_id)
 
     async def main_head(self, run_id: str) -> Checkpoint | None:

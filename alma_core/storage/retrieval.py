@@ -33,6 +33,7 @@ from alma_core.scoring import (
 )
 from alma_core.settings import Settings
 from alma_core.storage.embeddings import AsyncEmbedder, vector_literal
+from alma_core.storage.observer import ReadMetrics, ReadObserver
 from alma_core.storage.postgres import is_storage_failure, storage_error
 from alma_core.types import RetrievalScope, WorkflowContext
 
@@ -50,7 +51,6 @@ _OUTCOME_COLUMNS = """id, tenant_id, workflow_id, workflow_version, run_id, succ
     node_count, nodes_succeeded, nodes_failed, error_message, failing_node, task, description,
     learnings_extracted, created_at"""
 
-Observe = Callable[[str, str, float], None]  # scope, plan, seconds
 T = TypeVar("T", Memory, WorkflowOutcome)
 
 
@@ -64,7 +64,7 @@ class Retriever:
         require_tenant: bool = True,
         exact_max_rows: int = 3000,
         ef_search: int = 100,
-        observe: Observe | None = None,
+        observer: ReadObserver | None = None,
     ) -> None:
         self.pool = pool
         self.embedder = embedder
@@ -72,7 +72,7 @@ class Retriever:
         self.require_tenant = require_tenant
         self.exact_max_rows = exact_max_rows
         self.ef_search = ef_search
-        self.observe = observe
+        self.observer = observer or ReadMetrics.shared()
 
     @classmethod
     def configured(
@@ -80,14 +80,14 @@ class Retriever:
         pool: asyncpg.Pool,
         embedder: AsyncEmbedder,
         settings: Settings,
-        observe: Observe | None = None,
+        observer: ReadObserver | None = None,
     ) -> Retriever:
         """A retriever with the weights, tenancy and plan limits the settings give."""
         return cls(
             pool, embedder, weights=settings.scoring_weights,
             require_tenant=settings.require_tenant,
             exact_max_rows=settings.retrieval_exact_max_rows,
-            ef_search=settings.retrieval_ef_search, observe=observe,
+            ef_search=settings.retrieval_ef_search, observer=observer,
         )  # fmt: skip
 
     async def retrieve(
@@ -139,8 +139,7 @@ class Retriever:
         result.workflow_outcomes = [_with_links(o, links) for o in ranked_outcomes]
         elapsed = time.perf_counter() - started
         result.retrieval_time_ms = elapsed * 1000
-        if self.observe is not None:
-            self.observe(scope.value, chosen, elapsed)
+        self.observer.retrieval(scope.value, chosen, elapsed)
         return result
 
     async def _plan(self, conn: asyncpg.Connection, table: str, f: scopes.ScopeFilter) -> str:

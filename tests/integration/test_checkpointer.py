@@ -10,6 +10,7 @@ import asyncpg
 
 from alma_core.settings import Settings
 from alma_core.storage.cache import RedisCheckpointCache
+from alma_core.storage.observer import Tally
 from alma_core.storage.postgres import connect
 from alma_core.storage.reader import CheckpointReader
 from tests.integration.harness import (
@@ -244,13 +245,14 @@ async def test_cache_matches_postgres_and_reads_are_tenant_scoped(
         connect(dsn) as pool,
         RedisCheckpointCache.connect(settings.redis_url, prefix=settings.redis_prefix) as cache,
     ):
-        reader = CheckpointReader(pool, cache, tenant_id="acme")
+        tally = Tally()
+        reader = CheckpointReader(pool, cache, tenant_id="acme", observer=tally)
         latest = await reader.latest("cached")
         assert latest is not None
         assert (latest.seq, latest.branch_id) == (6, "side")
         heads = await reader.branch_heads("cached")
         assert {b: cp.seq for b, cp in heads.items()} == {None: 5, "side": 6}
-        assert reader.stats["cache_hit"] == 1  # latest came from the cache
+        assert tally.counts["cache_hit"] == 1  # latest came from the cache
         uncached = CheckpointReader(pool, None, tenant_id="acme")
         assert await uncached.latest("cached") == latest
         assert await uncached.branch_heads("cached") == heads

@@ -21,6 +21,7 @@ from alma_core.sdk.run_state import RunState
 from alma_core.settings import Settings
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.types import RetrievalScope, WorkflowContext
+from consumers.metrics import Metrics
 from tests.integration.harness import Worker, count, fetch, wait_for, worker_env
 
 # plan 120 + searches (web 330, papers 360, news 340) + draft 900, summed
@@ -34,11 +35,10 @@ def ctx(run: str, tenant: str = "acme") -> WorkflowContext:
 async def test_orchestrator_end_to_end(settings: Settings, embedder: AsyncEmbedder) -> None:
     dsn = settings.postgres_dsn
     assert dsn
-    seen: list[tuple[str, str]] = []
+    seen = Metrics()  # what a process that serves reads exports
     async with (
         Worker.start(settings, ("checkpoint", "join", "learn"), embedder),
-        AlmaClient(settings, embedder=embedder,
-                   observe_retrieval=lambda scope, plan, s: seen.append((scope, plan))) as client,
+        AlmaClient(settings, embedder=embedder, observer=seen) as client,
     ):  # fmt: skip
         orch = Orchestrator(WorkflowHooks(client))
         results = []
@@ -78,7 +78,10 @@ async def test_orchestrator_end_to_end(settings: Settings, embedder: AsyncEmbedd
         assert found.heuristics
         assert found.heuristics[0].successes == 3
         assert "Mistakes to avoid" in found.to_prompt(max_tokens=400)
-        assert seen == [("workflow", "exact")]
+        retrievals = seen.registry.get_sample_value(
+            "alma_retrieval_seconds_count", {"scope": "workflow", "plan": "exact"}
+        )
+        assert retrievals == 1
         other = await client.retrieve("heat pumps", ctx("x", tenant="globex"))
         assert other.empty  # another tenant sees nothing of acme's
 
