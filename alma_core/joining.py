@@ -11,7 +11,9 @@
   for a field with no reducer is an error naming the field and the branches.
 
 Errors name the branch or the field; they become an error reply and a dead
-letter, never a hang.
+letter, never a hang. :class:`JoinPlanner` takes a batch's joins in partition order
+and decides each one (merge, error, or the earlier reply again) from what the store
+loaded for the whole batch.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from typing import Any
 
 from alma_core import errors
 from alma_core.reducers import ReducerConfig, ReducerRegistry, apply_updates, merge_states
-from alma_core.sequencing import Head, canonical_json
-from schemas.events import BranchJoinPayload
+from alma_core.sequencing import MAIN, Head, canonical_json
+from schemas.events import BranchJoin, BranchJoinPayload, MergeReply
 
 
 @dataclass(frozen=True)
@@ -86,3 +88,117 @@ def merge(
         )
     return Merge(state, state_json, hashlib.sha256(state_json.encode()).hexdigest(), size,
                  merged_from)  # fmt: skip
+
+
+@dataclass
+class RunAtJoin:
+    """What the joiner knows of a run while it merges a batch's joins."""
+
+    tenant_id: str
+    workflow_id: str
+    last_seq: int
+    heads: dict[str, Head]  # branch key -> head, the main line under MAIN
+
+
+@dataclass(frozen=True)
+class MergedCheckpoint:
+    """A merge the planner made: the run's next seq on the main line."""
+
+    run_id: str
+    tenant_id: str
+    seq: int
+    parent_seq: int | None
+    merge: Merge
+
+
+@dataclass(frozen=True)
+class JoinDecision:
+    """What one join comes to: its reply (an earlier one again for a duplicate) and,
+    for a new ``ok``, the merged checkpoint; for a new error, the rejection."""
+
+    event: BranchJoin
+    reply: dict[str, Any]
+    checkpoint: MergedCheckpoint | None = None
+    rejection: errors.RejectedEvent | None = None
+    duplicate: bool = False
+
+
+class JoinPlanner:
+    """The joiner's decisions for one batch, in partition order, from what the store
+    loaded: the runs (locked), their heads, the replies already given, the workflows'
+    registered reducers, and for each join's position the first node checkpoint after
+    it (None: none). A join merged here moves its run's main line and seq, so a later
+    join of the same run in the batch merges onto it."""
+
+    def __init__(
+        self,
+        *,
+        runs: dict[str, RunAtJoin],
+        replies: dict[tuple[str, str], dict[str, Any]],
+        registered: dict[tuple[str, str], ReducerConfig],
+        later_node: dict[tuple[str, int], int],
+        registry: ReducerRegistry,
+        max_state_bytes: int,
+    ) -> None:
+        self.runs = runs
+        self.replies = dict(replies)
+        self.registered = registered
+        self.later_node = later_node
+        self.registry = registry
+        self.max_state_bytes = max_state_bytes
+
+    def decide(self, event: BranchJoin, position: int | None) -> JoinDecision:
+        payload = event.payload
+        key = (event.run_id, payload.join_id)
+        if key in self.replies:
+            return JoinDecision(event, self.replies[key], duplicate=True)
+        reply: dict[str, Any] = {
+            "join_id": payload.join_id, "run_id": event.run_id, "tenant_id": event.tenant_id,
+        }  # fmt: skip
+        try:
+            run = self._run(event)
+            self._check_position(event.run_id, position)
+            merged = merge(
+                payload,
+                main=run.heads.get(MAIN),
+                branches={k: h for k, h in run.heads.items() if k != MAIN},
+                registered=self.registered.get((run.tenant_id, run.workflow_id)),
+                registry=self.registry,
+                max_state_bytes=self.max_state_bytes,
+            )
+        except errors.RejectedEvent as exc:
+            reply.update(status="error", error=f"{exc.reason}: {exc.message}")
+            decision = JoinDecision(event, reply, rejection=exc)
+        else:
+            main = run.heads.get(MAIN)
+            checkpoint = MergedCheckpoint(
+                event.run_id, event.tenant_id, run.last_seq + 1, main.seq if main else None, merged
+            )
+            run.last_seq = checkpoint.seq
+            run.heads[MAIN] = Head(checkpoint.seq, merged.state_hash, merged.state)
+            reply.update(status="ok", merged_state=merged.state, checkpoint_seq=checkpoint.seq)
+            decision = JoinDecision(event, reply, checkpoint=checkpoint)
+        MergeReply.model_validate(reply)  # the reply we send keeps our own contract
+        self.replies[key] = reply
+        return decision
+
+    def _run(self, event: BranchJoin) -> RunAtJoin:
+        run = self.runs.get(event.run_id)
+        if run is None or run.tenant_id != event.tenant_id:
+            raise errors.MissingBranch(f"run {event.run_id!r} is unknown for this tenant")
+        return run
+
+    def _check_position(self, run_id: str, position: int | None) -> None:
+        """The join is merged at its place in the partition: every checkpoint after its
+        position must be a merge of an earlier join (the joiner takes joins in partition
+        order). A node's checkpoint there means events after the join were applied
+        first, and a merge now would fold them in and take a seq after theirs."""
+        if position is None:  # a hand-off from before the position header existed
+            return
+        later = self.later_node.get((run_id, position))
+        if later is not None:
+            raise errors.RunMovedPastJoin(
+                f"the run was at seq {position} at the join, and seq {later} (a later event) "
+                "was applied before the merge: publish a run's next events only after its "
+                "merge reply (the SDK's merge() waits for it)"
+            )

@@ -233,3 +233,69 @@ def heuristic_counts_qualify(occurrences: int, successes: int, policy: LearningP
 def anti_pattern_confidence(failures: int) -> float:
     """More repetitions, more certainty: 2 failures 0.4, 5 or more 1.0."""
     return min(1.0, failures / 5)
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """A memory to upsert with its counts (recomputed from the stored outcomes)."""
+
+    draft: MemoryDraft
+    occurrences: int
+    successes: int
+    confidence: float
+
+
+@dataclass
+class MemoryPlan:
+    """What a batch of newly stored outcomes teaches: memories to upsert (one per id,
+    the highest counts), heuristics whose strategy no longer qualifies (their counts
+    and confidence refreshed, nothing else), and how many memories each outcome gave."""
+
+    upserts: dict[str, MemoryRow] = field(default_factory=dict)
+    fading: list[MemoryRow] = field(default_factory=list)
+    learned: dict[str, int] = field(default_factory=dict)  # outcome id -> memories
+
+
+Counts = dict[tuple[str, str, str], tuple[int, int]]  # (tenant, workflow, key) -> (n, hits)
+
+
+def plan_memories(
+    stored: list[OutcomeDraft], strategies: Counts, failures: Counts, policy: LearningPolicy
+) -> MemoryPlan:
+    """Decide, from the counts of every stored outcome (this batch's included):
+
+    * each failed node of a run is a node outcome (occurrences 1);
+    * a strategy whose successes qualify (:func:`heuristic_counts_qualify`) is a
+      heuristic with those counts; one that stopped qualifying only has its counts
+      refreshed (a failed run of it, say);
+    * an error signature seen in ``anti_pattern_min_failures`` failed runs is an
+      anti-pattern, more certain the more often it was seen.
+
+    ``strategies`` hold (runs, successes) per strategy, ``failures`` (runs, failures)
+    per error signature."""
+    plan = MemoryPlan()
+    rows: list[MemoryRow] = []
+    for d in stored:
+        learned = 0
+        for m in d.node_outcomes:
+            rows.append(MemoryRow(m, 1, 0, 1.0))
+            learned += 1
+        occurrences, successes = strategies.get((d.run.tenant_id, d.run.workflow_id, d.strategy),
+                                                (0, 0))  # fmt: skip
+        confidence = successes / max(1, occurrences)
+        heuristic = MemoryRow(d.heuristic, occurrences, successes, confidence)
+        if heuristic_counts_qualify(occurrences, successes, policy):
+            rows.append(heuristic)
+            learned += 1 if d.run.success else 0  # a failed run only refreshes the counts
+        else:
+            plan.fading.append(heuristic)
+        if d.anti_pattern is not None and d.error_signature is not None:
+            _, failed = failures.get((d.run.tenant_id, d.run.workflow_id, d.error_signature),
+                                     (0, 0))  # fmt: skip
+            if failed >= policy.anti_pattern_min_failures:
+                rows.append(MemoryRow(d.anti_pattern, failed, 0, anti_pattern_confidence(failed)))
+                learned += 1
+        plan.learned[d.id] = learned
+    for row in rows:  # one row per memory: the last (highest counts) wins
+        plan.upserts[row.draft.id] = row
+    return plan

@@ -1,44 +1,73 @@
-"""What the checkpointer's and the joiner's batch handlers share: a store that keeps
-its offsets in PostgreSQL, the cache writer, the outbox relay, the metrics, and
-decoding a polled batch."""
+"""What every consumer group's batch handler shares: decode a polled batch, apply it
+through a store that keeps its offsets in PostgreSQL (isolating a record that fails),
+then the one post-commit step: metrics and logs of dead letters, the cache, the
+outbox, the offsets for Kafka. A handler adds its own metrics (``observe``) and, for
+the learner, the work before the transaction (``prepare``)."""
 
 from __future__ import annotations
 
 import base64
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any, ClassVar, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar
 
 from alma_core import errors
 from alma_core.storage.batches import (
-    BatchStore,
+    Batch,
+    BatchOutcome,
     Incoming,
     dead_letter_for,
     dead_letter_headers,
 )
 from alma_core.storage.cache import CacheWriter
-from alma_core.storage.offsets import TopicPartition
+from alma_core.storage.offsets import PartitionKey
 from consumers.metrics import Metrics
-from consumers.outbox import OutboxRelay
+from consumers.runtime import HandleResult
 from schemas.decoder import Rejection, RejectReason, decode
 
 log = logging.getLogger("alma.consumers")
 
-R = TypeVar("R")
-Batch = dict[TopicPartition, list[Incoming]]
+OutcomeT = TypeVar("OutcomeT", bound=BatchOutcome)
+Apply = Callable[[str, Batch], Awaitable[OutcomeT]]
 
 
-class StoreHandler:
+class OffsetStore(Protocol):
+    """What the handler itself asks of its store (the batch goes through ``Apply``):
+    :class:`~alma_core.storage.batches.BatchStore` in a worker."""
+
+    dlq_topic: str
+
+    async def stored_offsets(
+        self, cluster_id: str, partitions: list[PartitionKey]
+    ) -> dict[PartitionKey, int]: ...
+
+    async def skip(self, cluster_id: str, batch: Batch) -> tuple[BatchOutcome, bool]: ...
+
+
+class Relay(Protocol):
+    """What the handler asks of the outbox relay (:class:`~consumers.outbox.OutboxRelay`)."""
+
+    async def publish(self, ids: list[int]) -> int: ...
+
+    async def send_now(
+        self, topic: str, key: bytes | None, value: bytes, headers: list[tuple[str, str]]
+    ) -> bool: ...
+
+    async def sweep(self, *, force: bool = False) -> int: ...
+
+
+class StoreHandler(Generic[OutcomeT]):
     name = "handler"
-    # The store's result type: built empty (offsets only) when a record is skipped.
-    result_type: ClassVar[Callable[..., Any]]
+    # The store's outcome type: built empty (offsets only) when a record is skipped.
+    result_type: type[OutcomeT]
 
     def __init__(
         self,
-        store: BatchStore,
+        store: OffsetStore,
         cache: CacheWriter | None,
-        relay: OutboxRelay,
+        relay: Relay,
         metrics: Metrics,
         *,
         max_state_bytes: int,
@@ -52,16 +81,63 @@ class StoreHandler:
         self.max_record_bytes = max_record_bytes
 
     async def positions(
-        self, cluster_id: str, partitions: list[TopicPartition]
-    ) -> dict[TopicPartition, int]:
+        self, cluster_id: str, partitions: list[PartitionKey]
+    ) -> dict[PartitionKey, int]:
         return await self.store.stored_offsets(cluster_id, partitions)
 
     async def idle(self) -> None:
         await self.relay.sweep()
 
+    async def handle(self, cluster_id: str, batch: dict[PartitionKey, list[Any]]) -> HandleResult:
+        """Decode, prepare, apply (record by record if the batch fails), then the
+        post-commit step for every outcome."""
+        started = time.perf_counter()
+        incoming = self.decode_batch(batch)
+        apply = await self.prepare(incoming)
+        out = HandleResult()
+        for outcome in await self.apply_all(cluster_id, incoming, apply):
+            self.observe(outcome)
+            await self.after_commit(outcome)
+            out.next_offsets.update(outcome.next_offsets)
+            out.seeks.update(outcome.seeks)
+        self.metrics.batch_seconds.labels(self.name).observe(time.perf_counter() - started)
+        self.metrics.batch_size.labels(self.name).observe(sum(len(rs) for rs in incoming.values()))
+        return out
+
+    async def prepare(self, incoming: Batch) -> Apply[OutcomeT]:
+        """Work before the transaction (reads, embeddings); returns how to apply a batch
+        or a part of it."""
+        raise NotImplementedError
+
+    def observe(self, outcome: OutcomeT) -> None:
+        """The handler's own metrics of a committed batch."""
+
+    async def after_commit(self, outcome: BatchOutcome) -> None:
+        """The same for every group, once the batch is durable: count and log its dead
+        letters and redeliveries, write the cache (never back: guarantee 4), publish
+        the outbox."""
+        m = self.metrics
+        if outcome.already_applied:
+            m.duplicates.labels(self.name).inc(outcome.already_applied)
+        for dl in outcome.dead_letters:
+            m.dead_letters.labels(self.name, dl.reason).inc()
+            log.warning(
+                "dead letter",
+                extra={"action": "dead_letter", "consumer": self.name, "reason": dl.reason,
+                       "detail": dl.detail[:300], "event_id": dl.event_id, "run_id": dl.run_id,
+                       "partition": dl.record.partition, "offset": dl.record.offset},
+            )  # fmt: skip
+        if self.cache is not None:
+            if outcome.cache_writes:
+                ok = await self.cache.write(outcome.cache_writes)
+                m.cache.labels("write" if ok else "write_error").inc(len(outcome.cache_writes))
+            if outcome.cache_forgets:
+                await self.cache.forget(outcome.cache_forgets)
+        await self.relay.publish(outcome.outbox_ids)
+
     def decode_batch(
-        self, batch: dict[TopicPartition, list[Any]]
-    ) -> dict[TopicPartition, list[Incoming]]:
+        self, batch: dict[PartitionKey, list[Any]]
+    ) -> dict[PartitionKey, list[Incoming]]:
         return {
             tp: [
                 Incoming(r.topic, r.partition, r.offset, r.key, r.value,
@@ -74,8 +150,8 @@ class StoreHandler:
         }  # fmt: skip
 
     async def apply_all(
-        self, cluster_id: str, batch: Batch, apply: Callable[[str, Batch], Awaitable[R]]
-    ) -> list[R]:
+        self, cluster_id: str, batch: Batch, apply: Apply[OutcomeT]
+    ) -> list[OutcomeT]:
         """Apply a batch. Unless the failure is the server's (a retriable StorageError:
         the runtime pauses and retries), apply its records one by one and dead-letter
         the one that fails alone — refused by PostgreSQL (``storage_rejected``) or any
@@ -99,18 +175,14 @@ class StoreHandler:
         ]
 
     async def _apply_alone(
-        self,
-        cluster_id: str,
-        tp: TopicPartition,
-        record: Incoming,
-        apply: Callable[[str, Batch], Awaitable[R]],
-    ) -> R:
+        self, cluster_id: str, tp: PartitionKey, record: Incoming, apply: Apply[OutcomeT]
+    ) -> OutcomeT:
         try:
             return await apply(cluster_id, {tp: [record]})
         except Exception as exc:  # noqa: BLE001 - dead-lettered below
             reraise_retriable(exc)
             if isinstance(record.decoded, Rejection):  # its dead letter is what failed
-                return cast(R, await self._last_resort(cluster_id, tp, record, failure_text(exc)))
+                return await self._last_resort(cluster_id, tp, record, failure_text(exc))
             reason = (
                 RejectReason.STORAGE_REJECTED
                 if isinstance(exc, errors.StorageError)
@@ -122,19 +194,19 @@ class StoreHandler:
             return await apply(cluster_id, {tp: [rejected]})
         except Exception as exc:  # noqa: BLE001 - the last resort below
             reraise_retriable(exc)
-            return cast(R, await self._last_resort(cluster_id, tp, rejected, failure_text(exc)))
+            return await self._last_resort(cluster_id, tp, rejected, failure_text(exc))
 
     async def _last_resort(
-        self, cluster_id: str, tp: TopicPartition, record: Incoming, failure: str
-    ) -> Any:
+        self, cluster_id: str, tp: PartitionKey, record: Incoming, failure: str
+    ) -> OutcomeT:
         """Even the dead-letter row was refused: move the partition past the record, send
         the record to the dead-letter topic directly, log it whole and count it
         (``alma_dead_letter_failures_total`` raises an alert). Nothing is lost: the
         bytes are in the dead-letter topic (or, if that fails too, in the log), and the
         record stays at its offset in the source topic."""
-        fenced = await self.store.skip(cluster_id, {tp: [record]})
-        result = self.result_type(next_offsets=fenced.next_offsets, seeks=fenced.seeks)
-        if not fenced.todo:
+        skipped, any_left = await self.store.skip(cluster_id, {tp: [record]})
+        result = self.result_type(next_offsets=skipped.next_offsets, seeks=skipped.seeks)
+        if not any_left:
             return result  # already past it (a redelivery): nothing to do
         assert isinstance(record.decoded, Rejection)
         letter = dead_letter_for(record, record.decoded)

@@ -5,50 +5,28 @@ its offsets past them."""
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
-from alma_core.storage.cache import cache_entries
-from alma_core.storage.joins import JoinBatchResult, PostgresJoinStore
-from alma_core.storage.offsets import TopicPartition
-from consumers.handler import StoreHandler
-from consumers.runtime import HandleResult
+from alma_core.storage.batches import Batch
+from alma_core.storage.joins import JoinOutcome, PostgresJoinStore
+from consumers.handler import Apply, StoreHandler
 
 NAME = "joiner"
 GROUP = "joiner"
 
 
-class JoinHandler(StoreHandler):
+class JoinHandler(StoreHandler[JoinOutcome]):
     name = NAME
-    result_type = JoinBatchResult
+    result_type = JoinOutcome
     store: PostgresJoinStore
 
-    async def handle(self, cluster_id: str, batch: dict[TopicPartition, list[Any]]) -> HandleResult:
-        started = time.perf_counter()
-        results = await self.apply_all(cluster_id, self.decode_batch(batch), self.store.apply)
-        out = HandleResult()
-        for result in results:
-            self._observe(result)
-            if self.cache is not None and result.checkpoints:
-                entries = [e for cp in result.checkpoints for e in cache_entries({None: cp})]
-                ok = await self.cache.write(entries)
-                self.metrics.cache.labels("write" if ok else "write_error").inc()
-            await self.relay.publish(result.outbox_ids)
-            out.next_offsets.update(result.next_offsets)
-            out.seeks.update(result.seeks)
-        self.metrics.batch_seconds.labels(NAME).observe(time.perf_counter() - started)
-        return out
+    async def prepare(self, incoming: Batch) -> Apply[JoinOutcome]:
+        return self.store.apply
 
-    def _observe(self, result: JoinBatchResult) -> None:
+    def observe(self, outcome: JoinOutcome) -> None:
         m = self.metrics
-        for outcome, n in result.outcomes.items():
-            m.merges.labels(outcome).inc(n)
-            m.events.labels(NAME, "branch.join", outcome).inc(n)
-        for seconds in result.merge_seconds:
+        for result, n in outcome.outcomes.items():
+            m.merges.labels(result).inc(n)
+            m.events.labels(NAME, "branch.join", result).inc(n)
+        for seconds in outcome.merge_seconds:
             m.merge_seconds.observe(seconds)
-        for cp in result.checkpoints:
+        for cp in outcome.checkpoints:
             m.checkpoints.labels(NAME, cp.kind).inc()
-        for dl in result.dead_letters:
-            m.dead_letters.labels(NAME, dl.reason).inc()
-        if result.already_applied:
-            m.duplicates.labels(NAME).inc(result.already_applied)

@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 from alma_core import learning
+from alma_core.sequencing import Coordinates
 from alma_core.storage import retention
-from alma_core.storage.batches import Incoming
+from alma_core.storage.batches import Batch
 from alma_core.storage.cache import CacheWriter
 from alma_core.storage.embeddings import AsyncEmbedder
-from alma_core.storage.memories import Coords, LearnBatchResult, PostgresLearnStore, Prepared
-from alma_core.storage.offsets import TopicPartition
-from consumers.handler import StoreHandler, as_rejected, failure_text, reraise_retriable
+from alma_core.storage.memories import LearnOutcome, PostgresLearnStore, Prepared
+from consumers.handler import Apply, StoreHandler, as_rejected, failure_text, reraise_retriable
 from consumers.metrics import Metrics
 from consumers.outbox import OutboxRelay
-from consumers.runtime import HandleResult
 from schemas.decoder import RejectReason
 from schemas.events import WorkflowCompleted
 
@@ -35,9 +33,9 @@ NAME = "learner"
 GROUP = "learner"
 
 
-class LearnHandler(StoreHandler):
+class LearnHandler(StoreHandler[LearnOutcome]):
     name = NAME
-    result_type = LearnBatchResult
+    result_type = LearnOutcome
     store: PostgresLearnStore
 
     def __init__(
@@ -53,49 +51,37 @@ class LearnHandler(StoreHandler):
         retention_days: float = 0,
         prune_every_s: float = 300,
     ) -> None:
-        super().__init__(store, cache, relay, metrics, max_state_bytes=max_state_bytes,
-                         max_record_bytes=max_record_bytes)  # fmt: skip
+        super().__init__(
+            store, cache, relay, metrics,
+            max_state_bytes=max_state_bytes, max_record_bytes=max_record_bytes,
+        )  # fmt: skip
         self.embedder = embedder
         self.retention_days = retention_days
         self.prune_every_s = prune_every_s
         self._last_prune = 0.0
 
-    async def handle(self, cluster_id: str, batch: dict[TopicPartition, list[Any]]) -> HandleResult:
-        started = time.perf_counter()
-        incoming = self.decode_batch(batch)
+    async def prepare(self, incoming: Batch) -> Apply[LearnOutcome]:
+        """Draft and embed the completions first (no transaction open meanwhile)."""
         prepared = await self._prepare_isolated(incoming)
 
-        async def apply(cid: str, part: dict[TopicPartition, list[Incoming]]) -> LearnBatchResult:
-            return await self.store.apply(cid, part, prepared)
+        async def apply(cluster_id: str, part: Batch) -> LearnOutcome:
+            return await self.store.apply(cluster_id, part, prepared)
 
-        results = await self.apply_all(cluster_id, incoming, apply)
-        out = HandleResult()
-        for result in results:
-            self._observe(result)
-            if self.cache is not None and result.cleaned_runs:
-                await self.cache.forget(result.cleaned_runs)
-            await self.relay.publish(result.outbox_ids)
-            out.next_offsets.update(result.next_offsets)
-            out.seeks.update(result.seeks)
-        self.metrics.batch_seconds.labels(NAME).observe(time.perf_counter() - started)
-        self.metrics.batch_size.labels(NAME).observe(sum(len(rs) for rs in incoming.values()))
-        return out
+        return apply
 
-    async def _prepare_isolated(
-        self, incoming: dict[TopicPartition, list[Incoming]]
-    ) -> dict[Coords, Prepared]:
+    async def _prepare_isolated(self, incoming: Batch) -> dict[Coordinates, Prepared]:
         """Prepare the batch; if that fails for a reason other than the server's, prepare
         record by record, and a record that fails alone becomes an ``internal_error``
         rejection (dead-lettered, replayable) instead of stopping the partition."""
         try:
-            return await self.prepare(incoming)
+            return await self._draft_and_embed(incoming)
         except Exception as exc:  # noqa: BLE001 - isolated below, retriable ones re-raised
             reraise_retriable(exc)
-        prepared: dict[Coords, Prepared] = {}
+        prepared: dict[Coordinates, Prepared] = {}
         for tp, records in incoming.items():
             for i, record in enumerate(records):
                 try:
-                    prepared.update(await self.prepare({tp: [record]}))
+                    prepared.update(await self._draft_and_embed({tp: [record]}))
                 except Exception as exc:  # noqa: BLE001 - dead-lettered as internal_error
                     reraise_retriable(exc)
                     records[i] = as_rejected(
@@ -103,9 +89,7 @@ class LearnHandler(StoreHandler):
                     )
         return prepared
 
-    async def prepare(
-        self, incoming: dict[TopicPartition, list[Incoming]]
-    ) -> dict[Coords, Prepared]:
+    async def _draft_and_embed(self, incoming: Batch) -> dict[Coordinates, Prepared]:
         """Draft and embed every completion not learned yet (reads only, no transaction)."""
         completions = [
             (r, r.decoded) for rs in incoming.values() for r in rs
@@ -132,7 +116,7 @@ class LearnHandler(StoreHandler):
         by_text = dict(zip(texts, vectors, strict=True))
         default_cleanup = self.store.config.cleanup_checkpoints
         return {
-            (r.topic, r.partition, r.offset): Prepared(
+            r.coords: Prepared(
                 draft=d,
                 vectors={t: by_text[t] for t in d.texts()},
                 artifacts=list(e.payload.artifacts),
@@ -157,22 +141,18 @@ class LearnHandler(StoreHandler):
                 extra={"action": "prune", "runs": pruned.runs, "checkpoints": pruned.checkpoints},
             )
 
-    def _observe(self, result: LearnBatchResult) -> None:
+    def observe(self, outcome: LearnOutcome) -> None:
         m = self.metrics
-        if result.outcomes:
-            m.outcomes.labels("stored").inc(result.outcomes)
-            m.events.labels(NAME, "workflow.completed", "stored").inc(result.outcomes)
-        if result.duplicates:
-            m.outcomes.labels("duplicate").inc(result.duplicates)
-            m.duplicates.labels(NAME).inc(result.duplicates)
-        if result.already_applied:
-            m.duplicates.labels(NAME).inc(result.already_applied)
-        for kind, n in result.memories.items():
+        if outcome.outcomes:
+            m.outcomes.labels("stored").inc(outcome.outcomes)
+            m.events.labels(NAME, "workflow.completed", "stored").inc(outcome.outcomes)
+        if outcome.duplicates:
+            m.outcomes.labels("duplicate").inc(outcome.duplicates)
+            m.duplicates.labels(NAME).inc(outcome.duplicates)
+        for kind, n in outcome.memories.items():
             m.memories.labels(kind).inc(n)
-        if result.checkpoints_removed:
-            m.checkpoints_pruned.labels("cleanup").inc(result.checkpoints_removed)
-        for dl in result.dead_letters:
-            m.dead_letters.labels(NAME, dl.reason).inc()
+        if outcome.checkpoints_removed:
+            m.checkpoints_pruned.labels("cleanup").inc(outcome.checkpoints_removed)
 
 
 def _finished(e: WorkflowCompleted) -> learning.FinishedRun:

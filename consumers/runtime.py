@@ -34,26 +34,27 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from alma_core import errors
+from alma_core.storage.offsets import PartitionKey
 from consumers.metrics import Metrics
 
 log = logging.getLogger("alma.consumers")
 
-TP = tuple[str, int]
-
 
 @dataclass
 class HandleResult:
-    next_offsets: dict[TP, int] = field(default_factory=dict)
-    seeks: dict[TP, int] = field(default_factory=dict)
+    next_offsets: dict[PartitionKey, int] = field(default_factory=dict)
+    seeks: dict[PartitionKey, int] = field(default_factory=dict)
 
 
 class BatchHandler(Protocol):
     name: str
 
-    async def positions(self, cluster_id: str, partitions: list[TP]) -> dict[TP, int]:
+    async def positions(
+        self, cluster_id: str, partitions: list[PartitionKey]
+    ) -> dict[PartitionKey, int]:
         """Where each partition resumes (stored with the effects)."""
 
-    async def handle(self, cluster_id: str, batch: dict[TP, list[Any]]) -> HandleResult:
+    async def handle(self, cluster_id: str, batch: dict[PartitionKey, list[Any]]) -> HandleResult:
         """Apply a batch durably; raise a retriable StorageError to have it retried."""
 
     async def idle(self) -> None:
@@ -294,7 +295,7 @@ class ConsumerRuntime:
         return batch
 
     async def _handle_with_retry(
-        self, consumer: AIOKafkaConsumer, batch: dict[TP, list[Any]], stop: asyncio.Event
+        self, consumer: AIOKafkaConsumer, batch: dict[PartitionKey, list[Any]], stop: asyncio.Event
     ) -> HandleResult | None:
         name = self.handler.name
         attempt = 0

@@ -1,17 +1,21 @@
 """What every store that applies polled batches to PostgreSQL shares: the consumed
-record, dead letters, outbox rows, stored offsets and the batch transaction.
+record, dead letters, outbox rows, stored offsets, the batch transaction and what it
+hands the worker afterwards.
 
-Stores (:mod:`alma_core.storage.checkpoints`, :mod:`alma_core.storage.joins`) apply a
-batch in one transaction: fence the offsets (:mod:`alma_core.storage.offsets`), write
-their effects, dead letters and outbox rows, advance the offsets. What the
-outbox holds is published after commit by the worker's relay.
+Every store (:mod:`~alma_core.storage.checkpoints`, :mod:`~alma_core.storage.joins`,
+:mod:`~alma_core.storage.memories`) has one shape, :meth:`BatchStore.in_batch`: one
+transaction that fences the offsets (:mod:`alma_core.storage.offsets`), loads what the
+batch needs, decides in pure code, writes its effects, dead letters and outbox rows,
+and advances the offsets. It returns a :class:`BatchOutcome` (a subclass per store);
+the worker's one post-commit step writes the cache, publishes the outbox and
+commits to Kafka from the fields every outcome has.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import asyncpg
@@ -19,11 +23,13 @@ import asyncpg
 from alma_core import errors
 from alma_core.sequencing import Coordinates
 from alma_core.storage import offsets
-from alma_core.storage.offsets import TopicPartition
+from alma_core.storage.cache import CacheEntry
+from alma_core.storage.offsets import PartitionKey
 from alma_core.storage.postgres import is_storage_failure, storage_error
 from schemas.decoder import Decoded, Rejection
 
 T = TypeVar("T")
+Batch = dict[PartitionKey, list["Incoming"]]
 
 OutboxRow = tuple[str, bytes | None, bytes, str]  # topic, key, value, headers (JSON pairs)
 
@@ -137,22 +143,66 @@ async def insert_outbox(conn: asyncpg.Connection, rows: list[OutboxRow]) -> list
     return [r["id"] for r in inserted]
 
 
+@dataclass
+class BatchOutcome:
+    """What every store's batch transaction hands the post-commit step."""
+
+    next_offsets: dict[PartitionKey, int] = field(default_factory=dict)
+    seeks: dict[PartitionKey, int] = field(default_factory=dict)
+    already_applied: int = 0  # records at offsets this group had applied before
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+    outbox_ids: list[int] = field(default_factory=list)
+    cache_writes: list[CacheEntry] = field(default_factory=list)
+    cache_forgets: list[str] = field(default_factory=list)  # runs whose checkpoints are gone
+
+
+OutcomeT = TypeVar("OutcomeT", bound=BatchOutcome)
+# A store's own work inside the batch transaction: the records that are new, the outcome
+# to fill in; returns the outbox rows it wants published after commit.
+Work = Callable[[asyncpg.Connection, Batch, OutcomeT], Awaitable[list[OutboxRow]]]
+
+
 class BatchStore:
     """Base of the stores: the pool, the group's stored offsets, the batch transaction."""
 
-    def __init__(self, pool: asyncpg.Pool, group_id: str, *, dlq_topic: str) -> None:
+    def __init__(self, pool: asyncpg.Pool, group_id: str, *, consumer: str, dlq_topic: str) -> None:
         self.pool = pool
         self.group_id = group_id
+        self.consumer = consumer  # the name dead letters carry
         self.dlq_topic = dlq_topic
 
     async def stored_offsets(
-        self, cluster_id: str, partitions: list[TopicPartition]
-    ) -> dict[TopicPartition, int]:
+        self, cluster_id: str, partitions: list[PartitionKey]
+    ) -> dict[PartitionKey, int]:
         """Where each partition resumes, for this group on this broker cluster."""
         return await self._guarded(
             "reading stored offsets",
             offsets.stored_offsets(self.pool, self.group_id, cluster_id, partitions),
         )
+
+    async def in_batch(
+        self, doing: str, cluster_id: str, batch: Batch, outcome: OutcomeT, work: Work[OutcomeT]
+    ) -> OutcomeT:
+        """The one shape of every store's batch: in one transaction, fence the offsets,
+        let ``work`` apply the new records, store the dead letters, write the outbox
+        and advance the offsets."""
+
+        async def run(conn: asyncpg.Connection) -> OutcomeT:
+            fenced = await offsets.fence(conn, self.group_id, cluster_id, batch)
+            outcome.seeks, outcome.next_offsets = fenced.seeks, fenced.next_offsets
+            outcome.already_applied = fenced.already_applied
+            if not fenced.todo:
+                return outcome
+            outbox = await work(conn, fenced.todo, outcome)
+            for dl in outcome.dead_letters:
+                outbox.append(await record_dead_letter(conn, self.consumer, self.dlq_topic, dl))
+            outcome.outbox_ids = await insert_outbox(conn, outbox)
+            outcome.next_offsets.update(
+                await offsets.advance(conn, self.group_id, cluster_id, fenced.todo)
+            )
+            return outcome
+
+        return await self.in_transaction(doing, run)
 
     async def in_transaction(
         self, doing: str, work: Callable[[asyncpg.Connection], Awaitable[T]]
@@ -163,21 +213,21 @@ class BatchStore:
 
         return await self._guarded(doing, run())
 
-    async def skip(
-        self, cluster_id: str, batch: dict[TopicPartition, list[Incoming]]
-    ) -> offsets.Fenced[Incoming]:
+    async def skip(self, cluster_id: str, batch: Batch) -> tuple[BatchOutcome, bool]:
         """The last resort: store that these records are done without any effect (their
         dead-letter row could not be written). Fenced like every batch, so a zombie
-        member cannot skip what the partition's owner has not seen."""
+        member cannot skip what the partition's owner has not seen. Also returns
+        whether there was anything left to skip (False: a redelivery)."""
+        skipped: list[Incoming] = []
 
-        async def work(conn: asyncpg.Connection) -> offsets.Fenced[Incoming]:
-            fenced = await offsets.fence(conn, self.group_id, cluster_id, batch)
-            fenced.next_offsets.update(
-                await offsets.advance(conn, self.group_id, cluster_id, fenced.todo)
-            )
-            return fenced
+        async def work(conn: asyncpg.Connection, todo: Batch, _: BatchOutcome) -> list[OutboxRow]:
+            skipped.extend(r for records in todo.values() for r in records)
+            return []
 
-        return await self.in_transaction("skipping an unstorable record", work)
+        outcome = await self.in_batch(
+            "skipping an unstorable record", cluster_id, batch, BatchOutcome(), work
+        )
+        return outcome, bool(skipped)
 
     @staticmethod
     async def _guarded(doing: str, work: Awaitable[T]) -> T:

@@ -16,7 +16,7 @@ The caller commits to Kafka after this returns (Postgres first, then Kafka).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -31,35 +31,29 @@ from alma_core.sequencing import (
     Sequencer,
     branch_key,
 )
-from alma_core.storage import offsets
 from alma_core.storage.batches import (
     RUN_SEQ_HEADER,
+    Batch,
+    BatchOutcome,
     BatchStore,
-    DeadLetter,
-    Incoming,
     OutboxRow,
     dead_letter_for,
     headers_json,
-    insert_outbox,
-    record_dead_letter,
 )
-from alma_core.storage.offsets import TopicPartition
+from alma_core.storage.cache import CacheEntry, cache_entries
+from alma_core.types import Checkpoint
 from schemas.decoder import Decoded, Rejection
 from schemas.events import Event, NodeCompleted, NodeFailed
 
 
 @dataclass
-class BatchResult:
+class CheckpointOutcome(BatchOutcome):
+    """A checkpointer batch: the checkpoints written and the events applied, for the
+    metrics (the cache entries of the new heads are in ``cache_writes``)."""
+
     checkpoints: list[CheckpointRow] = field(default_factory=list)
-    heads: dict[tuple[str, str], CheckpointRow] = field(default_factory=dict)
-    outbox_ids: list[int] = field(default_factory=list)
-    dead_letters: list[DeadLetter] = field(default_factory=list)
-    seeks: dict[TopicPartition, int] = field(default_factory=dict)
-    next_offsets: dict[TopicPartition, int] = field(default_factory=dict)
-    effects: Counter[str] = field(default_factory=Counter)
     applied: list[tuple[str, str, datetime]] = field(default_factory=list)  # type, effect, emitted
-    duplicates: int = 0
-    already_applied: int = 0
+    duplicates: int = 0  # events whose event_id was recorded before
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
@@ -85,31 +79,22 @@ def _needs_head_state(event: Decoded) -> tuple[str, str] | None:
 
 class PostgresCheckpointStore(BatchStore):
     def __init__(self, pool: asyncpg.Pool, config: StoreConfig, registry: ReducerRegistry) -> None:
-        super().__init__(pool, config.group_id, dlq_topic=config.dlq_topic)
+        super().__init__(
+            pool, config.group_id, consumer=config.consumer, dlq_topic=config.dlq_topic
+        )
         self.config = config
         self.registry = registry
 
-    async def apply(
-        self, cluster_id: str, batch: dict[TopicPartition, list[Incoming]]
-    ) -> BatchResult:
+    async def apply(self, cluster_id: str, batch: Batch) -> CheckpointOutcome:
         """Apply a polled batch in one transaction; see the module docstring."""
-        return await self.in_transaction(
-            "applying a batch", lambda conn: self._apply(conn, cluster_id, batch)
+        return await self.in_batch(
+            "applying a batch", cluster_id, batch, CheckpointOutcome(), self._apply
         )
 
     async def _apply(
-        self,
-        conn: asyncpg.Connection,
-        cluster_id: str,
-        batch: dict[TopicPartition, list[Incoming]],
-    ) -> BatchResult:
-        result = BatchResult()
-        fenced = await offsets.fence(conn, self.config.group_id, cluster_id, batch)
-        result.seeks, result.next_offsets = fenced.seeks, fenced.next_offsets
-        result.already_applied = fenced.already_applied
-        todo = fenced.todo
-        if not todo:
-            return result
+        self, conn: asyncpg.Connection, todo: Batch, outcome: CheckpointOutcome
+    ) -> list[OutboxRow]:
+        """Load what the batch needs, fold it in pure code (:class:`Sequencer`), write."""
         events = [
             r.decoded for rs in todo.values() for r in rs if not isinstance(r.decoded, Rejection)
         ]
@@ -125,24 +110,22 @@ class PostgresCheckpointStore(BatchStore):
             for record in records:
                 decoded = record.decoded
                 if isinstance(decoded, Rejection):
-                    result.dead_letters.append(dead_letter_for(record, decoded))
+                    outcome.dead_letters.append(dead_letter_for(record, decoded))
                     continue
                 try:
-                    effect = sequencer.apply(decoded, record.coords)
+                    sequencer.apply(decoded, record.coords)
                 except errors.RejectedEvent as exc:
-                    result.dead_letters.append(dead_letter_for(record, exc))
-                    continue
-                result.effects[effect or "duplicate"] += 1
+                    outcome.dead_letters.append(dead_letter_for(record, exc))
         effects = sequencer.effects
-        result.applied = [(e.event.type, e.effect, e.event.emitted_at) for e in effects.events]
-        result.duplicates = effects.duplicates
-        result.checkpoints = effects.checkpoints
+        outcome.applied = [(e.event.type, e.effect, e.event.emitted_at) for e in effects.events]
+        outcome.duplicates = effects.duplicates
+        outcome.checkpoints = effects.checkpoints
+        heads: dict[tuple[str, str], CheckpointRow] = {}
         for row in effects.checkpoints:
-            result.heads[(row.run_id, branch_key(row.branch_id))] = row
-        await self._write(conn, sequencer, result)
-        ends = await offsets.advance(conn, self.config.group_id, cluster_id, todo)
-        result.next_offsets.update(ends)
-        return result
+            heads[(row.run_id, branch_key(row.branch_id))] = row
+        outcome.cache_writes = _cache_entries(heads.values(), outcome.created_at)
+        await self._write(conn, sequencer, outcome, heads)
+        return self._handoffs(sequencer)
 
     # -- loads ----------------------------------------------------------------
 
@@ -201,7 +184,13 @@ class PostgresCheckpointStore(BatchStore):
 
     # -- writes ---------------------------------------------------------------
 
-    async def _write(self, conn: asyncpg.Connection, seq: Sequencer, result: BatchResult) -> None:
+    async def _write(
+        self,
+        conn: asyncpg.Connection,
+        seq: Sequencer,
+        result: CheckpointOutcome,
+        heads: dict[tuple[str, str], CheckpointRow],
+    ) -> None:
         changed = [r for r in seq.runs.values() if r.changed]
         if changed:
             await conn.executemany(
@@ -236,7 +225,7 @@ class PostgresCheckpointStore(BatchStore):
                    VALUES ($1, $2, $3, $4)
                    ON CONFLICT (run_id, branch_key) DO UPDATE
                    SET seq = EXCLUDED.seq, state_hash = EXCLUDED.state_hash""",
-                [(run, key, row.seq, row.state_hash) for (run, key), row in result.heads.items()],
+                [(run, key, row.seq, row.state_hash) for (run, key), row in heads.items()],
             )
         events = seq.effects.events
         if events:
@@ -253,6 +242,9 @@ class PostgresCheckpointStore(BatchStore):
                     for e in events
                 ],
             )  # fmt: skip
+
+    def _handoffs(self, seq: Sequencer) -> list[OutboxRow]:
+        """Joins and completions for the joiner and the learner, once durable."""
         outbox: list[OutboxRow] = []
         for row in seq.effects.handoffs:
             # Hand-offs carry the event as decoded: canonical JSON of the contract.
@@ -266,8 +258,17 @@ class PostgresCheckpointStore(BatchStore):
                               "alma.source.partition": row.coords.partition,
                               "alma.source.offset": row.coords.offset}),
             ))  # fmt: skip
-        for dl in result.dead_letters:
-            outbox.append(
-                await record_dead_letter(conn, self.config.consumer, self.config.dlq_topic, dl)
-            )
-        result.outbox_ids = await insert_outbox(conn, outbox)
+        return outbox
+
+
+def _cache_entries(rows: Iterable[CheckpointRow], created_at: datetime) -> list[CacheEntry]:
+    """Cache entries for the new branch heads of a batch, run by run."""
+    by_run: dict[str, dict[str | None, Checkpoint]] = {}
+    for row in rows:
+        by_run.setdefault(row.run_id, {})[row.branch_id] = Checkpoint(
+            run_id=row.run_id, tenant_id=row.tenant_id, seq=row.seq, state=row.state,
+            state_hash=row.state_hash, size_bytes=row.size_bytes, kind=row.kind,
+            node_id=row.node_id, branch_id=row.branch_id, parent_seq=row.parent_seq,
+            event_id=row.event_id, metadata=row.metadata, created_at=created_at,
+        )  # fmt: skip
+    return [e for heads in by_run.values() for e in cache_entries(heads)]

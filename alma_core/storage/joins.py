@@ -1,5 +1,7 @@
 """PostgresJoinStore: merge requests handed on by the checkpointer become merged
-checkpoints and replies, exactly once, in one transaction per batch.
+checkpoints and replies, exactly once, in one transaction per batch: load what the
+batch's joins need (runs locked, heads, earlier replies, reducers, positions), decide
+in pure code (:class:`~alma_core.joining.JoinPlanner`), write per batch.
 
 * Offsets fenced as for the checkpointer (:mod:`alma_core.storage.offsets`).
 * ``joins`` (run_id, join_id) remembers every answer: a join delivered again
@@ -22,24 +24,22 @@ from typing import Any
 
 import asyncpg
 
-from alma_core import errors, joining
+from alma_core.joining import JoinDecision, JoinPlanner, RunAtJoin
 from alma_core.reducers import ReducerConfig, ReducerRegistry
 from alma_core.sequencing import MAIN, Head, canonical_json
-from alma_core.storage import offsets
 from alma_core.storage.batches import (
     RUN_SEQ_HEADER,
+    Batch,
+    BatchOutcome,
     BatchStore,
-    DeadLetter,
     Incoming,
     OutboxRow,
     dead_letter_for,
-    insert_outbox,
-    record_dead_letter,
 )
-from alma_core.storage.offsets import TopicPartition
+from alma_core.storage.cache import cache_entries
 from alma_core.types import Checkpoint
 from schemas.decoder import Rejection
-from schemas.events import BranchJoin, MergeReply
+from schemas.events import BranchJoin
 
 
 @dataclass(frozen=True)
@@ -52,15 +52,13 @@ class JoinConfig:
 
 
 @dataclass
-class JoinBatchResult:
+class JoinOutcome(BatchOutcome):
+    """A joiner batch: merges by outcome (ok, error, duplicate), their times, and the
+    merged checkpoints (cached as the runs' new main-line heads)."""
+
     checkpoints: list[Checkpoint] = field(default_factory=list)
-    outbox_ids: list[int] = field(default_factory=list)
-    dead_letters: list[DeadLetter] = field(default_factory=list)
-    seeks: dict[TopicPartition, int] = field(default_factory=dict)
-    next_offsets: dict[TopicPartition, int] = field(default_factory=dict)
     outcomes: Counter[str] = field(default_factory=Counter)
     merge_seconds: list[float] = field(default_factory=list)
-    already_applied: int = 0
 
 
 def reply_bytes(reply: dict[str, Any]) -> bytes:
@@ -70,180 +68,216 @@ def reply_bytes(reply: dict[str, Any]) -> bytes:
 
 class PostgresJoinStore(BatchStore):
     def __init__(self, pool: asyncpg.Pool, config: JoinConfig, registry: ReducerRegistry) -> None:
-        super().__init__(pool, config.group_id, dlq_topic=config.dlq_topic)
+        super().__init__(
+            pool, config.group_id, consumer=config.consumer, dlq_topic=config.dlq_topic
+        )
         self.config = config
         self.registry = registry
 
-    async def apply(
-        self, cluster_id: str, batch: dict[TopicPartition, list[Incoming]]
-    ) -> JoinBatchResult:
-        return await self.in_transaction(
-            "applying joins", lambda conn: self._apply(conn, cluster_id, batch)
-        )
+    async def apply(self, cluster_id: str, batch: Batch) -> JoinOutcome:
+        return await self.in_batch("applying joins", cluster_id, batch, JoinOutcome(), self._apply)
 
     async def _apply(
-        self, conn: asyncpg.Connection, cluster_id: str, batch: dict[TopicPartition, list[Incoming]]
-    ) -> JoinBatchResult:
-        result = JoinBatchResult()
-        fenced = await offsets.fence(conn, self.config.group_id, cluster_id, batch)
-        result.seeks, result.next_offsets = fenced.seeks, fenced.next_offsets
-        result.already_applied = fenced.already_applied
-        records = [r for rs in fenced.todo.values() for r in rs]
-        run_ids = sorted({r.decoded.run_id for r in records if isinstance(r.decoded, BranchJoin)})
-        if run_ids:
-            await conn.execute(  # lock the runs in one order: no deadlock with the checkpointer
-                "SELECT 1 FROM runs WHERE run_id = ANY($1::text[]) ORDER BY run_id FOR UPDATE",
-                run_ids,
-            )
-        outbox: list[OutboxRow] = []
-        for record in records:
-            if isinstance(record.decoded, Rejection):
-                result.dead_letters.append(dead_letter_for(record, record.decoded))
-                continue
-            if isinstance(record.decoded, BranchJoin):
-                await self._join(conn, record, record.decoded, result, outbox)
-        for dl in result.dead_letters:
-            outbox.append(
-                await record_dead_letter(conn, self.config.consumer, self.config.dlq_topic, dl)
-            )
-        result.outbox_ids = await insert_outbox(conn, outbox)
-        ends = await offsets.advance(conn, self.config.group_id, cluster_id, fenced.todo)
-        result.next_offsets.update(ends)
-        return result
-
-    async def _join(
-        self,
-        conn: asyncpg.Connection,
-        record: Incoming,
-        event: BranchJoin,
-        result: JoinBatchResult,
-        outbox: list[OutboxRow],
-    ) -> None:
-        payload = event.payload
-        topic = payload.reply_to or self.config.reply_topic
-        headers = json.dumps([["alma.join_id", payload.join_id]])
-        known = await conn.fetchval(
-            "SELECT reply FROM joins WHERE run_id = $1 AND join_id = $2",
-            event.run_id, payload.join_id,
-        )  # fmt: skip
-        if known is not None:
-            result.outcomes["duplicate"] += 1
-            outbox.append((topic, event.run_id.encode(), reply_bytes(known), headers))
-            return
-        reply: dict[str, Any] = {"join_id": payload.join_id, "run_id": event.run_id,
-                                 "tenant_id": event.tenant_id}  # fmt: skip
-        started = time.perf_counter()
-        try:
-            run = await conn.fetchrow(
-                "SELECT tenant_id, workflow_id, last_seq FROM runs WHERE run_id = $1",
-                event.run_id,
-            )
-            if run is None or run["tenant_id"] != event.tenant_id:
-                raise errors.MissingBranch(f"run {event.run_id!r} is unknown for this tenant")
-            await self._check_position(conn, event.run_id, record.header_int(RUN_SEQ_HEADER))
-            heads = await self._heads(conn, event.run_id)
-            merged = joining.merge(
-                payload,
-                main=heads.get(MAIN),
-                branches={k: h for k, h in heads.items() if k != MAIN},
-                registered=await self._registered(conn, run["tenant_id"], run["workflow_id"]),
-                registry=self.registry,
-                max_state_bytes=self.config.max_state_bytes,
-            )
-        except errors.RejectedEvent as exc:
-            result.merge_seconds.append(time.perf_counter() - started)
-            result.outcomes["error"] += 1
-            reply.update(status="error", error=f"{exc.reason}: {exc.message}")
-            result.dead_letters.append(dead_letter_for(record, exc))
-        else:
-            result.merge_seconds.append(time.perf_counter() - started)
-            result.outcomes["ok"] += 1
-            checkpoint = await self._write_merge(conn, event, run["last_seq"] + 1, heads, merged)
-            result.checkpoints.append(checkpoint)
-            reply.update(status="ok", merged_state=merged.state, checkpoint_seq=checkpoint.seq)
-        MergeReply.model_validate(reply)  # the reply we send keeps our own contract
-        await conn.execute(
-            """INSERT INTO joins (run_id, join_id, tenant_id, event_id, status, checkpoint_seq,
-                                  reply)
-               VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb)""",
-            event.run_id, payload.join_id, event.tenant_id, event.event_id, reply["status"],
-            reply.get("checkpoint_seq"), canonical_json(reply),
-        )  # fmt: skip
-        outbox.append((topic, event.run_id.encode(), reply_bytes(reply), headers))
-
-    @staticmethod
-    async def _check_position(conn: asyncpg.Connection, run_id: str, position: int | None) -> None:
-        """The join is merged at its place in the partition: every checkpoint after its
-        position must be a merge of an earlier join (the joiner takes joins in partition
-        order). A node's checkpoint there means events after the join were applied
-        first, and a merge now would fold them in and take a seq after theirs."""
-        if position is None:  # a hand-off from before the header existed
-            return
-        later = await conn.fetchval(
-            """SELECT min(seq) FROM checkpoints
-               WHERE run_id = $1 AND seq > $2 AND kind <> 'merge'""",
-            run_id, position,
-        )  # fmt: skip
-        if later is not None:
-            raise errors.RunMovedPastJoin(
-                f"the run was at seq {position} at the join, and seq {later} (a later event) "
-                "was applied before the merge: publish a run's next events only after its "
-                "merge reply (the SDK's merge() waits for it)"
-            )
-
-    async def _heads(self, conn: asyncpg.Connection, run_id: str) -> dict[str, Head]:
-        rows = await conn.fetch(
-            """SELECT h.branch_key, h.seq, h.state_hash, c.state FROM run_heads h
-               JOIN checkpoints c ON c.run_id = h.run_id AND c.seq = h.seq
-               WHERE h.run_id = $1""",
-            run_id,
-        )
-        return {r["branch_key"]: Head(r["seq"], r["state_hash"], r["state"]) for r in rows}
-
-    async def _registered(
-        self, conn: asyncpg.Connection, tenant_id: str, workflow_id: str
-    ) -> ReducerConfig | None:
-        config = await conn.fetchval(
-            "SELECT config FROM reducer_configs WHERE tenant_id = $1 AND workflow_id = $2",
-            tenant_id, workflow_id,
-        )  # fmt: skip
-        return ReducerConfig.from_json(config) if config is not None else None
-
-    async def _write_merge(
-        self,
-        conn: asyncpg.Connection,
-        event: BranchJoin,
-        seq: int,
-        heads: dict[str, Head],
-        merged: joining.Merge,
-    ) -> Checkpoint:
+        self, conn: asyncpg.Connection, todo: Batch, outcome: JoinOutcome
+    ) -> list[OutboxRow]:
+        records = [r for rs in todo.values() for r in rs]
+        joins = [(r, r.decoded) for r in records if isinstance(r.decoded, BranchJoin)]
+        planner = await self._load(conn, joins)
         now = datetime.now(UTC)
-        main = heads.get(MAIN)
-        metadata = {"join_id": event.payload.join_id}
-        await conn.execute(
-            """INSERT INTO checkpoints (run_id, seq, tenant_id, kind, node_id, branch_id,
-                   parent_seq, event_id, state, state_hash, size_bytes, merged_from, metadata,
-                   created_at)
-               VALUES ($1, $2, $3, 'merge', $4, NULL, $5, $6, $7::jsonb, $8, $9, $10, $11::jsonb,
-                       $12)""",
-            event.run_id, seq, event.tenant_id, event.node_id, main.seq if main else None,
-            event.event_id, merged.state_json, merged.state_hash, merged.size_bytes,
-            list(merged.merged_from) or None, metadata, now,
-        )  # fmt: skip
-        await conn.execute(
-            """INSERT INTO run_heads (run_id, branch_key, seq, state_hash) VALUES ($1, '', $2, $3)
-               ON CONFLICT (run_id, branch_key) DO UPDATE
-               SET seq = EXCLUDED.seq, state_hash = EXCLUDED.state_hash""",
-            event.run_id, seq, merged.state_hash,
-        )  # fmt: skip
-        await conn.execute(
-            "UPDATE runs SET last_seq = $2, updated_at = now() WHERE run_id = $1",
-            event.run_id, seq,
-        )  # fmt: skip
-        return Checkpoint(
-            run_id=event.run_id, tenant_id=event.tenant_id, seq=seq, state=merged.state,
-            state_hash=merged.state_hash, size_bytes=merged.size_bytes, kind="merge",
-            node_id=event.node_id, parent_seq=main.seq if main else None,
-            event_id=event.event_id, merged_from=merged.merged_from, metadata=metadata,
-            created_at=now,
-        )  # fmt: skip
+        decisions: list[JoinDecision] = []
+        merged: list[tuple[str, Checkpoint]] = []  # the state's canonical JSON, the checkpoint
+        outbox: list[OutboxRow] = []
+        for record in records:  # completions on this topic are the learner's
+            if isinstance(record.decoded, Rejection):
+                outcome.dead_letters.append(dead_letter_for(record, record.decoded))
+            elif isinstance(record.decoded, BranchJoin):
+                started = time.perf_counter()
+                decision = planner.decide(record.decoded, record.header_int(RUN_SEQ_HEADER))
+                if not decision.duplicate:
+                    outcome.merge_seconds.append(time.perf_counter() - started)
+                    decisions.append(decision)
+                outcome.outcomes[_outcome(decision)] += 1
+                if decision.rejection is not None:
+                    outcome.dead_letters.append(dead_letter_for(record, decision.rejection))
+                if decision.checkpoint is not None:
+                    checkpoint = _checkpoint(decision, now)
+                    merged.append((decision.checkpoint.merge.state_json, checkpoint))
+                    outcome.checkpoints.append(checkpoint)
+                outbox.append(self._reply(decision))
+        await self._write(conn, decisions, planner, merged)
+        outcome.cache_writes = [e for cp in outcome.checkpoints for e in cache_entries({None: cp})]
+        return outbox
+
+    # -- loads ----------------------------------------------------------------
+
+    async def _load(
+        self, conn: asyncpg.Connection, joins: list[tuple[Incoming, BranchJoin]]
+    ) -> JoinPlanner:
+        """Everything the batch's joins need, in five statements whatever their number."""
+        run_ids = sorted({e.run_id for _, e in joins})
+        # lock the runs in one order: no deadlock with the checkpointer
+        rows = await conn.fetch(
+            """SELECT run_id, tenant_id, workflow_id, last_seq FROM runs
+               WHERE run_id = ANY($1::text[]) ORDER BY run_id FOR UPDATE""",
+            run_ids,
+        )
+        runs = {
+            r["run_id"]: RunAtJoin(r["tenant_id"], r["workflow_id"], r["last_seq"], {})
+            for r in rows
+        }
+        for r in await conn.fetch(
+            """SELECT h.run_id, h.branch_key, h.seq, h.state_hash, c.state FROM run_heads h
+               JOIN checkpoints c ON c.run_id = h.run_id AND c.seq = h.seq
+               WHERE h.run_id = ANY($1::text[])""",
+            run_ids,
+        ):
+            runs[r["run_id"]].heads[r["branch_key"]] = Head(r["seq"], r["state_hash"], r["state"])
+        keys = sorted({(e.run_id, e.payload.join_id) for _, e in joins})
+        replies = {
+            (r["run_id"], r["join_id"]): r["reply"]
+            for r in await conn.fetch(
+                """SELECT j.run_id, j.join_id, j.reply FROM joins j
+                   JOIN unnest($1::text[], $2::text[]) AS u(r, j) ON j.run_id = u.r
+                                                                AND j.join_id = u.j""",
+                [k[0] for k in keys],
+                [k[1] for k in keys],
+            )
+        }
+        workflows = sorted({(run.tenant_id, run.workflow_id) for run in runs.values()})
+        registered = {
+            (r["tenant_id"], r["workflow_id"]): ReducerConfig.from_json(r["config"])
+            for r in await conn.fetch(
+                """SELECT c.tenant_id, c.workflow_id, c.config FROM reducer_configs c
+                   JOIN unnest($1::text[], $2::text[]) AS u(t, w)
+                     ON c.tenant_id = u.t AND c.workflow_id = u.w""",
+                [t for t, _ in workflows],
+                [w for _, w in workflows],
+            )
+        }
+        positions = sorted(
+            {(e.run_id, p) for r, e in joins if (p := r.header_int(RUN_SEQ_HEADER)) is not None}
+        )
+        later_node = {
+            (r["run_id"], r["position"]): r["later"]
+            for r in await conn.fetch(
+                """SELECT u.r AS run_id, u.p AS position,
+                          (SELECT min(seq) FROM checkpoints c
+                           WHERE c.run_id = u.r AND c.seq > u.p AND c.kind <> 'merge') AS later
+                   FROM unnest($1::text[], $2::bigint[]) AS u(r, p)""",
+                [r for r, _ in positions],
+                [p for _, p in positions],
+            )
+            if r["later"] is not None
+        }
+        return JoinPlanner(
+            runs=runs,
+            replies=replies,
+            registered=registered,
+            later_node=later_node,
+            registry=self.registry,
+            max_state_bytes=self.config.max_state_bytes,
+        )
+
+    # -- writes ---------------------------------------------------------------
+
+    async def _write(
+        self,
+        conn: asyncpg.Connection,
+        decisions: list[JoinDecision],
+        planner: JoinPlanner,
+        merged: list[tuple[str, Checkpoint]],
+    ) -> None:
+        if merged:
+            await conn.executemany(
+                """INSERT INTO checkpoints (run_id, seq, tenant_id, kind, node_id, branch_id,
+                       parent_seq, event_id, state, state_hash, size_bytes, merged_from,
+                       metadata, created_at)
+                   VALUES ($1, $2, $3, 'merge', $4, NULL, $5, $6, $7::jsonb, $8, $9, $10,
+                           $11::jsonb, $12)""",
+                [
+                    (
+                        cp.run_id,
+                        cp.seq,
+                        cp.tenant_id,
+                        cp.node_id,
+                        cp.parent_seq,
+                        cp.event_id,
+                        state_json,
+                        cp.state_hash,
+                        cp.size_bytes,
+                        list(cp.merged_from) or None,
+                        cp.metadata,
+                        cp.created_at,
+                    )
+                    for state_json, cp in merged
+                ],
+            )
+            moved = {cp.run_id: planner.runs[cp.run_id] for _, cp in merged}
+            await conn.executemany(
+                """INSERT INTO run_heads (run_id, branch_key, seq, state_hash)
+                   VALUES ($1, $2, $3, $4)
+                   ON CONFLICT (run_id, branch_key) DO UPDATE
+                   SET seq = EXCLUDED.seq, state_hash = EXCLUDED.state_hash""",
+                [
+                    (run_id, MAIN, run.last_seq, run.heads[MAIN].state_hash)
+                    for run_id, run in moved.items()
+                ],
+            )
+            await conn.executemany(
+                "UPDATE runs SET last_seq = $2, updated_at = now() WHERE run_id = $1",
+                [(run_id, run.last_seq) for run_id, run in moved.items()],
+            )
+        if decisions:
+            await conn.executemany(
+                """INSERT INTO joins (run_id, join_id, tenant_id, event_id, status,
+                                      checkpoint_seq, reply)
+                   VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb)""",
+                [
+                    (
+                        d.event.run_id,
+                        d.event.payload.join_id,
+                        d.event.tenant_id,
+                        d.event.event_id,
+                        d.reply["status"],
+                        d.reply.get("checkpoint_seq"),
+                        canonical_json(d.reply),
+                    )
+                    for d in decisions
+                ],
+            )
+
+    def _reply(self, decision: JoinDecision) -> OutboxRow:
+        event = decision.event
+        return (
+            event.payload.reply_to or self.config.reply_topic,
+            event.run_id.encode(),
+            reply_bytes(decision.reply),
+            json.dumps([["alma.join_id", event.payload.join_id]]),
+        )
+
+
+def _outcome(decision: JoinDecision) -> str:
+    if decision.duplicate:
+        return "duplicate"
+    return "ok" if decision.checkpoint is not None else "error"
+
+
+def _checkpoint(decision: JoinDecision, now: datetime) -> Checkpoint:
+    merged = decision.checkpoint
+    assert merged is not None
+    event = decision.event
+    return Checkpoint(
+        run_id=merged.run_id,
+        tenant_id=merged.tenant_id,
+        seq=merged.seq,
+        state=merged.merge.state,
+        state_hash=merged.merge.state_hash,
+        size_bytes=merged.merge.size_bytes,
+        kind="merge",
+        node_id=event.node_id,
+        parent_seq=merged.parent_seq,
+        event_id=event.event_id,
+        merged_from=merged.merge.merged_from,
+        metadata={"join_id": event.payload.join_id},
+        created_at=now,
+    )

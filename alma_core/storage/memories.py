@@ -24,22 +24,12 @@ from datetime import UTC, datetime
 import asyncpg
 
 from alma_core import errors, learning
-from alma_core.learning import LearningPolicy, MemoryDraft, OutcomeDraft
-from alma_core.storage import offsets
-from alma_core.storage.batches import (
-    BatchStore,
-    DeadLetter,
-    Incoming,
-    dead_letter_for,
-    insert_outbox,
-    record_dead_letter,
-)
+from alma_core.learning import LearningPolicy, OutcomeDraft
+from alma_core.sequencing import Coordinates
+from alma_core.storage.batches import Batch, BatchOutcome, BatchStore, OutboxRow, dead_letter_for
 from alma_core.storage.embeddings import Vector, vector_literal
-from alma_core.storage.offsets import TopicPartition
 from schemas.decoder import Rejection
 from schemas.events import ArtifactRef, WorkflowCompleted
-
-Coords = tuple[str, int, int]  # topic, partition, offset
 
 
 @dataclass(frozen=True)
@@ -62,17 +52,14 @@ class Prepared:
 
 
 @dataclass
-class LearnBatchResult:
+class LearnOutcome(BatchOutcome):
+    """A learner batch: outcomes stored and skipped, memories written by kind, and the
+    checkpoints removed by cleanup (their runs are in ``cache_forgets``)."""
+
     outcomes: int = 0
     duplicates: int = 0
     memories: Counter[str] = field(default_factory=Counter)
-    cleaned_runs: list[str] = field(default_factory=list)
     checkpoints_removed: int = 0
-    dead_letters: list[DeadLetter] = field(default_factory=list)
-    outbox_ids: list[int] = field(default_factory=list)
-    seeks: dict[TopicPartition, int] = field(default_factory=dict)
-    next_offsets: dict[TopicPartition, int] = field(default_factory=dict)
-    already_applied: int = 0
 
 
 async def check_dimension(pool: asyncpg.Pool, dimension: int, model: str) -> None:
@@ -94,7 +81,9 @@ async def check_dimension(pool: asyncpg.Pool, dimension: int, model: str) -> Non
 
 class PostgresLearnStore(BatchStore):
     def __init__(self, pool: asyncpg.Pool, config: LearnConfig) -> None:
-        super().__init__(pool, config.group_id, dlq_topic=config.dlq_topic)
+        super().__init__(
+            pool, config.group_id, consumer=config.consumer, dlq_topic=config.dlq_topic
+        )
         self.config = config
 
     # -- reads before the transaction -------------------------------------------
@@ -149,57 +138,58 @@ class PostgresLearnStore(BatchStore):
     # -- the transaction ----------------------------------------------------------
 
     async def apply(
-        self,
-        cluster_id: str,
-        batch: dict[TopicPartition, list[Incoming]],
-        prepared: dict[Coords, Prepared],
-    ) -> LearnBatchResult:
-        return await self.in_transaction(
-            "storing outcomes", lambda conn: self._apply(conn, cluster_id, batch, prepared)
-        )
+        self, cluster_id: str, batch: Batch, prepared: dict[Coordinates, Prepared]
+    ) -> LearnOutcome:
+        async def work(
+            conn: asyncpg.Connection, todo: Batch, outcome: LearnOutcome
+        ) -> list[OutboxRow]:
+            await self._apply(conn, todo, prepared, outcome)
+            return []
+
+        return await self.in_batch("storing outcomes", cluster_id, batch, LearnOutcome(), work)
 
     async def _apply(
         self,
         conn: asyncpg.Connection,
-        cluster_id: str,
-        batch: dict[TopicPartition, list[Incoming]],
-        prepared: dict[Coords, Prepared],
-    ) -> LearnBatchResult:
-        result = LearnBatchResult()
-        fenced = await offsets.fence(conn, self.config.group_id, cluster_id, batch)
-        result.seeks, result.next_offsets = fenced.seeks, fenced.next_offsets
-        result.already_applied = fenced.already_applied
+        todo: Batch,
+        prepared: dict[Coordinates, Prepared],
+        outcome: LearnOutcome,
+    ) -> None:
+        """Store the outcomes (one per run), then load the counts they change, decide
+        what they teach (:func:`alma_core.learning.plan_memories`) and write it."""
         now = datetime.now(UTC)
         stored: list[Prepared] = []
-        for records in fenced.todo.values():
+        for records in todo.values():
             for record in records:
                 decoded = record.decoded
                 if isinstance(decoded, Rejection):
-                    result.dead_letters.append(dead_letter_for(record, decoded))
+                    outcome.dead_letters.append(dead_letter_for(record, decoded))
                     continue
                 if not isinstance(decoded, WorkflowCompleted):
                     continue  # joins are the joiner's
-                item = prepared.get((record.topic, record.partition, record.offset))
+                item = prepared.get(record.coords)
                 if item is None or not await self._insert_outcome(conn, item, now):
-                    result.duplicates += 1
+                    outcome.duplicates += 1
                     continue
                 stored.append(item)
-        if stored:
-            result.outcomes = len(stored)
-            learned = await self._learn(conn, stored, now, result)
-            await conn.executemany(
-                "UPDATE workflow_outcomes SET learnings_extracted = $2 WHERE id = $1",
-                [(item.draft.id, learned[item.draft.id]) for item in stored],
-            )
-            await self._cleanup(conn, [i for i in stored if i.cleanup], result)
-        outbox = [
-            await record_dead_letter(conn, self.config.consumer, self.config.dlq_topic, dl)
-            for dl in result.dead_letters
-        ]
-        result.outbox_ids = await insert_outbox(conn, outbox)
-        ends = await offsets.advance(conn, self.config.group_id, cluster_id, fenced.todo)
-        result.next_offsets.update(ends)
-        return result
+        if not stored:
+            return
+        outcome.outcomes = len(stored)
+        drafts = [item.draft for item in stored]
+        plan = learning.plan_memories(
+            drafts,
+            strategies=await self._counts(conn, drafts, "strategy"),
+            failures=await self._counts(
+                conn, [d for d in drafts if d.error_signature], "error_signature"
+            ),
+            policy=self.config.policy,
+        )
+        await self._write_memories(conn, stored, plan, now, outcome)
+        await conn.executemany(
+            "UPDATE workflow_outcomes SET learnings_extracted = $2 WHERE id = $1",
+            list(plan.learned.items()),
+        )
+        await self._cleanup(conn, [i for i in stored if i.cleanup], outcome)
 
     async def _insert_outcome(
         self, conn: asyncpg.Connection, item: Prepared, now: datetime
@@ -223,52 +213,22 @@ class PostgresLearnStore(BatchStore):
         await self._link(conn, run.tenant_id, "outcome", d.id, item.artifacts)
         return True
 
-    async def _learn(
-        self, conn: asyncpg.Connection, stored: list[Prepared], now: datetime,
-        result: LearnBatchResult,
-    ) -> Counter[str]:  # fmt: skip
-        """Write node outcomes, then heuristics and anti-patterns the counts allow.
-        Returns how many memories each outcome (by id) gave."""
-        learned: Counter[str] = Counter()
-        policy = self.config.policy
-        rows: list[tuple[MemoryDraft, Vector, int, int, float]] = []
-        for item in stored:
-            for m in item.draft.node_outcomes:
-                rows.append((m, item.vectors[m.content], 1, 0, 1.0))
-                learned[item.draft.id] += 1
-        strategies = await self._counts(conn, stored, "strategy")
-        failures = await self._counts(conn, [i for i in stored if i.draft.error_signature],
-                                      "error_signature")  # fmt: skip
-        # Heuristics: upserted while their strategy qualifies; otherwise an existing
-        # one keeps its row, with its counts and confidence brought up to date.
-        fading: list[tuple[str, str, int, int, float, datetime]] = []
-        for item in stored:
-            d = item.draft
-            occurrences, successes = strategies[(d.run.tenant_id, d.run.workflow_id, d.strategy)]
-            confidence = successes / max(1, occurrences)
-            if learning.heuristic_counts_qualify(occurrences, successes, policy):
-                rows.append((d.heuristic, item.vectors[d.heuristic.content], occurrences,
-                             successes, confidence))  # fmt: skip
-                if d.run.success:  # a failed run only refreshes the counts
-                    learned[d.id] += 1
-            else:
-                fading.append((d.run.tenant_id, d.heuristic.dedupe_key, occurrences, successes,
-                               confidence, now))  # fmt: skip
-            if d.anti_pattern is not None and d.error_signature is not None:
-                _, failed = failures[(d.run.tenant_id, d.run.workflow_id, d.error_signature)]
-                if failed >= policy.anti_pattern_min_failures:
-                    rows.append((d.anti_pattern, item.vectors[d.anti_pattern.content], failed, 0,
-                                 learning.anti_pattern_confidence(failed)))  # fmt: skip
-                    learned[d.id] += 1
+    async def _write_memories(
+        self,
+        conn: asyncpg.Connection,
+        stored: list[Prepared],
+        plan: learning.MemoryPlan,
+        now: datetime,
+        outcome: LearnOutcome,
+    ) -> None:
+        vectors = {text: v for item in stored for text, v in item.vectors.items()}
         await conn.executemany(
             """UPDATE memories SET occurrences = $3, successes = $4, confidence = $5,
                       updated_at = $6
                WHERE tenant_id = $1 AND kind = 'heuristic' AND dedupe_key = $2""",
-            fading,
-        )
-        latest: dict[str, tuple[MemoryDraft, Vector, int, int, float]] = {}
-        for row in rows:  # one row per memory: the last (highest counts) wins
-            latest[row[0].id] = row
+            [(r.draft.tenant_id, r.draft.dedupe_key, r.occurrences, r.successes, r.confidence,
+              now) for r in plan.fading],
+        )  # fmt: skip
         await conn.executemany(
             """INSERT INTO memories (id, tenant_id, kind, workflow_id, run_id, node_id, content,
                    condition, strategy, occurrences, successes, confidence, dedupe_key,
@@ -282,28 +242,25 @@ class PostgresLearnStore(BatchStore):
                    metadata = memories.metadata || EXCLUDED.metadata,
                    updated_at = EXCLUDED.updated_at""",
             [(m.id, m.tenant_id, m.kind.value, m.workflow_id, m.run_id, m.node_id, m.content,
-              m.condition, m.strategy, occ, succ, conf, m.dedupe_key, vector_literal(vec),
-              json.dumps(m.metadata), now)
-             for m, vec, occ, succ, conf in latest.values()],
+              m.condition, m.strategy, r.occurrences, r.successes, r.confidence, m.dedupe_key,
+              vector_literal(vectors[m.content]), json.dumps(m.metadata), now)
+             for r in plan.upserts.values() for m in [r.draft]],
         )  # fmt: skip
-        for m, *_ in latest.values():
-            result.memories[m.kind.value] += 1
+        for row in plan.upserts.values():
+            outcome.memories[row.draft.kind.value] += 1
         for item in stored:  # the run's artifacts belong to what was learned from it
             owned = list(item.draft.node_outcomes)
-            if item.draft.anti_pattern is not None and item.draft.anti_pattern.id in latest:
+            if item.draft.anti_pattern is not None and item.draft.anti_pattern.id in plan.upserts:
                 owned.append(item.draft.anti_pattern)
             for m in owned:
                 await self._link(conn, m.tenant_id, "memory", m.id, item.artifacts)
-        return learned
 
     async def _counts(
-        self, conn: asyncpg.Connection, stored: list[Prepared], column: str
-    ) -> dict[tuple[str, str, str], tuple[int, int]]:
-        """(occurrences, successes or failures) of each group of stored outcomes."""
-        keys = sorted({
-            (i.draft.run.tenant_id, i.draft.run.workflow_id, getattr(i.draft, column))
-            for i in stored
-        })  # fmt: skip
+        self, conn: asyncpg.Connection, drafts: list[OutcomeDraft], column: str
+    ) -> learning.Counts:
+        """(outcomes, successes or failures) of each group of stored outcomes the drafts
+        belong to, by strategy or by error signature."""
+        keys = sorted({(d.run.tenant_id, d.run.workflow_id, getattr(d, column)) for d in drafts})
         if not keys:
             return {}
         counted = "o.success" if column == "strategy" else "NOT o.success"
@@ -333,7 +290,7 @@ class PostgresLearnStore(BatchStore):
         )  # fmt: skip
 
     async def _cleanup(
-        self, conn: asyncpg.Connection, items: list[Prepared], result: LearnBatchResult
+        self, conn: asyncpg.Connection, items: list[Prepared], outcome: LearnOutcome
     ) -> None:
         if not items:
             return
@@ -347,5 +304,5 @@ class PostgresLearnStore(BatchStore):
             runs, tenants,
         )  # fmt: skip
         await conn.execute("DELETE FROM run_heads WHERE run_id = ANY($1::text[])", runs)
-        result.cleaned_runs = runs
-        result.checkpoints_removed = int(removed or 0)
+        outcome.cache_forgets = runs
+        outcome.checkpoints_removed = int(removed or 0)

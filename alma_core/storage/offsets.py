@@ -22,7 +22,7 @@ from typing import Generic, Protocol, TypeVar
 
 import asyncpg
 
-TopicPartition = tuple[str, int]
+PartitionKey = tuple[str, int]  # (topic, partition): a plain key, not aiokafka's TopicPartition
 
 
 class HasOffset(Protocol):
@@ -35,9 +35,9 @@ R = TypeVar("R", bound=HasOffset)
 
 @dataclass
 class Fenced(Generic[R]):
-    todo: dict[TopicPartition, list[R]] = field(default_factory=dict)
-    seeks: dict[TopicPartition, int] = field(default_factory=dict)
-    next_offsets: dict[TopicPartition, int] = field(default_factory=dict)
+    todo: dict[PartitionKey, list[R]] = field(default_factory=dict)
+    seeks: dict[PartitionKey, int] = field(default_factory=dict)
+    next_offsets: dict[PartitionKey, int] = field(default_factory=dict)
     already_applied: int = 0
 
 
@@ -45,8 +45,8 @@ async def stored_offsets(
     conn: asyncpg.Connection | asyncpg.Pool,
     group_id: str,
     cluster_id: str,
-    partitions: Sequence[TopicPartition],
-) -> dict[TopicPartition, int]:
+    partitions: Sequence[PartitionKey],
+) -> dict[PartitionKey, int]:
     rows = await conn.fetch(
         """SELECT topic, partition, next_offset FROM consumer_offsets
            WHERE group_id = $1 AND cluster_id = $2
@@ -63,7 +63,7 @@ async def fence(
     conn: asyncpg.Connection,
     group_id: str,
     cluster_id: str,
-    batch: dict[TopicPartition, list[R]],
+    batch: dict[PartitionKey, list[R]],
 ) -> Fenced[R]:
     """Lock every partition's offset row (two round trips in all); keep what is new."""
     out: Fenced[R] = Fenced()
@@ -106,8 +106,8 @@ async def advance(
     conn: asyncpg.Connection,
     group_id: str,
     cluster_id: str,
-    todo: dict[TopicPartition, list[R]],
-) -> dict[TopicPartition, int]:
+    todo: dict[PartitionKey, list[R]],
+) -> dict[PartitionKey, int]:
     """Store, in the batch's transaction, that everything in ``todo`` is applied."""
     ends = {tp: max(r.offset for r in records) + 1 for tp, records in todo.items() if records}
     if ends:

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from alma_core import errors
-from alma_core.joining import config_for, merge
+from alma_core.joining import JoinPlanner, RunAtJoin, config_for, merge
 from alma_core.reducers import ReducerConfig, ReducerRegistry
 from alma_core.sequencing import Head, state_hash
-from schemas.events import BranchJoinPayload
+from schemas.events import BranchJoin, BranchJoinPayload
 
 
 def head(seq: int, state: dict[str, Any]) -> Head:
@@ -103,3 +103,67 @@ def test_states_join_has_no_base_and_records_no_branches() -> None:
     assert result.state == {"n": 3}
     assert result.merged_from == ()
     assert json.loads(result.state_json) == {"n": 3}
+
+
+# --- the planner: a batch's joins in partition order --------------------------
+
+
+def join_event(join_id: str, run: str = "r", tenant: str = "acme", **kw: Any) -> BranchJoin:
+    doc = {"event_id": f"e-{join_id}", "type": "branch.join", "tenant_id": tenant,
+           "emitted_at": "2026-11-23T10:00:00Z", "workflow_id": "wf", "run_id": run,
+           "payload": {"join_id": join_id, **kw}}  # fmt: skip
+    return BranchJoin.model_validate(doc, strict=False)
+
+
+def planner(**kw: Any) -> JoinPlanner:
+    runs = {"r": RunAtJoin("acme", "wf", 4, {"": MAIN, **BRANCHES})}
+    args: dict[str, Any] = {"runs": runs, "replies": {}, "registered": {}, "later_node": {},
+                            "registry": ReducerRegistry(), "max_state_bytes": 10_000}  # fmt: skip
+    return JoinPlanner(**(args | kw))
+
+
+def test_a_merge_takes_the_next_seq_and_becomes_the_main_line() -> None:
+    p = planner(registered={("acme", "wf"): ReducerConfig({"log": "append", "n": "sum"})})
+    first = p.decide(join_event("j1", branch_ids=["alpha", "beta"]), 4)
+    assert first.checkpoint is not None
+    assert (first.checkpoint.seq, first.checkpoint.parent_seq) == (5, 1)
+    assert first.reply["merged_state"] == {"log": ["start", "a", "b"], "n": 13, "answer": "B"}
+    # a second join of the run in the same batch merges onto the first one's result
+    second = p.decide(join_event("j2", branch_ids=["gamma"]), 5)
+    assert second.checkpoint is not None
+    assert (second.checkpoint.seq, second.checkpoint.parent_seq) == (6, 5)
+    assert second.reply["merged_state"]["log"] == ["start", "a", "b", "c"]
+
+
+def test_the_same_join_twice_is_one_merge_and_the_same_reply() -> None:
+    p = planner()
+    first = p.decide(join_event("j", branch_ids=["alpha"]), 4)
+    again = p.decide(join_event("j", branch_ids=["beta"]), 4)  # redelivered, even altered
+    assert again.duplicate
+    assert again.checkpoint is None
+    assert again.reply == first.reply
+    earlier = planner(replies={("r", "old"): {"status": "ok", "note": "stored"}})
+    assert earlier.decide(join_event("old", branch_ids=["alpha"]), 4).reply["note"] == "stored"
+
+
+@pytest.mark.parametrize(
+    ("kw", "tenant", "position", "reason"),
+    [
+        ({"branch_ids": ["alpha", "nope"]}, "acme", 4, "missing_branch"),
+        ({"branch_ids": ["alpha"]}, "globex", 4, "missing_branch"),  # not this tenant's run
+        ({"branch_ids": ["alpha"], "reducers": {"n": "nope"}}, "acme", 4, "unknown_reducer"),
+        ({"branch_ids": ["alpha"]}, "acme", 2, "run_moved_past_join"),
+    ],
+)
+def test_a_join_that_cannot_merge_answers_an_error_and_changes_nothing(
+    kw: dict[str, Any], tenant: str, position: int, reason: str
+) -> None:
+    p = planner(later_node={("r", 2): 3})  # a node's checkpoint at seq 3, after position 2
+    decision = p.decide(join_event("j", tenant=tenant, **kw), position)
+    assert decision.checkpoint is None
+    assert decision.rejection is not None
+    assert decision.rejection.reason == reason
+    assert decision.reply["status"] == "error"
+    assert decision.reply["error"].startswith(reason)
+    assert p.runs["r"].last_seq == 4
+    assert p.runs["r"].heads[""] == MAIN

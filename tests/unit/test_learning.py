@@ -95,3 +95,49 @@ def test_anti_pattern_confidence_grows_with_repetitions() -> None:
     assert learning.anti_pattern_confidence(2) == 0.4
     assert learning.anti_pattern_confidence(5) == 1.0
     assert learning.anti_pattern_confidence(50) == 1.0
+
+
+def failed_draft(run_id: str, message: str = "timeout after 30 s") -> learning.OutcomeDraft:
+    history = [
+        HistoryEvent("node.completed", "fetch"),
+        HistoryEvent("node.failed", "parse", error_type="Timeout", error_message=message),
+    ]
+    return learning.draft(run(success=False, run_id=run_id), history)
+
+
+def ok_draft(run_id: str) -> learning.OutcomeDraft:
+    return learning.draft(run(run_id=run_id), [HistoryEvent("node.completed", "fetch")])
+
+
+def test_memory_plan_follows_the_counts_of_the_stored_outcomes() -> None:
+    policy = LearningPolicy()
+    ok = ok_draft("r1")
+    strategy = ("acme", "wf", ok.strategy)
+    # two successes so far: no heuristic yet, the counts are only refreshed
+    early = learning.plan_memories([ok], {strategy: (2, 2)}, {}, policy)
+    assert early.upserts == {}
+    assert [(r.occurrences, r.successes) for r in early.fading] == [(2, 2)]
+    assert early.learned == {ok.id: 0}
+    # the third success makes it a heuristic with confidence 1
+    third = learning.plan_memories([ok], {strategy: (3, 3)}, {}, policy)
+    row = third.upserts[ok.heuristic.id]
+    assert (row.draft.kind, row.occurrences, row.confidence) == (MemoryKind.HEURISTIC, 3, 1.0)
+    assert third.learned == {ok.id: 1}
+
+
+def test_memory_plan_learns_an_anti_pattern_once_a_failure_repeats() -> None:
+    policy = LearningPolicy()
+    first, second = failed_draft("r1"), failed_draft("r2", "timeout after 45 s")
+    assert first.error_signature == second.error_signature  # numbers masked
+    assert first.anti_pattern is not None
+    signature = ("acme", "wf", first.error_signature or "")
+    once = learning.plan_memories([first], {}, {signature: (1, 1)}, policy)
+    assert first.anti_pattern.id not in once.upserts
+    assert once.learned == {first.id: 1}  # its node outcome only
+    twice = learning.plan_memories([first, second], {}, {signature: (2, 2)}, policy)
+    anti = twice.upserts[first.anti_pattern.id]
+    assert (anti.occurrences, anti.confidence) == (2, 0.4)
+    # a failed run refreshes its strategy's counts but never counts as learned from it
+    assert [m.kind for m in (r.draft for r in twice.fading)] == [MemoryKind.HEURISTIC] * 2
+    node_outcomes = [r for r in twice.upserts.values() if r.draft.kind is MemoryKind.OUTCOME]
+    assert len(node_outcomes) == 2  # one per run: each run's own failure record

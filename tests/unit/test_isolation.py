@@ -1,0 +1,169 @@
+"""No record can stop a partition (guarantee 5), the handler's part of it: when a batch
+fails for its data (not for an outage), its records are applied one by one; the one
+that fails alone is dead-lettered (``storage_rejected`` when PostgreSQL refused it,
+``internal_error`` for a defect); if even its dead letter is refused, the partition
+moves past it and the record goes to the dead-letter topic directly. An outage
+(a retriable error) is never isolated: it goes up for the runtime to retry.
+
+Pure logic with small stand-ins: a store that keeps its offsets in a dict and an
+``apply`` that refuses chosen offsets. The same paths run against PostgreSQL in
+tests/integration/test_hostile.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+
+from alma_core import errors
+from alma_core.storage.batches import Batch, BatchOutcome, Incoming, dead_letter_for
+from alma_core.storage.offsets import PartitionKey
+from consumers.handler import Apply, StoreHandler
+from consumers.metrics import Metrics
+from schemas.decoder import Rejection, decode
+
+TP = ("lifecycle", 0)
+
+
+def record(offset: int) -> Incoming:
+    doc = {"event_id": f"e{offset}", "type": "node.completed", "tenant_id": "acme",
+           "emitted_at": "2026-11-23T10:00:00Z", "workflow_id": "wf", "run_id": "r",
+           "node_id": "n", "payload": {"state": {"i": offset}}}  # fmt: skip
+    raw = json.dumps(doc).encode()
+    return Incoming(TP[0], TP[1], offset, b"r", raw, decode(raw, key=b"r"))
+
+
+@dataclass
+class Offsets:
+    """The two things the handler asks of a store itself."""
+
+    dlq_topic: str = "dlq"
+    next_offset: dict[PartitionKey, int] = field(default_factory=dict)
+
+    async def stored_offsets(
+        self, cluster_id: str, partitions: list[PartitionKey]
+    ) -> dict[PartitionKey, int]:
+        return {tp: self.next_offset[tp] for tp in partitions if tp in self.next_offset}
+
+    async def skip(self, cluster_id: str, batch: Batch) -> tuple[BatchOutcome, bool]:
+        outcome, left = BatchOutcome(), False
+        for tp, records in batch.items():
+            fresh = [r for r in records if r.offset >= self.next_offset.get(tp, 0)]
+            left = left or bool(fresh)
+            self.next_offset[tp] = max(r.offset for r in records) + 1
+            outcome.next_offsets[tp] = self.next_offset[tp]
+        return outcome, left
+
+
+@dataclass
+class Sent:
+    records: list[tuple[str, bytes | None, bytes, list[tuple[str, str]]]] = field(
+        default_factory=list
+    )
+
+    async def publish(self, ids: list[int]) -> int:
+        return 0
+
+    async def send_now(
+        self, topic: str, key: bytes | None, value: bytes, headers: list[tuple[str, str]]
+    ) -> bool:
+        self.records.append((topic, key, value, headers))
+        return True
+
+    async def sweep(self, *, force: bool = False) -> int:
+        return 0
+
+
+class Handler(StoreHandler[BatchOutcome]):
+    name = "test"
+    result_type = BatchOutcome
+
+    async def prepare(self, incoming: Batch) -> Apply[BatchOutcome]:
+        raise AssertionError("these tests call apply_all directly")
+
+
+def refusing(
+    store: Offsets,
+    *,
+    data: tuple[int, ...] = (),
+    defect: tuple[int, ...] = (),
+    dead_letters: bool = True,
+    outage: bool = False,
+) -> tuple[Apply[BatchOutcome], list[list[int]]]:
+    """An apply that refuses batches holding ``data`` offsets (StorageRejected) or
+    ``defect`` offsets (a bug), and, unless ``dead_letters``, any dead letter."""
+    calls: list[list[int]] = []
+
+    async def apply(cluster_id: str, batch: Batch) -> BatchOutcome:
+        records = [r for rs in batch.values() for r in rs]
+        calls.append([r.offset for r in records])
+        if outage:
+            raise errors.StorageError("the server is gone")
+        for r in records:
+            rejected = isinstance(r.decoded, Rejection)
+            if rejected and not dead_letters:
+                raise errors.StorageRejected("the dead-letter row was refused")
+            if not rejected and r.offset in data:
+                raise errors.StorageRejected("PostgreSQL refused the value")
+            if not rejected and r.offset in defect:
+                raise KeyError("a bug")
+        outcome = BatchOutcome()
+        outcome.dead_letters = [
+            dead_letter_for(r, r.decoded) for r in records if isinstance(r.decoded, Rejection)
+        ]
+        for tp, rs in batch.items():
+            store.next_offset[tp] = max(r.offset for r in rs) + 1
+            outcome.next_offsets[tp] = store.next_offset[tp]
+        return outcome
+
+    return apply, calls
+
+
+def handler(store: Offsets, relay: Sent | None = None) -> Handler:
+    return Handler(store, None, relay or Sent(), Metrics(), max_state_bytes=10_000,
+                   max_record_bytes=100_000)  # fmt: skip
+
+
+async def test_a_refused_record_is_dead_lettered_alone_and_the_rest_applied() -> None:
+    store = Offsets()
+    apply, calls = refusing(store, data=(1,), defect=(3,))
+    outcomes = await handler(store).apply_all("c", {TP: [record(i) for i in range(5)]}, apply)
+    assert calls[0] == [0, 1, 2, 3, 4]  # the batch, refused
+    assert [0] in calls
+    assert [2] in calls
+    assert [4] in calls  # the others, one by one, applied
+    letters = [d for o in outcomes for d in o.dead_letters]
+    assert [(d.record.offset, d.reason) for d in letters] == [
+        (1, "storage_rejected"), (3, "internal_error")
+    ]  # fmt: skip
+    assert letters[0].event_id == "e1"  # what its decoding found is kept
+    assert store.next_offset[TP] == 5
+
+
+async def test_a_refused_dead_letter_moves_the_partition_past_it_and_out_to_the_topic() -> None:
+    store, relay = Offsets(), Sent()
+    apply, _ = refusing(store, data=(2,), dead_letters=False)
+    h = handler(store, relay)
+    outcomes = await h.apply_all("c", {TP: [record(i) for i in range(3)]}, apply)
+    assert store.next_offset[TP] == 3
+    assert outcomes[-1].next_offsets == {TP: 3}
+    [(topic, key, value, headers)] = relay.records
+    assert (topic, key) == ("dlq", b"r")
+    assert json.loads(value)["event_id"] == "e2"  # the original bytes
+    assert ("alma.dead_letter_stored", "false") in headers
+    assert ("alma.reason", "storage_rejected") in headers
+    failures = h.metrics.registry.get_sample_value(
+        "alma_dead_letter_failures_total", {"consumer": "test"}
+    )
+    assert failures == 1
+
+
+async def test_an_outage_is_never_isolated() -> None:
+    store = Offsets()
+    apply, calls = refusing(store, outage=True)
+    with pytest.raises(errors.StorageError):
+        await handler(store).apply_all("c", {TP: [record(i) for i in range(3)]}, apply)
+    assert calls == [[0, 1, 2]]  # no record tried alone, nothing dead-lettered
+    assert store.next_offset == {}
