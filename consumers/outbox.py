@@ -16,15 +16,15 @@ topic that does not exist) never holds back the others.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable
 
 import asyncpg
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
+from alma_core.storage import outbox
 from alma_core.storage.postgres import STORAGE_FAILURES
 from consumers.metrics import Metrics
 
@@ -56,11 +56,7 @@ class OutboxRelay:
         """Publish these rows (those not yet published), in id order."""
         if not ids:
             return 0
-        return await self._publish(
-            "SELECT id, topic, key, value, headers FROM outbox "
-            "WHERE id = ANY($1::bigint[]) AND published_at IS NULL ORDER BY id",
-            ids,
-        )
+        return await self._publish(outbox.unpublished(self.pool, ids))
 
     async def send_now(
         self, topic: str, key: bytes | None, value: bytes, headers: list[tuple[str, str]]
@@ -86,20 +82,15 @@ class OutboxRelay:
             return 0
         self._last_sweep = now
         sent = await self._publish(
-            "SELECT id, topic, key, value, headers FROM outbox WHERE published_at IS NULL "
-            "AND created_at < now() - make_interval(secs => $1) "
-            "AND (next_attempt_at IS NULL OR next_attempt_at <= now()) ORDER BY id LIMIT 1000",
-            0.0 if force else self.sweep_age_s,
+            outbox.left_behind(self.pool, 0.0 if force else self.sweep_age_s)
         )
         with contextlib.suppress(*STORAGE_FAILURES):
-            await self.pool.execute(
-                "DELETE FROM outbox WHERE published_at < now() - interval '1 hour'"
-            )
+            await outbox.prune(self.pool)
         return sent
 
-    async def _publish(self, sql: str, arg: object) -> int:
+    async def _publish(self, reading: Awaitable[list[asyncpg.Record]]) -> int:
         try:
-            rows = await self.pool.fetch(sql, arg)
+            rows = await reading
         except STORAGE_FAILURES as exc:
             return self._failed(exc, "reading the outbox")
         if not rows:
@@ -111,7 +102,7 @@ class OutboxRelay:
             try:
                 pending.append((r, await self.producer.send(
                     r["topic"], r["value"], key=r["key"],
-                    headers=[(k, v.encode()) for k, v in _pairs(r["headers"])],
+                    headers=[(k, v.encode()) for k, v in outbox.header_pairs(r["headers"])],
                 )))  # fmt: skip
             except KafkaError as exc:
                 failed.append((r, repr(exc)))
@@ -122,21 +113,8 @@ class OutboxRelay:
             except KafkaError as exc:
                 failed.append((r, repr(exc)))
         try:
-            if sent:
-                await self.pool.execute(
-                    "UPDATE outbox SET published_at = now() WHERE id = ANY($1::bigint[])",
-                    [r["id"] for r in sent],
-                )
-            if failed:
-                await self.pool.execute(
-                    """UPDATE outbox o SET attempts = o.attempts + 1, last_error = u.error,
-                           next_attempt_at = now() + make_interval(
-                               secs => least($3::float8, power(2, o.attempts + 1)))
-                       FROM unnest($1::bigint[], $2::text[]) AS u(id, error)
-                       WHERE o.id = u.id""",
-                    [r["id"] for r, _ in failed], [e[:1000] for _, e in failed],
-                    self.retry_max_s,
-                )  # fmt: skip
+            await outbox.mark_published(self.pool, [r["id"] for r in sent])
+            await outbox.mark_failed(self.pool, [(r["id"], e) for r, e in failed], self.retry_max_s)
         except STORAGE_FAILURES as exc:
             self._failed(exc, "marking outbox rows")  # sent again later: readers de-duplicate
         for r in sent:
@@ -157,8 +135,3 @@ class OutboxRelay:
             extra={"action": "outbox_failed", "error": repr(exc)},
         )  # fmt: skip
         return 0
-
-
-def _pairs(headers: object) -> list[tuple[str, str]]:
-    data: Any = json.loads(headers) if isinstance(headers, str) else headers
-    return [(str(k), str(v)) for k, v in (data or [])]

@@ -21,6 +21,7 @@ from alma_core.sdk.client import AlmaClient
 from alma_core.sdk.dag import Node, Orchestrator, Parallel, RunResult, SimulatedCrash, Workflow
 from alma_core.sdk.hooks import WorkflowHooks
 from alma_core.sdk.run_state import RunState
+from alma_core.storage import runs
 from alma_core.types import RetrievalScope, WorkflowContext
 
 TENANTS = ("acme", "globex", "initech")
@@ -168,27 +169,15 @@ class Demo:
         """Wait (bounded) until the learner has an outcome for every demo run."""
         deadline = time.monotonic() + timeout
         while True:
-            n = int(await pool.fetchval(
-                "SELECT count(*) FROM workflow_outcomes WHERE run_id LIKE $1",
-                f"demo-{self.tag}-%"))  # fmt: skip
+            n = await runs.outcomes_count(pool, f"demo-{self.tag}-%")
             if n >= self.runs or time.monotonic() > deadline:
                 return n
             await asyncio.sleep(0.2)
 
     async def count(self, pool: asyncpg.Pool) -> dict[str, int]:
-        like = f"demo-{self.tag}-%"
-        one = pool.fetchval
-        return {
-            "runs": await one("SELECT count(*) FROM runs WHERE run_id LIKE $1", like),
-            "checkpoints": await one("SELECT count(*) FROM checkpoints WHERE run_id LIKE $1", like),
-            "joins": await one("SELECT count(*) FROM joins WHERE run_id LIKE $1", like),
-            "outcomes": await one(
-                "SELECT count(*) FROM workflow_outcomes WHERE run_id LIKE $1", like),
-            "dead letters": await one(
-                "SELECT count(*) FROM dead_letters WHERE run_id LIKE $1", like),
-            "memories": await one("SELECT count(*) FROM memories WHERE tenant_id = ANY($1)",
-                                  list(TENANTS)),
-        }  # fmt: skip
+        found = await runs.counts(pool, f"demo-{self.tag}-%", list(TENANTS))
+        found["dead letters"] = found.pop("dead_letters")
+        return found
 
     async def retrieve(self) -> MemorySlice:
         ctx = WorkflowContext(TENANTS[0], "research-report")

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from alma_core import errors
 from alma_core.cli import common
+from alma_core.storage import dead_letters
 from schemas.decoder import Rejection, decode
 
 dlq_app = typer.Typer(help="Dead letters: list them, replay them.")
@@ -35,18 +36,11 @@ def dlq_list(
     async def main() -> None:
         conn = await common.connect(common.dsn(s))
         try:
-            rows = await conn.fetch(
-                """SELECT id, consumer, reason, detail, event_id, run_id, tenant_id, source_topic,
-                          source_partition, source_offset, created_at, replayed_at
-                   FROM dead_letters
-                   WHERE ($1::text IS NULL OR reason = $1) AND ($2::text IS NULL OR tenant_id = $2)
-                   ORDER BY id DESC LIMIT $3""",
-                reason, tenant, limit,
-            )  # fmt: skip
+            rows = await dead_letters.listing(conn, reason=reason, tenant_id=tenant, limit=limit)
         finally:
             await conn.close()
         docs: list[dict[str, Any]] = [
-            {k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in dict(r).items()}
+            {k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in r.items()}
             for r in rows
         ]
         if as_json:
@@ -85,9 +79,7 @@ def dlq_replay(
     async def main() -> None:
         conn = await common.connect(common.dsn(s))
         try:
-            row = await conn.fetchrow(
-                "SELECT key, value, replayed_at FROM dead_letters WHERE id = $1", letter_id
-            )
+            row = await dead_letters.original(conn, letter_id)
             if row is None:
                 raise errors.AlmaError(f"no dead letter {letter_id}: see `alma dlq list`")
             value: bytes = corrected if corrected is not None else (row["value"] or b"")
@@ -111,9 +103,7 @@ def dlq_replay(
                 ) from exc
             finally:
                 await producer.stop()
-            await conn.execute(
-                "UPDATE dead_letters SET replayed_at = now() WHERE id = $1", letter_id
-            )
+            await dead_letters.mark_replayed(conn, letter_id)
         finally:
             await conn.close()
         common.out.print(f"replayed dead letter {letter_id} to {s.lifecycle_topic}")

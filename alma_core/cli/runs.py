@@ -12,6 +12,7 @@ from rich.table import Table
 from alma_core import errors
 from alma_core.cli import common
 from alma_core.settings import Settings
+from alma_core.storage import runs
 from alma_core.storage.cache import RedisCheckpointCache, checkpoint_to_doc
 from alma_core.storage.observer import Tally
 from alma_core.storage.postgres import connect
@@ -60,16 +61,9 @@ def runs_list(
         who = _tenant(s, tenant)
         conn = await common.connect(common.dsn(s))
         try:
-            rows = await conn.fetch(
-                """SELECT run_id, tenant_id, workflow_id, workflow_version, status, last_seq,
-                          event_count, created_at, updated_at, completed_at
-                   FROM runs
-                   WHERE ($1::text IS NULL OR tenant_id = $1)
-                     AND ($2::text IS NULL OR workflow_id = $2)
-                     AND ($3::text IS NULL OR status = $3)
-                   ORDER BY updated_at DESC LIMIT $4""",
-                who, workflow, status, limit,
-            )  # fmt: skip
+            rows = await runs.listing(
+                conn, tenant_id=who, workflow_id=workflow, status=status, limit=limit
+            )
         finally:
             await conn.close()
         return [_jsonable(r) for r in rows]
@@ -91,45 +85,18 @@ def runs_list(
 
 
 async def run_report(conn: Any, run_id: str, tenant: str | None) -> dict[str, Any]:
-    """Everything about one run: the run, its events, checkpoints (without states),
-    joins, outcome and dead letters."""
-    run = await conn.fetchrow(
-        "SELECT * FROM runs WHERE run_id = $1 AND ($2::text IS NULL OR tenant_id = $2)",
-        run_id, tenant,
-    )  # fmt: skip
-    if run is None:
+    """Everything about one run (:func:`alma_core.storage.runs.report`), as JSON."""
+    found = await runs.report(conn, run_id, tenant)
+    if not found:
         raise _not_found(run_id, tenant)
-    events = await conn.fetch(
-        """SELECT event_id, type, node_id, branch_id, effect, checkpoint_seq, emitted_at,
-                  recorded_at FROM run_events WHERE run_id = $1 ORDER BY ordinal""",
-        run_id,
-    )
-    checkpoints = await conn.fetch(
-        """SELECT seq, kind, node_id, branch_id, parent_seq, size_bytes, state_hash, created_at
-           FROM checkpoints WHERE run_id = $1 ORDER BY seq""",
-        run_id,
-    )
-    joins = await conn.fetch(
-        "SELECT join_id, status, checkpoint_seq, created_at FROM joins WHERE run_id = $1 "
-        "ORDER BY created_at",
-        run_id,
-    )
-    outcome = await conn.fetchrow(
-        """SELECT success, duration_ms, node_count, nodes_succeeded, nodes_failed, error_message,
-                  failing_node, task, strategy, learnings_extracted, created_at
-           FROM workflow_outcomes WHERE run_id = $1 AND tenant_id = $2""",
-        run_id,
-        run["tenant_id"],
-    )
-    dead = await conn.fetch(
-        "SELECT id, reason, detail, event_id, created_at FROM dead_letters "
-        "WHERE run_id = $1 AND tenant_id = $2 ORDER BY id", run_id, run["tenant_id"])  # fmt: skip
     return {
-        "run": _jsonable(run), "events": [_jsonable(r) for r in events],
-        "checkpoints": [_jsonable(r) for r in checkpoints], "joins": [_jsonable(r) for r in joins],
-        "outcome": _jsonable(outcome) if outcome else None,
-        "dead_letters": [_jsonable(r) for r in dead],
-    }  # fmt: skip
+        "run": _jsonable(found["run"]),
+        "events": [_jsonable(r) for r in found["events"]],
+        "checkpoints": [_jsonable(r) for r in found["checkpoints"]],
+        "joins": [_jsonable(r) for r in found["joins"]],
+        "outcome": _jsonable(found["outcome"]) if found["outcome"] else None,
+        "dead_letters": [_jsonable(r) for r in found["dead_letters"]],
+    }
 
 
 @runs_app.command("show")

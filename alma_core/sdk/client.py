@@ -26,7 +26,7 @@ from alma_core import errors
 from alma_core.memory import MemorySlice
 from alma_core.sdk.replies import ReplyListener
 from alma_core.settings import Settings
-from alma_core.storage import reducer_configs
+from alma_core.storage import reducer_configs, runs
 from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.embeddings import AsyncEmbedder, load_embedder
 from alma_core.storage.observer import ReadMetrics, ReadObserver
@@ -164,18 +164,12 @@ class AlmaClient:
         deadline = time.monotonic() + timeout
         pause = 0.005
         while True:
-            row = await pool.fetchrow(
-                "SELECT effect, checkpoint_seq FROM run_events "
-                "WHERE event_id = $1 AND tenant_id = $2", event_id, ctx.tenant_id,
-            )  # fmt: skip
-            if row is not None:
-                return Applied(event_id, row["effect"], row["checkpoint_seq"])
-            dead = await pool.fetchrow(
-                "SELECT reason, detail FROM dead_letters WHERE event_id = $1 AND tenant_id = $2 "
-                "ORDER BY id DESC LIMIT 1", event_id, ctx.tenant_id,
-            )  # fmt: skip
-            if dead is not None:
-                raise errors.rejection(dead["reason"], f"event {event_id}: {dead['detail']}")
+            found = await runs.effect_of(pool, event_id, ctx.tenant_id)
+            if found is not None and found.rejected is not None:
+                reason, detail = found.rejected
+                raise errors.rejection(reason, f"event {event_id}: {detail}")
+            if found is not None:
+                return Applied(event_id, found.effect or "", found.checkpoint_seq)
             if time.monotonic() >= deadline:
                 raise errors.EffectTimeout(
                     f"event {event_id} of run {ctx.run_id!r} had no effect within {timeout:.0f} s; "

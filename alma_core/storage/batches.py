@@ -22,16 +22,16 @@ import asyncpg
 
 from alma_core import errors
 from alma_core.sequencing import Coordinates
-from alma_core.storage import offsets
+from alma_core.storage import dead_letters, offsets, outbox
 from alma_core.storage.cache import CacheEntry
+from alma_core.storage.dead_letters import storable
 from alma_core.storage.offsets import PartitionKey
+from alma_core.storage.outbox import OutboxRow
 from alma_core.storage.postgres import is_storage_failure, storage_error
 from schemas.decoder import Decoded, Rejection
 
 T = TypeVar("T")
 Batch = dict[PartitionKey, list["Incoming"]]
-
-OutboxRow = tuple[str, bytes | None, bytes, str]  # topic, key, value, headers (JSON pairs)
 
 # On a hand-off: the run's latest seq at the event's place in its partition. A join is
 # merged from the heads as they stood there and takes the next seq.
@@ -87,16 +87,6 @@ def dead_letter_for(record: Incoming, exc: errors.AlmaError | Rejection) -> Dead
     )
 
 
-def storable(text: str | None, limit: int | None = None) -> str | None:
-    """``text`` as PostgreSQL's text and jsonb can hold it: a NUL becomes ``\\x00`` and a
-    lone surrogate its ``\\udXXX`` escape. Used for whatever a hostile record may put in
-    a dead letter's columns and headers (its bytes are kept exactly, as bytea)."""
-    if text is None:
-        return None
-    clean = text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
-    return clean[:limit] if limit is not None else clean
-
-
 def headers_json(pairs: dict[str, str | int | None]) -> str:
     return json.dumps([[k, storable(str(v))] for k, v in pairs.items() if v is not None])
 
@@ -105,15 +95,7 @@ async def record_dead_letter(
     conn: asyncpg.Connection, consumer: str, dlq_topic: str, dl: DeadLetter
 ) -> OutboxRow:
     """Keep the dead letter (for `alma dlq`) and return its dead-letter-topic record."""
-    rec = dl.record
-    await conn.execute(
-        """INSERT INTO dead_letters (consumer, reason, detail, event_id, run_id, tenant_id,
-               source_topic, source_partition, source_offset, key, value)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
-           ON CONFLICT DO NOTHING""",
-        consumer, dl.reason, storable(dl.detail), storable(dl.event_id), storable(dl.run_id),
-        storable(dl.tenant_id), rec.topic, rec.partition, rec.offset, rec.key, rec.value,
-    )  # fmt: skip
+    await dead_letters.insert(conn, consumer, dl)
     return dead_letter_record(consumer, dlq_topic, dl)
 
 
@@ -129,18 +111,6 @@ def dead_letter_record(consumer: str, dlq_topic: str, dl: DeadLetter) -> OutboxR
     """The dead-letter topic's record: the original key and value, the reason in headers."""
     rec = dl.record
     return (dlq_topic, rec.key, rec.value or b"", headers_json(dead_letter_headers(consumer, dl)))
-
-
-async def insert_outbox(conn: asyncpg.Connection, rows: list[OutboxRow]) -> list[int]:
-    if not rows:
-        return []
-    inserted = await conn.fetch(
-        """INSERT INTO outbox (topic, key, value, headers)
-           SELECT * FROM unnest($1::text[], $2::bytea[], $3::bytea[], $4::jsonb[])
-           RETURNING id""",
-        [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
-    )  # fmt: skip
-    return [r["id"] for r in inserted]
 
 
 @dataclass
@@ -193,10 +163,10 @@ class BatchStore:
             outcome.already_applied = fenced.already_applied
             if not fenced.todo:
                 return outcome
-            outbox = await work(conn, fenced.todo, outcome)
+            rows = await work(conn, fenced.todo, outcome)
             for dl in outcome.dead_letters:
-                outbox.append(await record_dead_letter(conn, self.consumer, self.dlq_topic, dl))
-            outcome.outbox_ids = await insert_outbox(conn, outbox)
+                rows.append(await record_dead_letter(conn, self.consumer, self.dlq_topic, dl))
+            outcome.outbox_ids = await outbox.insert(conn, rows)
             outcome.next_offsets.update(
                 await offsets.advance(conn, self.group_id, cluster_id, fenced.todo)
             )

@@ -36,11 +36,11 @@ from alma_core.storage.batches import (
     Batch,
     BatchOutcome,
     BatchStore,
-    OutboxRow,
     dead_letter_for,
     headers_json,
 )
 from alma_core.storage.cache import CacheEntry, cache_entries
+from alma_core.storage.outbox import OutboxRow
 from alma_core.types import Checkpoint
 from schemas.decoder import Decoded, Rejection
 from schemas.events import Event, NodeCompleted, NodeFailed

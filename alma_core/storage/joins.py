@@ -33,10 +33,10 @@ from alma_core.storage.batches import (
     BatchOutcome,
     BatchStore,
     Incoming,
-    OutboxRow,
     dead_letter_for,
 )
 from alma_core.storage.cache import cache_entries
+from alma_core.storage.outbox import OutboxRow
 from alma_core.types import Checkpoint
 from schemas.decoder import Rejection
 from schemas.events import BranchJoin

@@ -26,8 +26,9 @@ import asyncpg
 from alma_core import errors, learning
 from alma_core.learning import LearningPolicy, OutcomeDraft
 from alma_core.sequencing import Coordinates
-from alma_core.storage.batches import Batch, BatchOutcome, BatchStore, OutboxRow, dead_letter_for
+from alma_core.storage.batches import Batch, BatchOutcome, BatchStore, dead_letter_for
 from alma_core.storage.embeddings import Vector, vector_literal
+from alma_core.storage.outbox import OutboxRow
 from schemas.decoder import Rejection
 from schemas.events import ArtifactRef, WorkflowCompleted
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from aiokafka import AIOKafkaProducer
 
-from alma_core.storage.batches import headers_json, insert_outbox
+from alma_core.storage import outbox
+from alma_core.storage.batches import headers_json
 from alma_core.storage.postgres import connect
 from consumers.metrics import Metrics
 from consumers.outbox import OutboxRelay
@@ -25,7 +26,7 @@ async def test_a_refused_row_never_holds_back_the_others(
     try:
         async with connect(database, max_size=2) as pool:
             async with pool.acquire() as conn:
-                ids = await insert_outbox(conn, [
+                ids = await outbox.insert(conn, [
                     (topics.merged, b"k", b"first", headers_json({"n": 1})),
                     (topics.merged, b"k", b"x" * 4096, headers_json({"n": 2})),
                     (topics.merged, b"k", b"third", headers_json({"n": 3})),

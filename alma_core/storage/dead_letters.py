@@ -1,0 +1,100 @@
+"""The ``dead_letters`` table: every record a consumer could not apply, its bytes exactly
+as they came (bytea) and its reason, for ``alma dlq`` and the SDK's ``applied()``.
+
+Rows are written in the batch's transaction (:func:`insert`), beside the record sent
+to the dead-letter topic; text columns hold only what PostgreSQL accepts (``storable``:
+a hostile record's NUL or lone surrogate is escaped, never the reason a row fails).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+
+if TYPE_CHECKING:
+    from alma_core.storage.batches import DeadLetter
+
+
+def storable(text: str | None, limit: int | None = None) -> str | None:
+    """``text`` as PostgreSQL's text and jsonb can hold it: a NUL becomes ``\\x00`` and a
+    lone surrogate its ``\\udXXX`` escape. Used for whatever a hostile record may put in
+    a dead letter's columns and headers (its bytes are kept exactly, as bytea)."""
+    if text is None:
+        return None
+    clean = text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+    return clean[:limit] if limit is not None else clean
+
+
+async def insert(conn: asyncpg.Connection, consumer: str, dl: DeadLetter) -> None:
+    """Keep a dead letter (in the caller's transaction); once per source record."""
+    rec = dl.record
+    await conn.execute(
+        """INSERT INTO dead_letters (consumer, reason, detail, event_id, run_id, tenant_id,
+               source_topic, source_partition, source_offset, key, value)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+           ON CONFLICT DO NOTHING""",
+        consumer,
+        dl.reason,
+        storable(dl.detail),
+        storable(dl.event_id),
+        storable(dl.run_id),
+        storable(dl.tenant_id),
+        rec.topic,
+        rec.partition,
+        rec.offset,
+        rec.key,
+        rec.value,
+    )
+
+
+async def listing(
+    conn: asyncpg.Connection, *, reason: str | None, tenant_id: str | None, limit: int
+) -> list[dict[str, Any]]:
+    """Dead letters, newest first (without their bytes)."""
+    rows = await conn.fetch(
+        """SELECT id, consumer, reason, detail, event_id, run_id, tenant_id, source_topic,
+                  source_partition, source_offset, created_at, replayed_at
+           FROM dead_letters
+           WHERE ($1::text IS NULL OR reason = $1) AND ($2::text IS NULL OR tenant_id = $2)
+           ORDER BY id DESC LIMIT $3""",
+        reason,
+        tenant_id,
+        limit,
+    )
+    return [dict(r) for r in rows]
+
+
+async def of_run(conn: asyncpg.Connection, run_id: str, tenant_id: str) -> list[asyncpg.Record]:
+    rows: list[asyncpg.Record] = await conn.fetch(
+        """SELECT id, reason, detail, event_id, created_at FROM dead_letters
+           WHERE run_id = $1 AND tenant_id = $2 ORDER BY id""",
+        run_id,
+        tenant_id,
+    )
+    return rows
+
+
+async def of_event(
+    conn: asyncpg.Connection | asyncpg.Pool, event_id: str, tenant_id: str
+) -> asyncpg.Record | None:
+    """The latest dead letter of an event (its reason and detail), if it has one."""
+    row: asyncpg.Record | None = await conn.fetchrow(
+        """SELECT reason, detail FROM dead_letters WHERE event_id = $1 AND tenant_id = $2
+           ORDER BY id DESC LIMIT 1""",
+        event_id,
+        tenant_id,
+    )
+    return row
+
+
+async def original(conn: asyncpg.Connection, letter_id: int) -> asyncpg.Record | None:
+    """A dead letter's key and value as they came, and when it was last replayed."""
+    row: asyncpg.Record | None = await conn.fetchrow(
+        "SELECT key, value, replayed_at FROM dead_letters WHERE id = $1", letter_id
+    )
+    return row
+
+
+async def mark_replayed(conn: asyncpg.Connection, letter_id: int) -> None:
+    await conn.execute("UPDATE dead_letters SET replayed_at = now() WHERE id = $1", letter_id)

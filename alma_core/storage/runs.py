@@ -1,0 +1,134 @@
+"""Reads of ``runs`` and their audit trail (``run_events``): what operators list and
+show, and what became of one event (the SDK's read-your-writes).
+
+The checkpointer writes these tables (:mod:`alma_core.storage.checkpoints`); every
+read here is scoped by tenant when a tenant is given (guarantee 6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import asyncpg
+
+from alma_core.storage import dead_letters
+
+Conn: TypeAlias = asyncpg.Connection | asyncpg.Pool
+
+
+@dataclass(frozen=True)
+class EventEffect:
+    """What the checkpointer did with one event (``effect`` and its checkpoint seq), or
+    why it was dead-lettered (``rejected``: the reason and the detail)."""
+
+    effect: str | None = None
+    checkpoint_seq: int | None = None
+    rejected: tuple[str, str] | None = None
+
+
+async def effect_of(conn: Conn, event_id: str, tenant_id: str) -> EventEffect | None:
+    """The event's effect, its rejection, or None while it has had neither."""
+    row = await conn.fetchrow(
+        "SELECT effect, checkpoint_seq FROM run_events WHERE event_id = $1 AND tenant_id = $2",
+        event_id,
+        tenant_id,
+    )
+    if row is not None:
+        return EventEffect(row["effect"], row["checkpoint_seq"])
+    dead = await dead_letters.of_event(conn, event_id, tenant_id)
+    if dead is not None:
+        return EventEffect(rejected=(dead["reason"], dead["detail"]))
+    return None
+
+
+async def listing(
+    conn: Conn,
+    *,
+    tenant_id: str | None,
+    workflow_id: str | None,
+    status: str | None,
+    limit: int,
+) -> list[asyncpg.Record]:
+    """Runs, latest activity first."""
+    rows: list[asyncpg.Record] = await conn.fetch(
+        """SELECT run_id, tenant_id, workflow_id, workflow_version, status, last_seq,
+                  event_count, created_at, updated_at, completed_at
+           FROM runs
+           WHERE ($1::text IS NULL OR tenant_id = $1)
+             AND ($2::text IS NULL OR workflow_id = $2)
+             AND ($3::text IS NULL OR status = $3)
+           ORDER BY updated_at DESC LIMIT $4""",
+        tenant_id,
+        workflow_id,
+        status,
+        limit,
+    )
+    return rows
+
+
+async def report(conn: asyncpg.Connection, run_id: str, tenant_id: str | None) -> dict[str, Any]:
+    """Everything about one run: the run, its events, checkpoints (without states),
+    joins, outcome and dead letters; ``{}`` when the tenant has no such run."""
+    run = await conn.fetchrow(
+        "SELECT * FROM runs WHERE run_id = $1 AND ($2::text IS NULL OR tenant_id = $2)",
+        run_id,
+        tenant_id,
+    )
+    if run is None:
+        return {}
+    events = await conn.fetch(
+        """SELECT event_id, type, node_id, branch_id, effect, checkpoint_seq, emitted_at,
+                  recorded_at FROM run_events WHERE run_id = $1 ORDER BY ordinal""",
+        run_id,
+    )
+    checkpoints = await conn.fetch(
+        """SELECT seq, kind, node_id, branch_id, parent_seq, size_bytes, state_hash, created_at
+           FROM checkpoints WHERE run_id = $1 ORDER BY seq""",
+        run_id,
+    )
+    joins = await conn.fetch(
+        """SELECT join_id, status, checkpoint_seq, created_at FROM joins WHERE run_id = $1
+           ORDER BY created_at""",
+        run_id,
+    )
+    outcome = await conn.fetchrow(
+        """SELECT success, duration_ms, node_count, nodes_succeeded, nodes_failed, error_message,
+                  failing_node, task, strategy, learnings_extracted, created_at
+           FROM workflow_outcomes WHERE run_id = $1 AND tenant_id = $2""",
+        run_id,
+        run["tenant_id"],
+    )
+    return {
+        "run": run,
+        "events": events,
+        "checkpoints": checkpoints,
+        "joins": joins,
+        "outcome": outcome,
+        "dead_letters": await dead_letters.of_run(conn, run_id, run["tenant_id"]),
+    }
+
+
+async def counts(conn: Conn, run_pattern: str, tenants: list[str]) -> dict[str, int]:
+    """How many rows of each kind runs matching ``run_pattern`` (SQL LIKE) left, and
+    the memories of ``tenants`` (the demo's summary)."""
+    row = await conn.fetchrow(
+        """SELECT (SELECT count(*) FROM runs WHERE run_id LIKE $1) AS runs,
+                  (SELECT count(*) FROM checkpoints WHERE run_id LIKE $1) AS checkpoints,
+                  (SELECT count(*) FROM joins WHERE run_id LIKE $1) AS joins,
+                  (SELECT count(*) FROM workflow_outcomes WHERE run_id LIKE $1) AS outcomes,
+                  (SELECT count(*) FROM dead_letters WHERE run_id LIKE $1) AS dead_letters,
+                  (SELECT count(*) FROM memories WHERE tenant_id = ANY($2)) AS memories""",
+        run_pattern,
+        tenants,
+    )
+    return {k: int(v) for k, v in dict(row).items()}
+
+
+async def outcomes_count(conn: Conn, run_pattern: str) -> int:
+    """Outcomes learned for runs matching ``run_pattern`` (SQL LIKE)."""
+    return int(
+        await conn.fetchval(
+            "SELECT count(*) FROM workflow_outcomes WHERE run_id LIKE $1", run_pattern
+        )
+    )
