@@ -86,8 +86,9 @@ def merge(
         raise errors.StateTooLarge(
             f"the merged state is {size} bytes; the limit is {max_state_bytes}"
         )
-    return Merge(state, state_json, hashlib.sha256(state_json.encode()).hexdigest(), size,
-                 merged_from)  # fmt: skip
+    return Merge(
+        state, state_json, hashlib.sha256(state_json.encode()).hexdigest(), size, merged_from
+    )
 
 
 @dataclass
@@ -153,8 +154,10 @@ class JoinPlanner:
         if key in self.replies:
             return JoinDecision(event, self.replies[key], duplicate=True)
         reply: dict[str, Any] = {
-            "join_id": payload.join_id, "run_id": event.run_id, "tenant_id": event.tenant_id,
-        }  # fmt: skip
+            "join_id": payload.join_id,
+            "run_id": event.run_id,
+            "tenant_id": event.tenant_id,
+        }
         try:
             run = self._run(event)
             self._check_position(event.run_id, position)

@@ -178,25 +178,33 @@ def draft(run: FinishedRun, history: list[HistoryEvent]) -> OutcomeDraft:
     strategy = strategy_of(history)
     wf = run.workflow_id
     heuristic = MemoryDraft(
-        tenant_id=run.tenant_id, kind=MemoryKind.HEURISTIC,
-        dedupe_key=f"{wf}\x1f{strategy}", workflow_id=wf,
+        tenant_id=run.tenant_id,
+        kind=MemoryKind.HEURISTIC,
+        dedupe_key=f"{wf}\x1f{strategy}",
+        workflow_id=wf,
         content=f"In workflow {wf}, running the nodes {strategy} in this order succeeds",
-        condition=f"workflow {wf}", strategy=strategy,
-    )  # fmt: skip
+        condition=f"workflow {wf}",
+        strategy=strategy,
+    )
     node_outcomes = []
     for event in history:
         if event.type != "node.failed" or not event.node_id:
             continue
         error = f"{event.error_type}: {event.error_message}"
-        node_outcomes.append(MemoryDraft(
-            tenant_id=run.tenant_id, kind=MemoryKind.OUTCOME,
-            dedupe_key=f"{run.run_id}\x1f{event.node_id}\x1f"
-                       f"{error_signature(event.node_id, event.error_type, event.error_message)}",
-            workflow_id=wf, run_id=run.run_id, node_id=event.node_id,
-            content=f"In workflow {wf}, node {event.node_id} failed with {error}",
-            condition=f"node {event.node_id} of workflow {wf}",
-            metadata={"error_type": event.error_type},
-        ))  # fmt: skip
+        node_outcomes.append(
+            MemoryDraft(
+                tenant_id=run.tenant_id,
+                kind=MemoryKind.OUTCOME,
+                dedupe_key=f"{run.run_id}\x1f{event.node_id}\x1f"
+                f"{error_signature(event.node_id, event.error_type, event.error_message)}",
+                workflow_id=wf,
+                run_id=run.run_id,
+                node_id=event.node_id,
+                content=f"In workflow {wf}, node {event.node_id} failed with {error}",
+                condition=f"node {event.node_id} of workflow {wf}",
+                metadata={"error_type": event.error_type},
+            )
+        )
     signature = None
     anti_pattern = None
     if not run.success:
@@ -206,11 +214,15 @@ def draft(run: FinishedRun, history: list[HistoryEvent]) -> OutcomeDraft:
         signature = error_signature(node, etype, message)
         where = f"node {node} of workflow {wf}" if node else f"workflow {wf}"
         anti_pattern = MemoryDraft(
-            tenant_id=run.tenant_id, kind=MemoryKind.ANTI_PATTERN,
-            dedupe_key=f"{wf}\x1f{signature}", workflow_id=wf, node_id=node,
+            tenant_id=run.tenant_id,
+            kind=MemoryKind.ANTI_PATTERN,
+            dedupe_key=f"{wf}\x1f{signature}",
+            workflow_id=wf,
+            node_id=node,
             content=f"Avoid: {where} fails with {etype or 'an error'}: {message or 'no message'}",
-            condition=where, metadata={"error_type": etype, "error_signature": signature},
-        )  # fmt: skip
+            condition=where,
+            metadata={"error_type": etype, "error_signature": signature},
+        )
     return OutcomeDraft(
         run=run,
         description=describe(run, failure),
@@ -280,8 +292,9 @@ def plan_memories(
         for m in d.node_outcomes:
             rows.append(MemoryRow(m, 1, 0, 1.0))
             learned += 1
-        occurrences, successes = strategies.get((d.run.tenant_id, d.run.workflow_id, d.strategy),
-                                                (0, 0))  # fmt: skip
+        occurrences, successes = strategies.get(
+            (d.run.tenant_id, d.run.workflow_id, d.strategy), (0, 0)
+        )
         confidence = successes / max(1, occurrences)
         heuristic = MemoryRow(d.heuristic, occurrences, successes, confidence)
         if heuristic_counts_qualify(occurrences, successes, policy):
@@ -290,8 +303,9 @@ def plan_memories(
         else:
             plan.fading.append(heuristic)
         if d.anti_pattern is not None and d.error_signature is not None:
-            _, failed = failures.get((d.run.tenant_id, d.run.workflow_id, d.error_signature),
-                                     (0, 0))  # fmt: skip
+            _, failed = failures.get(
+                (d.run.tenant_id, d.run.workflow_id, d.error_signature), (0, 0)
+            )
             if failed >= policy.anti_pattern_min_failures:
                 rows.append(MemoryRow(d.anti_pattern, failed, 0, anti_pattern_confidence(failed)))
                 learned += 1

@@ -92,8 +92,9 @@ def estimate_tokens(text: str) -> int:
     """A tokenizer-free estimate that does not undercount: a word is one token per 4
     characters (at least one), any other character (punctuation, non-ASCII) is one.
     The seed's ``len(text) / 4`` undercounts non-ASCII text badly."""
-    return sum(math.ceil(len(t) / 4) if t[0].isalnum() and t.isascii() else 1
-               for t in _TOKEN.findall(text))  # fmt: skip
+    return sum(
+        math.ceil(len(t) / 4) if t[0].isalnum() and t.isascii() else 1 for t in _TOKEN.findall(text)
+    )
 
 
 _SECTIONS: list[tuple[str, str]] = [

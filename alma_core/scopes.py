@@ -1,10 +1,11 @@
-"""Which rows a retrieval scope admits: the seed's ``_build_scope_filter``, with
-two deliberate differences (guarantee 6, tenant isolation, wins over the seed):
+"""Which rows a retrieval scope admits. Two rules hold for every scope (guarantee 6,
+tenant isolation):
 
-* every scope is filtered by tenant (the seed filters RUN and NODE by run only);
-  GLOBAL, which reads across tenants, exists only when multi-tenant mode is off;
-* a scope whose context lacks the field it filters on is an error (the seed
-  silently returns an empty filter, i.e. everything).
+* every scope is filtered by tenant, RUN and NODE included (a run id alone would
+  admit another tenant's run of the same name); GLOBAL, which reads across
+  tenants, exists only when multi-tenant mode is off;
+* a scope whose context lacks the field it filters on is an error, never an
+  empty filter (which would admit everything).
 
 | scope    | memories                              | workflow outcomes          |
 |----------|---------------------------------------|----------------------------|
@@ -15,7 +16,8 @@ two deliberate differences (guarantee 6, tenant isolation, wins over the seed):
 | TENANT   | tenant                                | tenant (+ workflow if set) |
 | GLOBAL   | nothing (single-tenant mode only)     | workflow if set            |
 
-Workflow outcomes follow the seed: the context's tenant and workflow.
+Workflow outcomes are whole runs, so narrower scopes than the workflow read the
+outcomes of the context's tenant and workflow.
 """
 
 from __future__ import annotations
@@ -71,8 +73,10 @@ def memory_filter(
     tenant = _need(context.tenant_id, scope, "tenant_id")
     conds: list[tuple[str, str]] = [("tenant_id", tenant)]
     if scope is RetrievalScope.NODE:
-        conds += [("run_id", _need(context.run_id, scope, "run_id")),
-                  ("node_id", _need(context.node_id, scope, "node_id"))]  # fmt: skip
+        conds += [
+            ("run_id", _need(context.run_id, scope, "run_id")),
+            ("node_id", _need(context.node_id, scope, "node_id")),
+        ]
     elif scope is RetrievalScope.RUN:
         conds.append(("run_id", _need(context.run_id, scope, "run_id")))
     elif scope is RetrievalScope.WORKFLOW:

@@ -122,9 +122,11 @@ class Settings(BaseSettings):
     def to_env(self) -> dict[str, str]:
         """The ``ALMA_`` variables that make another process (`alma worker`) load
         these settings."""
-        return {f"ALMA_{name.upper()}": value if isinstance(value, str) else json.dumps(value)
-                for name, value in self.model_dump(mode="json").items()
-                if value is not None}  # fmt: skip
+        return {
+            f"ALMA_{name.upper()}": value if isinstance(value, str) else json.dumps(value)
+            for name, value in self.model_dump(mode="json").items()
+            if value is not None
+        }
 
 
 def load(**overrides: object) -> Settings:

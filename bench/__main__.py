@@ -50,8 +50,12 @@ async def main(args: argparse.Namespace) -> int:
     mode = "quick" if args.quick else "full" if args.full else "default"
     label = f"{mode}, {reps} repetitions"
     started = time.perf_counter()
-    columns = (TextColumn("{task.description:<44}"), BarColumn(), TextColumn("{task.completed}/"
-               "{task.total}"), TimeElapsedColumn())  # fmt: skip
+    columns = (
+        TextColumn("{task.description:<44}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console) as progress:
         async with stack(args.quick, reps, args.full, progress) as env:
             progress.update(env.task, total=steps(env, only))

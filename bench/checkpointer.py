@@ -45,11 +45,15 @@ def state_of(size: int, i: int) -> dict[str, Any]:
 
 def event(run: str, i: int, size: int) -> dict[str, Any]:
     return {
-        "event_id": uuid.uuid4().hex, "type": "node.completed",
-        "emitted_at": datetime.now(UTC).isoformat(), "tenant_id": "bench",
-        "workflow_id": "wf", "run_id": run, "node_id": f"n{i}",
+        "event_id": uuid.uuid4().hex,
+        "type": "node.completed",
+        "emitted_at": datetime.now(UTC).isoformat(),
+        "tenant_id": "bench",
+        "workflow_id": "wf",
+        "run_id": run,
+        "node_id": f"n{i}",
         "payload": {"state": state_of(size, i)},
-    }  # fmt: skip
+    }
 
 
 class Bench:
@@ -74,8 +78,12 @@ def _produce_paced(bootstrap: str, topic: str, rate: float, seconds: float, size
             if delay > 0:
                 await asyncio.sleep(delay)
             doc = event(f"run-{i % 200}", i, size)
-            await producer.send(topic, json.dumps(doc).encode(), key=doc["run_id"].encode(),
-                                headers=[("sent", repr(time.perf_counter()).encode())])  # fmt: skip
+            await producer.send(
+                topic,
+                json.dumps(doc).encode(),
+                key=doc["run_id"].encode(),
+                headers=[("sent", repr(time.perf_counter()).encode())],
+            )
         await producer.stop()
 
     asyncio.run(run())
@@ -97,9 +105,12 @@ async def bare_hop(bootstrap: str, rate: float, seconds: float, size: int) -> li
     await ensure_topics(bootstrap, [topic], partitions=PARTITIONS)
     got: list[float] = []
     consumer = AIOKafkaConsumer(
-        topic, bootstrap_servers=bootstrap, group_id=f"hop-{uuid.uuid4().hex[:6]}",
-        auto_offset_reset="earliest", fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
-    )  # fmt: skip
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=f"hop-{uuid.uuid4().hex[:6]}",
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
+    )
     await consumer.start()
     await asyncio.sleep(2.0)  # group assignment
     load = start_load(bootstrap, topic, rate, seconds, size)
@@ -137,9 +148,11 @@ async def throughput(s: settings_mod.Settings, services: Services, n: int, size:
     topic = f"bench-tp-{uuid.uuid4().hex[:8]}"
     await ensure_topics(services.kafka_bootstrap, [topic], partitions=PARTITIONS)
     producer = AIOKafkaProducer(
-        bootstrap_servers=services.kafka_bootstrap, acks="all", linger_ms=20,
+        bootstrap_servers=services.kafka_bootstrap,
+        acks="all",
+        linger_ms=20,
         max_batch_size=1024 * 1024,
-    )  # fmt: skip
+    )
     await producer.start()
     for i in range(n):
         doc = event(f"tp-{i % 500}", i, size)
@@ -203,8 +216,9 @@ async def main(quick: bool, out: Path | None) -> None:
     with Progress(console=console) as progress:
         async with stack(quick, 1, False, progress) as env:
             s, services, task = env.s, env.services, env.task
-            progress.update(task, description="benchmarks",
-                            total=len(sizes) * (len(loads) * 2 + 1) + 2)  # fmt: skip
+            progress.update(
+                task, description="benchmarks", total=len(sizes) * (len(loads) * 2 + 1) + 2
+            )
             for size in sizes:
                 rate_list = loads if size < 50_000 else [200]
                 for rate in rate_list:
@@ -212,30 +226,63 @@ async def main(quick: bool, out: Path | None) -> None:
                     progress.advance(task)
                     lat, rss = await alma_latency(s, services, rate, seconds, size)
                     progress.advance(task)
-                    bench.add("latency", [
-                        f"{size // 1000} KB", rate, len(lat), ms(hop, 50), ms(hop, 99),
-                        ms(lat, 50), ms(lat, 95), ms(lat, 99),
-                        f"{(pct(lat, 99) - pct(hop, 99)) * 1000:.1f}", f"{rss:.0f}",
-                    ])  # fmt: skip
+                    bench.add(
+                        "latency",
+                        [
+                            f"{size // 1000} KB",
+                            rate,
+                            len(lat),
+                            ms(hop, 50),
+                            ms(hop, 99),
+                            ms(lat, 50),
+                            ms(lat, 95),
+                            ms(lat, 99),
+                            f"{(pct(lat, 99) - pct(hop, 99)) * 1000:.1f}",
+                            f"{rss:.0f}",
+                        ],
+                    )
                 n = backlog if size < 50_000 else backlog // 10
                 rate_done = await throughput(s, services, n, size)
                 bench.add("throughput", [f"{size // 1000} KB", n, f"{rate_done:,.0f}"])
                 progress.advance(task)
             for history in (10, 1000):
                 r = await reads(services, s.redis_prefix, history, 300 if quick else 1000)
-                bench.add("reads", [history, ms(r["cache"], 50), ms(r["cache"], 99),
-                                    ms(r["postgres"], 50), ms(r["postgres"], 99)])  # fmt: skip
+                bench.add(
+                    "reads",
+                    [
+                        history,
+                        ms(r["cache"], 50),
+                        ms(r["cache"], 99),
+                        ms(r["postgres"], 50),
+                        ms(r["postgres"], 99),
+                    ],
+                )
                 progress.advance(task)
     report("checkpointer", bench.rows, HEADERS, TITLES, out)
 
 
 HEADERS = {
     "throughput": ["state", "events", "checkpoints/s"],
-    "latency": ["state", "offered ev/s", "events", "bare hop p50 ms", "bare hop p99 ms",
-                "ALMA p50 ms", "ALMA p95 ms", "ALMA p99 ms", "added p99 ms", "worker RSS MB"],
-    "reads": ["checkpoints in run", "cache p50 ms", "cache p99 ms", "PostgreSQL p50 ms",
-              "PostgreSQL p99 ms"],
-}  # fmt: skip
+    "latency": [
+        "state",
+        "offered ev/s",
+        "events",
+        "bare hop p50 ms",
+        "bare hop p99 ms",
+        "ALMA p50 ms",
+        "ALMA p95 ms",
+        "ALMA p99 ms",
+        "added p99 ms",
+        "worker RSS MB",
+    ],
+    "reads": [
+        "checkpoints in run",
+        "cache p50 ms",
+        "cache p99 ms",
+        "PostgreSQL p50 ms",
+        "PostgreSQL p99 ms",
+    ],
+}
 TITLES = {
     "throughput": "Sustained throughput (drain a backlog, one worker)",
     "latency": "Publish → durable, cached and handed on (fixed offered load)",

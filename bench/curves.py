@@ -103,12 +103,22 @@ async def langgraph_at(
 
 def load_point(rate: int, total: int, done: list[tuple[float, float]]) -> dict[str, float]:
     if not done:
-        return {"offered": rate, "achieved": 0.0, "p50": float("nan"), "p99": float("nan"),
-                "completed": 0.0}  # fmt: skip
+        return {
+            "offered": rate,
+            "achieved": 0.0,
+            "p50": float("nan"),
+            "p99": float("nan"),
+            "completed": 0.0,
+        }
     latencies = [end - sent for sent, end in done]
     span = max(end for _, end in done) - min(sent for sent, _ in done)
-    return {"offered": rate, "achieved": len(done) / span, "p50": pct(latencies, 50) * 1000,
-            "p99": pct(latencies, 99) * 1000, "completed": len(done) / total}  # fmt: skip
+    return {
+        "offered": rate,
+        "achieved": len(done) / span,
+        "p50": pct(latencies, 50) * 1000,
+        "p99": pct(latencies, 99) * 1000,
+        "completed": len(done) / total,
+    }
 
 
 def saturated(point: dict[str, float]) -> bool:
@@ -116,25 +126,33 @@ def saturated(point: dict[str, float]) -> bool:
 
 
 async def offered_load(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> None:
-    section.table("load", "Throughput and latency against offered load (1 KB states, open loop)",
-                  ["system", "offered ev/s", "achieved ev/s", "p50 ms", "p99 ms",
-                   "completed"])  # fmt: skip
+    section.table(
+        "load",
+        "Throughput and latency against offered load (1 KB states, open loop)",
+        ["system", "offered ev/s", "achieved ev/s", "p50 ms", "p99 ms", "completed"],
+    )
     seconds = 3.0 if env.quick else 5.0
     for system in ("ALMA", "LangGraph"):
         for rate in loads(env):
             env.step(f"offered load: {system} at {rate}/s")
             runs = []
             for _ in range(env.reps):
-                runs.append(await alma_at(env, rate, seconds) if system == "ALMA"
-                            else await langgraph_at(pool, rate, seconds))  # fmt: skip
+                runs.append(
+                    await alma_at(env, rate, seconds)
+                    if system == "ALMA"
+                    else await langgraph_at(pool, rate, seconds)
+                )
             keys = (("achieved", 0), ("p50", 1), ("p99", 1), ("completed", 2))
             section.add("load", [system, rate, *(Stat([r[k] for r in runs], d) for k, d in keys)])
             env.done()
             if all(saturated(r) for r in runs):
                 env.done(len(loads(env)) - loads(env).index(rate) - 1)
                 break
-    section.note("load", f"Each system stops at the first load it cannot carry (achieved < 80 % "
-                 f"of offered, or p99 > {SATURATED_P99_S:.0f} s in every repetition).")  # fmt: skip
+    section.note(
+        "load",
+        f"Each system stops at the first load it cannot carry (achieved < 80 % "
+        f"of offered, or p99 > {SATURATED_P99_S:.0f} s in every repetition).",
+    )
 
 
 # --- run length and table size --------------------------------------------------------
@@ -147,8 +165,9 @@ class LangGraphThread:
 
     async def extend(self, count: int, state: dict[str, Any]) -> None:
         for _ in range(count):
-            self.config = await lg_put(self.saver, self.config, {**state, "step": self.step},
-                                       self.step)  # fmt: skip
+            self.config = await lg_put(
+                self.saver, self.config, {**state, "step": self.step}, self.step
+            )
             self.step += 1
 
     async def latest(self) -> None:
@@ -167,14 +186,21 @@ async def costs(env: Env, alma: AlmaRun, lg: LangGraphThread, state: dict[str, A
     return [Stat([v * 1000 for v in out[k]]) for k in ("aw", "lw", "ar", "lr")]
 
 
-COST_HEADERS = ["ALMA write p50 ms", "LangGraph aput p50 ms", "ALMA latest p50 ms",
-                "LangGraph aget_tuple p50 ms"]  # fmt: skip
+COST_HEADERS = [
+    "ALMA write p50 ms",
+    "LangGraph aput p50 ms",
+    "ALMA latest p50 ms",
+    "LangGraph aget_tuple p50 ms",
+]
 
 
 async def run_length(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> None:
-    section.table("run_length", "Write and read cost against run length (1 KB states, "
-                  "PostgreSQL only: no broker, no cache)",
-                  ["checkpoints in run", *COST_HEADERS])  # fmt: skip
+    section.table(
+        "run_length",
+        "Write and read cost against run length (1 KB states, "
+        "PostgreSQL only: no broker, no cache)",
+        ["checkpoints in run", *COST_HEADERS],
+    )
     state = realistic_state(1_000, seed=1)
     tag = uuid.uuid4().hex[:6]
     async with connect(env.services.postgres_dsn) as pg:
@@ -199,7 +225,7 @@ ALMA_FILL = [
     "state_hash, size_bytes) SELECT 'fill-' || (g / 1000), g % 1000 + 1, 'fill', 'node', 'n', "
     "md5(g::text), jsonb_build_object('step', g, 'notes', repeat(md5(g::text), 8)), "
     "md5(g::text), 300 FROM generate_series($1, $2 - 1) g",
-]  # fmt: skip
+]
 LG_FILL = (
     "INSERT INTO checkpoints (thread_id, checkpoint_ns, checkpoint_id, type, checkpoint, "
     "metadata) SELECT 'fill-' || (g / 1000), '', '1f0' || lpad(g::text, 33, '0'), 'msgpack', "
@@ -224,9 +250,12 @@ async def fill(dsn: str, statements: list[str], start: int, stop: int) -> None:
 
 
 async def table_size(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> None:
-    section.table("table_size", "Write and read cost against table size (1 KB states, a run "
-                  "of 10 checkpoints among filler rows; PostgreSQL only)",
-                  ["checkpoints in table", *COST_HEADERS])  # fmt: skip
+    section.table(
+        "table_size",
+        "Write and read cost against table size (1 KB states, a run "
+        "of 10 checkpoints among filler rows; PostgreSQL only)",
+        ["checkpoints in table", *COST_HEADERS],
+    )
     state = realistic_state(1_000, seed=2)
     filled = 0
     async with connect(env.services.postgres_dsn) as pg:
@@ -235,8 +264,10 @@ async def table_size(env: Env, section: Section, pool: AsyncConnectionPool[Any])
             started = time.perf_counter()
             await fill(env.services.postgres_dsn, ALMA_FILL, filled, size)
             await fill(env.peer_dsn, [LG_FILL], filled, size)
-            console.print(f"filled both tables to {size:,} checkpoints in "
-                          f"{time.perf_counter() - started:.0f} s")  # fmt: skip
+            console.print(
+                f"filled both tables to {size:,} checkpoints in "
+                f"{time.perf_counter() - started:.0f} s"
+            )
             filled = size
             env.step(f"table of {size:,} checkpoints: measuring")
             tag = uuid.uuid4().hex[:6]
@@ -256,19 +287,26 @@ async def table_size(env: Env, section: Section, pool: AsyncConnectionPool[Any])
 
 
 async def retrieval(env: Env, section: Section) -> None:
-    section.table("retrieval", "Scoped retrieval against memory count (database side, top_k=10)",
-                  learner.HEADERS["retrieval"])  # fmt: skip
+    section.table(
+        "retrieval",
+        "Scoped retrieval against memory count (database side, top_k=10)",
+        learner.HEADERS["retrieval"],
+    )
     centres = learner.centres(np.random.default_rng(7))
     for total in memory_counts(env):
         env.step(f"retrieval over {total:,} memories")
         await learner.load(env.services.postgres_dsn, total, centres, 11, env.progress)
-        rows = await learner.retrieval(env.services.postgres_dsn, total, centres,
-                                       30 if env.quick else 60, 11)  # fmt: skip
+        rows = await learner.retrieval(
+            env.services.postgres_dsn, total, centres, 30 if env.quick else 60, 11
+        )
         for row in rows:
             section.add("retrieval", list(row))
         env.done()
-    section.note("retrieval", "One repetition per point (each row is 30–60 queries); "
-                 "python -m bench.learner adds the outcome-saving table.")  # fmt: skip
+    section.note(
+        "retrieval",
+        "One repetition per point (each row is 30–60 queries); "
+        "python -m bench.learner adds the outcome-saving table.",
+    )
 
 
 async def run(env: Env, section: Section) -> None:

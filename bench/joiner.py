@@ -28,8 +28,12 @@ REDUCERS = {"log": "append", "cost": "sum", "score": "max", "facts": "merge_dict
 
 
 def branch_state(i: int, size: int) -> dict[str, Any]:
-    return {"log": [f"step {i}"], "cost": i, "score": i % 7,
-            "facts": {f"k{i}-{j}": "x" * 40 for j in range(max(1, size // 60))}}  # fmt: skip
+    return {
+        "log": [f"step {i}"],
+        "cost": i,
+        "score": i % 7,
+        "facts": {f"k{i}-{j}": "x" * 40 for j in range(max(1, size // 60))},
+    }
 
 
 def merge_cost(size: int, samples: int) -> list[float]:
@@ -38,11 +42,20 @@ def merge_cost(size: int, samples: int) -> list[float]:
 
 
 def completed(ctx: WorkflowContext, branch: str | None, updates: dict[str, Any]) -> Any:
-    return NodeCompleted.model_validate({
-        "event_id": uuid.uuid4().hex, "type": "node.completed", "emitted_at": time.time(),
-        "tenant_id": ctx.tenant_id, "workflow_id": ctx.workflow_id, "run_id": ctx.run_id,
-        "node_id": "n", "branch_id": branch, "payload": {"updates": updates},
-    }, strict=False)  # fmt: skip
+    return NodeCompleted.model_validate(
+        {
+            "event_id": uuid.uuid4().hex,
+            "type": "node.completed",
+            "emitted_at": time.time(),
+            "tenant_id": ctx.tenant_id,
+            "workflow_id": ctx.workflow_id,
+            "run_id": ctx.run_id,
+            "node_id": "n",
+            "branch_id": branch,
+            "payload": {"updates": updates},
+        },
+        strict=False,
+    )
 
 
 async def join_latency(s: settings_mod.Settings, rate: float, joins: int) -> list[float]:
@@ -52,16 +65,19 @@ async def join_latency(s: settings_mod.Settings, rate: float, joins: int) -> lis
     await asyncio.wait_for(ready.wait(), 60)
     latencies: list[float] = []
     async with AlmaClient(s) as client:
-        ctxs = [WorkflowContext(tenant_id="bench", workflow_id="wf", run_id=uuid.uuid4().hex)
-                for _ in range(joins)]  # fmt: skip
+        ctxs = [
+            WorkflowContext(tenant_id="bench", workflow_id="wf", run_id=uuid.uuid4().hex)
+            for _ in range(joins)
+        ]
         for ctx in ctxs:
             for i in range(5):
                 await client.publish(completed(ctx, f"b{i}", branch_state(i, 5000)))
 
         async def one(ctx: WorkflowContext) -> None:
             started = time.perf_counter()
-            await client.merge(ctx, branch_ids=[f"b{i}" for i in range(5)], reducers=REDUCERS,
-                               timeout=60)  # fmt: skip
+            await client.merge(
+                ctx, branch_ids=[f"b{i}" for i in range(5)], reducers=REDUCERS, timeout=60
+            )
             latencies.append(time.perf_counter() - started)
 
         await client.merge(ctxs[0], branch_ids=["b0"], timeout=60)  # warm the listener
@@ -89,8 +105,9 @@ async def main(quick: bool, out: Path | None) -> None:
                 env.done()
             for rate in (10, 50):
                 lat = await join_latency(env.s, rate, 60 if quick else 300)
-                rows["e2e"].append([str(rate), str(len(lat)), ms(lat, 50), ms(lat, 95),
-                                    ms(lat, 99)])  # fmt: skip
+                rows["e2e"].append(
+                    [str(rate), str(len(lat)), ms(lat, 50), ms(lat, 95), ms(lat, 99)]
+                )
                 env.done()
     headers = {
         "merge": ["branch state", "merge p50 ms", "merge p99 ms"],

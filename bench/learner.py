@@ -50,16 +50,28 @@ WORKFLOWS = 10  # per tenant
 AGENTS = 5  # per tenant
 RUN_ROWS = 20  # memories per run
 NODES = 5  # per run
-KINDS = ["outcome"] * 4 + ["heuristic"] * 2 + ["domain_knowledge"] * 2 + [
-    "anti_pattern", "preference"]  # fmt: skip
+KINDS = (
+    ["outcome"] * 4 + ["heuristic"] * 2 + ["domain_knowledge"] * 2 + ["anti_pattern", "preference"]
+)
 TOPICS = 1000  # cluster centres
 SPREAD = 0.6  # noise around a centre: cosine to it ≈ 0.86
-SCOPES = [RetrievalScope.NODE, RetrievalScope.RUN, RetrievalScope.WORKFLOW,
-          RetrievalScope.AGENT, RetrievalScope.TENANT]  # fmt: skip
-TASKS = ["summarise the quarterly revenue report", "extract entities from the contract",
-         "translate the support ticket", "classify the invoice",
-         "draft a reply to the customer", "plan the data migration", "review the pull request",
-         "answer the policy question"]  # fmt: skip
+SCOPES = [
+    RetrievalScope.NODE,
+    RetrievalScope.RUN,
+    RetrievalScope.WORKFLOW,
+    RetrievalScope.AGENT,
+    RetrievalScope.TENANT,
+]
+TASKS = [
+    "summarise the quarterly revenue report",
+    "extract entities from the contract",
+    "translate the support ticket",
+    "classify the invoice",
+    "draft a reply to the customer",
+    "plan the data migration",
+    "review the pull request",
+    "answer the policy question",
+]
 
 
 # -- outcomes stored with embeddings (the real pipeline) ------------------------------
@@ -96,17 +108,33 @@ def run_events(run: str, i: int) -> list[dict[str, Any]]:
     events = []
     for n in range(3):
         updates = {"step": n, "notes": f"step {n} of {run}"}
-        events.append({**base, "type": "node.completed", "node_id": f"step{n}",
-                       "payload": {"updates": updates}})  # fmt: skip
+        events.append(
+            {
+                **base,
+                "type": "node.completed",
+                "node_id": f"step{n}",
+                "payload": {"updates": updates},
+            }
+        )
     error = f"timeout calling service {i % 3} after 30s"
     if failed:
         events[-1]["type"] = "node.failed"
         events[-1]["payload"]["error"] = {"type": "TimeoutError", "message": error}
-    events.append({**base, "type": "workflow.completed", "payload": {
-        "outcome": "failure" if failed else "success", "duration_ms": 1200 + i,
-        "node_count": 3, "nodes_succeeded": 2 if failed else 3, "nodes_failed": int(failed),
-        "error_message": error if failed else None,
-        "task": f"{TASKS[i % len(TASKS)]} for {run}"}})  # fmt: skip
+    events.append(
+        {
+            **base,
+            "type": "workflow.completed",
+            "payload": {
+                "outcome": "failure" if failed else "success",
+                "duration_ms": 1200 + i,
+                "node_count": 3,
+                "nodes_succeeded": 2 if failed else 3,
+                "nodes_failed": int(failed),
+                "error_message": error if failed else None,
+                "task": f"{TASKS[i % len(TASKS)]} for {run}",
+            },
+        }
+    )
     for e in events:
         e["event_id"] = uuid.uuid4().hex
     return events
@@ -150,8 +178,9 @@ async def outcomes(
         original = learner.LearnHandler
         learner.LearnHandler = TimedLearnHandler  # type: ignore[misc]
         stop, ready = asyncio.Event(), asyncio.Event()
-        task = asyncio.create_task(run_worker(s, services, ["checkpoint", "learn"], stop,
-                                              ready=ready, embedder=embedder))  # fmt: skip
+        task = asyncio.create_task(
+            run_worker(s, services, ["checkpoint", "learn"], stop, ready=ready, embedder=embedder)
+        )
         try:
             await asyncio.wait_for(ready.wait(), 120)
         finally:
@@ -179,11 +208,17 @@ async def outcomes(
         )
     per_outcome = [seconds for n, seconds in TimedLearnHandler.batches for _ in range(n)]
     busy = sum(seconds for _, seconds in TimedLearnHandler.batches)
-    return {"runs": runs, "stored": stored, "rate": stored / elapsed,
-            "capacity": stored / busy if busy else float("nan"),
-            "e2e": TimedLearnHandler.done, "save": per_outcome,
-            "batch": [n for n, _ in TimedLearnHandler.batches],
-            "encoded": embedder.encoded - encoded_before, "memories": memories}  # fmt: skip
+    return {
+        "runs": runs,
+        "stored": stored,
+        "rate": stored / elapsed,
+        "capacity": stored / busy if busy else float("nan"),
+        "e2e": TimedLearnHandler.done,
+        "save": per_outcome,
+        "batch": [n for n, _ in TimedLearnHandler.batches],
+        "encoded": embedder.encoded - encoded_before,
+        "memories": memories,
+    }
 
 
 # -- scoped retrieval at scale (synthetic clustered vectors, bulk-loaded) -------------
@@ -207,8 +242,13 @@ def coords(row: int, total: int) -> tuple[str, str, str, str, str]:
     wf_global, within = divmod(row, per_wf)
     t, w = divmod(wf_global % (TENANTS * WORKFLOWS), WORKFLOWS)
     r = within // RUN_ROWS
-    return (f"t{t}", f"t{t}-w{w}", f"t{t}-w{w}-r{r}", f"n{within % NODES}",
-            f"agent{(row // 7) % AGENTS}")  # fmt: skip
+    return (
+        f"t{t}",
+        f"t{t}-w{w}",
+        f"t{t}-w{w}-r{r}",
+        f"n{within % NODES}",
+        f"agent{(row // 7) % AGENTS}",
+    )
 
 
 def memory_rows(
@@ -220,17 +260,56 @@ def memory_rows(
         tenant, wf, run, node, agent = coords(row, total)
         kind = KINDS[row % len(KINDS)]
         occ = int(rng.integers(1, 20))
-        yield (uuid.uuid4(), tenant, kind, agent, wf, run, node, f"memory {row} of {run}",
-               f"k{row}", occ, int(rng.integers(0, occ + 1)), float(rng.random()),
-               vectors[i], now - timedelta(days=float(rng.random() * 90)))  # fmt: skip
+        yield (
+            uuid.uuid4(),
+            tenant,
+            kind,
+            agent,
+            wf,
+            run,
+            node,
+            f"memory {row} of {run}",
+            f"k{row}",
+            occ,
+            int(rng.integers(0, occ + 1)),
+            float(rng.random()),
+            vectors[i],
+            now - timedelta(days=float(rng.random() * 90)),
+        )
 
 
-MEMORY_COLUMNS = ["id", "tenant_id", "kind", "agent", "workflow_id", "run_id", "node_id",
-                  "content", "dedupe_key", "occurrences", "successes", "confidence",
-                  "embedding", "created_at"]  # fmt: skip
-OUTCOME_COLUMNS = ["id", "tenant_id", "workflow_id", "run_id", "event_id", "success",
-                   "duration_ms", "node_count", "nodes_succeeded", "nodes_failed", "task",
-                   "description", "embedding", "created_at"]  # fmt: skip
+MEMORY_COLUMNS = [
+    "id",
+    "tenant_id",
+    "kind",
+    "agent",
+    "workflow_id",
+    "run_id",
+    "node_id",
+    "content",
+    "dedupe_key",
+    "occurrences",
+    "successes",
+    "confidence",
+    "embedding",
+    "created_at",
+]
+OUTCOME_COLUMNS = [
+    "id",
+    "tenant_id",
+    "workflow_id",
+    "run_id",
+    "event_id",
+    "success",
+    "duration_ms",
+    "node_count",
+    "nodes_succeeded",
+    "nodes_failed",
+    "task",
+    "description",
+    "embedding",
+    "created_at",
+]
 
 
 def outcome_rows(
@@ -242,9 +321,22 @@ def outcome_rows(
     for i, row in enumerate(range(start, stop)):
         tenant, wf, run, _, _ = coords(row * RUN_ROWS, total)
         ok = bool(rng.random() < 0.8)
-        yield (uuid.uuid4(), tenant, wf, run, f"bench-{uuid.uuid4().hex}", ok, 1000, 5,
-               5 if ok else 4, 0 if ok else 1, f"task of {run}", f"outcome of {run}",
-               vectors[i], now - timedelta(days=float(rng.random() * 90)))  # fmt: skip
+        yield (
+            uuid.uuid4(),
+            tenant,
+            wf,
+            run,
+            f"bench-{uuid.uuid4().hex}",
+            ok,
+            1000,
+            5,
+            5 if ok else 4,
+            0 if ok else 1,
+            f"task of {run}",
+            f"outcome of {run}",
+            vectors[i],
+            now - timedelta(days=float(rng.random() * 90)),
+        )
 
 
 async def load(
@@ -257,8 +349,9 @@ async def load(
     timings: dict[str, float] = {}
     try:
         await conn.execute("TRUNCATE memories, workflow_outcomes, artifact_links")
-        await conn.execute("DROP INDEX IF EXISTS memories_embedding_hnsw, "
-                           "workflow_outcomes_embedding_hnsw")  # fmt: skip
+        await conn.execute(
+            "DROP INDEX IF EXISTS memories_embedding_hnsw, workflow_outcomes_embedding_hnsw"
+        )
         rng = np.random.default_rng(seed)
         task = progress.add_task(f"load {total:,} memories", total=total + total // RUN_ROWS)
         started = time.perf_counter()
@@ -273,20 +366,25 @@ async def load(
         for lo in range(0, runs, chunk):
             hi = min(runs, lo + chunk)
             await conn.copy_records_to_table(
-                "workflow_outcomes", records=outcome_rows(lo, hi, total, c, rng),
+                "workflow_outcomes",
+                records=outcome_rows(lo, hi, total, c, rng),
                 columns=OUTCOME_COLUMNS,
-            )  # fmt: skip
+            )
             progress.advance(task, hi - lo)
         timings["copy"] = time.perf_counter() - started
         progress.update(task, description=f"HNSW index on {total:,} memories")
         await conn.execute("SET maintenance_work_mem = '6GB'")
         await conn.execute("SET max_parallel_maintenance_workers = 1")
         started = time.perf_counter()
-        await conn.execute("CREATE INDEX memories_embedding_hnsw ON memories "
-                           "USING hnsw (embedding vector_cosine_ops)")  # fmt: skip
+        await conn.execute(
+            "CREATE INDEX memories_embedding_hnsw ON memories "
+            "USING hnsw (embedding vector_cosine_ops)"
+        )
         timings["hnsw"] = time.perf_counter() - started
-        await conn.execute("CREATE INDEX workflow_outcomes_embedding_hnsw ON workflow_outcomes "
-                           "USING hnsw (embedding vector_cosine_ops)")  # fmt: skip
+        await conn.execute(
+            "CREATE INDEX workflow_outcomes_embedding_hnsw ON workflow_outcomes "
+            "USING hnsw (embedding vector_cosine_ops)"
+        )
         await conn.execute("VACUUM ANALYZE memories")
         await conn.execute("VACUUM ANALYZE workflow_outcomes")
         timings["size_mb"] = await conn.fetchval(
@@ -358,11 +456,21 @@ async def retrieval(
                 if exact:
                     recalls.append(len(exact & ids(got["approximate"])) / len(exact))
             size = await scope_size(pool, scope, ctx, kw["agent"])
-            rows.append([f"{total:,}", scope.value, f"{size:,}", "/".join(sorted(plans)),
-                         ms(timings["auto"], 50), ms(timings["auto"], 95),
-                         ms(timings["exact"], 50), ms(timings["exact"], 95),
-                         ms(timings["approximate"], 50), ms(timings["approximate"], 95),
-                         f"{sum(recalls) / max(1, len(recalls)):.3f}"])  # fmt: skip
+            rows.append(
+                [
+                    f"{total:,}",
+                    scope.value,
+                    f"{size:,}",
+                    "/".join(sorted(plans)),
+                    ms(timings["auto"], 50),
+                    ms(timings["auto"], 95),
+                    ms(timings["exact"], 50),
+                    ms(timings["exact"], 95),
+                    ms(timings["approximate"], 50),
+                    ms(timings["approximate"], 95),
+                    f"{sum(recalls) / max(1, len(recalls)):.3f}",
+                ]
+            )
     return rows
 
 
@@ -396,15 +504,26 @@ async def main(quick: bool, sizes: list[int], out: Path | None) -> None:
             progress.update(task, description="benchmarks")
             try:
                 backlog = 60 if quick else 400
-                for label, runs, rate in (("backlog", backlog, None),
-                                          ("5 runs/s", 30 if quick else 100, 5.0),
-                                          ("20 runs/s", 60 if quick else 300, 20.0)):  # fmt: skip
+                for label, runs, rate in (
+                    ("backlog", backlog, None),
+                    ("5 runs/s", 30 if quick else 100, 5.0),
+                    ("20 runs/s", 60 if quick else 300, 20.0),
+                ):
                     r = await outcomes(s, services, embedder, runs, rate)
                     e2e = [ms(r["e2e"], 50), ms(r["e2e"], 95)] if rate else ["—", "—"]
-                    rows["outcomes"].append([
-                        label, r["stored"], f"{r['capacity']:.1f}", f"{np.mean(r['batch']):.1f}",
-                        ms(r["save"], 50), ms(r["save"], 95), *e2e, r["encoded"],
-                        r["memories"]])  # fmt: skip
+                    rows["outcomes"].append(
+                        [
+                            label,
+                            r["stored"],
+                            f"{r['capacity']:.1f}",
+                            f"{np.mean(r['batch']):.1f}",
+                            ms(r["save"], 50),
+                            ms(r["save"], 95),
+                            *e2e,
+                            r["encoded"],
+                            r["memories"],
+                        ]
+                    )
                     progress.advance(task)
                 q = await query_embedding(embedder, 30 if quick else 100)
                 rows["query"] = [["model, one query text", ms(q, 50), ms(q, 95)]]
@@ -412,9 +531,15 @@ async def main(quick: bool, sizes: list[int], out: Path | None) -> None:
                     dsn = services.postgres_dsn
                     timings = await load(dsn, total, c, 11, progress)
                     copy_rate = total / timings["copy"]
-                    rows["load"].append([f"{total:,}", f"{total // RUN_ROWS:,}",
-                                         f"{copy_rate:,.0f}", f"{timings['hnsw']:.0f}",
-                                         f"{timings['size_mb']:.0f}"])  # fmt: skip
+                    rows["load"].append(
+                        [
+                            f"{total:,}",
+                            f"{total // RUN_ROWS:,}",
+                            f"{copy_rate:,.0f}",
+                            f"{timings['hnsw']:.0f}",
+                            f"{timings['size_mb']:.0f}",
+                        ]
+                    )
                     rows["retrieval"] += await retrieval(dsn, total, c, 30 if quick else 100, 11)
                     progress.advance(task)
             finally:
@@ -423,15 +548,34 @@ async def main(quick: bool, sizes: list[int], out: Path | None) -> None:
 
 
 HEADERS = {
-    "outcomes": ["offered", "outcomes", "learner outcomes/s busy", "completions per batch",
-                 "save p50 ms", "save p95 ms", "e2e p50 ms", "e2e p95 ms", "texts embedded",
-                 "node memories"],
+    "outcomes": [
+        "offered",
+        "outcomes",
+        "learner outcomes/s busy",
+        "completions per batch",
+        "save p50 ms",
+        "save p95 ms",
+        "e2e p50 ms",
+        "e2e p95 ms",
+        "texts embedded",
+        "node memories",
+    ],
     "load": ["memories", "outcomes", "COPY rows/s", "HNSW build s", "HNSW index MB"],
-    "retrieval": ["memories", "scope", "rows in scope", "auto plan", "auto p50 ms",
-                  "auto p95 ms", "exact p50 ms", "exact p95 ms", "approx. p50 ms",
-                  "approx. p95 ms", "approx. recall@10"],
+    "retrieval": [
+        "memories",
+        "scope",
+        "rows in scope",
+        "auto plan",
+        "auto p50 ms",
+        "auto p95 ms",
+        "exact p50 ms",
+        "exact p95 ms",
+        "approx. p50 ms",
+        "approx. p95 ms",
+        "approx. recall@10",
+    ],
     "query": ["step", "p50 ms", "p95 ms"],
-}  # fmt: skip
+}
 TITLES = {
     "outcomes": "Outcomes stored with embeddings (checkpointer + learner, one process each way)",
     "load": "Bulk load of synthetic memories (indexes built after)",

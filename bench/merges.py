@@ -23,16 +23,23 @@ from schemas.events import BranchJoinPayload
 
 REDUCERS = {"log": "append", "cost": "sum", "score": "max", "facts": "merge_dict"}
 LG_REDUCERS: dict[str, tuple[type, Callable[[Any, Any], Any]]] = {
-    "log": (list, operator.add), "cost": (int, operator.add),
-    "score": (int, lambda a, b: max(a, b)), "facts": (dict, lambda a, b: {**a, **b}),
-}  # fmt: skip
+    "log": (list, operator.add),
+    "cost": (int, operator.add),
+    "score": (int, lambda a, b: max(a, b)),
+    "facts": (dict, lambda a, b: {**a, **b}),
+}
 
 
 def branch_state(i: int, size: int) -> dict[str, Any]:
     """A branch's writes: a log line, a cost, a score and ``size`` bytes of facts."""
-    return {"log": [f"branch {i} done"], "cost": i + 1, "score": i % 7,
-            "facts": {f"b{i}-k{j}": f"value {j} of branch {i} " + "v" * 30
-                      for j in range(max(1, size // 60))}}  # fmt: skip
+    return {
+        "log": [f"branch {i} done"],
+        "cost": i + 1,
+        "score": i % 7,
+        "facts": {
+            f"b{i}-k{j}": f"value {j} of branch {i} " + "v" * 30 for j in range(max(1, size // 60))
+        },
+    }
 
 
 def alma_merge(branches: int, size: int, samples: int) -> list[float]:
@@ -45,8 +52,14 @@ def alma_merge(branches: int, size: int, samples: int) -> list[float]:
     out = []
     for _ in range(samples):
         started = time.perf_counter()
-        merge(payload, main=main, branches=heads, registered=None, registry=registry,
-              max_state_bytes=2**31 - 1)  # fmt: skip
+        merge(
+            payload,
+            main=main,
+            branches=heads,
+            registered=None,
+            registry=registry,
+            max_state_bytes=2**31 - 1,
+        )
         out.append(time.perf_counter() - started)
     return out
 
@@ -86,8 +99,13 @@ SIZES = (1_000, 10_000, 100_000, 1_000_000)
 
 def run(env: Env, side: Section | None, curves: Section | None) -> None:
     """The 5-branch merge into ``side``; the curves into ``curves``."""
-    headers = ["branches", "state per branch", "ALMA merge p50 ms", "LangGraph reducers p50 ms",
-               "ALMA ÷ LangGraph"]  # fmt: skip
+    headers = [
+        "branches",
+        "state per branch",
+        "ALMA merge p50 ms",
+        "LangGraph reducers p50 ms",
+        "ALMA ÷ LangGraph",
+    ]
     if side is not None:
         env.step("merge of 5 branches")
         side.table("merge", "Merge of 5 branches (5 KB each), CPU only", headers)

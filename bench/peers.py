@@ -33,9 +33,34 @@ from bench.report import Section, Stat, pct, ratio
 # it does not wake a waiting fetch when data arrives (Apache Kafka does), so each
 # hop costs about half of it on sparse traffic: the "Kafka hop alone" rows show it.
 FETCH_WAIT_MS = 20
-WORDS = ("plan", "search", "the", "customer", "invoice", "tool", "call", "returned",
-         "result", "summary", "of", "a", "step", "agent", "retry", "cost", "token", "answer",
-         "draft", "review", "policy", "refund", "order", "shipping", "status", "error")  # fmt: skip
+WORDS = (
+    "plan",
+    "search",
+    "the",
+    "customer",
+    "invoice",
+    "tool",
+    "call",
+    "returned",
+    "result",
+    "summary",
+    "of",
+    "a",
+    "step",
+    "agent",
+    "retry",
+    "cost",
+    "token",
+    "answer",
+    "draft",
+    "review",
+    "policy",
+    "refund",
+    "order",
+    "shipping",
+    "status",
+    "error",
+)
 
 
 def realistic_state(size: int, seed: int = 0) -> dict[str, Any]:
@@ -48,16 +73,25 @@ def realistic_state(size: int, seed: int = 0) -> dict[str, Any]:
     used = 120
     while used < size:
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40)))
-        messages.append({"role": rng.choice(("user", "assistant", "tool")), "content": text,
-                         "tokens": rng.randint(10, 900)})  # fmt: skip
+        messages.append(
+            {
+                "role": rng.choice(("user", "assistant", "tool")),
+                "content": text,
+                "tokens": rng.randint(10, 900),
+            }
+        )
         facts[f"fact-{len(facts)}"] = uuid.UUID(int=rng.getrandbits(128)).hex
         used += len(text) + 110
     return {"messages": messages, "facts": facts, "summary": "working on it", "step": 0}
 
 
 def figures(latencies: list[float], elapsed: float) -> dict[str, float]:
-    return {"per_s": len(latencies) / elapsed, "p50": pct(latencies, 50) * 1000,
-            "p95": pct(latencies, 95) * 1000, "p99": pct(latencies, 99) * 1000}  # fmt: skip
+    return {
+        "per_s": len(latencies) / elapsed,
+        "p50": pct(latencies, 50) * 1000,
+        "p95": pct(latencies, 95) * 1000,
+        "p99": pct(latencies, 99) * 1000,
+    }
 
 
 # --- checkpoint writes --------------------------------------------------------------
@@ -72,8 +106,12 @@ async def alma_writes(
     s = env.settings_for(topic, fetch_max_wait_ms=FETCH_WAIT_MS)
     waiters = Waiters()
     latencies: list[float] = []
-    producer = AIOKafkaProducer(bootstrap_servers=env.services.kafka_bootstrap, acks="all",
-                                linger_ms=0, max_request_size=4 * 2**20)  # fmt: skip
+    producer = AIOKafkaProducer(
+        bootstrap_servers=env.services.kafka_bootstrap,
+        acks="all",
+        linger_ms=0,
+        max_request_size=4 * 2**20,
+    )
     await producer.start()
     tag = uuid.uuid4().hex[:8]
 
@@ -83,8 +121,9 @@ async def alma_writes(
             event_id, raw = node_completed(run, i, {**state, "step": i})
             fut = waiters.expect(event_id)
             started = time.perf_counter()
-            await producer.send_and_wait(topic, raw, key=run.encode(),
-                                         headers=[("eid", event_id.encode())])  # fmt: skip
+            await producer.send_and_wait(
+                topic, raw, key=run.encode(), headers=[("eid", event_id.encode())]
+            )
             await asyncio.wait_for(fut, 60)
             if record:
                 latencies.append(time.perf_counter() - started)
@@ -104,12 +143,20 @@ async def bare_hop(env: Env, state: dict[str, Any], each: int) -> tuple[list[flo
     """The same sequential publishes through a plain consumer with the same fetch wait."""
     topic = await env.topic("hop")
     waiters = Waiters()
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=env.services.kafka_bootstrap,
-                                group_id=f"hop-{uuid.uuid4().hex[:6]}",
-                                auto_offset_reset="earliest", fetch_max_wait_ms=FETCH_WAIT_MS,
-                                max_partition_fetch_bytes=4 * 2**20)  # fmt: skip
-    producer = AIOKafkaProducer(bootstrap_servers=env.services.kafka_bootstrap, acks="all",
-                                linger_ms=0, max_request_size=4 * 2**20)  # fmt: skip
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=env.services.kafka_bootstrap,
+        group_id=f"hop-{uuid.uuid4().hex[:6]}",
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=FETCH_WAIT_MS,
+        max_partition_fetch_bytes=4 * 2**20,
+    )
+    producer = AIOKafkaProducer(
+        bootstrap_servers=env.services.kafka_bootstrap,
+        acks="all",
+        linger_ms=0,
+        max_request_size=4 * 2**20,
+    )
     await consumer.start()
     await producer.start()
 
@@ -130,8 +177,9 @@ async def bare_hop(env: Env, state: dict[str, Any], each: int) -> tuple[list[flo
             event_id, raw = node_completed("hop", i, {**state, "step": i})
             fut = waiters.expect(event_id)
             started = time.perf_counter()
-            await producer.send_and_wait(topic, raw, key=b"hop",
-                                         headers=[("eid", event_id.encode())])  # fmt: skip
+            await producer.send_and_wait(
+                topic, raw, key=b"hop", headers=[("eid", event_id.encode())]
+            )
             await asyncio.wait_for(fut, 30)
             if i >= 3:
                 latencies.append(time.perf_counter() - started)
@@ -198,8 +246,9 @@ async def table_bytes(dsn: str, tables: tuple[str, ...]) -> tuple[int, int, int]
     first table's rows."""
     conn = await asyncpg.connect(dsn)
     try:
-        sizes = [await conn.fetchval("SELECT pg_total_relation_size($1::regclass)", t)
-                 for t in tables]  # fmt: skip
+        sizes = [
+            await conn.fetchval("SELECT pg_total_relation_size($1::regclass)", t) for t in tables
+        ]
         rows = await conn.fetchval(f"SELECT count(*) FROM {tables[0]}")
     finally:
         await conn.close()
@@ -207,15 +256,28 @@ async def table_bytes(dsn: str, tables: tuple[str, ...]) -> tuple[int, int, int]
 
 
 async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> None:
-    section.table("writes", "Checkpoint writes: publish → durable and cached (ALMA) vs "
-                  "`AsyncPostgresSaver.aput` (LangGraph)",
-                  ["state", "writers", "system", "checkpoints/s", "p50 ms", "p95 ms",
-                   "p99 ms"])  # fmt: skip
-    section.table("write_ratio", "Checkpoint writes, ALMA ÷ LangGraph (paired repetitions)",
-                  ["state", "writers", "throughput ×", "p50 ×", "p99 ×"])  # fmt: skip
-    section.table("storage", "Storage per checkpoint (bytes, indexes and TOAST included)",
-                  ["state", "ALMA checkpoints table", "ALMA with audit trail and heads",
-                   "LangGraph checkpoints table", "LangGraph with blobs and writes"])  # fmt: skip
+    section.table(
+        "writes",
+        "Checkpoint writes: publish → durable and cached (ALMA) vs "
+        "`AsyncPostgresSaver.aput` (LangGraph)",
+        ["state", "writers", "system", "checkpoints/s", "p50 ms", "p95 ms", "p99 ms"],
+    )
+    section.table(
+        "write_ratio",
+        "Checkpoint writes, ALMA ÷ LangGraph (paired repetitions)",
+        ["state", "writers", "throughput ×", "p50 ×", "p99 ×"],
+    )
+    section.table(
+        "storage",
+        "Storage per checkpoint (bytes, indexes and TOAST included)",
+        [
+            "state",
+            "ALMA checkpoints table",
+            "ALMA with audit trail and heads",
+            "LangGraph checkpoints table",
+            "LangGraph with blobs and writes",
+        ],
+    )
     for size in (5_000, 100_000):
         state = realistic_state(size, seed=size)
         before_a = await table_bytes(env.services.postgres_dsn, ALMA_TABLES)
@@ -230,8 +292,9 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
             for _ in range(env.reps):
                 env.step(f"writes {size // 1000} KB × {writers} writers")
                 got["ALMA"].append(figures(*await alma_writes(env, state, writers, each)))
-                got["LangGraph"].append(figures(*await langgraph_writes(pool, state, writers,
-                                                                       each)))  # fmt: skip
+                got["LangGraph"].append(
+                    figures(*await langgraph_writes(pool, state, writers, each))
+                )
                 if writers == 1:
                     got["hop"].append(figures(*await bare_hop(env, state, each)))
                 env.done()
@@ -240,9 +303,18 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
                 if not runs:
                     continue
                 name = "Kafka hop alone (same settings)" if system == "hop" else system
-                section.add("writes", [label, writers, name,
-                                       *(Stat([r[k] for r in runs], 0 if k == "per_s" else 1)
-                                         for k in ("per_s", "p50", "p95", "p99"))])  # fmt: skip
+                section.add(
+                    "writes",
+                    [
+                        label,
+                        writers,
+                        name,
+                        *(
+                            Stat([r[k] for r in runs], 0 if k == "per_s" else 1)
+                            for k in ("per_s", "p50", "p95", "p99")
+                        ),
+                    ],
+                )
             a = {k: Stat([r[k] for r in got["ALMA"]]) for k in ("per_s", "p50", "p99")}
             lg = {k: Stat([r[k] for r in got["LangGraph"]]) for k in ("per_s", "p50", "p99")}
             ratios = [ratio(a[k], lg[k]) for k in ("per_s", "p50", "p99")]
@@ -250,11 +322,16 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
         after_a = await table_bytes(env.services.postgres_dsn, ALMA_TABLES)
         after_l = await table_bytes(env.peer_dsn, LG_TABLES)
         n_a, n_l = after_a[2] - before_a[2], after_l[2] - before_l[2]
-        section.add("storage", [f"{size // 1000} KB",
-                                f"{(after_a[0] - before_a[0]) / n_a:,.0f}",
-                                f"{(after_a[1] - before_a[1]) / n_a:,.0f}",
-                                f"{(after_l[0] - before_l[0]) / n_l:,.0f}",
-                                f"{(after_l[1] - before_l[1]) / n_l:,.0f}"])  # fmt: skip
+        section.add(
+            "storage",
+            [
+                f"{size // 1000} KB",
+                f"{(after_a[0] - before_a[0]) / n_a:,.0f}",
+                f"{(after_a[1] - before_a[1]) / n_a:,.0f}",
+                f"{(after_l[0] - before_l[0]) / n_l:,.0f}",
+                f"{(after_l[1] - before_l[1]) / n_l:,.0f}",
+            ],
+        )
 
 
 # --- latest-checkpoint reads --------------------------------------------------------
@@ -280,19 +357,41 @@ async def time_calls(call: Callable[[], Awaitable[Any]], samples: int) -> list[f
 
 
 async def reads(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> None:
-    section.table("reads", "Latest checkpoint: ALMA's resume path vs `aget_tuple` (5 KB)",
-                  ["checkpoints in run", "ALMA resume, cached p50 ms", "p99 ms",
-                   "ALMA resume, PostgreSQL p50 ms", "p99 ms", "LangGraph aget_tuple p50 ms",
-                   "p99 ms", "cached ÷ LangGraph p50", "PostgreSQL ÷ LangGraph p50"])  # fmt: skip
+    section.table(
+        "reads",
+        "Latest checkpoint: ALMA's resume path vs `aget_tuple` (5 KB)",
+        [
+            "checkpoints in run",
+            "ALMA resume, cached p50 ms",
+            "p99 ms",
+            "ALMA resume, PostgreSQL p50 ms",
+            "p99 ms",
+            "LangGraph aget_tuple p50 ms",
+            "p99 ms",
+            "cached ÷ LangGraph p50",
+            "PostgreSQL ÷ LangGraph p50",
+        ],
+    )
     state = realistic_state(5_000, seed=5)
     for count in (10, 1_000):
         env.step(f"reads, runs of {count} checkpoints")
         cols = await read_latest(env, pool, count, state)
         p50 = {k: Stat([pct(v, 50) * 1000 for v in runs]) for k, runs in cols.items()}
         p99 = {k: Stat([pct(v, 99) * 1000 for v in runs]) for k, runs in cols.items()}
-        section.add("reads", [count, p50["cached"], p99["cached"], p50["pg"], p99["pg"],
-                              p50["lg"], p99["lg"], ratio(p50["cached"], p50["lg"]),
-                              ratio(p50["pg"], p50["lg"])])  # fmt: skip
+        section.add(
+            "reads",
+            [
+                count,
+                p50["cached"],
+                p99["cached"],
+                p50["pg"],
+                p99["pg"],
+                p50["lg"],
+                p99["lg"],
+                ratio(p50["cached"], p50["lg"]),
+                ratio(p50["pg"], p50["lg"]),
+            ],
+        )
         env.done()
 
 
@@ -330,9 +429,12 @@ async def read_latest(
 async def langgraph_saver_pool(dsn: str, size: int = 10) -> AsyncConnectionPool[Any]:
     """The pool LangGraph's docs prescribe (autocommit, dict rows), tables set up."""
     pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
-        dsn.replace("postgresql://", "postgres://", 1), min_size=size, max_size=size, open=False,
+        dsn.replace("postgresql://", "postgres://", 1),
+        min_size=size,
+        max_size=size,
+        open=False,
         kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
-    )  # fmt: skip
+    )
     await pool.open(wait=True)
     await AsyncPostgresSaver(pool).setup()  # type: ignore[arg-type]
     return pool

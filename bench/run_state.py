@@ -27,14 +27,20 @@ from bench.report import Section, Stat, pct, ratio
 TABLE = """CREATE TABLE IF NOT EXISTS workflow_runs (
     id bigint PRIMARY KEY, state jsonb DEFAULT '{}', updated_at timestamptz DEFAULT now())"""
 # The seed's update_workflow_state, verbatim but for the driver's placeholder.
-SEED_UPDATE = ("UPDATE workflow_runs SET state = COALESCE(state, '{}'::jsonb) || $1::jsonb, "
-               "updated_at = NOW() WHERE id = $2")  # fmt: skip
-ATOMIC_INCREMENT = ("UPDATE workflow_runs SET state = jsonb_set(COALESCE(state, '{}'), "
-                    "'{count}', to_jsonb(COALESCE((state->>'count')::bigint, 0) + 1)) "
-                    "WHERE id = $1")  # fmt: skip
-ATOMIC_APPEND = ("UPDATE workflow_runs SET state = jsonb_set(COALESCE(state, '{}'), '{actions}', "
-                 "COALESCE(state->'actions', '[]') || jsonb_build_array($2::text)) "
-                 "WHERE id = $1")  # fmt: skip
+SEED_UPDATE = (
+    "UPDATE workflow_runs SET state = COALESCE(state, '{}'::jsonb) || $1::jsonb, "
+    "updated_at = NOW() WHERE id = $2"
+)
+ATOMIC_INCREMENT = (
+    "UPDATE workflow_runs SET state = jsonb_set(COALESCE(state, '{}'), "
+    "'{count}', to_jsonb(COALESCE((state->>'count')::bigint, 0) + 1)) "
+    "WHERE id = $1"
+)
+ATOMIC_APPEND = (
+    "UPDATE workflow_runs SET state = jsonb_set(COALESCE(state, '{}'), '{actions}', "
+    "COALESCE(state->'actions', '[]') || jsonb_build_array($2::text)) "
+    "WHERE id = $1"
+)
 Writer = Callable[[int, int], Awaitable[None]]
 
 
@@ -100,8 +106,9 @@ async def alma(env: Env, writers: int, ops: int) -> dict[str, float]:
     s = env.settings_for(topic, fetch_max_wait_ms=20)
     ctx = WorkflowContext(tenant_id="bench", workflow_id=f"wf-{topic}", run_id=topic)
     async with checkpoint_worker(s, env.services, Waiters().on_done), AlmaClient(s) as client:
-        states = [RunState(client, ctx, counters=("count",), writer=f"w{w}")
-                  for w in range(writers)]  # fmt: skip
+        states = [
+            RunState(client, ctx, counters=("count",), writer=f"w{w}") for w in range(writers)
+        ]
 
         async def write(w: int, i: int) -> None:
             await states[w].increment("count")
@@ -115,26 +122,40 @@ async def alma(env: Env, writers: int, ops: int) -> dict[str, float]:
 def outcome(
     latencies: list[float], elapsed: float, final: dict[str, Any], expected: int
 ) -> dict[str, float]:
-    return {"per_s": 2 * expected / elapsed, "p50": pct(latencies, 50) * 1000,
-            "p99": pct(latencies, 99) * 1000,
-            "lost_count": expected - int(final.get("count", 0)),
-            "lost_actions": expected - len(final.get("actions", []))}  # fmt: skip
+    return {
+        "per_s": 2 * expected / elapsed,
+        "p50": pct(latencies, 50) * 1000,
+        "p99": pct(latencies, 99) * 1000,
+        "lost_count": expected - int(final.get("count", 0)),
+        "lost_actions": expected - len(final.get("actions", [])),
+    }
 
 
 async def run(env: Env, section: Section) -> None:
-    section.table("run_state", "Run state, concurrent writers on one run: each increments a "
-                  "counter and records an action",
-                  ["writers × ops", "system", "writes/s", "p50 ms per write", "p99 ms",
-                   "lost increments", "lost actions"])  # fmt: skip
+    section.table(
+        "run_state",
+        "Run state, concurrent writers on one run: each increments a counter and records an action",
+        [
+            "writers × ops",
+            "system",
+            "writes/s",
+            "p50 ms per write",
+            "p99 ms",
+            "lost increments",
+            "lost actions",
+        ],
+    )
     section.table(
         "run_state_ratio",
         "Run state, ALMA ÷ seed's JSONB read-modify-write",
         ["writers × ops", "throughput ×", "p50 ×"],
     )
     for writers, ops in ((4, 10), (16, 5)) if env.quick else ((4, 25), (16, 10)):
-        got: dict[str, list[dict[str, float]]] = {"ALMA RunState (updates)": [],
-                                                  "JSONB, seed's read-modify-write": [],
-                                                  "JSONB, atomic jsonb_set": []}  # fmt: skip
+        got: dict[str, list[dict[str, float]]] = {
+            "ALMA RunState (updates)": [],
+            "JSONB, seed's read-modify-write": [],
+            "JSONB, atomic jsonb_set": [],
+        }
         for _ in range(env.reps):
             env.step(f"run state, {writers} writers")
             got["ALMA RunState (updates)"].append(await alma(env, writers, ops))
@@ -142,15 +163,32 @@ async def run(env: Env, section: Section) -> None:
             got["JSONB, atomic jsonb_set"].append(await jsonb(env, writers, ops, True))
             env.done()
         for system, runs in got.items():
-            section.add("run_state", [f"{writers} × {ops}", system,
-                                      *(Stat([r[k] for r in runs], d) for k, d in
-                                        (("per_s", 0), ("p50", 1), ("p99", 1),
-                                         ("lost_count", 0), ("lost_actions", 0)))])  # fmt: skip
+            section.add(
+                "run_state",
+                [
+                    f"{writers} × {ops}",
+                    system,
+                    *(
+                        Stat([r[k] for r in runs], d)
+                        for k, d in (
+                            ("per_s", 0),
+                            ("p50", 1),
+                            ("p99", 1),
+                            ("lost_count", 0),
+                            ("lost_actions", 0),
+                        )
+                    ),
+                ],
+            )
         a = {k: Stat([r[k] for r in got["ALMA RunState (updates)"]]) for k in ("per_s", "p50")}
-        j = {k: Stat([r[k] for r in got["JSONB, seed's read-modify-write"]])
-             for k in ("per_s", "p50")}  # fmt: skip
-        section.add("run_state_ratio", [f"{writers} × {ops}", ratio(a["per_s"], j["per_s"]),
-                                        ratio(a["p50"], j["p50"])])  # fmt: skip
+        j = {
+            k: Stat([r[k] for r in got["JSONB, seed's read-modify-write"]])
+            for k in ("per_s", "p50")
+        }
+        section.add(
+            "run_state_ratio",
+            [f"{writers} × {ops}", ratio(a["per_s"], j["per_s"]), ratio(a["p50"], j["p50"])],
+        )
     section.note(
         "run_state",
         "Lost = expected − found at the end of a repetition "

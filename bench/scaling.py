@@ -42,13 +42,22 @@ def assigned(port: int) -> int:
             text = r.read().decode()
     except OSError:
         return 0
-    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
-               if line.startswith('alma_assigned_partitions{consumer="checkpointer"}'))  # fmt: skip
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in text.splitlines()
+        if line.startswith('alma_assigned_partitions{consumer="checkpointer"}')
+    )
+
+
+WORKER_ARGS = ("worker", "--consumers", "checkpointer")
 
 
 async def drained(pool: asyncpg.Pool, runs: list[str]) -> int:
-    return int(await pool.fetchval("SELECT coalesce(sum(event_count), 0) FROM runs "
-                                   "WHERE run_id = ANY($1::text[])", runs))  # fmt: skip
+    return int(
+        await pool.fetchval(
+            "SELECT coalesce(sum(event_count), 0) FROM runs WHERE run_id = ANY($1::text[])", runs
+        )
+    )
 
 
 async def one(env: Env, processes: int, backlog: int, logs: Path) -> float:
@@ -59,10 +68,15 @@ async def one(env: Env, processes: int, backlog: int, logs: Path) -> float:
     for port in ports:
         s = env.settings_for(topic, group_prefix=f"scale-{tag}", metrics_port=port)
         with (logs / f"worker-{tag}-{port}.log").open("wb") as log:
-            procs.append(subprocess.Popen(  # noqa: ASYNC220 - a spawn, it does not wait
-                [sys.executable, "-m", "alma_core.cli", "worker", "--consumers", "checkpoint"],
-                env=worker_env(s), stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL))  # fmt: skip
+            procs.append(
+                subprocess.Popen(  # noqa: ASYNC220 - a spawn, it does not wait
+                    [sys.executable, "-m", "alma_core.cli", *WORKER_ARGS],
+                    env=worker_env(s),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
     runs = [f"{tag}-{r}" for r in range(RUNS)]
     try:
         deadline = time.monotonic() + 90
@@ -71,8 +85,12 @@ async def one(env: Env, processes: int, backlog: int, logs: Path) -> float:
                 raise RuntimeError(f"the {processes} workers did not settle; see {logs}")
             await asyncio.sleep(0.3)
         await asyncio.sleep(1.0)
-        producer = AIOKafkaProducer(bootstrap_servers=env.services.kafka_bootstrap, acks="all",
-                                    linger_ms=20, max_batch_size=1 << 20)  # fmt: skip
+        producer = AIOKafkaProducer(
+            bootstrap_servers=env.services.kafka_bootstrap,
+            acks="all",
+            linger_ms=20,
+            max_batch_size=1 << 20,
+        )
         await producer.start()
         for i in range(backlog):
             doc = event(runs[i % RUNS], i, 1_000)
@@ -89,8 +107,7 @@ async def one(env: Env, processes: int, backlog: int, logs: Path) -> float:
                     break
                 await asyncio.sleep(0.1)
         # From publishing done (or 10 % drained, if later) to 90 % drained.
-        t0, n0 = next(((t, n) for t, n in marks if t >= published and n >= 0.1 * backlog),
-                      marks[0])  # fmt: skip
+        t0, n0 = next(((t, n) for t, n in marks if t >= published and n >= 0.1 * backlog), marks[0])
         t1, n1 = marks[-1]
         if n1 <= n0 or t1 <= t0:
             raise RuntimeError(f"the backlog was not drained in a measurable window; see {logs}")
@@ -106,17 +123,24 @@ async def one(env: Env, processes: int, backlog: int, logs: Path) -> float:
 
 
 async def run(env: Env, section: Section) -> None:
-    section.table("scaling", "Checkpointer processes in one group (12 partitions, 1 KB states, "
-                  f"{RUNS} runs, backlog drained)",
-                  ["processes", "checkpoints/s", "× one process"])  # fmt: skip
+    section.table(
+        "scaling",
+        "Checkpointer processes in one group (12 partitions, 1 KB states, "
+        f"{RUNS} runs, backlog drained)",
+        ["processes", "checkpoints/s", "× one process"],
+    )
     backlog = 20_000 if env.quick else 60_000
     logs = Path(tempfile.mkdtemp(prefix="alma-bench-scaling-"))
     rates: dict[int, Stat] = {}
     for processes in PROCESSES:
         env.step(f"scaling: {processes} checkpointer process(es)")
-        rates[processes] = Stat([await one(env, processes, backlog, logs)
-                                 for _ in range(env.reps)], 0)  # fmt: skip
+        rates[processes] = Stat(
+            [await one(env, processes, backlog, logs) for _ in range(env.reps)], 0
+        )
         section.add("scaling", [processes, rates[processes], ratio(rates[processes], rates[1])])
         env.done()
-    section.note("scaling", f"{os.cpu_count()} cores shared by the workers, PostgreSQL, Redis, "
-                 "the broker and the benchmark.")  # fmt: skip
+    section.note(
+        "scaling",
+        f"{os.cpu_count()} cores shared by the workers, PostgreSQL, Redis, "
+        "the broker and the benchmark.",
+    )

@@ -123,10 +123,17 @@ class StoreHandler(Generic[OutcomeT]):
             m.dead_letters.labels(self.name, dl.reason).inc()
             log.warning(
                 "dead letter",
-                extra={"action": "dead_letter", "consumer": self.name, "reason": dl.reason,
-                       "detail": dl.detail[:300], "event_id": dl.event_id, "run_id": dl.run_id,
-                       "partition": dl.record.partition, "offset": dl.record.offset},
-            )  # fmt: skip
+                extra={
+                    "action": "dead_letter",
+                    "consumer": self.name,
+                    "reason": dl.reason,
+                    "detail": dl.detail[:300],
+                    "event_id": dl.event_id,
+                    "run_id": dl.run_id,
+                    "partition": dl.record.partition,
+                    "offset": dl.record.offset,
+                },
+            )
         if self.cache is not None:
             if outcome.cache_writes:
                 ok = await self.cache.write(outcome.cache_writes)
@@ -140,14 +147,24 @@ class StoreHandler(Generic[OutcomeT]):
     ) -> dict[PartitionKey, list[Incoming]]:
         return {
             tp: [
-                Incoming(r.topic, r.partition, r.offset, r.key, r.value,
-                         decode(r.value, key=r.key, max_state_bytes=self.max_state_bytes,
-                                max_record_bytes=self.max_record_bytes),
-                         tuple(r.headers or ()))
+                Incoming(
+                    r.topic,
+                    r.partition,
+                    r.offset,
+                    r.key,
+                    r.value,
+                    decode(
+                        r.value,
+                        key=r.key,
+                        max_state_bytes=self.max_state_bytes,
+                        max_record_bytes=self.max_record_bytes,
+                    ),
+                    tuple(r.headers or ()),
+                )
                 for r in records
             ]
             for tp, records in batch.items()
-        }  # fmt: skip
+        }
 
     async def apply_all(
         self, cluster_id: str, batch: Batch, apply: Apply[OutcomeT]
@@ -212,20 +229,28 @@ class StoreHandler(Generic[OutcomeT]):
         letter = dead_letter_for(record, record.decoded)
         headers = {**dead_letter_headers(self.name, letter), "alma.dead_letter_stored": "false"}
         sent = await self.relay.send_now(
-            self.store.dlq_topic, record.key, record.value or b"",
+            self.store.dlq_topic,
+            record.key,
+            record.value or b"",
             [(k, str(v)) for k, v in headers.items() if v is not None],
-        )  # fmt: skip
+        )
         self.metrics.dead_letter_failures.labels(self.name).inc()
         self.metrics.dead_letters.labels(self.name, letter.reason).inc()
         log.error(
             "a dead letter could not be stored; the partition moves past it",
-            extra={"action": "dead_letter_unstorable", "consumer": self.name,
-                   "reason": letter.reason, "error": failure[:500], "topic": record.topic,
-                   "partition": record.partition, "offset": record.offset,
-                   "sent_to_dead_letter_topic": sent,
-                   "key_base64": base64.b64encode(record.key or b"").decode(),
-                   "value_base64": base64.b64encode(record.value or b"").decode()},
-        )  # fmt: skip
+            extra={
+                "action": "dead_letter_unstorable",
+                "consumer": self.name,
+                "reason": letter.reason,
+                "error": failure[:500],
+                "topic": record.topic,
+                "partition": record.partition,
+                "offset": record.offset,
+                "sent_to_dead_letter_topic": sent,
+                "key_base64": base64.b64encode(record.key or b"").decode(),
+                "value_base64": base64.b64encode(record.value or b"").decode(),
+            },
+        )
         return result
 
 
@@ -234,10 +259,14 @@ def as_rejected(record: Incoming, reason: RejectReason, failure: str) -> Incomin
     decoded = record.decoded
     return replace(
         record,
-        decoded=Rejection(reason, failure[:500], event_id=getattr(decoded, "event_id", None),
-                          run_id=getattr(decoded, "run_id", None),
-                          tenant_id=getattr(decoded, "tenant_id", None)),
-    )  # fmt: skip
+        decoded=Rejection(
+            reason,
+            failure[:500],
+            event_id=getattr(decoded, "event_id", None),
+            run_id=getattr(decoded, "run_id", None),
+            tenant_id=getattr(decoded, "tenant_id", None),
+        ),
+    )
 
 
 def reraise_retriable(exc: Exception) -> None:

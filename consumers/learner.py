@@ -52,9 +52,13 @@ class LearnHandler(StoreHandler[LearnOutcome]):
         prune_every_s: float = 300,
     ) -> None:
         super().__init__(
-            store, cache, relay, metrics,
-            max_state_bytes=max_state_bytes, max_record_bytes=max_record_bytes,
-        )  # fmt: skip
+            store,
+            cache,
+            relay,
+            metrics,
+            max_state_bytes=max_state_bytes,
+            max_record_bytes=max_record_bytes,
+        )
         self.embedder = embedder
         self.retention_days = retention_days
         self.prune_every_s = prune_every_s
@@ -92,16 +96,19 @@ class LearnHandler(StoreHandler[LearnOutcome]):
     async def _draft_and_embed(self, incoming: Batch) -> dict[Coordinates, Prepared]:
         """Draft and embed every completion not learned yet (reads only, no transaction)."""
         completions = [
-            (r, r.decoded) for rs in incoming.values() for r in rs
+            (r, r.decoded)
+            for rs in incoming.values()
+            for r in rs
             if isinstance(r.decoded, WorkflowCompleted)
-        ]  # fmt: skip
+        ]
         known = await self.store.learned([e for _, e in completions])
         fresh = [(r, e) for r, e in completions if e.event_id not in known]
         if not fresh:
             return {}
         histories = await self.store.histories(sorted({(e.tenant_id, e.run_id) for _, e in fresh}))
-        drafts = [(r, e, learning.draft(_finished(e), histories.get(e.run_id, [])))
-                  for r, e in fresh]  # fmt: skip
+        drafts = [
+            (r, e, learning.draft(_finished(e), histories.get(e.run_id, []))) for r, e in fresh
+        ]
         texts = [t for _, _, d in drafts for t in d.texts()]
 
         def observe(size: int, seconds: float) -> None:
@@ -120,11 +127,12 @@ class LearnHandler(StoreHandler[LearnOutcome]):
                 draft=d,
                 vectors={t: by_text[t] for t in d.texts()},
                 artifacts=list(e.payload.artifacts),
-                cleanup=default_cleanup if e.payload.cleanup_checkpoints is None
+                cleanup=default_cleanup
+                if e.payload.cleanup_checkpoints is None
                 else e.payload.cleanup_checkpoints,
             )
             for r, e, d in drafts
-        }  # fmt: skip
+        }
 
     async def idle(self) -> None:
         await super().idle()
@@ -158,8 +166,16 @@ class LearnHandler(StoreHandler[LearnOutcome]):
 def _finished(e: WorkflowCompleted) -> learning.FinishedRun:
     p = e.payload
     return learning.FinishedRun(
-        tenant_id=e.tenant_id, workflow_id=e.workflow_id, run_id=e.run_id, event_id=e.event_id,
-        success=p.outcome == "success", duration_ms=p.duration_ms, node_count=p.node_count,
-        nodes_succeeded=p.nodes_succeeded, nodes_failed=p.nodes_failed,
-        workflow_version=e.workflow_version, error_message=p.error_message, task=p.task,
-    )  # fmt: skip
+        tenant_id=e.tenant_id,
+        workflow_id=e.workflow_id,
+        run_id=e.run_id,
+        event_id=e.event_id,
+        success=p.outcome == "success",
+        duration_ms=p.duration_ms,
+        node_count=p.node_count,
+        nodes_succeeded=p.nodes_succeeded,
+        nodes_failed=p.nodes_failed,
+        workflow_version=e.workflow_version,
+        error_message=p.error_message,
+        task=p.task,
+    )

@@ -32,112 +32,158 @@ class Metrics:
             registry=r,
         )
         self.dead_letters = Counter(
-            "alma_dead_letters_total", "Records sent to the dead-letter topic, by reason",
-            ["consumer", "reason"], registry=r,
-        )  # fmt: skip
+            "alma_dead_letters_total",
+            "Records sent to the dead-letter topic, by reason",
+            ["consumer", "reason"],
+            registry=r,
+        )
         self.dead_letter_failures = Counter(
             "alma_dead_letter_failures_total",
             "Records whose dead-letter row could not be stored: skipped, sent to the "
             "dead-letter topic directly and logged whole (an alert fires)",
-            ["consumer"], registry=r,
-        )  # fmt: skip
+            ["consumer"],
+            registry=r,
+        )
         self.checkpoints = Counter(
             "alma_checkpoints_total", "Checkpoints written", ["consumer", "kind"], registry=r
         )
         self.batch_seconds = Histogram(
-            "alma_batch_seconds", "Time to process one polled batch, end to end",
-            ["consumer"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.batch_size = Histogram(
-            "alma_batch_records", "Records per processed batch", ["consumer"],
-            buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000), registry=r,
-        )  # fmt: skip
-        self.transaction_seconds = Histogram(
-            "alma_checkpoint_write_seconds", "PostgreSQL transaction time of one batch",
-            ["consumer"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.e2e_seconds = Histogram(
-            "alma_end_to_end_lag_seconds", "Time from emitted_at to durable, per event",
-            ["consumer", "type"], buckets=E2E_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.commit_seconds = Histogram(
-            "alma_offset_commit_seconds", "Kafka offset commit time", ["consumer"],
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.commit_failures = Counter(
-            "alma_offset_commit_failures_total", "Failed Kafka offset commits", ["consumer"],
+            "alma_batch_seconds",
+            "Time to process one polled batch, end to end",
+            ["consumer"],
+            buckets=LATENCY_BUCKETS,
             registry=r,
-        )  # fmt: skip
+        )
+        self.batch_size = Histogram(
+            "alma_batch_records",
+            "Records per processed batch",
+            ["consumer"],
+            buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000),
+            registry=r,
+        )
+        self.transaction_seconds = Histogram(
+            "alma_checkpoint_write_seconds",
+            "PostgreSQL transaction time of one batch",
+            ["consumer"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e_seconds = Histogram(
+            "alma_end_to_end_lag_seconds",
+            "Time from emitted_at to durable, per event",
+            ["consumer", "type"],
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.commit_seconds = Histogram(
+            "alma_offset_commit_seconds",
+            "Kafka offset commit time",
+            ["consumer"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.commit_failures = Counter(
+            "alma_offset_commit_failures_total",
+            "Failed Kafka offset commits",
+            ["consumer"],
+            registry=r,
+        )
         self.storage_retries = Counter(
-            "alma_storage_retries_total", "Batches retried because PostgreSQL was unavailable",
-            ["consumer"], registry=r,
-        )  # fmt: skip
+            "alma_storage_retries_total",
+            "Batches retried because PostgreSQL was unavailable",
+            ["consumer"],
+            registry=r,
+        )
         self.lag = Gauge(
-            "alma_consumer_lag", "High watermark minus committed offset, per partition",
-            ["consumer", "topic", "partition"], registry=r,
-        )  # fmt: skip
+            "alma_consumer_lag",
+            "High watermark minus committed offset, per partition",
+            ["consumer", "topic", "partition"],
+            registry=r,
+        )
         self.offsets_ahead_of_log = Gauge(
             "alma_offsets_ahead_of_log",
             "Records this group applied beyond the end of the broker's log (the broker "
             "lost or replaced it): the partition is paused until `alma offsets reset`",
-            ["consumer", "topic", "partition"], registry=r,
-        )  # fmt: skip
-        self.assigned_partitions = Gauge(
-            "alma_assigned_partitions", "Partitions assigned to this worker", ["consumer"],
+            ["consumer", "topic", "partition"],
             registry=r,
-        )  # fmt: skip
+        )
+        self.assigned_partitions = Gauge(
+            "alma_assigned_partitions",
+            "Partitions assigned to this worker",
+            ["consumer"],
+            registry=r,
+        )
         self.rebalances = Counter(
             "alma_rebalances_total", "Group rebalances seen", ["consumer"], registry=r
         )
         self.last_poll = Gauge(
-            "alma_last_poll_timestamp_seconds", "Unix time of the last successful poll",
-            ["consumer"], registry=r,
-        )  # fmt: skip
+            "alma_last_poll_timestamp_seconds",
+            "Unix time of the last successful poll",
+            ["consumer"],
+            registry=r,
+        )
         # the read side's families (a process that serves reads reports them here too)
         self.reads = ReadMetrics(r)
         self.cache = self.reads.cache
         self.retrieval_seconds = self.reads.retrieval_seconds
         self.merges = Counter(
-            "alma_merges_total", "Join requests answered, by outcome (ok, error, duplicate)",
-            ["outcome"], registry=r,
-        )  # fmt: skip
+            "alma_merges_total",
+            "Join requests answered, by outcome (ok, error, duplicate)",
+            ["outcome"],
+            registry=r,
+        )
         self.merge_seconds = Histogram(
-            "alma_merge_seconds", "Time to load the branch heads and merge them, per join",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "alma_merge_seconds",
+            "Time to load the branch heads and merge them, per join",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.outbox_published = Counter(
-            "alma_outbox_published_total", "Outbox records published, by topic kind",
-            ["kind"], registry=r,
-        )  # fmt: skip
+            "alma_outbox_published_total",
+            "Outbox records published, by topic kind",
+            ["kind"],
+            registry=r,
+        )
         self.outbox_failures = Counter(
             "alma_outbox_failures_total", "Outbox publish attempts that failed", registry=r
         )
 
         self.embeddings = Counter(
-            "alma_embeddings_total", "Texts embedded, by result (encoded, cached)", ["result"],
+            "alma_embeddings_total",
+            "Texts embedded, by result (encoded, cached)",
+            ["result"],
             registry=r,
-        )  # fmt: skip
+        )
         self.embed_batch = Histogram(
-            "alma_embedding_batch_size", "Texts per model call",
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r,
-        )  # fmt: skip
-        self.embed_seconds = Histogram(
-            "alma_embedding_seconds", "Time of one model call (a batch of texts)",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.outcomes = Counter(
-            "alma_outcomes_total", "Workflow outcomes, by result (stored, duplicate)", ["result"],
+            "alma_embedding_batch_size",
+            "Texts per model call",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
             registry=r,
-        )  # fmt: skip
+        )
+        self.embed_seconds = Histogram(
+            "alma_embedding_seconds",
+            "Time of one model call (a batch of texts)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.outcomes = Counter(
+            "alma_outcomes_total",
+            "Workflow outcomes, by result (stored, duplicate)",
+            ["result"],
+            registry=r,
+        )
         self.memories = Counter(
-            "alma_memories_written_total", "Memories written or updated by the learner, by kind",
-            ["kind"], registry=r,
-        )  # fmt: skip
+            "alma_memories_written_total",
+            "Memories written or updated by the learner, by kind",
+            ["kind"],
+            registry=r,
+        )
         self.checkpoints_pruned = Counter(
             "alma_checkpoints_pruned_total",
-            "Checkpoints deleted by cleanup after learning or by retention", ["reason"],
+            "Checkpoints deleted by cleanup after learning or by retention",
+            ["reason"],
             registry=r,
-        )  # fmt: skip
+        )
 
     # ReadObserver: a process that runs workers and serves reads (the demo) reports both
     def cache_read(self, result: CacheResult) -> None:

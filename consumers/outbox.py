@@ -69,9 +69,10 @@ class OutboxRelay:
             )
         except KafkaError as exc:
             log.error(
-                "sending a record to %s failed", topic,
+                "sending a record to %s failed",
+                topic,
                 extra={"action": "send_failed", "topic": topic, "error": repr(exc)},
-            )  # fmt: skip
+            )
             return False
         return True
 
@@ -100,10 +101,17 @@ class OutboxRelay:
         pending = []
         for r in rows:  # queue every row; one refused never holds back the others
             try:
-                pending.append((r, await self.producer.send(
-                    r["topic"], r["value"], key=r["key"],
-                    headers=[(k, v.encode()) for k, v in outbox.header_pairs(r["headers"])],
-                )))  # fmt: skip
+                pending.append(
+                    (
+                        r,
+                        await self.producer.send(
+                            r["topic"],
+                            r["value"],
+                            key=r["key"],
+                            headers=[(k, v.encode()) for k, v in outbox.header_pairs(r["headers"])],
+                        ),
+                    )
+                )
             except KafkaError as exc:
                 failed.append((r, repr(exc)))
         for r, future in pending:
@@ -123,15 +131,20 @@ class OutboxRelay:
             self.metrics.outbox_failures.inc()
             log.warning(
                 "outbox row not published; it is retried later",
-                extra={"action": "outbox_failed", "outbox_id": r["id"], "topic": r["topic"],
-                       "error": error[:300]},
-            )  # fmt: skip
+                extra={
+                    "action": "outbox_failed",
+                    "outbox_id": r["id"],
+                    "topic": r["topic"],
+                    "error": error[:300],
+                },
+            )
         return len(sent)
 
     def _failed(self, exc: BaseException, doing: str) -> int:
         self.metrics.outbox_failures.inc()
         log.warning(
-            "outbox: PostgreSQL failed while %s; the sweep will retry", doing,
+            "outbox: PostgreSQL failed while %s; the sweep will retry",
+            doing,
             extra={"action": "outbox_failed", "error": repr(exc)},
-        )  # fmt: skip
+        )
         return 0

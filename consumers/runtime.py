@@ -204,9 +204,12 @@ class ConsumerRuntime:
             log.warning(
                 "leaving the group took too long; the broker will evict this member after "
                 "its session timeout",
-                extra={"action": "leave_timeout", "consumer": self.handler.name,
-                       "timeout_s": self.config.leave_timeout_s},
-            )  # fmt: skip
+                extra={
+                    "action": "leave_timeout",
+                    "consumer": self.handler.name,
+                    "timeout_s": self.config.leave_timeout_s,
+                },
+            )
             # What stop() would have done after leaving: aiokafka has no public call for it.
             with contextlib.suppress(Exception):
                 if consumer._fetcher is not None:
@@ -215,9 +218,8 @@ class ConsumerRuntime:
         except Exception as exc:  # noqa: BLE001 - shutting down: report, never raise
             log.warning(
                 "leaving the group failed",
-                extra={"action": "leave_failed", "consumer": self.handler.name,
-                       "error": repr(exc)},
-            )  # fmt: skip
+                extra={"action": "leave_failed", "consumer": self.handler.name, "error": repr(exc)},
+            )
 
     async def _loop(self, consumer: AIOKafkaConsumer, stop: asyncio.Event) -> None:
         name = self.handler.name
@@ -270,11 +272,16 @@ class ConsumerRuntime:
                         "partition is paused, nothing is skipped. If the broker lost its log "
                         "and those records are gone, run `alma offsets reset` for it, then "
                         "restart the workers",
-                        extra={"action": "log_behind_stored_offset", "consumer": name,
-                               "topic": tp.topic, "partition": tp.partition,
-                               "applied_to": applied, "high_watermark": high,
-                               "cluster_id": self.cluster_id},
-                    )  # fmt: skip
+                        extra={
+                            "action": "log_behind_stored_offset",
+                            "consumer": name,
+                            "topic": tp.topic,
+                            "partition": tp.partition,
+                            "applied_to": applied,
+                            "high_watermark": high,
+                            "cluster_id": self.cluster_id,
+                        },
+                    )
         return batch
 
     async def _linger(
@@ -314,10 +321,14 @@ class ConsumerRuntime:
                     )
                     log.warning(
                         "storage unavailable; pausing and retrying the batch",
-                        extra={"action": "storage_retry", "consumer": name,
-                               "attempt": attempt, "delay_s": round(delay, 2),
-                               "error": exc.message},
-                    )  # fmt: skip
+                        extra={
+                            "action": "storage_retry",
+                            "consumer": name,
+                            "attempt": attempt,
+                            "delay_s": round(delay, 2),
+                            "error": exc.message,
+                        },
+                    )
                     if not paused:
                         consumer.pause(*consumer.assignment())
                         paused = True
@@ -391,9 +402,13 @@ async def retry_start(start: Callable[[], Awaitable[Any]], stop: asyncio.Event, 
             delay = backoff_delay(attempt, 0.5, 10.0)
             log.warning(
                 "Kafka unreachable; retrying",
-                extra={"action": "kafka_retry", "what": what, "attempt": attempt,
-                       "error": repr(exc)},
-            )  # fmt: skip
+                extra={
+                    "action": "kafka_retry",
+                    "what": what,
+                    "attempt": attempt,
+                    "error": repr(exc),
+                },
+            )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), delay)
     return False

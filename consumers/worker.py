@@ -41,7 +41,10 @@ from consumers.runtime import (
 
 log = logging.getLogger("alma.worker")
 
-KNOWN_CONSUMERS = ("checkpoint", "join", "learn")
+# The consumer groups a worker can run, by the name their metrics and logs carry; the
+# short names of earlier releases are still accepted.
+KNOWN_CONSUMERS = (checkpointer.NAME, joiner.NAME, learner.NAME)
+CONSUMER_ALIASES = {"checkpoint": checkpointer.NAME, "join": joiner.NAME, "learn": learner.NAME}
 
 
 @dataclass
@@ -120,6 +123,7 @@ async def run_worker(
 ) -> None:
     """Run the named consumer groups until ``stop`` is set. The learner loads the
     embedding model unless ``embedder`` is given (tests share one)."""
+    consumers = [CONSUMER_ALIASES.get(c, c) for c in consumers]
     unknown = [c for c in consumers if c not in KNOWN_CONSUMERS]
     if unknown:
         raise errors.ConfigError(
@@ -134,7 +138,7 @@ async def run_worker(
         return
     try:
         await check_schema(pool)
-        if "learn" in consumers:
+        if learner.NAME in consumers:
             if embedder is None:
                 log.info("loading the embedding model", extra={"action": "embedder_load"})
                 embedder = owned = await asyncio.to_thread(load_embedder, settings)
@@ -151,9 +155,12 @@ async def run_worker(
                 pool,
                 producer,
                 metrics,
-                kinds={settings.sequenced_topic: "handoff", settings.dlq_topic: "dlq",
-                       settings.merged_topic: "reply"},
-            )  # fmt: skip
+                kinds={
+                    settings.sequenced_topic: "handoff",
+                    settings.dlq_topic: "dlq",
+                    settings.merged_topic: "reply",
+                },
+            )
             await relay.sweep(force=True)
             runtimes = []
             cache_writer = CacheWriter(cache)
@@ -163,9 +170,13 @@ async def run_worker(
                 return f"{settings.group_prefix}-{name}"
 
             def runtime(
-                name: str, topic: str, handler: BatchHandler, *, linger_ms: int = 0,
+                name: str,
+                topic: str,
+                handler: BatchHandler,
+                *,
+                linger_ms: int = 0,
                 max_records: int = settings.max_batch_records,
-            ) -> ConsumerRuntime:  # fmt: skip
+            ) -> ConsumerRuntime:
                 return ConsumerRuntime(
                     RuntimeConfig(
                         bootstrap=services.kafka_bootstrap,
@@ -183,54 +194,81 @@ async def run_worker(
 
             registry = default_registry()
 
-            if "checkpoint" in consumers:
+            if checkpointer.NAME in consumers:
                 store = PostgresCheckpointStore(
                     pool,
-                    StoreConfig(group(checkpointer.GROUP), checkpointer.NAME,
-                                settings.sequenced_topic, settings.dlq_topic,
-                                settings.max_state_bytes),
+                    StoreConfig(
+                        group(checkpointer.GROUP),
+                        checkpointer.NAME,
+                        settings.sequenced_topic,
+                        settings.dlq_topic,
+                        settings.max_state_bytes,
+                    ),
                     registry,
-                )  # fmt: skip
+                )
                 handler = checkpointer.CheckpointHandler(
-                    store, cache_writer, relay, metrics,
+                    store,
+                    cache_writer,
+                    relay,
+                    metrics,
                     max_state_bytes=settings.max_state_bytes,
                     max_record_bytes=settings.max_record_bytes,
-                )  # fmt: skip
+                )
                 runtimes.append(runtime(checkpointer.GROUP, settings.lifecycle_topic, handler))
-            if "join" in consumers:
+            if joiner.NAME in consumers:
                 join_store = PostgresJoinStore(
                     pool,
-                    JoinConfig(group(joiner.GROUP), joiner.NAME, settings.merged_topic,
-                               settings.dlq_topic, settings.max_state_bytes),
+                    JoinConfig(
+                        group(joiner.GROUP),
+                        joiner.NAME,
+                        settings.merged_topic,
+                        settings.dlq_topic,
+                        settings.max_state_bytes,
+                    ),
                     registry,
-                )  # fmt: skip
+                )
                 join_handler = joiner.JoinHandler(
-                    join_store, cache_writer, relay, metrics,
+                    join_store,
+                    cache_writer,
+                    relay,
+                    metrics,
                     # the sequenced topic carries join states as the checkpointer accepted them
                     max_state_bytes=settings.max_record_bytes,
                     max_record_bytes=settings.max_record_bytes,
-                )  # fmt: skip
+                )
                 runtimes.append(runtime(joiner.GROUP, settings.sequenced_topic, join_handler))
 
-            if "learn" in consumers:
+            if learner.NAME in consumers:
                 assert embedder is not None
                 learn_store = PostgresLearnStore(
                     pool,
-                    LearnConfig(group(learner.GROUP), learner.NAME, settings.dlq_topic,
-                                LearningPolicy(min_occurrences=settings.learn_min_occurrences),
-                                settings.cleanup_checkpoints),
-                )  # fmt: skip
+                    LearnConfig(
+                        group(learner.GROUP),
+                        learner.NAME,
+                        settings.dlq_topic,
+                        LearningPolicy(min_occurrences=settings.learn_min_occurrences),
+                        settings.cleanup_checkpoints,
+                    ),
+                )
                 learn_handler = learner.LearnHandler(
-                    learn_store, cache_writer, relay, metrics, embedder,
+                    learn_store,
+                    cache_writer,
+                    relay,
+                    metrics,
+                    embedder,
                     max_state_bytes=settings.max_record_bytes,
                     max_record_bytes=settings.max_record_bytes,
                     retention_days=settings.checkpoint_retention_days,
-                )  # fmt: skip
+                )
                 runtimes.append(
-                    runtime(learner.GROUP, settings.sequenced_topic, learn_handler,
-                            linger_ms=settings.embed_max_wait_ms,
-                            max_records=min(settings.max_batch_records, 256))
-                )  # fmt: skip
+                    runtime(
+                        learner.GROUP,
+                        settings.sequenced_topic,
+                        learn_handler,
+                        linger_ms=settings.embed_max_wait_ms,
+                        max_records=min(settings.max_batch_records, 256),
+                    )
+                )
 
             async def database_ok() -> bool:
                 return bool(await pool.fetchval("SELECT 1"))

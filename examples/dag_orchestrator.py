@@ -84,8 +84,10 @@ async def main() -> None:
         result = await Orchestrator(WorkflowHooks(fresh)).resume(
             ETL, crashed, task="nightly customer ETL"
         )
-        print(f"{result.run_id}: resumed after {result.resumed_after!r}, success={result.success}, "
-              f"state={result.state}")  # fmt: skip
+        print(
+            f"{result.run_id}: resumed after {result.resumed_after!r}, success={result.success}, "
+            f"state={result.state}"
+        )
         await asyncio.sleep(2)  # the learner stores the outcomes
         found = await fresh.retrieve(
             "customer ETL", WorkflowContext("acme", ETL.id), RetrievalScope.WORKFLOW

@@ -94,6 +94,10 @@ def resolved(s: settings_mod.Settings, endpoints: Endpoints | None = None) -> se
     else the running `alma up`'s."""
     if endpoints is None:
         endpoints = Endpoints(bootstrap(s), dsn(s), redis_url(s))
-    return s.model_copy(update={"kafka_bootstrap": endpoints.kafka_bootstrap,
-                                "postgres_dsn": endpoints.postgres_dsn,
-                                "redis_url": endpoints.redis_url})  # fmt: skip
+    return s.model_copy(
+        update={
+            "kafka_bootstrap": endpoints.kafka_bootstrap,
+            "postgres_dsn": endpoints.postgres_dsn,
+            "redis_url": endpoints.redis_url,
+        }
+    )

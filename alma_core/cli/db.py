@@ -72,11 +72,18 @@ def db_status(as_json: bool = typer.Option(False, "--json")) -> None:
         finally:
             await conn.close()
         if as_json:
-            print(json.dumps([
-                {"version": r.version, "name": r.name,
-                 "applied_at": r.applied_at.isoformat() if r.applied_at else None}
-                for r in rows
-            ]))  # fmt: skip
+            print(
+                json.dumps(
+                    [
+                        {
+                            "version": r.version,
+                            "name": r.name,
+                            "applied_at": r.applied_at.isoformat() if r.applied_at else None,
+                        }
+                        for r in rows
+                    ]
+                )
+            )
             return
         table = Table(title="migrations")
         for col in ("version", "name", "applied at"):

@@ -77,22 +77,38 @@ def _summary(report: DemoReport, elapsed: float) -> Table:
     table.add_column("notes")
     c = report.counts
     rows = [
-        ("runs", f"{c.get('runs', 0)}", f"{ok} succeeded, {len(report.runs) - ok} failed, "
-                                         f"{len(report.resume_seconds)} resumed after a crash"),
+        (
+            "runs",
+            f"{c.get('runs', 0)}",
+            f"{ok} succeeded, {len(report.runs) - ok} failed, "
+            f"{len(report.resume_seconds)} resumed after a crash",
+        ),
         ("checkpoints", f"{c.get('checkpoints', 0)}", "ordered, gapless, exactly once"),
-        ("joins", f"{c.get('joins', 0)}", "3 branches each: sources append, tokens sum, "
-                                           "confidence max"),
+        (
+            "joins",
+            f"{c.get('joins', 0)}",
+            "3 branches each: sources append, tokens sum, confidence max",
+        ),
         ("outcomes learned", f"{c.get('outcomes', 0)}", "with all-MiniLM-L6-v2 embeddings"),
-        ("memories (demo tenants)", f"{c.get('memories', 0)}",
-         "heuristics, anti-patterns, node outcomes"),
-        ("dead letters", f"{c.get('dead letters', 0)}",
-         f"{report.stale_writes_refused} stale optimistic writes refused, on purpose"),
-        ("concurrent increments", "{} / {}".format(*report.concurrent_increments),
-         "sent / counted: none lost"),
+        (
+            "memories (demo tenants)",
+            f"{c.get('memories', 0)}",
+            "heuristics, anti-patterns, node outcomes",
+        ),
+        (
+            "dead letters",
+            f"{c.get('dead letters', 0)}",
+            f"{report.stale_writes_refused} stale optimistic writes refused, on purpose",
+        ),
+        (
+            "concurrent increments",
+            "{} / {}".format(*report.concurrent_increments),
+            "sent / counted: none lost",
+        ),
         ("checkpoint p50 / p95 ms", _ms(report.checkpoint_seconds), "publish → durable"),
         ("merge p50 / p95 ms", _ms(report.merge_seconds), "join → durable merged reply"),
         ("resume p50 / p95 ms", _ms(report.resume_seconds), "new orchestrator → run finished"),
-    ]  # fmt: skip
+    ]
     for row in rows:
         table.add_row(*row)
     return table
@@ -132,14 +148,20 @@ def demo(
 def _print(report: DemoReport, elapsed: float, metrics_url: str, as_json: bool) -> None:
     found = report.retrieval
     if as_json:
-        print(json.dumps({
-            "counts": report.counts, "succeeded": sum(r.success for r in report.runs),
-            "failed": sum(not r.success for r in report.runs),
-            "resumed": len(report.resume_seconds),
-            "stale_writes_refused": report.stale_writes_refused,
-            "concurrent_increments": list(report.concurrent_increments),
-            "retrieval": found.to_doc(400) if found else None, "metrics_url": metrics_url,
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "counts": report.counts,
+                    "succeeded": sum(r.success for r in report.runs),
+                    "failed": sum(not r.success for r in report.runs),
+                    "resumed": len(report.resume_seconds),
+                    "stale_writes_refused": report.stale_writes_refused,
+                    "concurrent_increments": list(report.concurrent_increments),
+                    "retrieval": found.to_doc(400) if found else None,
+                    "metrics_url": metrics_url,
+                }
+            )
+        )
         return
     common.out.print(_summary(report, elapsed))
     if found is not None:
@@ -150,5 +172,7 @@ def _print(report: DemoReport, elapsed: float, metrics_url: str, as_json: bool) 
         )
         common.out.print(found.to_prompt(max_tokens=400) or "(nothing learned yet)", markup=False)
     common.out.print(f"\nmetrics: {metrics_url} (while the stack runs; `alma up` keeps it up)")
-    common.out.print("explore: `alma runs list --tenant acme`, `alma runs show RUN --tenant acme`, "
-                     "`alma retrieve 'task' --tenant acme --workflow research-report`")  # fmt: skip
+    common.out.print(
+        "explore: `alma runs list --tenant acme`, `alma runs show RUN --tenant acme`, "
+        "`alma retrieve 'task' --tenant acme --workflow research-report`"
+    )

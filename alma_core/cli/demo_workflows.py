@@ -25,8 +25,13 @@ from alma_core.storage import runs
 from alma_core.types import RetrievalScope, WorkflowContext
 
 TENANTS = ("acme", "globex", "initech")
-TOPICS = ("solid-state batteries", "grid storage pricing", "heat pumps in cold climates",
-          "carbon capture costs", "offshore wind supply chains")  # fmt: skip
+TOPICS = (
+    "solid-state batteries",
+    "grid storage pricing",
+    "heat pumps in cold climates",
+    "carbon capture costs",
+    "offshore wind supply chains",
+)
 
 
 class TransientError(Exception):
@@ -37,8 +42,13 @@ class UpstreamTimeout(Exception):
     """A dependency that stays down: the run fails."""
 
 
-def _node(id_: str, make: Callable[[dict[str, Any], int], dict[str, Any]], *,
-          retries: int = 0, pause: float = 0.0) -> Node:  # fmt: skip
+def _node(
+    id_: str,
+    make: Callable[[dict[str, Any], int], dict[str, Any]],
+    *,
+    retries: int = 0,
+    pause: float = 0.0,
+) -> Node:
     async def fn(state: dict[str, Any], attempt: int) -> dict[str, Any]:
         await asyncio.sleep(pause)  # the node's work
         return make(state, attempt)
@@ -51,35 +61,49 @@ def research(flaky: bool, broken: bool) -> Workflow:
     confidence kept) → draft (flaky: fails once, retried) → review (broken: fails)."""
 
     def search(name: str) -> Node:
-        return _node(f"search-{name}", lambda s, a: {
-            "sources": [f"{name}:{s.get('topic')}"], "tokens": 300 + len(name) * 10,
-            "confidence": round(0.5 + len(name) / 20, 2)})  # fmt: skip
+        return _node(
+            f"search-{name}",
+            lambda s, a: {
+                "sources": [f"{name}:{s.get('topic')}"],
+                "tokens": 300 + len(name) * 10,
+                "confidence": round(0.5 + len(name) / 20, 2),
+            },
+        )
 
     def draft(state: dict[str, Any], attempt: int) -> dict[str, Any]:
         if flaky and attempt == 1:
             raise TransientError("rate limited by the model provider (429)")
-        return {"draft": f"report on {state.get('topic')} from {len(state.get('sources', []))} "
-                         "sources", "tokens": 900}  # fmt: skip
+        return {
+            "draft": f"report on {state.get('topic')} from {len(state.get('sources', []))} sources",
+            "tokens": 900,
+        }
 
     def review(state: dict[str, Any], attempt: int) -> dict[str, Any]:
         if broken:
             raise UpstreamTimeout("citation checker timed out after 30s")
         return {"approved": True}
 
-    return Workflow("research-report", [
-        _node("plan", lambda s, a: {"plan": ["search", "draft", "review"], "tokens": 120}),
-        Parallel("gather", {b: [search(b)] for b in ("web", "papers", "news")}),
-        _node("draft", draft, retries=1),
-        _node("review", review),
-    ], reducers={"sources": "append", "tokens": "sum", "confidence": "max"})  # fmt: skip
+    return Workflow(
+        "research-report",
+        [
+            _node("plan", lambda s, a: {"plan": ["search", "draft", "review"], "tokens": 120}),
+            Parallel("gather", {b: [search(b)] for b in ("web", "papers", "news")}),
+            _node("draft", draft, retries=1),
+            _node("review", review),
+        ],
+        reducers={"sources": "append", "tokens": "sum", "confidence": "max"},
+    )
 
 
 def invoices() -> Workflow:
-    return Workflow("invoice-approval", [
-        _node("extract", lambda s, a: {"lines": 12, "total": 1840.5}),
-        _node("validate", lambda s, a: {"valid": True}),
-        _node("approve", lambda s, a: {"approved_by": "policy-bot"}),
-    ])  # fmt: skip
+    return Workflow(
+        "invoice-approval",
+        [
+            _node("extract", lambda s, a: {"lines": 12, "total": 1840.5}),
+            _node("validate", lambda s, a: {"valid": True}),
+            _node("approve", lambda s, a: {"approved_by": "policy-bot"}),
+        ],
+    )
 
 
 @dataclass
@@ -141,8 +165,10 @@ class Demo:
         ctx = self._ctx(tenant, wf.id, i)
         result = await self.orch.run(wf, ctx, task="approve a supplier invoice")
         state = RunState(self.client, ctx, counters=("checks",))
-        await asyncio.gather(*(state.increment("checks") for _ in range(4)),
-                             *(state.record_action(f"worker-{w}") for w in range(4)))  # fmt: skip
+        await asyncio.gather(
+            *(state.increment("checks") for _ in range(4)),
+            *(state.record_action(f"worker-{w}") for w in range(4)),
+        )
         sent, counted = self.report.concurrent_increments
         self.report.concurrent_increments = (sent + 4, counted + int(await state.get("checks")))
         seen = state.seq

@@ -51,10 +51,15 @@ def dlq_list(
             table.add_column(col, overflow="fold")
         for d in docs:
             table.add_row(
-                str(d["id"]), d["reason"], d["run_id"] or "", d["event_id"] or "",
+                str(d["id"]),
+                d["reason"],
+                d["run_id"] or "",
+                d["event_id"] or "",
                 f"{d['source_topic']}[{d['source_partition']}]@{d['source_offset']}",
-                d["created_at"][:19], (d["replayed_at"] or "")[:19], d["detail"][:120],
-            )  # fmt: skip
+                d["created_at"][:19],
+                (d["replayed_at"] or "")[:19],
+                d["detail"][:120],
+            )
         common.out.print(table)
 
     common.run(main)

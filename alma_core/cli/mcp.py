@@ -1,5 +1,5 @@
 """``alma mcp``: ALMA Stream's tools for agents, as a Model Context Protocol server on
-stdio (seed 000, task 7), over the SDK (:class:`~alma_core.sdk.client.AlmaClient`).
+stdio, over the SDK (:class:`~alma_core.sdk.client.AlmaClient`).
 
 Tools: ``alma_checkpoint`` (a node's state or updates, waits until durable),
 ``alma_get_resume_point``, ``alma_merge_states`` (awaits the joiner's reply),
@@ -77,8 +77,9 @@ def build(client: AlmaClient) -> MCPServer:
         """Checkpoint a node: its full `state`, or `updates` folded into the run's state
         with the workflow's reducers. Waits until durable; returns the checkpoint seq."""
         ctx = WorkflowContext(tenant_id, workflow_id, None, run_id, node_id, branch_id)
-        event_id = await client.node_completed(ctx, state=state, updates=updates,
-                                               expected_seq=expected_seq)  # fmt: skip
+        event_id = await client.node_completed(
+            ctx, state=state, updates=updates, expected_seq=expected_seq
+        )
         applied = await client.applied(ctx, event_id)
         return {"event_id": event_id, "effect": applied.effect, "seq": applied.seq}
 
@@ -92,9 +93,11 @@ def build(client: AlmaClient) -> MCPServer:
         if point.latest is None:
             raise errors.AlmaError(f"run {run_id!r} has no checkpoint: start it from the beginning")
         return {
-            "run_id": run_id, "latest": checkpoint_to_doc(point.latest), "state": point.state,
+            "run_id": run_id,
+            "latest": checkpoint_to_doc(point.latest),
+            "state": point.state,
             "branch_heads": {b or "": checkpoint_to_doc(c) for b, c in point.branch_heads.items()},
-        }  # fmt: skip
+        }
 
     @server.tool()
     @_tool_errors
@@ -114,9 +117,13 @@ def build(client: AlmaClient) -> MCPServer:
         `states`) with reducers per field; returns the merged state, already durable."""
         reply = await client.merge(
             WorkflowContext(tenant_id, workflow_id, None, run_id, node_id),
-            branch_ids=branch_ids, states=states, reducers=reducers,
-            default_reducer=default_reducer, strict=strict, join_id=join_id,
-        )  # fmt: skip
+            branch_ids=branch_ids,
+            states=states,
+            reducers=reducers,
+            default_reducer=default_reducer,
+            strict=strict,
+            join_id=join_id,
+        )
         return reply.model_dump(mode="json", exclude_none=True)
 
     @server.tool()
@@ -138,10 +145,16 @@ def build(client: AlmaClient) -> MCPServer:
         learns heuristics and anti-patterns from it and earlier runs."""
         ctx = WorkflowContext(tenant_id, workflow_id, None, run_id)
         event_id = await client.workflow_completed(
-            ctx, success=success, duration_ms=duration_ms, node_count=node_count,
-            nodes_succeeded=nodes_succeeded, nodes_failed=nodes_failed,
-            error_message=error_message, task=task, artifacts=artifacts,
-        )  # fmt: skip
+            ctx,
+            success=success,
+            duration_ms=duration_ms,
+            node_count=node_count,
+            nodes_succeeded=nodes_succeeded,
+            nodes_failed=nodes_failed,
+            error_message=error_message,
+            task=task,
+            artifacts=artifacts,
+        )
         applied = await client.applied(ctx, event_id)
         return {"event_id": event_id, "effect": applied.effect}
 
@@ -166,9 +179,12 @@ def build(client: AlmaClient) -> MCPServer:
             names = ", ".join(s.value for s in RetrievalScope)
             raise errors.ContextError(f"unknown scope {scope!r}: one of {names}") from None
         found = await client.retrieve(
-            task, WorkflowContext(tenant_id, workflow_id, None, run_id, node_id), chosen,
-            agent=agent, top_k=top_k,
-        )  # fmt: skip
+            task,
+            WorkflowContext(tenant_id, workflow_id, None, run_id, node_id),
+            chosen,
+            agent=agent,
+            top_k=top_k,
+        )
         return found.to_doc(max_tokens)
 
     return server
@@ -183,8 +199,9 @@ def mcp() -> None:
     """Serve ALMA Stream's tools to agents over MCP (stdio): alma_checkpoint,
     alma_get_resume_point, alma_merge_states, alma_learn_workflow, alma_retrieve."""
     if importlib.util.find_spec("mcp") is None:
-        common.err.print("[red]error:[/red] `alma mcp` needs the mcp extra: "
-                         "pip install 'alma-stream[mcp]'")  # fmt: skip
+        common.err.print(
+            "[red]error:[/red] `alma mcp` needs the mcp extra: pip install 'alma-stream[mcp]'"
+        )
         raise typer.Exit(2)
     s = common.settings()
     configure_logs(s.log_format, "WARNING")  # stdout is the protocol: logs go to stderr

@@ -71,7 +71,9 @@ def retrieve(
         table.add_row(f"{item.score:.3f}", kind, where or "-", text)
     common.out.print(table)
     if found.empty:
-        common.out.print("nothing learned in this scope yet: runs are learned from once their "
-                         "workflow.completed arrives (the learner must be running)")  # fmt: skip
+        common.out.print(
+            "nothing learned in this scope yet: runs are learned from once their "
+            "workflow.completed arrives (the learner must be running)"
+        )
     else:
         common.out.print(found.to_prompt(max_tokens=max_tokens), markup=False)

@@ -59,8 +59,14 @@ def offsets_list(as_json: bool = typer.Option(False, "--json")) -> None:
         for col in ("group", "cluster", "topic", "partition", "next offset", "updated"):
             table.add_column(col, overflow="fold")
         for d in docs:
-            table.add_row(d["group_id"], d["cluster_id"], d["topic"], str(d["partition"]),
-                          str(d["next_offset"]), d["updated_at"][:19])  # fmt: skip
+            table.add_row(
+                d["group_id"],
+                d["cluster_id"],
+                d["topic"],
+                str(d["partition"]),
+                str(d["next_offset"]),
+                d["updated_at"][:19],
+            )
         common.out.print(table)
 
     common.run(main)

@@ -53,8 +53,9 @@ def runs_list(
     """Runs, latest activity first."""
     s = common.settings()
     if status not in (None, "running", "succeeded", "failed"):
-        common.err.print(f"[red]error:[/red] unknown status {status!r}: running, succeeded "
-                         "or failed")  # fmt: skip
+        common.err.print(
+            f"[red]error:[/red] unknown status {status!r}: running, succeeded or failed"
+        )
         raise typer.Exit(2)
 
     async def main() -> list[dict[str, Any]]:
@@ -76,12 +77,21 @@ def runs_list(
     for col in ("run", "tenant", "workflow", "status", "checkpoints", "events", "updated"):
         table.add_column(col, overflow="fold")
     for d in docs:
-        table.add_row(d["run_id"], d["tenant_id"], d["workflow_id"], d["status"],
-                      str(d["last_seq"]), str(d["event_count"]), d["updated_at"][:19])  # fmt: skip
+        table.add_row(
+            d["run_id"],
+            d["tenant_id"],
+            d["workflow_id"],
+            d["status"],
+            str(d["last_seq"]),
+            str(d["event_count"]),
+            d["updated_at"][:19],
+        )
     common.out.print(table)
     if not docs:
-        common.out.print("no runs match: check --tenant/--workflow/--status, or publish events "
-                         "(`alma demo` runs a few)")  # fmt: skip
+        common.out.print(
+            "no runs match: check --tenant/--workflow/--status, or publish events "
+            "(`alma demo` runs a few)"
+        )
 
 
 async def run_report(conn: Any, run_id: str, tenant: str | None) -> dict[str, Any]:
@@ -121,16 +131,25 @@ def runs_show(
         print(json.dumps(doc))
         return
     run = doc["run"]
-    common.out.print(f"[bold]{run_id}[/bold]  tenant {run['tenant_id']}  workflow "
-                     f"{run['workflow_id']}  status {run['status']}  "
-                     f"last seq {run['last_seq']}")  # fmt: skip
+    common.out.print(
+        f"[bold]{run_id}[/bold]  tenant {run['tenant_id']}  workflow "
+        f"{run['workflow_id']}  status {run['status']}  "
+        f"last seq {run['last_seq']}"
+    )
     sections = {
         "events": ("type", "node_id", "branch_id", "effect", "checkpoint_seq", "emitted_at"),
-        "checkpoints": ("seq", "kind", "node_id", "branch_id", "parent_seq", "size_bytes",
-                        "created_at"),
+        "checkpoints": (
+            "seq",
+            "kind",
+            "node_id",
+            "branch_id",
+            "parent_seq",
+            "size_bytes",
+            "created_at",
+        ),
         "joins": ("join_id", "status", "checkpoint_seq", "created_at"),
         "dead_letters": ("id", "reason", "event_id", "detail"),
-    }  # fmt: skip
+    }
     for name, cols in sections.items():
         if not doc[name]:
             continue
@@ -144,18 +163,25 @@ def runs_show(
     if outcome is None:
         common.out.print("no outcome yet (the run has not completed, or the learner is behind)")
     else:
-        common.out.print(f"outcome: {'success' if outcome['success'] else 'failure'} in "
-                         f"{outcome['duration_ms']} ms, {outcome['nodes_succeeded']}/"
-                         f"{outcome['node_count']} nodes, strategy {outcome['strategy']}, "
-                         f"{outcome['learnings_extracted']} learnings")  # fmt: skip
+        common.out.print(
+            f"outcome: {'success' if outcome['success'] else 'failure'} in "
+            f"{outcome['duration_ms']} ms, {outcome['nodes_succeeded']}/"
+            f"{outcome['node_count']} nodes, strategy {outcome['strategy']}, "
+            f"{outcome['learnings_extracted']} learnings"
+        )
 
 
 def _row(cp: Checkpoint) -> list[str]:
     return [
-        str(cp.seq), cp.kind, cp.node_id or "", cp.branch_id or "(main)",
-        "" if cp.parent_seq is None else str(cp.parent_seq), str(cp.size_bytes),
-        cp.state_hash[:12], cp.created_at.isoformat(timespec="seconds") if cp.created_at else "",
-    ]  # fmt: skip
+        str(cp.seq),
+        cp.kind,
+        cp.node_id or "",
+        cp.branch_id or "(main)",
+        "" if cp.parent_seq is None else str(cp.parent_seq),
+        str(cp.size_bytes),
+        cp.state_hash[:12],
+        cp.created_at.isoformat(timespec="seconds") if cp.created_at else "",
+    ]
 
 
 def _table(title: str, cps: list[Checkpoint]) -> Table:
@@ -223,12 +249,16 @@ def resume(
         if latest is None:
             raise _not_found(run_id, tenant)
         if as_json:
-            print(json.dumps({
-                "run_id": run_id,
-                "latest": checkpoint_to_doc(latest),
-                "branch_heads": {b or "": checkpoint_to_doc(cp) for b, cp in heads.items()},
-                "cache": dict(tally.counts),
-            }))  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "run_id": run_id,
+                        "latest": checkpoint_to_doc(latest),
+                        "branch_heads": {b or "": checkpoint_to_doc(cp) for b, cp in heads.items()},
+                        "cache": dict(tally.counts),
+                    }
+                )
+            )
             return
         common.out.print(_table(f"resume point of {run_id}", [latest]))
         common.out.print(_table("branch heads", sorted(heads.values(), key=lambda c: c.seq)))

@@ -154,9 +154,10 @@ async def start_workers(
         endpoints.kafka_bootstrap, endpoints.postgres_dsn, endpoints.redis_url
     )
     task = asyncio.create_task(
-        run_worker(s, services, list(KNOWN_CONSUMERS), stop, ready=ready, status=status,
-                   embedder=embedder)
-    )  # fmt: skip
+        run_worker(
+            s, services, list(KNOWN_CONSUMERS), stop, ready=ready, status=status, embedder=embedder
+        )
+    )
     waiter = asyncio.ensure_future(ready.wait())
     await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()

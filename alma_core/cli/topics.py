@@ -95,9 +95,11 @@ def topics_create(
 
     async def main() -> None:
         created = await ensure_topics(
-            common.bootstrap(s), alma_topics(s), partitions=s.partitions,
+            common.bootstrap(s),
+            alma_topics(s),
+            partitions=s.partitions,
             replication_factor=s.replication_factor,
-        )  # fmt: skip
+        )
         common.out.print(f"created: {', '.join(created)}" if created else "all topics exist")
 
     common.run(main)

@@ -122,9 +122,12 @@ class AlmaClient:
         """Reads go to Redis first and PostgreSQL on a miss (opened on first use)."""
         pool = await self._open_reads()
         return CheckpointReader(
-            pool, self._cache, tenant_id=tenant_id, require_tenant=self.settings.require_tenant,
+            pool,
+            self._cache,
+            tenant_id=tenant_id,
+            require_tenant=self.settings.require_tenant,
             observer=self.observer,
-        )  # fmt: skip
+        )
 
     async def _open_reads(self) -> asyncpg.Pool:
         if self._reads is None:
@@ -140,10 +143,11 @@ class AlmaClient:
             )
             self._cache = await stack.enter_async_context(
                 RedisCheckpointCache.connect(
-                    self.settings.redis_url, prefix=self.settings.redis_prefix,
+                    self.settings.redis_url,
+                    prefix=self.settings.redis_prefix,
                     ttl_s=self.settings.cache_ttl_seconds,
                 )
-            )  # fmt: skip
+            )
             self._reads = stack
         assert self._pool is not None
         return self._pool
@@ -197,9 +201,13 @@ class AlmaClient:
             self._own_embedder = True
         retriever = Retriever.configured(pool, self._embedder, self.settings, self.observer)
         return await retriever.retrieve(
-            task, ctx, scope, agent=agent, top_k=top_k,
+            task,
+            ctx,
+            scope,
+            agent=agent,
+            top_k=top_k,
             include_workflow_outcomes=include_workflow_outcomes,
-        )  # fmt: skip
+        )
 
     async def register_reducers(self, ctx: WorkflowContext, fields: dict[str, str]) -> None:
         """Add ``fields`` (field -> reducer name) to the reducers of ``ctx``'s workflow
@@ -235,12 +243,17 @@ class AlmaClient:
         if type_.startswith("node.") and not ctx.node_id:
             raise errors.ContextError(f"{type_} needs node_id")
         doc = {
-            "event_id": uuid.uuid4().hex, "type": type_, "emitted_at": datetime.now(UTC),
-            "tenant_id": ctx.tenant_id, "workflow_id": ctx.workflow_id,
-            "workflow_version": ctx.workflow_version, "run_id": ctx.run_id,
-            "node_id": ctx.node_id, "branch_id": ctx.branch_id,
+            "event_id": uuid.uuid4().hex,
+            "type": type_,
+            "emitted_at": datetime.now(UTC),
+            "tenant_id": ctx.tenant_id,
+            "workflow_id": ctx.workflow_id,
+            "workflow_version": ctx.workflow_version,
+            "run_id": ctx.run_id,
+            "node_id": ctx.node_id,
+            "branch_id": ctx.branch_id,
             "payload": {k: v for k, v in payload.items() if v is not None},
-        }  # fmt: skip
+        }
         try:
             return EVENT_MODELS[EventType(type_)].model_validate(doc, strict=False)  # type: ignore[return-value]
         except ValidationError as exc:
@@ -267,9 +280,18 @@ class AlmaClient:
         metadata: dict[str, Any] | None = None,
     ) -> str:
         """A checkpoint: the full ``state``, or ``updates`` folded with the run's reducers."""
-        return await self.publish(self._event("node.completed", ctx, {
-            "state": state, "updates": updates, "expected_seq": expected_seq,
-            "metadata": metadata}))  # fmt: skip
+        return await self.publish(
+            self._event(
+                "node.completed",
+                ctx,
+                {
+                    "state": state,
+                    "updates": updates,
+                    "expected_seq": expected_seq,
+                    "metadata": metadata,
+                },
+            )
+        )
 
     async def node_failed(
         self,
@@ -280,9 +302,17 @@ class AlmaClient:
         state: dict[str, Any] | None = None,
         updates: dict[str, Any] | None = None,
     ) -> str:
-        return await self.publish(self._event("node.failed", ctx, {
-            "error": {"type": error_type, "message": message}, "state": state,
-            "updates": updates}))  # fmt: skip
+        return await self.publish(
+            self._event(
+                "node.failed",
+                ctx,
+                {
+                    "error": {"type": error_type, "message": message},
+                    "state": state,
+                    "updates": updates,
+                },
+            )
+        )
 
     async def workflow_completed(
         self,
@@ -298,11 +328,23 @@ class AlmaClient:
         artifacts: list[dict[str, Any]] | None = None,
         cleanup_checkpoints: bool | None = None,
     ) -> str:
-        return await self.publish(self._event("workflow.completed", ctx, {
-            "outcome": "success" if success else "failure", "duration_ms": duration_ms,
-            "node_count": node_count, "nodes_succeeded": nodes_succeeded,
-            "nodes_failed": nodes_failed, "error_message": error_message, "task": task,
-            "artifacts": artifacts, "cleanup_checkpoints": cleanup_checkpoints}))  # fmt: skip
+        return await self.publish(
+            self._event(
+                "workflow.completed",
+                ctx,
+                {
+                    "outcome": "success" if success else "failure",
+                    "duration_ms": duration_ms,
+                    "node_count": node_count,
+                    "nodes_succeeded": nodes_succeeded,
+                    "nodes_failed": nodes_failed,
+                    "error_message": error_message,
+                    "task": task,
+                    "artifacts": artifacts,
+                    "cleanup_checkpoints": cleanup_checkpoints,
+                },
+            )
+        )
 
     async def merge(
         self,
@@ -330,9 +372,7 @@ class AlmaClient:
             "default_reducer": default_reducer,
             "strict": strict,
         }
-        event = self._event(
-            "branch.join", replace(ctx, node_id=node_id or ctx.node_id), payload
-        )  # fmt: skip
+        event = self._event("branch.join", replace(ctx, node_id=node_id or ctx.node_id), payload)
         key = (ctx.tenant_id or "", ctx.run_id or "", join_id)
         future = await self._replies.expect(key)
         try:

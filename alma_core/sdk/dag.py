@@ -78,10 +78,16 @@ class Orchestrator:
         self._registered: set[tuple[str | None, str]] = set()
 
     async def run(
-        self, wf: Workflow, ctx: WorkflowContext, *, task: str,
-        state: dict[str, Any] | None = None, crash_after: str | None = None,
-        start_at: int = 0, resumed_after: str | None = None,
-    ) -> RunResult:  # fmt: skip
+        self,
+        wf: Workflow,
+        ctx: WorkflowContext,
+        *,
+        task: str,
+        state: dict[str, Any] | None = None,
+        crash_after: str | None = None,
+        start_at: int = 0,
+        resumed_after: str | None = None,
+    ) -> RunResult:
         """Run ``wf`` from step ``start_at``; hands the outcome to the learner at the end."""
         current = dict(state or {})
         if wf.reducers and (ctx.tenant_id, wf.id) not in self._registered:
@@ -111,13 +117,17 @@ class Orchestrator:
         node_id, state = await self.hooks.on_resume(ctx)
         ids = [s.id for s in wf.steps]
         start = ids.index(node_id) + 1 if node_id in ids else 0
-        return await self.run(wf, ctx, task=task, state=state, start_at=start,
-                              resumed_after=node_id)  # fmt: skip
+        return await self.run(
+            wf, ctx, task=task, state=state, start_at=start, resumed_after=node_id
+        )
 
     async def _node(
-        self, node: Node, ctx: WorkflowContext, state: dict[str, Any],
+        self,
+        node: Node,
+        ctx: WorkflowContext,
+        state: dict[str, Any],
         branch: str | None = None,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         at = replace(ctx, node_id=node.id, branch_id=branch)
         for attempt in range(1, node.retries + 2):
             await self.hooks.on_node_start(at, attempt=attempt)
@@ -142,7 +152,8 @@ class Orchestrator:
 
         await asyncio.gather(*(branch(b, nodes) for b, nodes in step.branches.items()))
         merged = await self.hooks.on_parallel_join(
-            replace(ctx, node_id=step.id), branch_ids=list(step.branches),
+            replace(ctx, node_id=step.id),
+            branch_ids=list(step.branches),
             reducers=step.reducers,
-        )  # fmt: skip
+        )
         return merged  # the main line's head with the branches folded in

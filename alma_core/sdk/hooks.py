@@ -1,6 +1,7 @@
-"""WorkflowHooks: the orchestrator's callbacks (seed 000: ``on_node_start``,
-``on_node_complete``, ``on_parallel_join``, ``on_workflow_complete``, ``on_resume``;
-plus ``on_workflow_start``, which checkpoints the run's input, and ``on_node_failed``)
+"""WorkflowHooks: the orchestrator's callbacks (the AGtestari orchestrator's
+``on_node_start``, ``on_node_complete``, ``on_parallel_join``, ``on_workflow_complete``,
+``on_resume``; plus ``on_workflow_start``, which checkpoints the run's input, and
+``on_node_failed``)
 on top of :class:`~alma_core.sdk.client.AlmaClient`, ready to register with a workflow
 engine. The hooks keep count of what they saw of each run (nodes, retries,
 failures, time), so ``on_workflow_complete`` fills the outcome's counts itself.
@@ -66,67 +67,108 @@ class WorkflowHooks:
         return await self._checkpoint(at, self.client.node_completed(at, state=state))
 
     async def on_node_start(
-        self, ctx: WorkflowContext, *, attempt: int | None = None,
+        self,
+        ctx: WorkflowContext,
+        *,
+        attempt: int | None = None,
         input: dict[str, Any] | None = None,
-    ) -> str:  # fmt: skip
+    ) -> str:
         """Record the start (audit trail and metrics; no checkpoint)."""
         self._tally(ctx).last_status.setdefault(ctx.node_id or "", "started")
         return await self.client.node_started(ctx, attempt=attempt, input=input)
 
     async def on_node_complete(
-        self, ctx: WorkflowContext, state: dict[str, Any] | None = None, *,
-        updates: dict[str, Any] | None = None, metadata: dict[str, Any] | None = None,
-    ) -> str:  # fmt: skip
+        self,
+        ctx: WorkflowContext,
+        state: dict[str, Any] | None = None,
+        *,
+        updates: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> str:
         """Checkpoint the node: its full ``state`` or its ``updates``."""
-        event_id = await self._checkpoint(ctx, self.client.node_completed(
-            ctx, state=state, updates=updates, metadata=metadata))  # fmt: skip
+        event_id = await self._checkpoint(
+            ctx, self.client.node_completed(ctx, state=state, updates=updates, metadata=metadata)
+        )
         self._tally(ctx).last_status[ctx.node_id or ""] = "completed"
         return event_id
 
     async def on_node_failed(
-        self, ctx: WorkflowContext, error: BaseException, *,
-        state: dict[str, Any] | None = None, updates: dict[str, Any] | None = None,
-    ) -> str:  # fmt: skip
+        self,
+        ctx: WorkflowContext,
+        error: BaseException,
+        *,
+        state: dict[str, Any] | None = None,
+        updates: dict[str, Any] | None = None,
+    ) -> str:
         """Record the failure (a ``failure`` checkpoint if state or updates are given);
         a later completion of the same node (a retry) counts it as succeeded."""
-        event_id = await self._checkpoint(ctx, self.client.node_failed(
-            ctx, error_type=type(error).__name__, message=str(error), state=state,
-            updates=updates))  # fmt: skip
+        event_id = await self._checkpoint(
+            ctx,
+            self.client.node_failed(
+                ctx,
+                error_type=type(error).__name__,
+                message=str(error),
+                state=state,
+                updates=updates,
+            ),
+        )
         self._tally(ctx).last_status[ctx.node_id or ""] = "failed"
         return event_id
 
     async def on_parallel_join(
-        self, ctx: WorkflowContext, *, branch_ids: list[str] | None = None,
-        states: list[dict[str, Any]] | None = None, reducers: dict[str, str] | None = None,
-        default_reducer: str | None = None, strict: bool | None = None,
-        join_id: str | None = None, timeout: float = 30.0,  # noqa: ASYNC109 - SDK parameter
-    ) -> dict[str, Any]:  # fmt: skip
+        self,
+        ctx: WorkflowContext,
+        *,
+        branch_ids: list[str] | None = None,
+        states: list[dict[str, Any]] | None = None,
+        reducers: dict[str, str] | None = None,
+        default_reducer: str | None = None,
+        strict: bool | None = None,
+        join_id: str | None = None,
+        timeout: float = 30.0,  # noqa: ASYNC109 - SDK parameter
+    ) -> dict[str, Any]:
         """Merge the branches with reducers; the merged state (already durable)."""
         started = time.perf_counter()
         reply = await self.client.merge(
-            ctx, branch_ids=branch_ids, states=states, reducers=reducers,
-            default_reducer=default_reducer, strict=strict, join_id=join_id, timeout=timeout,
-        )  # fmt: skip
+            ctx,
+            branch_ids=branch_ids,
+            states=states,
+            reducers=reducers,
+            default_reducer=default_reducer,
+            strict=strict,
+            join_id=join_id,
+            timeout=timeout,
+        )
         self.merge_seconds.append(time.perf_counter() - started)
         self._tally(ctx).last_status[ctx.node_id or "join"] = "completed"
         return dict(reply.merged_state or {})
 
     async def on_workflow_complete(
-        self, ctx: WorkflowContext, *, task: str | None = None, success: bool | None = None,
-        error_message: str | None = None, artifacts: list[dict[str, Any]] | None = None,
+        self,
+        ctx: WorkflowContext,
+        *,
+        task: str | None = None,
+        success: bool | None = None,
+        error_message: str | None = None,
+        artifacts: list[dict[str, Any]] | None = None,
         cleanup_checkpoints: bool | None = None,
-    ) -> str:  # fmt: skip
+    ) -> str:
         """Hand the run to the learner; counts and duration come from the tally
         (``success`` defaults to "no node's last attempt failed")."""
         tally = self.tallies.pop(ctx.run_id or "", RunTally())
         ok = tally.failed == 0 if success is None else success
         return await self.client.workflow_completed(
-            replace(ctx, node_id=None, branch_id=None), success=ok,
+            replace(ctx, node_id=None, branch_id=None),
+            success=ok,
             duration_ms=int((time.monotonic() - tally.started) * 1000),
-            node_count=len(tally.last_status), nodes_succeeded=tally.succeeded,
-            nodes_failed=tally.failed, error_message=error_message, task=task,
-            artifacts=artifacts, cleanup_checkpoints=cleanup_checkpoints,
-        )  # fmt: skip
+            node_count=len(tally.last_status),
+            nodes_succeeded=tally.succeeded,
+            nodes_failed=tally.failed,
+            error_message=error_message,
+            task=task,
+            artifacts=artifacts,
+            cleanup_checkpoints=cleanup_checkpoints,
+        )
 
     async def on_resume(self, ctx: WorkflowContext) -> tuple[str | None, dict[str, Any]]:
         """After a crash: the node the run last checkpointed and the state to go on from

@@ -59,9 +59,10 @@ class ReplyListener:
 
     async def _start(self) -> None:
         consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap, enable_auto_commit=False,
+            bootstrap_servers=self.bootstrap,
+            enable_auto_commit=False,
             fetch_max_wait_ms=self.fetch_max_wait_ms,
-        )  # fmt: skip
+        )
         await consumer.start()
         partitions = consumer.partitions_for_topic(self.topic)
         if not partitions:
@@ -90,9 +91,12 @@ class ReplyListener:
                     except (ValueError, ValidationError) as exc:
                         log.warning(
                             "unreadable merge reply ignored",
-                            extra={"action": "reply_unreadable", "join_id": join_id[:200],
-                                   "error": str(exc)[:300]},
-                        )  # fmt: skip
+                            extra={
+                                "action": "reply_unreadable",
+                                "join_id": join_id[:200],
+                                "error": str(exc)[:300],
+                            },
+                        )
                         continue
                     future = self._waiting.get((reply.tenant_id, reply.run_id, reply.join_id))
                     if future is not None and not future.done():

@@ -102,9 +102,14 @@ async def record_dead_letter(
 def dead_letter_headers(consumer: str, dl: DeadLetter) -> dict[str, str | int | None]:
     """What a dead-letter record says in its headers: the reason and where it came from."""
     rec = dl.record
-    return {"alma.reason": dl.reason, "alma.detail": storable(dl.detail, 1000),
-            "alma.consumer": consumer, "alma.source.topic": rec.topic,
-            "alma.source.partition": rec.partition, "alma.source.offset": rec.offset}  # fmt: skip
+    return {
+        "alma.reason": dl.reason,
+        "alma.detail": storable(dl.detail, 1000),
+        "alma.consumer": consumer,
+        "alma.source.topic": rec.topic,
+        "alma.source.partition": rec.partition,
+        "alma.source.offset": rec.offset,
+    }
 
 
 def dead_letter_record(consumer: str, dlq_topic: str, dl: DeadLetter) -> OutboxRow:

@@ -203,23 +203,43 @@ class PostgresCheckpointStore(BatchStore):
                      workflow_version = coalesce(runs.workflow_version, EXCLUDED.workflow_version),
                      updated_at = now()""",
                 [
-                    (r.run_id, r.tenant_id, r.workflow_id, r.workflow_version, r.status,
-                     r.last_seq, r.event_count, r.completed_at)
+                    (
+                        r.run_id,
+                        r.tenant_id,
+                        r.workflow_id,
+                        r.workflow_version,
+                        r.status,
+                        r.last_seq,
+                        r.event_count,
+                        r.completed_at,
+                    )
                     for r in changed
                 ],
-            )  # fmt: skip
+            )
         if result.checkpoints:
             await conn.executemany(
                 """INSERT INTO checkpoints (run_id, seq, tenant_id, kind, node_id, branch_id,
                        parent_seq, event_id, state, state_hash, size_bytes, metadata, created_at)
                    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, $11, $12::jsonb, $13)""",
                 [
-                    (c.run_id, c.seq, c.tenant_id, c.kind, c.node_id, c.branch_id, c.parent_seq,
-                     c.event_id, c.state_json, c.state_hash, c.size_bytes, c.metadata,
-                     result.created_at)
+                    (
+                        c.run_id,
+                        c.seq,
+                        c.tenant_id,
+                        c.kind,
+                        c.node_id,
+                        c.branch_id,
+                        c.parent_seq,
+                        c.event_id,
+                        c.state_json,
+                        c.state_hash,
+                        c.size_bytes,
+                        c.metadata,
+                        result.created_at,
+                    )
                     for c in result.checkpoints
                 ],
-            )  # fmt: skip
+            )
             await conn.executemany(
                 """INSERT INTO run_heads (run_id, branch_key, seq, state_hash)
                    VALUES ($1, $2, $3, $4)
@@ -235,13 +255,24 @@ class PostgresCheckpointStore(BatchStore):
                        source_partition, source_offset)
                    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::jsonb, $11, $12, $13)""",
                 [
-                    (e.event.event_id, e.event.run_id, e.event.tenant_id, e.event.type,
-                     e.event.node_id, e.event.branch_id, e.event.emitted_at, e.checkpoint_seq,
-                     e.effect, _audit_payload(e.event), e.coords.topic, e.coords.partition,
-                     e.coords.offset)
+                    (
+                        e.event.event_id,
+                        e.event.run_id,
+                        e.event.tenant_id,
+                        e.event.type,
+                        e.event.node_id,
+                        e.event.branch_id,
+                        e.event.emitted_at,
+                        e.checkpoint_seq,
+                        e.effect,
+                        _audit_payload(e.event),
+                        e.coords.topic,
+                        e.coords.partition,
+                        e.coords.offset,
+                    )
                     for e in events
                 ],
-            )  # fmt: skip
+            )
 
     def _handoffs(self, seq: Sequencer) -> list[OutboxRow]:
         """Joins and completions for the joiner and the learner, once durable."""
@@ -249,15 +280,23 @@ class PostgresCheckpointStore(BatchStore):
         for row in seq.effects.handoffs:
             # Hand-offs carry the event as decoded: canonical JSON of the contract.
             record_value = row.event.model_dump_json(exclude_none=True).encode()
-            outbox.append((
-                self.config.handoff_topic, row.event.run_id.encode(), record_value,
-                headers_json({"alma.event_type": row.event.type,
-                              "alma.event_id": row.event.event_id,
-                              RUN_SEQ_HEADER: row.run_seq,
-                              "alma.source.topic": row.coords.topic,
-                              "alma.source.partition": row.coords.partition,
-                              "alma.source.offset": row.coords.offset}),
-            ))  # fmt: skip
+            outbox.append(
+                (
+                    self.config.handoff_topic,
+                    row.event.run_id.encode(),
+                    record_value,
+                    headers_json(
+                        {
+                            "alma.event_type": row.event.type,
+                            "alma.event_id": row.event.event_id,
+                            RUN_SEQ_HEADER: row.run_seq,
+                            "alma.source.topic": row.coords.topic,
+                            "alma.source.partition": row.coords.partition,
+                            "alma.source.offset": row.coords.offset,
+                        }
+                    ),
+                )
+            )
         return outbox
 
 
@@ -266,9 +305,18 @@ def _cache_entries(rows: Iterable[CheckpointRow], created_at: datetime) -> list[
     by_run: dict[str, dict[str | None, Checkpoint]] = {}
     for row in rows:
         by_run.setdefault(row.run_id, {})[row.branch_id] = Checkpoint(
-            run_id=row.run_id, tenant_id=row.tenant_id, seq=row.seq, state=row.state,
-            state_hash=row.state_hash, size_bytes=row.size_bytes, kind=row.kind,
-            node_id=row.node_id, branch_id=row.branch_id, parent_seq=row.parent_seq,
-            event_id=row.event_id, metadata=row.metadata, created_at=created_at,
-        )  # fmt: skip
+            run_id=row.run_id,
+            tenant_id=row.tenant_id,
+            seq=row.seq,
+            state=row.state,
+            state_hash=row.state_hash,
+            size_bytes=row.size_bytes,
+            kind=row.kind,
+            node_id=row.node_id,
+            branch_id=row.branch_id,
+            parent_seq=row.parent_seq,
+            event_id=row.event_id,
+            metadata=row.metadata,
+            created_at=created_at,
+        )
     return [e for heads in by_run.values() for e in cache_entries(heads)]

@@ -88,9 +88,12 @@ class SentenceTransformerEmbedder:
 
     def encode(self, texts: list[str]) -> list[Vector]:
         vectors = self._model.encode(
-            texts, batch_size=max(1, len(texts)), normalize_embeddings=True,
-            convert_to_numpy=True, show_progress_bar=False,
-        )  # fmt: skip
+            texts,
+            batch_size=max(1, len(texts)),
+            normalize_embeddings=True,
+            convert_to_numpy=True,
+            show_progress_bar=False,
+        )
         return [[float(x) for x in row] for row in vectors]
 
 

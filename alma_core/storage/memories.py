@@ -64,7 +64,8 @@ class LearnOutcome(BatchOutcome):
 
 
 async def check_dimension(pool: asyncpg.Pool, dimension: int, model: str) -> None:
-    """The embedding columns must have the model's dimension (a defect the seed lists)."""
+    """The embedding columns must have the model's dimension: vectors of another model
+    would be compared with the stored ones and make retrieval silently wrong."""
     rows = await pool.fetch(
         """SELECT attrelid::regclass::text AS tbl, atttypmod AS dims FROM pg_attribute
            WHERE attname = 'embedding' AND attnum > 0
@@ -106,16 +107,22 @@ class PostgresLearnStore(BatchStore):
                      ON e.tenant_id = u.t AND e.run_id = u.r
                    WHERE e.type IN ('node.completed', 'node.failed')
                    ORDER BY e.run_id, e.ordinal""",
-                [t for t, _ in runs], [r for _, r in runs],
-            )  # fmt: skip
+                [t for t, _ in runs],
+                [r for _, r in runs],
+            )
             return rows
 
         out: dict[str, list[learning.HistoryEvent]] = {r: [] for _, r in runs}
         for row in await self._guarded("reading run histories", read()):
             out[row["run_id"]].append(
-                learning.HistoryEvent(row["type"], row["node_id"], row["branch_id"],
-                                      row["error_type"], row["error_message"])
-            )  # fmt: skip
+                learning.HistoryEvent(
+                    row["type"],
+                    row["node_id"],
+                    row["branch_id"],
+                    row["error_type"],
+                    row["error_message"],
+                )
+            )
         return out
 
     async def learned(self, events: list[WorkflowCompleted]) -> set[str]:
@@ -129,9 +136,10 @@ class PostgresLearnStore(BatchStore):
                    WHERE EXISTS (
                        SELECT 1 FROM workflow_outcomes o
                        WHERE o.event_id = u.e OR (o.tenant_id = u.t AND o.run_id = u.r))""",
-                [e.event_id for e in events], [e.tenant_id for e in events],
+                [e.event_id for e in events],
+                [e.tenant_id for e in events],
                 [e.run_id for e in events],
-            )  # fmt: skip
+            )
             return rows
 
         return {r["e"] for r in await self._guarded("reading known outcomes", read())}
@@ -204,11 +212,26 @@ class PostgresLearnStore(BatchStore):
                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
                        $16::vector, $17, $18, $19)
                ON CONFLICT DO NOTHING RETURNING id""",
-            d.id, run.tenant_id, run.workflow_id, run.workflow_version, run.run_id, run.event_id,
-            run.success, run.duration_ms, run.node_count, run.nodes_succeeded, run.nodes_failed,
-            run.error_message, d.failing_node, run.task, d.description,
-            vector_literal(item.vectors[d.description]), d.strategy, d.error_signature, now,
-        )  # fmt: skip
+            d.id,
+            run.tenant_id,
+            run.workflow_id,
+            run.workflow_version,
+            run.run_id,
+            run.event_id,
+            run.success,
+            run.duration_ms,
+            run.node_count,
+            run.nodes_succeeded,
+            run.nodes_failed,
+            run.error_message,
+            d.failing_node,
+            run.task,
+            d.description,
+            vector_literal(item.vectors[d.description]),
+            d.strategy,
+            d.error_signature,
+            now,
+        )
         if inserted is None:
             return False
         await self._link(conn, run.tenant_id, "outcome", d.id, item.artifacts)
@@ -227,9 +250,18 @@ class PostgresLearnStore(BatchStore):
             """UPDATE memories SET occurrences = $3, successes = $4, confidence = $5,
                       updated_at = $6
                WHERE tenant_id = $1 AND kind = 'heuristic' AND dedupe_key = $2""",
-            [(r.draft.tenant_id, r.draft.dedupe_key, r.occurrences, r.successes, r.confidence,
-              now) for r in plan.fading],
-        )  # fmt: skip
+            [
+                (
+                    r.draft.tenant_id,
+                    r.draft.dedupe_key,
+                    r.occurrences,
+                    r.successes,
+                    r.confidence,
+                    now,
+                )
+                for r in plan.fading
+            ],
+        )
         await conn.executemany(
             """INSERT INTO memories (id, tenant_id, kind, workflow_id, run_id, node_id, content,
                    condition, strategy, occurrences, successes, confidence, dedupe_key,
@@ -242,11 +274,29 @@ class PostgresLearnStore(BatchStore):
                    confidence = EXCLUDED.confidence,
                    metadata = memories.metadata || EXCLUDED.metadata,
                    updated_at = EXCLUDED.updated_at""",
-            [(m.id, m.tenant_id, m.kind.value, m.workflow_id, m.run_id, m.node_id, m.content,
-              m.condition, m.strategy, r.occurrences, r.successes, r.confidence, m.dedupe_key,
-              vector_literal(vectors[m.content]), json.dumps(m.metadata), now)
-             for r in plan.upserts.values() for m in [r.draft]],
-        )  # fmt: skip
+            [
+                (
+                    m.id,
+                    m.tenant_id,
+                    m.kind.value,
+                    m.workflow_id,
+                    m.run_id,
+                    m.node_id,
+                    m.content,
+                    m.condition,
+                    m.strategy,
+                    r.occurrences,
+                    r.successes,
+                    r.confidence,
+                    m.dedupe_key,
+                    vector_literal(vectors[m.content]),
+                    json.dumps(m.metadata),
+                    now,
+                )
+                for r in plan.upserts.values()
+                for m in [r.draft]
+            ],
+        )
         for row in plan.upserts.values():
             outcome.memories[row.draft.kind.value] += 1
         for item in stored:  # the run's artifacts belong to what was learned from it
@@ -271,14 +321,20 @@ class PostgresLearnStore(BatchStore):
                 LEFT JOIN workflow_outcomes o
                   ON o.tenant_id = u.t AND o.workflow_id = u.w AND o.{column} = u.k
                 GROUP BY u.t, u.w, u.k""",
-            [k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys],
-        )  # fmt: skip
+            [k[0] for k in keys],
+            [k[1] for k in keys],
+            [k[2] for k in keys],
+        )
         return {(r["t"], r["w"], r["k"]): (r["n"], r["c"]) for r in rows}
 
     async def _link(
-        self, conn: asyncpg.Connection, tenant_id: str, owner_type: str, owner_id: str,
+        self,
+        conn: asyncpg.Connection,
+        tenant_id: str,
+        owner_type: str,
+        owner_id: str,
         artifacts: list[ArtifactRef],
-    ) -> None:  # fmt: skip
+    ) -> None:
         if not artifacts:
             return
         await conn.executemany(
@@ -286,9 +342,21 @@ class PostgresLearnStore(BatchStore):
                    artifact_type, storage_path, content_hash, size_bytes, metadata)
                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb)
                ON CONFLICT (owner_type, owner_id, artifact_id) DO NOTHING""",
-            [(tenant_id, owner_type, owner_id, a.id, a.artifact_type, a.storage_path,
-              a.content_hash, a.size_bytes, json.dumps(a.metadata)) for a in artifacts],
-        )  # fmt: skip
+            [
+                (
+                    tenant_id,
+                    owner_type,
+                    owner_id,
+                    a.id,
+                    a.artifact_type,
+                    a.storage_path,
+                    a.content_hash,
+                    a.size_bytes,
+                    json.dumps(a.metadata),
+                )
+                for a in artifacts
+            ],
+        )
 
     async def _cleanup(
         self, conn: asyncpg.Connection, items: list[Prepared], outcome: LearnOutcome
@@ -302,8 +370,9 @@ class PostgresLearnStore(BatchStore):
                  DELETE FROM checkpoints c USING unnest($1::text[], $2::text[]) AS u(r, t)
                  WHERE c.run_id = u.r AND c.tenant_id = u.t RETURNING 1)
                SELECT count(*) FROM gone""",
-            runs, tenants,
-        )  # fmt: skip
+            runs,
+            tenants,
+        )
         await conn.execute("DELETE FROM run_heads WHERE run_id = ANY($1::text[])", runs)
         outcome.cache_forgets = runs
         outcome.checkpoints_removed = int(removed or 0)

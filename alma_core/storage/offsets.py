@@ -76,16 +76,23 @@ async def fence(
         """INSERT INTO consumer_offsets (group_id, cluster_id, topic, partition, next_offset)
            SELECT $1, $2, t, p, o FROM unnest($3::text[], $4::int[], $5::bigint[]) AS u(t, p, o)
            ON CONFLICT DO NOTHING""",
-        group_id, cluster_id, topics, parts, firsts,
-    )  # fmt: skip
+        group_id,
+        cluster_id,
+        topics,
+        parts,
+        firsts,
+    )
     rows = await conn.fetch(
         """SELECT topic, partition, next_offset FROM consumer_offsets
            WHERE group_id = $1 AND cluster_id = $2
              AND (topic, partition) IN (SELECT * FROM unnest($3::text[], $4::int[]))
            ORDER BY topic, partition
            FOR UPDATE""",
-        group_id, cluster_id, topics, parts,
-    )  # fmt: skip
+        group_id,
+        cluster_id,
+        topics,
+        parts,
+    )
     stored = {(r["topic"], r["partition"]): r["next_offset"] for r in rows}
     for tp in tps:
         records = sorted(batch[tp], key=lambda r: r.offset)
@@ -116,9 +123,12 @@ async def advance(
                FROM unnest($3::text[], $4::int[], $5::bigint[]) AS u(t, p, n)
                WHERE o.group_id = $1 AND o.cluster_id = $2 AND o.topic = u.t
                  AND o.partition = u.p""",
-            group_id, cluster_id, [t for t, _ in ends], [p for _, p in ends],
+            group_id,
+            cluster_id,
+            [t for t, _ in ends],
+            [p for _, p in ends],
             list(ends.values()),
-        )  # fmt: skip
+        )
     return ends
 
 
@@ -142,6 +152,9 @@ async def forget(
            WHERE group_id = $1 AND cluster_id = $2 AND topic = $3
              AND ($4::int IS NULL OR partition = $4)
            RETURNING topic, partition, next_offset""",
-        group_id, cluster_id, topic, partition,
-    )  # fmt: skip
+        group_id,
+        cluster_id,
+        topic,
+        partition,
+    )
     return rows

@@ -14,8 +14,9 @@ from alma_core.reducers import ReducerConfig
 async def load(conn: asyncpg.Connection, tenant_id: str, workflow_id: str) -> ReducerConfig | None:
     raw = await conn.fetchval(
         "SELECT config::text FROM reducer_configs WHERE tenant_id = $1 AND workflow_id = $2",
-        tenant_id, workflow_id,
-    )  # fmt: skip
+        tenant_id,
+        workflow_id,
+    )
     return None if raw is None else ReducerConfig.from_json(json.loads(raw))
 
 
@@ -28,8 +29,10 @@ async def save(
            VALUES ($1, $2, $3::jsonb)
            ON CONFLICT (tenant_id, workflow_id)
            DO UPDATE SET config = EXCLUDED.config, updated_at = now()""",
-        tenant_id, workflow_id, json.dumps(config.to_json()),
-    )  # fmt: skip
+        tenant_id,
+        workflow_id,
+        json.dumps(config.to_json()),
+    )
 
 
 async def add_fields(
@@ -44,8 +47,11 @@ async def add_fields(
             "SELECT pg_advisory_xact_lock(hashtext($1))", f"{tenant_id}\x1f{workflow_id}"
         )
         config = await load(conn, tenant_id, workflow_id) or ReducerConfig()
-        clash = {f: config.field_reducers[f] for f, r in fields.items()
-                 if config.field_reducers.get(f, r) != r}  # fmt: skip
+        clash = {
+            f: config.field_reducers[f]
+            for f, r in fields.items()
+            if config.field_reducers.get(f, r) != r
+        }
         if clash:
             raise errors.ConfigError(
                 f"workflow {workflow_id!r} already uses reducers {clash} for these fields; "
@@ -53,7 +59,8 @@ async def add_fields(
             )
         if all(f in config.field_reducers for f in fields):
             return config
-        merged = ReducerConfig({**config.field_reducers, **fields}, config.default_reducer,
-                               config.strict)  # fmt: skip
+        merged = ReducerConfig(
+            {**config.field_reducers, **fields}, config.default_reducer, config.strict
+        )
         await save(conn, tenant_id, workflow_id, merged)
         return merged

@@ -84,11 +84,14 @@ class Retriever:
     ) -> Retriever:
         """A retriever with the weights, tenancy and plan limits the settings give."""
         return cls(
-            pool, embedder, weights=settings.scoring_weights,
+            pool,
+            embedder,
+            weights=settings.scoring_weights,
             require_tenant=settings.require_tenant,
             exact_max_rows=settings.retrieval_exact_max_rows,
-            ef_search=settings.retrieval_ef_search, observer=observer,
-        )  # fmt: skip
+            ef_search=settings.retrieval_ef_search,
+            observer=observer,
+        )
 
     async def retrieve(
         self,
@@ -146,8 +149,9 @@ class Retriever:
         where, args = f.sql(2)
         n = await conn.fetchval(
             f"SELECT count(*) FROM (SELECT 1 FROM {table} WHERE {where} LIMIT $1) s",
-            self.exact_max_rows + 1, *args,
-        )  # fmt: skip
+            self.exact_max_rows + 1,
+            *args,
+        )
         return "exact" if n <= self.exact_max_rows else "approximate"
 
     async def _nearest(
@@ -218,8 +222,9 @@ async def _as_reader(conn: asyncpg.Connection, f: scopes.ScopeFilter) -> None:
     await conn.execute(f"SET LOCAL ROLE {READER_ROLE}")
     await conn.execute(
         "SELECT set_config('alma.tenant_id', $1, true), set_config('alma.all_tenants', $2, true)",
-        f.tenant_id or "", "on" if f.all_tenants else "off",
-    )  # fmt: skip
+        f.tenant_id or "",
+        "on" if f.all_tenants else "off",
+    )
 
 
 async def _approximate(conn: asyncpg.Connection, ef_search: int) -> None:
@@ -244,33 +249,58 @@ async def _artifacts(
     out: dict[str, list[ArtifactLink]] = {}
     for r in rows:
         out.setdefault(r["owner"], []).append(
-            ArtifactLink(r["artifact_id"], r["artifact_type"], r["storage_path"],
-                         r["content_hash"], r["size_bytes"], r["metadata"] or {})
-        )  # fmt: skip
+            ArtifactLink(
+                r["artifact_id"],
+                r["artifact_type"],
+                r["storage_path"],
+                r["content_hash"],
+                r["size_bytes"],
+                r["metadata"] or {},
+            )
+        )
     return out
 
 
 def _memory(r: asyncpg.Record) -> Memory:
     return Memory(
-        id=str(r["id"]), tenant_id=r["tenant_id"], kind=MemoryKind(r["kind"]),
-        content=r["content"], agent=r["agent"], workflow_id=r["workflow_id"],
-        run_id=r["run_id"], node_id=r["node_id"], condition=r["condition"],
-        strategy=r["strategy"], occurrences=r["occurrences"], successes=r["successes"],
-        confidence=float(r["confidence"]), created_at=r["created_at"],
-        updated_at=r["updated_at"], metadata=r["metadata"] or {},
-    )  # fmt: skip
+        id=str(r["id"]),
+        tenant_id=r["tenant_id"],
+        kind=MemoryKind(r["kind"]),
+        content=r["content"],
+        agent=r["agent"],
+        workflow_id=r["workflow_id"],
+        run_id=r["run_id"],
+        node_id=r["node_id"],
+        condition=r["condition"],
+        strategy=r["strategy"],
+        occurrences=r["occurrences"],
+        successes=r["successes"],
+        confidence=float(r["confidence"]),
+        created_at=r["created_at"],
+        updated_at=r["updated_at"],
+        metadata=r["metadata"] or {},
+    )
 
 
 def _outcome(r: asyncpg.Record) -> WorkflowOutcome:
     return WorkflowOutcome(
-        id=str(r["id"]), tenant_id=r["tenant_id"], workflow_id=r["workflow_id"],
-        workflow_version=r["workflow_version"], run_id=r["run_id"], success=r["success"],
-        duration_ms=r["duration_ms"], node_count=r["node_count"],
-        nodes_succeeded=r["nodes_succeeded"], nodes_failed=r["nodes_failed"],
-        error_message=r["error_message"], failing_node=r["failing_node"], task=r["task"],
-        description=r["description"], learnings_extracted=r["learnings_extracted"],
+        id=str(r["id"]),
+        tenant_id=r["tenant_id"],
+        workflow_id=r["workflow_id"],
+        workflow_version=r["workflow_version"],
+        run_id=r["run_id"],
+        success=r["success"],
+        duration_ms=r["duration_ms"],
+        node_count=r["node_count"],
+        nodes_succeeded=r["nodes_succeeded"],
+        nodes_failed=r["nodes_failed"],
+        error_message=r["error_message"],
+        failing_node=r["failing_node"],
+        task=r["task"],
+        description=r["description"],
+        learnings_extracted=r["learnings_extracted"],
         created_at=r["created_at"],
-    )  # fmt: skip
+    )
 
 
 def _with_links(item: Any, links: dict[str, list[ArtifactLink]]) -> Any:

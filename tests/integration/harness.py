@@ -130,8 +130,10 @@ async def register_reducers(dsn: str, workflow: str, reducers: dict[str, str]) -
     try:
         await conn.execute(
             "INSERT INTO reducer_configs (tenant_id, workflow_id, config) VALUES ($1, $2, $3)",
-            "acme", workflow, json.dumps({"reducers": reducers}),
-        )  # fmt: skip
+            "acme",
+            workflow,
+            json.dumps({"reducers": reducers}),
+        )
     finally:
         await conn.close()
 
@@ -172,7 +174,7 @@ class Worker:
     async def start(
         cls,
         settings: Settings,
-        consumers: tuple[str, ...] = ("checkpoint",),
+        consumers: tuple[str, ...] = ("checkpointer",),
         embedder: AsyncEmbedder | None = None,
     ) -> AsyncIterator[Worker]:
         worker = cls(settings, Metrics())
@@ -184,9 +186,17 @@ class Worker:
             settings.kafka_bootstrap, settings.postgres_dsn, settings.redis_url
         )
         worker.task = asyncio.create_task(
-            run_worker(settings, services, list(consumers), worker.stop, metrics=worker.metrics,
-                       ready=ready, status=worker.status, embedder=embedder)
-        )  # fmt: skip
+            run_worker(
+                settings,
+                services,
+                list(consumers),
+                worker.stop,
+                metrics=worker.metrics,
+                ready=ready,
+                status=worker.status,
+                embedder=embedder,
+            )
+        )
         waiter = asyncio.ensure_future(ready.wait())
         await asyncio.wait([worker.task, waiter], timeout=60, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
@@ -212,7 +222,7 @@ def worker_env(settings: Settings) -> dict[str, str]:
 class WorkerProcess:
     """`alma worker` as a separate process, for SIGKILL and restarts."""
 
-    def __init__(self, settings: Settings, log_path: Path, consumers: str = "checkpoint") -> None:
+    def __init__(self, settings: Settings, log_path: Path, consumers: str = "checkpointer") -> None:
         self.env = worker_env(settings)
         self.log_path = log_path
         self.consumers = consumers
@@ -224,8 +234,11 @@ class WorkerProcess:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "alma_core.cli", "worker", "--consumers", self.consumers],
-                env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            )  # fmt: skip
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         return self
 
     def kill(self) -> None:

@@ -20,13 +20,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 async def bench(settings: Settings, *args: str) -> tuple[int, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
-    env |= {"ALMA_KAFKA_BOOTSTRAP": settings.kafka_bootstrap or "",
-            "ALMA_POSTGRES_DSN": settings.postgres_dsn or "",
-            "ALMA_REDIS_URL": settings.redis_url or "", "COLUMNS": "200"}  # fmt: skip
+    env |= {
+        "ALMA_KAFKA_BOOTSTRAP": settings.kafka_bootstrap or "",
+        "ALMA_POSTGRES_DSN": settings.postgres_dsn or "",
+        "ALMA_REDIS_URL": settings.redis_url or "",
+        "COLUMNS": "200",
+    }
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench", *args, cwd=ROOT, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "bench",
+        *args,
+        cwd=ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     out, _ = await asyncio.wait_for(proc.communicate(), 280)
     return proc.returncode or 0, out.decode(errors="replace")
 
@@ -43,12 +52,23 @@ async def test_quick_side_by_side_run_writes_every_table(
     assert "<!-- bench:peers:end -->" in text
     doc = json.loads(out.with_suffix(".json").read_text())
     tables = doc["peers"]["tables"]
-    assert set(tables) == {"writes", "write_ratio", "storage", "reads", "run_state",
-                           "run_state_ratio", "merge"}  # fmt: skip
+    assert set(tables) == {
+        "writes",
+        "write_ratio",
+        "storage",
+        "reads",
+        "run_state",
+        "run_state_ratio",
+        "merge",
+    }
     assert doc["peers"]["machine"]["services"]["PostgreSQL"]
     writes = tables["writes"]["rows"]
-    expected = {(s, w, system) for s in ("5 KB", "100 KB") for w in (1, 50)
-                for system in ("ALMA", "LangGraph")}  # fmt: skip
+    expected = {
+        (s, w, system)
+        for s in ("5 KB", "100 KB")
+        for w in (1, 50)
+        for system in ("ALMA", "LangGraph")
+    }
     assert {(r["state"], r["writers"], r["system"]) for r in writes} >= expected
     assert all(r["checkpoints/s"]["median"] > 0 for r in writes)
     assert [r["checkpoints in run"] for r in tables["reads"]["rows"]] == [10, 1000]

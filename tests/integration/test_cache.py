@@ -62,8 +62,10 @@ async def test_a_failed_write_invalidates_as_soon_as_redis_answers(services: Ser
         await writer.open()
         try:
             assert await writer.write([entry("r", "latest", 1)])
-            before = {**await admin.config_get("maxmemory"),
-                      **await admin.config_get("maxmemory-policy")}  # fmt: skip
+            before = {
+                **await admin.config_get("maxmemory"),
+                **await admin.config_get("maxmemory-policy"),
+            }
             await admin.config_set("maxmemory-policy", "noeviction")
             await admin.config_set("maxmemory", 1)  # every write refused, reads served
             try:

@@ -167,14 +167,19 @@ async def test_joiner_killed_mid_stream_every_join_answered_once(
             for b in ("x", "y"):
                 await pub.send(completed(run, branch=b, updates={"log": [b]}))
         await pub.flush()
-        joiner = WorkerProcess(settings, tmp_path / "joiner.log", consumers="join").start()
+        joiner = WorkerProcess(settings, tmp_path / "joiner.log", consumers="joiner").start()
 
         async def ask(client: AlmaClient, run: str, k: int) -> Any:
             ctx = WorkflowContext(tenant_id="acme", workflow_id="wf", run_id=run)
             for _ in range(8):
                 try:
-                    return await client.merge(ctx, branch_ids=["x", "y"], join_id=f"{run}-{k}",
-                                              reducers={"log": "append"}, timeout=5)  # fmt: skip
+                    return await client.merge(
+                        ctx,
+                        branch_ids=["x", "y"],
+                        join_id=f"{run}-{k}",
+                        reducers={"log": "append"},
+                        timeout=5,
+                    )
                 except errors.MergeTimeout:
                     continue  # the same join_id again: safe
             raise AssertionError(f"join {run}-{k} never answered")
@@ -191,9 +196,10 @@ async def test_joiner_killed_mid_stream_every_join_answered_once(
     assert all(r.status == "ok" for r in replies)
     assert len({(r.run_id, r.join_id) for r in replies}) == 30
     rows = await fetch(
-        dsn, "SELECT metadata->>'join_id' AS j, count(*) AS n FROM checkpoints "
-        "WHERE kind = 'merge' GROUP BY 1"
-    )  # fmt: skip
+        dsn,
+        "SELECT metadata->>'join_id' AS j, count(*) AS n FROM checkpoints "
+        "WHERE kind = 'merge' GROUP BY 1",
+    )
     assert len(rows) == 30
     assert all(r["n"] == 1 for r in rows)
     for run in runs:  # three joins of one run: seqs follow each other, no gap
@@ -214,8 +220,12 @@ async def test_every_group_killed_each_side_effect_once(settings: Settings, tmp_
     rng = random.Random(2026)
     dsn, bootstrap = settings.postgres_dsn or "", settings.kafka_bootstrap or ""
     runs = [f"all-{i:02d}" for i in range(16)]
-    workers = [WorkerProcess(settings, tmp_path / f"all-{i}.log", consumers="checkpoint,join,learn")
-               .start() for i in range(2)]  # fmt: skip
+    workers = [
+        WorkerProcess(
+            settings, tmp_path / f"all-{i}.log", consumers="checkpointer,joiner,learner"
+        ).start()
+        for i in range(2)
+    ]
     sent: dict[str, list[dict[str, Any]]] = {run: [] for run in runs}
 
     async def publish() -> None:
@@ -224,12 +234,26 @@ async def test_every_group_killed_each_side_effect_once(settings: Settings, tmp_
                 docs = [
                     completed(run, node="a", branch="a", updates={"xs": [f"{run}-a"]}),
                     completed(run, node="b", branch="b", updates={"xs": [f"{run}-b"]}),
-                    event("branch.join", run, node="join", join_id="j", branch_ids=["a", "b"],
-                          reducers={"xs": "append"}),
-                    event("workflow.completed", run, node=None, outcome="success",
-                          duration_ms=10, node_count=2, nodes_succeeded=2, nodes_failed=0,
-                          task=f"chaos run {run}"),
-                ]  # fmt: skip
+                    event(
+                        "branch.join",
+                        run,
+                        node="join",
+                        join_id="j",
+                        branch_ids=["a", "b"],
+                        reducers={"xs": "append"},
+                    ),
+                    event(
+                        "workflow.completed",
+                        run,
+                        node=None,
+                        outcome="success",
+                        duration_ms=10,
+                        node_count=2,
+                        nodes_succeeded=2,
+                        nodes_failed=0,
+                        task=f"chaos run {run}",
+                    ),
+                ]
                 sent[run] = docs
                 for doc in docs:
                     await pub.send(doc)
@@ -262,11 +286,16 @@ async def test_every_group_killed_each_side_effect_once(settings: Settings, tmp_
         # The cache against PostgreSQL first: nothing else has been written since.
         await assert_cache_matches(settings, runs, require_all=False)
         for run, docs in sent.items():
-            rows = await fetch(dsn, "SELECT seq, kind, event_id, state FROM checkpoints "
-                                    "WHERE run_id = $1 ORDER BY seq", run)  # fmt: skip
+            rows = await fetch(
+                dsn,
+                "SELECT seq, kind, event_id, state FROM checkpoints WHERE run_id = $1 ORDER BY seq",
+                run,
+            )
             assert [(r["seq"], r["kind"], r["event_id"]) for r in rows] == [
-                (1, "node", docs[0]["event_id"]), (2, "node", docs[1]["event_id"]),
-                (3, "merge", docs[2]["event_id"])], run  # fmt: skip
+                (1, "node", docs[0]["event_id"]),
+                (2, "node", docs[1]["event_id"]),
+                (3, "merge", docs[2]["event_id"]),
+            ], run
             assert rows[2]["state"] == {"xs": [f"{run}-a", f"{run}-b"]}
         joins = await fetch(dsn, "SELECT run_id, status, checkpoint_seq, reply FROM joins")
         for j in joins:  # reply after durable: the reply's seq and state are the merge's
@@ -274,18 +303,21 @@ async def test_every_group_killed_each_side_effect_once(settings: Settings, tmp_
             assert j["reply"]["merged_state"] == {"xs": [f"{j['run_id']}-a", f"{j['run_id']}-b"]}
         events = await fetch(dsn, "SELECT event_id, count(*) AS n FROM run_events GROUP BY 1")
         assert sorted(e["event_id"] for e in events) == sorted(
-            d["event_id"] for docs in sent.values() for d in docs)  # fmt: skip
+            d["event_id"] for docs in sent.values() for d in docs
+        )
         outcomes = await fetch(dsn, "SELECT run_id, event_id FROM workflow_outcomes")
         completions = sorted(docs[3]["event_id"] for docs in sent.values())
         assert sorted(o["event_id"] for o in outcomes) == completions
         # Learned counts are derived from the outcomes, whatever was delivered twice.
-        heuristics = await fetch(dsn, "SELECT occurrences, successes FROM memories "
-                                      "WHERE kind = 'heuristic'")  # fmt: skip
+        heuristics = await fetch(
+            dsn, "SELECT occurrences, successes FROM memories WHERE kind = 'heuristic'"
+        )
         assert [(h["occurrences"], h["successes"]) for h in heuristics] == [(len(runs), len(runs))]
         handoffs = await read_topic_ids(bootstrap, settings.sequenced_topic, 2 * len(runs))
         assert handoffs == {d["event_id"] for docs in sent.values() for d in docs[2:]}
-        replies = await read_topic_ids(bootstrap, settings.merged_topic, len(runs),
-                                       key=lambda v: json.loads(v)["run_id"])  # fmt: skip
+        replies = await read_topic_ids(
+            bootstrap, settings.merged_topic, len(runs), key=lambda v: json.loads(v)["run_id"]
+        )
         assert replies == set(runs)
         assert await count(dsn, "SELECT count(*) FROM dead_letters") == 0
     finally:
@@ -302,8 +334,9 @@ async def read_topic_ids(
     from aiokafka import AIOKafkaConsumer
 
     pick = key or (lambda v: json.loads(v)["event_id"])
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap,
-                                auto_offset_reset="earliest", enable_auto_commit=False)  # fmt: skip
+    consumer = AIOKafkaConsumer(
+        topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
+    )
     await consumer.start()
     seen: set[str] = set()
     try:

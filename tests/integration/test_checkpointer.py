@@ -103,12 +103,22 @@ async def test_branches_failures_and_handoffs(settings: Settings, worker: Worker
         completed(run, node="a", branch="A", updates={"found": ["x"]}),
         completed(run, node="b", branch="B", updates={"found": ["y"]}),
         completed(run, node="a2", branch="A", updates={"more": 1}),
-        event("node.failed", run, node="b2", branch="B",
-              error={"type": "Timeout", "message": "slow"}),
+        event(
+            "node.failed", run, node="b2", branch="B", error={"type": "Timeout", "message": "slow"}
+        ),
         event("branch.join", run, node=None, join_id="j1", branch_ids=["A", "B"]),
-        event("workflow.completed", run, node=None, outcome="failure", duration_ms=10,
-              node_count=5, nodes_succeeded=4, nodes_failed=1, error_message="slow"),
-    ]  # fmt: skip
+        event(
+            "workflow.completed",
+            run,
+            node=None,
+            outcome="failure",
+            duration_ms=10,
+            node_count=5,
+            nodes_succeeded=4,
+            nodes_failed=1,
+            error_message="slow",
+        ),
+    ]
     async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
         for doc in docs:
             await pub.send(doc)
@@ -169,8 +179,11 @@ async def test_bad_input_goes_to_the_dead_letters_and_the_partition_moves_on(
     good: list[dict[str, Any]] = []
     poison: list[tuple[bytes | dict[str, Any], bytes, str]] = [
         (b"{oops", run.encode(), "malformed_json"),
-        (json.dumps({**completed(run, state={}), "type": "node.paused"}).encode(), run.encode(),
-         "unknown_type"),
+        (
+            json.dumps({**completed(run, state={}), "type": "node.paused"}).encode(),
+            run.encode(),
+            "unknown_type",
+        ),
         (completed(run, tenant="evil", state={"x": 1}), run.encode(), "tenant_mismatch"),
         (completed(run, state={"x": 1}, expected_seq=99), run.encode(), "stale_expected_seq"),
         (completed(run, state={"blob": "x" * 70_000}), run.encode(), "state_too_large"),
@@ -178,9 +191,12 @@ async def test_bad_input_goes_to_the_dead_letters_and_the_partition_moves_on(
         (completed(run, updates={"grow2": "y" * 40_000}), run.encode(), "state_too_large"),
         (completed("other", workflow="broken", updates={"x": 1}), b"other", "unknown_reducer"),
         (completed(run, state={"a": "\u0000"}), run.encode(), "schema_violation"),
-        (json.dumps(completed(run, state={"a": "X"})).replace('"X"', '"\\ud800"').encode(),
-         run.encode(), "schema_violation"),
-    ]  # fmt: skip
+        (
+            json.dumps(completed(run, state={"a": "X"})).replace('"X"', '"\\ud800"').encode(),
+            run.encode(),
+            "schema_violation",
+        ),
+    ]
     async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
         # The run's first event exists so the tenant check has a run to compare with.
         first = completed(run, updates={"grow": "z" * 30_000})
@@ -286,9 +302,13 @@ async def test_concurrent_updates_from_parallel_producers_lose_nothing(
         async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
             for i in range(each):
                 await pub.send(
-                    completed("shared-run", workflow="shared", node=f"w{w}",
-                              updates={"actions": [f"w{w}-{i}"], "count": 1})
-                )  # fmt: skip
+                    completed(
+                        "shared-run",
+                        workflow="shared",
+                        node=f"w{w}",
+                        updates={"actions": [f"w{w}-{i}"], "count": 1},
+                    )
+                )
                 if i % 10 == 0:
                     await pub.flush()
             await pub.flush()

@@ -98,8 +98,11 @@ async def test_reducers_set_and_show(settings: Settings, tmp_path: Path) -> None
     saved = alma("reducers", "set", "wf", str(good), "--tenant", "acme", env=env)
     assert saved.returncode == 0, saved.stderr
     shown = json.loads(alma("reducers", "show", "wf", "--tenant", "acme", env=env).stdout)
-    assert shown == {"reducers": {"log": "append", "n": "sum"}, "default_reducer": "last_value",
-                     "strict": True}  # fmt: skip
+    assert shown == {
+        "reducers": {"log": "append", "n": "sum"},
+        "default_reducer": "last_value",
+        "strict": True,
+    }
     unknown = tmp_path / "unknown.json"
     unknown.write_text(json.dumps({"reducers": {"n": "median"}}))
     bad = alma("reducers", "set", "wf", str(unknown), "--tenant", "acme", env=env)
@@ -122,8 +125,14 @@ async def test_runs_list_and_show(settings: Settings, worker: Worker) -> None:
     assert listed.returncode == 0, listed.stderr
     runs = json.loads(listed.stdout)
     assert [(r["run_id"], r["status"], r["last_seq"]) for r in runs] == [("cli-run", "running", 5)]
-    assert json.loads(alma("runs", "list", "--tenant", "acme", "--status", "succeeded",
-                           "--json", env=env).stdout) == []  # fmt: skip
+    assert (
+        json.loads(
+            alma(
+                "runs", "list", "--tenant", "acme", "--status", "succeeded", "--json", env=env
+            ).stdout
+        )
+        == []
+    )
     human = alma("runs", "list", "--tenant", "acme", env=env)
     assert "cli-run" in human.stdout
     assert "runs (1)" in human.stdout
@@ -139,8 +148,10 @@ async def test_runs_list_and_show(settings: Settings, worker: Worker) -> None:
     assert "checkpoints (5)" in table.stdout
     assert "no outcome yet" in table.stdout
     # bad input: unknown run, another tenant's run, no tenant, unknown status
-    for args in (("runs", "show", "nope", "--tenant", "acme"),
-                 ("runs", "show", "cli-run", "--tenant", "globex")):  # fmt: skip
+    for args in (
+        ("runs", "show", "nope", "--tenant", "acme"),
+        ("runs", "show", "cli-run", "--tenant", "globex"),
+    ):
         missing = alma(*args, env=env)
         assert missing.returncode == 1
         assert "no checkpoints for run" in missing.stderr

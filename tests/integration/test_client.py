@@ -23,8 +23,12 @@ async def test_lifecycle_calls_become_checkpoints(settings: Settings, worker: Wo
         node = replace(RUN, node_id="fetch")
         await client.node_started(node, attempt=1, input={"url": "https://example.org"})
         await client.node_completed(node, updates={"pages": 3})
-        await client.node_failed(replace(RUN, node_id="parse"), error_type="ValueError",
-                                 message="bad html", updates={"pages": 4})  # fmt: skip
+        await client.node_failed(
+            replace(RUN, node_id="parse"),
+            error_type="ValueError",
+            message="bad html",
+            updates={"pages": 4},
+        )
         retry = replace(RUN, node_id="parse")
         await client.node_completed(retry, updates={"pages": 5}, expected_seq=2)
         await client.workflow_completed(

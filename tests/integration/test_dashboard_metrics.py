@@ -74,7 +74,7 @@ async def test_every_metric_the_dashboard_and_the_alerts_name_is_produced(
     dsn = settings.postgres_dsn
     assert dsn
     ctx = WorkflowContext("acme", "metrics-wf", None, "metrics-run")
-    async with Worker.start(settings, ("checkpoint", "join", "learn"), embedder) as worker:
+    async with Worker.start(settings, ("checkpointer", "joiner", "learner"), embedder) as worker:
         async with (
             AlmaClient(settings, embedder=embedder, observer=worker.metrics) as client,
             Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as bad,
@@ -88,9 +88,14 @@ async def test_every_metric_the_dashboard_and_the_alerts_name_is_produced(
             await bad.send(b"{not json", key="metrics-run")
             await bad.flush()
             await client.workflow_completed(
-                ctx, success=True, duration_ms=10, node_count=3, nodes_succeeded=3,
-                nodes_failed=0, task="measure the metrics",
-            )  # fmt: skip
+                ctx,
+                success=True,
+                duration_ms=10,
+                node_count=3,
+                nodes_succeeded=3,
+                nodes_failed=0,
+                task="measure the metrics",
+            )
 
             async def learned() -> bool:
                 return await count(dsn, "SELECT count(*) FROM workflow_outcomes") == 1
@@ -100,9 +105,10 @@ async def test_every_metric_the_dashboard_and_the_alerts_name_is_produced(
             await client.resume(WorkflowContext("acme", "metrics-wf", None, "unknown-run"))
             await client.retrieve("measure the metrics", ctx, RetrievalScope.WORKFLOW)
         missing = {
-            series for series in named - produced(worker)
+            series
+            for series in named - produced(worker)
             if series not in ONLY_ON_FAILURE and (series[0], "", "") not in ONLY_ON_FAILURE
-        }  # fmt: skip
+        }
         assert missing == set()
     for (metric, _, value), test_file in ONLY_ON_FAILURE.items():
         assert (metric, "", "") in named

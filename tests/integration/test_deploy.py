@@ -43,8 +43,10 @@ def settings_variables() -> set[str]:
 def test_alert_rules_pass_promtool() -> None:
     result = subprocess.run(
         ["promtool", "check", "rules", str(DEPLOY / "prometheus" / "alerts.yml")],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS: 8 rules found" in result.stdout
 
@@ -58,16 +60,32 @@ def test_every_metric_in_rules_and_dashboard_exists() -> None:
         missing = sorted(n for n in names if n not in exported)
         assert not missing, f"{source} names metrics the code does not export: {missing}"
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
-    for panel in ("throughput", "end-to-end lag", "lag per partition", "dead letters",
-                  "checkpoint write", "merge time", "cache"):  # fmt: skip
+    for panel in (
+        "throughput",
+        "end-to-end lag",
+        "lag per partition",
+        "dead letters",
+        "checkpoint write",
+        "merge time",
+        "cache",
+    ):
         assert panel in titles
 
 
 def test_docker_compose_services_and_settings() -> None:
     compose: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"kafka", "postgres", "redis", "prometheus", "grafana", "init", "checkpointer",
-            "joiner", "learner"} <= set(services)  # fmt: skip
+    assert {
+        "kafka",
+        "postgres",
+        "redis",
+        "prometheus",
+        "grafana",
+        "init",
+        "checkpointer",
+        "joiner",
+        "learner",
+    } <= set(services)
     assert "KAFKA_PROCESS_ROLES" in services["kafka"]["environment"]  # KRaft, no ZooKeeper
     assert services["postgres"]["image"].startswith("pgvector/pgvector")
     known = settings_variables()
@@ -77,9 +95,9 @@ def test_docker_compose_services_and_settings() -> None:
         assert {"ALMA_KAFKA_BOOTSTRAP", "ALMA_POSTGRES_DSN", "ALMA_REDIS_URL"} <= set(env)
     for name in ("kafka", "postgres", "redis", "checkpointer", "joiner", "learner", "prometheus"):
         assert "healthcheck" in services[name], name
-    assert services["checkpointer"]["command"] == ["worker", "--consumers", "checkpoint"]
-    assert services["joiner"]["command"] == ["worker", "--consumers", "join"]
-    assert services["learner"]["command"] == ["worker", "--consumers", "learn"]
+    assert services["checkpointer"]["command"] == ["worker", "--consumers", "checkpointer"]
+    assert services["joiner"]["command"] == ["worker", "--consumers", "joiner"]
+    assert services["learner"]["command"] == ["worker", "--consumers", "learner"]
     prometheus = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     sd = prometheus["scrape_configs"][0]["dns_sd_configs"][0]
     assert set(sd["names"]) == {"checkpointer", "joiner", "learner"}
@@ -99,7 +117,7 @@ def test_kubernetes_manifests() -> None:
         assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
         assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
         assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
-        assert container["args"][:2] == ["worker", "--consumers"]
+        assert container["args"] == ["worker", "--consumers", name.removeprefix("alma-")]
         assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
         assert deployment["spec"]["selector"]["matchLabels"] == pod["metadata"]["labels"], name
     assert {p["metadata"]["name"] for p in by_kind["PodDisruptionBudget"]} == set(deployments)

@@ -52,14 +52,18 @@ def hostile_lifecycle(run: str, max_record_bytes: int) -> list[tuple[bytes, byte
         (_raw(completed(run, state={"a": 1}, expected_seq=10**40)), run.encode()),
         (_raw(completed(run, state={"a": 1})), b"other\x00key"),
         (_raw(completed(run, state={"a": 1})).replace(b'{"a": 1}', b'{"a": NaN}'), run.encode()),
-        (_raw(completed(run, state={"a": 1})).replace(b'{"a": 1}', b'{"a": Infinity}'),
-         run.encode()),
-        (_raw(completed(run, state={"a": 1})).replace(b'{"a": 1}', b"[" * 5000 + b"]" * 5000),
-         run.encode()),
+        (
+            _raw(completed(run, state={"a": 1})).replace(b'{"a": 1}', b'{"a": Infinity}'),
+            run.encode(),
+        ),
+        (
+            _raw(completed(run, state={"a": 1})).replace(b'{"a": 1}', b"[" * 5000 + b"]" * 5000),
+            run.encode(),
+        ),
         (b"\xff\xfe{not utf-8", run.encode()),
         (b"x" * (max_record_bytes + 1), run.encode()),
         (b"\x00\x00\x00", b"\x00"),
-    ]  # fmt: skip
+    ]
     return records
 
 
@@ -93,8 +97,9 @@ async def test_hostile_records_through_the_checkpointer(settings: Settings, work
         return await count(dsn, "SELECT count(*) FROM run_events") == len(good)
 
     await wait_for(all_good, what="every good event applied")
-    rows = await fetch(dsn, "SELECT event_id, state FROM checkpoints WHERE run_id = $1 "
-                            "ORDER BY seq", run)  # fmt: skip
+    rows = await fetch(
+        dsn, "SELECT event_id, state FROM checkpoints WHERE run_id = $1 ORDER BY seq", run
+    )
     assert [r["event_id"] for r in rows] == [g["event_id"] for g in good]
     assert rows[0]["state"]["big"] == 10**40
     assert sorted(await _dead_letter_values(dsn)) == sorted(v for v, _ in poison)
@@ -116,7 +121,7 @@ async def test_hostile_handoffs_through_the_joiner_and_the_learner(
     dsn, bootstrap = settings.postgres_dsn or "", settings.kafka_bootstrap or ""
     run = "handoff"
     poison = hostile_lifecycle(run, settings.max_record_bytes)
-    async with Worker.start(settings, ("checkpoint", "join", "learn"), embedder):
+    async with Worker.start(settings, ("checkpointer", "joiner", "learner"), embedder):
         async with Publisher(bootstrap, settings.sequenced_topic) as pub:
             for value, key in poison:
                 await pub.send(value, key=key, headers=BAD_HEADERS)
@@ -124,11 +129,28 @@ async def test_hostile_handoffs_through_the_joiner_and_the_learner(
         async with Publisher(bootstrap, settings.lifecycle_topic) as pub:
             await pub.send(completed(run, branch="a", state={"xs": [1]}))
             await pub.send(completed(run, branch="b", state={"xs": [2]}))
-            await pub.send(event("branch.join", run, join_id="j1", branch_ids=["a", "b"],
-                                 reducers={"xs": "append"}))  # fmt: skip
-            await pub.send(event("workflow.completed", run, node=None, outcome="success",
-                                 duration_ms=5, node_count=2, nodes_succeeded=2, nodes_failed=0,
-                                 task="hostile neighbours"))  # fmt: skip
+            await pub.send(
+                event(
+                    "branch.join",
+                    run,
+                    join_id="j1",
+                    branch_ids=["a", "b"],
+                    reducers={"xs": "append"},
+                )
+            )
+            await pub.send(
+                event(
+                    "workflow.completed",
+                    run,
+                    node=None,
+                    outcome="success",
+                    duration_ms=5,
+                    node_count=2,
+                    nodes_succeeded=2,
+                    nodes_failed=0,
+                    task="hostile neighbours",
+                )
+            )
             await pub.flush()
 
         async def done() -> bool:
@@ -137,8 +159,9 @@ async def test_hostile_handoffs_through_the_joiner_and_the_learner(
             dead = await count(dsn, "SELECT count(*) FROM dead_letters")
             return merged == 1 and learned == 1 and dead == 2 * len(poison)
 
-        await wait_for(done, what="the join, the outcome and both groups' dead letters",
-                       limit_s=120)  # fmt: skip
+        await wait_for(
+            done, what="the join, the outcome and both groups' dead letters", limit_s=120
+        )
     rows = await fetch(dsn, "SELECT consumer, value FROM dead_letters")
     for consumer in ("joiner", "learner"):
         values = sorted(bytes(r["value"]) for r in rows if r["consumer"] == consumer)

@@ -41,8 +41,11 @@ async def test_metrics_health_and_readiness(settings: Settings, worker: Worker) 
     await wait_for(done, what="the events")
     await asyncio.sleep(0.2)
     _, text = await get(port, "/metrics")
-    lines = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
-             if ln and not ln.startswith("#")}  # fmt: skip
+    lines = {
+        ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1])
+        for ln in text.splitlines()
+        if ln and not ln.startswith("#")
+    }
     assert lines['alma_checkpoints_total{consumer="checkpointer",kind="node"}'] == 3
     assert lines['alma_dead_letters_total{consumer="checkpointer",reason="malformed_json"}'] == 1
     assert (

@@ -36,8 +36,7 @@ from tests.integration.harness import (
     worker_env,
 )
 
-REDUCERS = {"log": "append", "total": "sum", "best": "max", "info": "merge_dict",
-            "tag": "longest"}  # fmt: skip
+REDUCERS = {"log": "append", "total": "sum", "best": "max", "info": "merge_dict", "tag": "longest"}
 
 
 def longest(current: Any, update: Any) -> Any:
@@ -49,7 +48,7 @@ async def stack(settings: Settings) -> AsyncIterator[tuple[Worker, AlmaClient]]:
     if "longest" not in default_registry():
         default_registry().register("longest", longest)
     async with (
-        Worker.start(settings, ("checkpoint", "join")) as worker,
+        Worker.start(settings, ("checkpointer", "joiner")) as worker,
         AlmaClient(settings) as client,
     ):
         yield worker, client
@@ -57,12 +56,28 @@ async def stack(settings: Settings) -> AsyncIterator[tuple[Worker, AlmaClient]]:
 
 async def fan_out(settings: Settings, run: str, branches: int) -> None:
     async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
-        await pub.send(completed(run, node="start", updates={
-            "log": ["start"], "total": 10, "best": 1, "info": {"a": 1}, "tag": "s"}))  # fmt: skip
+        await pub.send(
+            completed(
+                run,
+                node="start",
+                updates={"log": ["start"], "total": 10, "best": 1, "info": {"a": 1}, "tag": "s"},
+            )
+        )
         for i in range(branches):
-            await pub.send(completed(run, node=f"work{i}", branch=f"b{i}", updates={
-                "log": [f"b{i}"], "total": i, "best": (i * 3) % 7, "info": {"b": i},
-                "tag": "t" * (i % 3 + 1)}))  # fmt: skip
+            await pub.send(
+                completed(
+                    run,
+                    node=f"work{i}",
+                    branch=f"b{i}",
+                    updates={
+                        "log": [f"b{i}"],
+                        "total": i,
+                        "best": (i * 3) % 7,
+                        "info": {"b": i},
+                        "tag": "t" * (i % 3 + 1),
+                    },
+                )
+            )
         await pub.flush()
 
 
@@ -96,8 +111,11 @@ async def test_fan_out_fan_in_many_runs(
         assert reply.merged_state == expected
         assert reply.checkpoint_seq == 7  # after 1 main-line and 5 branch checkpoints
         rows = await fetch(
-            dsn, "SELECT kind, merged_from, parent_seq, state FROM checkpoints "
-            "WHERE run_id = $1 AND seq = 7", run)  # fmt: skip
+            dsn,
+            "SELECT kind, merged_from, parent_seq, state FROM checkpoints "
+            "WHERE run_id = $1 AND seq = 7",
+            run,
+        )
         assert rows[0]["kind"] == "merge"
         assert rows[0]["parent_seq"] == 1
         assert rows[0]["state"] == expected
@@ -127,16 +145,25 @@ async def test_same_join_twice_one_checkpoint_identical_replies(
     ("kwargs", "reason", "names"),
     [
         ({"branch_ids": ["b0", "nope"]}, "missing_branch", "'nope'"),
-        ({"branch_ids": ["b0", "b1"], "reducers": {"log": "median"}}, "unknown_reducer",
-         "'median'"),
-        ({"branch_ids": ["b0", "b1"], "reducers": {"log": "append"}, "strict": True},
-         "strict_conflict", "received 2 different values"),
+        (
+            {"branch_ids": ["b0", "b1"], "reducers": {"log": "median"}},
+            "unknown_reducer",
+            "'median'",
+        ),
+        (
+            {"branch_ids": ["b0", "b1"], "reducers": {"log": "append"}, "strict": True},
+            "strict_conflict",
+            "received 2 different values",
+        ),
     ],
-)  # fmt: skip
+)
 async def test_errors_answer_and_dead_letter(
-    settings: Settings, stack: tuple[Worker, AlmaClient], kwargs: dict[str, Any], reason: str,
+    settings: Settings,
+    stack: tuple[Worker, AlmaClient],
+    kwargs: dict[str, Any],
+    reason: str,
     names: str,
-) -> None:  # fmt: skip
+) -> None:
     _, client = stack
     dsn = settings.postgres_dsn
     assert dsn
@@ -151,8 +178,9 @@ async def test_errors_answer_and_dead_letter(
     letters = await fetch(dsn, "SELECT consumer, reason FROM dead_letters")
     assert [(r["consumer"], r["reason"]) for r in letters] == [("joiner", reason)]
     # Nothing is stuck: the next join of the run is answered.
-    ok = await client.merge(ctx(run), branch_ids=["b0", "b1"], reducers={"log": "append"},
-                            timeout=60)  # fmt: skip
+    ok = await client.merge(
+        ctx(run), branch_ids=["b0", "b1"], reducers={"log": "append"}, timeout=60
+    )
     assert ok.status == "ok"
 
 
@@ -182,9 +210,15 @@ async def test_reply_lost_to_a_crash_is_sent_on_recovery(settings: Settings) -> 
             return await count(dsn, "SELECT count(*) FROM checkpoints") == 3
 
         await wait_for(three, what="the branch checkpoints")
-    join = {"event_id": "j-lost", "type": "branch.join", "emitted_at": "2026-11-22T10:00:00Z",
-            "tenant_id": "acme", "workflow_id": "wf", "run_id": "lost",
-            "payload": {"join_id": "lost-1", "branch_ids": ["b0", "b1"]}}  # fmt: skip
+    join = {
+        "event_id": "j-lost",
+        "type": "branch.join",
+        "emitted_at": "2026-11-22T10:00:00Z",
+        "tenant_id": "acme",
+        "workflow_id": "wf",
+        "run_id": "lost",
+        "payload": {"join_id": "lost-1", "branch_ids": ["b0", "b1"]},
+    }
     raw = json.dumps(join).encode()
     async with connect(dsn) as pool:
         store = PostgresJoinStore(
@@ -201,7 +235,7 @@ async def test_reply_lost_to_a_crash_is_sent_on_recovery(settings: Settings) -> 
         record = Incoming(settings.sequenced_topic, 0, 0, b"lost", raw, decode(raw))
         result = await store.apply("crashed", {(settings.sequenced_topic, 0): [record]})
     assert result.outcomes["ok"] == 1  # durable, but never published: the crash
-    async with Worker.start(settings, ("join",)):
+    async with Worker.start(settings, ("joiner",)):
         records = await read_topic(settings.kafka_bootstrap or "", settings.merged_topic, 1)
     reply = json.loads(records[0].value)
     assert (reply["join_id"], reply["status"], reply["checkpoint_seq"]) == ("lost-1", "ok", 4)
@@ -212,18 +246,27 @@ async def test_the_fan_out_example_runs(settings: Settings, tmp_path: Path) -> N
     """examples/fan_out_fan_in.py against running workers, as a user runs it."""
     example = Path(__file__).parents[2] / "examples" / "fan_out_fan_in.py"
     env = {**worker_env(settings), "PYTHONPATH": str(Path(__file__).parents[2])}
-    async with Worker.start(settings, ("checkpoint", "join")):
+    async with Worker.start(settings, ("checkpointer", "joiner")):
         result = await asyncio.to_thread(
-            subprocess.run, [sys.executable, str(example)], env=env, cwd=tmp_path,
-            capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
+            subprocess.run,
+            [sys.executable, str(example)],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
     assert result.returncode == 0, result.stderr
     assert "merged checkpoint seq 5" in result.stdout
     merged = json.loads(result.stdout.split("\n", 1)[1])
     assert merged["cost"] == pytest.approx(1.5)
     assert merged["score"] == 0.9
-    assert merged["findings"] == ["HNSW is fast", "IVF needs training",
-                                  "exact scan wins below 10k rows"]  # fmt: skip
+    assert merged["findings"] == [
+        "HNSW is fast",
+        "IVF needs training",
+        "exact scan wins below 10k rows",
+    ]
 
 
 async def test_several_clients_share_one_reply_topic(
@@ -237,8 +280,9 @@ async def test_several_clients_share_one_reply_topic(
         clients = [first, second]
 
         async def ask(i: int, run: str) -> Any:
-            return await clients[i % 2].merge(ctx(run), branch_ids=["b0", "b1"],
-                                              join_id=f"{run}-join", timeout=60)  # fmt: skip
+            return await clients[i % 2].merge(
+                ctx(run), branch_ids=["b0", "b1"], join_id=f"{run}-join", timeout=60
+            )
 
         replies = await asyncio.gather(*(ask(i, run) for i, run in enumerate(runs)))
     assert [r.join_id for r in replies] == [f"{run}-join" for run in runs]
@@ -259,9 +303,18 @@ async def test_a_reply_for_another_tenant_never_answers_a_join(settings: Setting
         headers = [("alma.join_id", b"j1")]
 
         def reply(tenant: str) -> bytes:
-            return MergeReply(join_id="j1", run_id="r1", tenant_id=tenant, status="ok",
-                              merged_state={"who": tenant}, checkpoint_seq=3
-                              ).model_dump_json().encode()  # fmt: skip
+            return (
+                MergeReply(
+                    join_id="j1",
+                    run_id="r1",
+                    tenant_id=tenant,
+                    status="ok",
+                    merged_state={"who": tenant},
+                    checkpoint_seq=3,
+                )
+                .model_dump_json()
+                .encode()
+            )
 
         async with Publisher(bootstrap, settings.merged_topic) as pub:
             await pub.send(reply("globex"), key="r1", headers=headers)
@@ -292,17 +345,25 @@ async def test_a_join_takes_its_place_in_the_partition_or_fails_clearly(
         for run in ("moved", "still"):
             await pub.send(completed(run, node="a", branch="a", updates={"xs": ["a"]}))
             await pub.send(completed(run, node="b", branch="b", updates={"xs": ["b"]}))
-            await pub.send(event("branch.join", run, node="join", join_id="j",
-                                 branch_ids=["a", "b"], reducers={"xs": "append"}))  # fmt: skip
+            await pub.send(
+                event(
+                    "branch.join",
+                    run,
+                    node="join",
+                    join_id="j",
+                    branch_ids=["a", "b"],
+                    reducers={"xs": "append"},
+                )
+            )
         await pub.send(completed("moved", node="after", updates={"xs": ["after"]}))
         await pub.flush()
-    async with Worker.start(settings, ("checkpoint",)):  # the joiner is not running yet
+    async with Worker.start(settings, ("checkpointer",)):  # the joiner is not running yet
 
         async def applied() -> bool:
             return await count(dsn, "SELECT count(*) FROM run_events") == 7
 
         await wait_for(applied, what="every event before the joiner starts")
-    async with Worker.start(settings, ("checkpoint", "join")):
+    async with Worker.start(settings, ("checkpointer", "joiner")):
 
         async def answered() -> bool:
             return await count(dsn, "SELECT count(*) FROM joins") == 2
@@ -314,8 +375,9 @@ async def test_a_join_takes_its_place_in_the_partition_or_fails_clearly(
     assert joins["still"]["status"] == "ok"
     assert joins["still"]["reply"]["merged_state"] == {"xs": ["a", "b"]}
     for run, kinds in (("moved", ["node", "node", "node"]), ("still", ["node", "node", "merge"])):
-        rows = await fetch(dsn, "SELECT seq, kind FROM checkpoints WHERE run_id = $1 "
-                                "ORDER BY seq", run)  # fmt: skip
+        rows = await fetch(
+            dsn, "SELECT seq, kind FROM checkpoints WHERE run_id = $1 ORDER BY seq", run
+        )
         assert [r["seq"] for r in rows] == [1, 2, 3]
         assert [r["kind"] for r in rows] == kinds
     letters = await fetch(dsn, "SELECT consumer, reason FROM dead_letters")

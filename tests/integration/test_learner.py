@@ -42,16 +42,28 @@ def run_events(
     docs = []
     for node in ("fetch", "parse", "summarise"):
         if node == fail_at:
-            docs.append(event("node.failed", run, tenant=tenant, workflow=WF, node=node,
-                              error={"type": "ValueError", "message": message}))  # fmt: skip
+            docs.append(
+                event(
+                    "node.failed",
+                    run,
+                    tenant=tenant,
+                    workflow=WF,
+                    node=node,
+                    error={"type": "ValueError", "message": message},
+                )
+            )
             break
         docs.append(completed(run, tenant=tenant, workflow=WF, node=node, updates={node: True}))
     ok = fail_at is None
     payload: dict[str, Any] = {
-        "outcome": "success" if ok else "failure", "duration_ms": 1500, "node_count": 3,
-        "nodes_succeeded": len(docs) - (0 if ok else 1), "nodes_failed": 0 if ok else 1,
-        "task": "summarise the research papers on graph databases", **done,
-    }  # fmt: skip
+        "outcome": "success" if ok else "failure",
+        "duration_ms": 1500,
+        "node_count": 3,
+        "nodes_succeeded": len(docs) - (0 if ok else 1),
+        "nodes_failed": 0 if ok else 1,
+        "task": "summarise the research papers on graph databases",
+        **done,
+    }
     docs.append(event("workflow.completed", run, tenant=tenant, workflow=WF, node=None, **payload))
     return docs
 
@@ -63,8 +75,13 @@ async def publish(settings: Settings, docs: list[dict[str, Any]]) -> None:
         await pub.flush()
 
 
-ARTIFACT = {"id": "report-1", "artifact_type": "report", "storage_path": "s3://b/report-1.pdf",
-            "content_hash": "sha256:ab12", "size_bytes": 2048}  # fmt: skip
+ARTIFACT = {
+    "id": "report-1",
+    "artifact_type": "report",
+    "storage_path": "s3://b/report-1.pdf",
+    "content_hash": "sha256:ab12",
+    "size_bytes": 2048,
+}
 
 
 async def test_learns_outcomes_heuristics_and_anti_patterns(
@@ -76,9 +93,13 @@ async def test_learns_outcomes_heuristics_and_anti_patterns(
     for i in range(3):
         docs += run_events(f"ok-{i}", artifacts=[ARTIFACT] if i == 0 else [])
     for i in range(2):  # the same failure, with different numbers in the message
-        docs += run_events(f"bad-{i}", fail_at="parse", message=f"unexpected tag at line {40 + i}",
-                           artifacts=[{**ARTIFACT, "id": f"log-{i}"}])  # fmt: skip
-    async with Worker.start(settings, ("checkpoint", "learn"), embedder):
+        docs += run_events(
+            f"bad-{i}",
+            fail_at="parse",
+            message=f"unexpected tag at line {40 + i}",
+            artifacts=[{**ARTIFACT, "id": f"log-{i}"}],
+        )
+    async with Worker.start(settings, ("checkpointer", "learner"), embedder):
         await publish(settings, docs)
 
         async def learned() -> bool:
@@ -87,17 +108,19 @@ async def test_learns_outcomes_heuristics_and_anti_patterns(
         await wait_for(learned, limit_s=60, what="five outcomes")
         await asyncio.sleep(0.3)
     outcomes = await fetch(
-        dsn, "SELECT run_id, success, failing_node, strategy, learnings_extracted, "
-        "vector_dims(embedding) AS dims, description FROM workflow_outcomes ORDER BY run_id"
-    )  # fmt: skip
+        dsn,
+        "SELECT run_id, success, failing_node, strategy, learnings_extracted, "
+        "vector_dims(embedding) AS dims, description FROM workflow_outcomes ORDER BY run_id",
+    )
     assert all(o["dims"] == 384 for o in outcomes)
     bad = [o for o in outcomes if not o["success"]]
     assert [o["failing_node"] for o in bad] == ["parse", "parse"]
     assert "unexpected tag" in bad[0]["description"]
     memories = await fetch(
-        dsn, "SELECT kind, node_id, run_id, occurrences, successes, confidence, content "
-        "FROM memories ORDER BY kind, run_id"
-    )  # fmt: skip
+        dsn,
+        "SELECT kind, node_id, run_id, occurrences, successes, confidence, content "
+        "FROM memories ORDER BY kind, run_id",
+    )
     kinds = [m["kind"] for m in memories]
     assert kinds.count("heuristic") == 1
     heuristic = next(m for m in memories if m["kind"] == "heuristic")
@@ -141,7 +164,7 @@ async def test_cleanup_after_learning_and_retention_of_closed_runs_only(
     still_open = [completed("old-open", workflow=WF, node="fetch", updates={"x": 1})]
     still_open[0]["emitted_at"] = old
     recent = run_events("recent-closed")
-    async with Worker.start(settings, ("checkpoint", "learn"), embedder):
+    async with Worker.start(settings, ("checkpointer", "learner"), embedder):
         await publish(settings, docs + closed_long_ago + still_open + recent)
 
         async def learned() -> bool:
@@ -174,8 +197,11 @@ async def test_embedding_dimension_mismatch_is_a_clear_start_up_error(
     finally:
         await conn.close()
     services = Services(settings.kafka_bootstrap or "", dsn, settings.redis_url or "")
-    with pytest.raises(errors.ConfigError, match=r"384-dimensional.*memories.embedding is "
-                       r"vector\(16\)"):  # fmt: skip
+    with pytest.raises(
+        errors.ConfigError,
+        match=r"384-dimensional.*memories.embedding is "
+        r"vector\(16\)",
+    ):
         await run_worker(settings, services, ["learn"], asyncio.Event(), embedder=embedder)
 
 
@@ -188,11 +214,15 @@ async def test_learner_killed_mid_batch_learns_each_run_once(
     docs: list[dict[str, Any]] = []
     for i in range(24):
         fail = "parse" if i % 3 == 0 else None
-        docs += run_events(f"r{i:02d}", fail_at=fail, message="timeout after 30 s",
-                           artifacts=[{**ARTIFACT, "id": f"a{i}"}])  # fmt: skip
+        docs += run_events(
+            f"r{i:02d}",
+            fail_at=fail,
+            message="timeout after 30 s",
+            artifacts=[{**ARTIFACT, "id": f"a{i}"}],
+        )
     learner = WorkerProcess(settings, tmp_path / "learner.log", consumers="learn").start()
     try:
-        async with Worker.start(settings, ("checkpoint",)):
+        async with Worker.start(settings, ("checkpointer",)):
             await learner.wait_started(limit_s=120)
             await publish(settings, docs[: len(docs) // 2])
             await publish(settings, docs[len(docs) // 2 :])
@@ -217,7 +247,9 @@ async def test_learner_killed_mid_batch_learns_each_run_once(
     assert all(r["n"] == 1 for r in rows)
     memories = await fetch(dsn, "SELECT kind, occurrences, successes FROM memories")
     assert sorted(m["kind"] for m in memories if m["kind"] != "outcome") == [
-        "anti_pattern", "heuristic"]  # fmt: skip
+        "anti_pattern",
+        "heuristic",
+    ]
     anti = next(m for m in memories if m["kind"] == "anti_pattern")
     heuristic = next(m for m in memories if m["kind"] == "heuristic")
     assert anti["occurrences"] == 8, "counted from the stored outcomes: never twice"
@@ -235,7 +267,7 @@ async def test_cli_retrieve_and_prune(settings: Settings, embedder: AsyncEmbedde
     assert dsn
     docs = run_events("c-0") + run_events("c-1", fail_at="parse", message="bad tag at line 3")
     docs += run_events("c-2", fail_at="parse", message="bad tag at line 9")
-    async with Worker.start(settings, ("checkpoint", "learn"), embedder):
+    async with Worker.start(settings, ("checkpointer", "learner"), embedder):
         await publish(settings, docs)
 
         async def learned() -> bool:
@@ -243,8 +275,18 @@ async def test_cli_retrieve_and_prune(settings: Settings, embedder: AsyncEmbedde
 
         await wait_for(learned, limit_s=60, what="three outcomes")
     env = env_of(settings)
-    found = alma("retrieve", "the html parser breaks", "--tenant", "acme", "--workflow", WF,
-                 "--scope", "workflow", "--json", env=env)  # fmt: skip
+    found = alma(
+        "retrieve",
+        "the html parser breaks",
+        "--tenant",
+        "acme",
+        "--workflow",
+        WF,
+        "--scope",
+        "workflow",
+        "--json",
+        env=env,
+    )
     assert found.returncode == 0, found.stderr
     doc = json.loads(found.stdout)
     assert doc["scope"] == "workflow"

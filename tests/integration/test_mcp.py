@@ -15,8 +15,13 @@ from alma_core.storage.embeddings import AsyncEmbedder
 from tests.integration.harness import Worker, count, wait_for
 from tests.integration.test_cli_runs import env_of
 
-TOOLS = {"alma_checkpoint", "alma_get_resume_point", "alma_merge_states",
-         "alma_learn_workflow", "alma_retrieve"}  # fmt: skip
+TOOLS = {
+    "alma_checkpoint",
+    "alma_get_resume_point",
+    "alma_merge_states",
+    "alma_learn_workflow",
+    "alma_retrieve",
+}
 RUN = {"tenant_id": "acme", "workflow_id": "agent-flow", "run_id": "mcp-run"}
 
 
@@ -39,11 +44,12 @@ async def test_mcp_tools_over_stdio(
     assert dsn
     clean = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
     server = StdioServerParameters(
-        command=sys.executable, args=["-m", "alma_core.cli", "mcp"],
+        command=sys.executable,
+        args=["-m", "alma_core.cli", "mcp"],
         env={**clean, **env_of(settings), "ALMA_DATA_DIR": str(tmp_path)},
-    )  # fmt: skip
+    )
     async with (
-        Worker.start(settings, ("checkpoint", "join", "learn"), embedder),
+        Worker.start(settings, ("checkpointer", "joiner", "learner"), embedder),
         Client(server, read_timeout_seconds=120) as client,
     ):
         tools = await client.list_tools()
@@ -52,41 +58,78 @@ async def test_mcp_tools_over_stdio(
         plan = {**RUN, "node_id": "plan", "state": {"steps": ["a", "b"]}}
         first = result_of(await client.call_tool("alma_checkpoint", plan))
         assert first["effect"] == "checkpointed"
-        second = result_of(await client.call_tool(
-            "alma_checkpoint", {**RUN, "node_id": "act", "updates": {"done": 1}}))  # fmt: skip
+        second = result_of(
+            await client.call_tool(
+                "alma_checkpoint", {**RUN, "node_id": "act", "updates": {"done": 1}}
+            )
+        )
         assert second["seq"] == 2
         point = result_of(await client.call_tool("alma_get_resume_point", RUN))
         assert point["latest"]["seq"] == 2
         assert point["state"] == {"steps": ["a", "b"], "done": 1}
-        merged = result_of(await client.call_tool("alma_merge_states", {
-            **RUN, "states": [{"n": 1, "tags": ["x"]}, {"n": 2, "tags": ["y"]}],
-            "reducers": {"n": "sum", "tags": "append"}}))  # fmt: skip
+        merged = result_of(
+            await client.call_tool(
+                "alma_merge_states",
+                {
+                    **RUN,
+                    "states": [{"n": 1, "tags": ["x"]}, {"n": 2, "tags": ["y"]}],
+                    "reducers": {"n": "sum", "tags": "append"},
+                },
+            )
+        )
         assert merged["status"] == "ok"
         assert merged["merged_state"] == {"n": 3, "tags": ["x", "y"]}
         assert merged["checkpoint_seq"] == 3
-        learned = result_of(await client.call_tool("alma_learn_workflow", {
-            **RUN, "success": False, "duration_ms": 900, "node_count": 2,
-            "nodes_succeeded": 1, "nodes_failed": 1, "error_message": "tool quota exceeded",
-            "task": "book a flight"}))  # fmt: skip
+        learned = result_of(
+            await client.call_tool(
+                "alma_learn_workflow",
+                {
+                    **RUN,
+                    "success": False,
+                    "duration_ms": 900,
+                    "node_count": 2,
+                    "nodes_succeeded": 1,
+                    "nodes_failed": 1,
+                    "error_message": "tool quota exceeded",
+                    "task": "book a flight",
+                },
+            )
+        )
         assert learned["effect"] == "handed_off"
 
         async def stored() -> bool:
             return await count(dsn, "SELECT count(*) FROM workflow_outcomes") == 1
 
         await wait_for(stored, limit_s=60, what="the outcome")
-        found = result_of(await client.call_tool("alma_retrieve", {
-            "task": "book a flight", "tenant_id": "acme", "workflow_id": "agent-flow",
-            "scope": "workflow"}))  # fmt: skip
+        found = result_of(
+            await client.call_tool(
+                "alma_retrieve",
+                {
+                    "task": "book a flight",
+                    "tenant_id": "acme",
+                    "workflow_id": "agent-flow",
+                    "scope": "workflow",
+                },
+            )
+        )
         assert found["scope"] == "workflow"
         assert any("tool quota exceeded" in (i.get("description") or "") for i in found["items"])
         assert "tool quota exceeded" in found["prompt"]
         # bad input: a clear tool error, and the server keeps serving
-        assert "no checkpoint" in error_of(await client.call_tool(
-            "alma_get_resume_point", {**RUN, "run_id": "nope"}))  # fmt: skip
-        assert "unknown scope" in error_of(await client.call_tool(
-            "alma_retrieve", {"task": "x", "tenant_id": "acme", "scope": "galaxy"}))  # fmt: skip
-        assert "StaleExpectedSeq" in error_of(await client.call_tool(
-            "alma_checkpoint", {**RUN, "node_id": "late", "updates": {"x": 1},
-                                "expected_seq": 1}))  # fmt: skip
-        assert "exactly one of" in error_of(await client.call_tool(
-            "alma_checkpoint", {**RUN, "node_id": "both"}))  # fmt: skip
+        assert "no checkpoint" in error_of(
+            await client.call_tool("alma_get_resume_point", {**RUN, "run_id": "nope"})
+        )
+        assert "unknown scope" in error_of(
+            await client.call_tool(
+                "alma_retrieve", {"task": "x", "tenant_id": "acme", "scope": "galaxy"}
+            )
+        )
+        assert "StaleExpectedSeq" in error_of(
+            await client.call_tool(
+                "alma_checkpoint",
+                {**RUN, "node_id": "late", "updates": {"x": 1}, "expected_seq": 1},
+            )
+        )
+        assert "exactly one of" in error_of(
+            await client.call_tool("alma_checkpoint", {**RUN, "node_id": "both"})
+        )

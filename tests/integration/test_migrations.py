@@ -58,8 +58,11 @@ async def test_upgrade_downgrade_upgrade_equals_fresh(empty_database: str, datab
         assert await snapshot(conn) == once == await snapshot(fresh)
         assert ("workflow_outcomes", "embedding", 384) in once["vector_dims"]
         assert ("memories", "embedding", 384) in once["vector_dims"]
-        assert {p[0] for p in once["policies"]} == {"memories", "workflow_outcomes",
-                                                    "artifact_links"}  # fmt: skip
+        assert {p[0] for p in once["policies"]} == {
+            "memories",
+            "workflow_outcomes",
+            "artifact_links",
+        }
     finally:
         await conn.close()
         await fresh.close()

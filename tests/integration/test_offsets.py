@@ -38,11 +38,16 @@ async def test_offsets_beyond_the_log_pause_until_reset(settings: Settings) -> N
 
         def behind() -> float:
             return sum(
-                worker.value("alma_offsets_ahead_of_log", {
-                    "consumer": "checkpointer", "topic": settings.lifecycle_topic,
-                    "partition": str(p)})
+                worker.value(
+                    "alma_offsets_ahead_of_log",
+                    {
+                        "consumer": "checkpointer",
+                        "topic": settings.lifecycle_topic,
+                        "partition": str(p),
+                    },
+                )
                 for p in range(TEST_PARTITIONS)
-            )  # fmt: skip
+            )
 
         async def reported() -> bool:
             return behind() > 0
@@ -51,12 +56,26 @@ async def test_offsets_beyond_the_log_pause_until_reset(settings: Settings) -> N
         assert await count(dsn, "SELECT count(*) FROM run_events") == 0
         assert await count(dsn, "SELECT count(*) FROM dead_letters") == 0
 
-    reset = alma("offsets", "reset", "--group", group, "--topic", settings.lifecycle_topic,
-                 env=env_of(settings))  # fmt: skip
+    reset = alma(
+        "offsets",
+        "reset",
+        "--group",
+        group,
+        "--topic",
+        settings.lifecycle_topic,
+        env=env_of(settings),
+    )
     assert reset.returncode == 0, reset.stderr
     assert "forgot" in reset.stdout
-    again = alma("offsets", "reset", "--group", group, "--topic", settings.lifecycle_topic,
-                 env=env_of(settings))  # fmt: skip
+    again = alma(
+        "offsets",
+        "reset",
+        "--group",
+        group,
+        "--topic",
+        settings.lifecycle_topic,
+        env=env_of(settings),
+    )
     assert again.returncode == 1
     assert "alma offsets list" in again.stderr
 

@@ -43,10 +43,15 @@ async def prometheus(worker: Worker, tmp_path: Path) -> AsyncIterator[str]:
     port = free_port()
     with (tmp_path / "prometheus.log").open("wb") as log:
         proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     base = f"http://127.0.0.1:{port}"
     try:
 
@@ -99,6 +104,9 @@ async def test_prometheus_sees_the_work_and_the_lag_drains(
     await wait_for(lambda: scraped("max(alma_consumer_lag)", 0), what="the lag back at zero")
     rules = await asyncio.to_thread(_get, f"{prometheus}/api/v1/rules")
     names = {r["name"] for g in rules["data"]["groups"] for r in g["rules"]}
-    assert {"AlmaConsumerLagGrowing", "AlmaDeadLetterUnstorable",
-            "AlmaLogBehindStoredOffsets"} <= names  # fmt: skip
+    assert {
+        "AlmaConsumerLagGrowing",
+        "AlmaDeadLetterUnstorable",
+        "AlmaLogBehindStoredOffsets",
+    } <= names
     assert len(names) == 8

@@ -38,36 +38,64 @@ async def seed(dsn: str, rng: random.Random) -> tuple[list[dict[str, Any]], list
     memories: list[dict[str, Any]] = []
     for _ in range(400):
         run = rng.choice([*RUNS, None])
-        memories.append({
-            "id": str(uuid.UUID(int=rng.getrandbits(128))), "tenant_id": rng.choice(TENANTS),
-            "kind": rng.choice(KINDS), "agent": rng.choice([*AGENTS, None]),
-            "workflow_id": rng.choice([*WORKFLOWS, None]), "run_id": run,
-            "node_id": rng.choice(NODES) if run else None,
-        })  # fmt: skip
+        memories.append(
+            {
+                "id": str(uuid.UUID(int=rng.getrandbits(128))),
+                "tenant_id": rng.choice(TENANTS),
+                "kind": rng.choice(KINDS),
+                "agent": rng.choice([*AGENTS, None]),
+                "workflow_id": rng.choice([*WORKFLOWS, None]),
+                "run_id": run,
+                "node_id": rng.choice(NODES) if run else None,
+            }
+        )
     outcomes: list[dict[str, Any]] = []
     for i in range(60):
-        outcomes.append({
-            "id": str(uuid.UUID(int=rng.getrandbits(128))), "tenant_id": rng.choice(TENANTS),
-            "workflow_id": rng.choice(WORKFLOWS), "run_id": f"run-{i}",
-        })  # fmt: skip
+        outcomes.append(
+            {
+                "id": str(uuid.UUID(int=rng.getrandbits(128))),
+                "tenant_id": rng.choice(TENANTS),
+                "workflow_id": rng.choice(WORKFLOWS),
+                "run_id": f"run-{i}",
+            }
+        )
     conn = await asyncpg.connect(dsn)
     try:
         await conn.executemany(
             """INSERT INTO memories (id, tenant_id, kind, agent, workflow_id, run_id, node_id,
                    content, dedupe_key, confidence, embedding)
                VALUES ($1::uuid, $2, $3, $4, $5, $6, $7, $8, $1::text, 0.5, $9::vector)""",
-            [(m["id"], m["tenant_id"], m["kind"], m["agent"], m["workflow_id"], m["run_id"],
-              m["node_id"], f"memory {m['id']}", vector_literal(unit_vector(rng)))
-             for m in memories],
-        )  # fmt: skip
+            [
+                (
+                    m["id"],
+                    m["tenant_id"],
+                    m["kind"],
+                    m["agent"],
+                    m["workflow_id"],
+                    m["run_id"],
+                    m["node_id"],
+                    f"memory {m['id']}",
+                    vector_literal(unit_vector(rng)),
+                )
+                for m in memories
+            ],
+        )
         await conn.executemany(
             """INSERT INTO workflow_outcomes (id, tenant_id, workflow_id, run_id, event_id,
                    success, duration_ms, node_count, nodes_succeeded, nodes_failed,
                    description, embedding)
                VALUES ($1::uuid, $2, $3, $4, $1::text, true, 10, 1, 1, 0, 'a run', $5::vector)""",
-            [(o["id"], o["tenant_id"], o["workflow_id"], o["run_id"],
-              vector_literal(unit_vector(rng))) for o in outcomes],
-        )  # fmt: skip
+            [
+                (
+                    o["id"],
+                    o["tenant_id"],
+                    o["workflow_id"],
+                    o["run_id"],
+                    vector_literal(unit_vector(rng)),
+                )
+                for o in outcomes
+            ],
+        )
     finally:
         await conn.close()
     return memories, outcomes

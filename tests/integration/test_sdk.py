@@ -37,42 +37,59 @@ async def test_orchestrator_end_to_end(settings: Settings, embedder: AsyncEmbedd
     assert dsn
     seen = Metrics()  # what a process that serves reads exports
     async with (
-        Worker.start(settings, ("checkpoint", "join", "learn"), embedder),
+        Worker.start(settings, ("checkpointer", "joiner", "learner"), embedder),
         AlmaClient(settings, embedder=embedder, observer=seen) as client,
-    ):  # fmt: skip
+    ):
         orch = Orchestrator(WorkflowHooks(client))
         results = []
         for i in range(5):
             wf = research(flaky=i == 1, broken=i >= 3)
-            results.append(await orch.run(wf, ctx(f"sdk-{i}"), task="report on heat pumps",
-                                          state={"topic": "heat pumps"}))  # fmt: skip
+            results.append(
+                await orch.run(
+                    wf, ctx(f"sdk-{i}"), task="report on heat pumps", state={"topic": "heat pumps"}
+                )
+            )
         assert [r.success for r in results] == [True, True, True, False, False]
         assert "citation checker timed out" in (results[3].error or "")
         for r in results[:3]:
             point = await client.resume(ctx(r.run_id))
             assert point.state == r.state  # what the orchestrator saw is what is durable
-            assert point.state["sources"] == ["web:heat pumps", "papers:heat pumps",
-                                              "news:heat pumps"]  # fmt: skip
+            assert point.state["sources"] == [
+                "web:heat pumps",
+                "papers:heat pumps",
+                "news:heat pumps",
+            ]
             assert point.state["tokens"] == EXPECTED_TOKENS
             assert point.state["confidence"] == 0.8
             assert point.state["approved"] is True
         assert await count(dsn, "SELECT count(*) FROM joins WHERE status = 'ok'") == 5
         # the flaky draft failed once and was retried: a failure checkpoint, then the node
-        kinds = await fetch(dsn, "SELECT kind FROM checkpoints WHERE run_id = 'sdk-1' "
-                                 "AND node_id = 'draft' ORDER BY seq")  # fmt: skip
+        kinds = await fetch(
+            dsn,
+            "SELECT kind FROM checkpoints WHERE run_id = 'sdk-1' "
+            "AND node_id = 'draft' ORDER BY seq",
+        )
         assert [k["kind"] for k in kinds] == ["failure", "node"]
 
         async def learned() -> bool:
             return await count(dsn, "SELECT count(*) FROM workflow_outcomes") == 5
 
         await wait_for(learned, limit_s=60, what="five outcomes")
-        outcome = await fetch(dsn, "SELECT success, node_count, nodes_succeeded, nodes_failed "
-                                   "FROM workflow_outcomes WHERE run_id = 'sdk-3'")  # fmt: skip
+        outcome = await fetch(
+            dsn,
+            "SELECT success, node_count, nodes_succeeded, nodes_failed "
+            "FROM workflow_outcomes WHERE run_id = 'sdk-3'",
+        )
         # plan, 3 searches, the join, draft, review (failed)
-        assert dict(outcome[0]) == {"success": False, "node_count": 7, "nodes_succeeded": 6,
-                                    "nodes_failed": 1}  # fmt: skip
-        found = await client.retrieve("write a report on heat pumps", ctx("x"),
-                                      RetrievalScope.WORKFLOW)  # fmt: skip
+        assert dict(outcome[0]) == {
+            "success": False,
+            "node_count": 7,
+            "nodes_succeeded": 6,
+            "nodes_failed": 1,
+        }
+        found = await client.retrieve(
+            "write a report on heat pumps", ctx("x"), RetrievalScope.WORKFLOW
+        )
         assert found.anti_patterns
         assert "citation checker" in found.anti_patterns[0].content
         assert found.heuristics
@@ -88,16 +105,20 @@ async def test_orchestrator_end_to_end(settings: Settings, embedder: AsyncEmbedd
 
 async def test_run_state_concurrent_writers_lose_nothing(settings: Settings) -> None:
     async with (
-        Worker.start(settings, ("checkpoint",)),
+        Worker.start(settings, ("checkpointer",)),
         AlmaClient(settings) as a,
         AlmaClient(settings) as b,
     ):
         run = WorkflowContext("acme", "planner", None, "state-run")
         writers = [RunState(c, run, counters=("steps",)) for c in (a, b, a, b)]
-        await asyncio.gather(*(
-            op for w, st in enumerate(writers) for i in range(10)
-            for op in (st.increment("steps"), st.record_action(f"w{w}-{i}"))
-        ))  # fmt: skip
+        await asyncio.gather(
+            *(
+                op
+                for w, st in enumerate(writers)
+                for i in range(10)
+                for op in (st.increment("steps"), st.record_action(f"w{w}-{i}"))
+            )
+        )
         state = RunState(a, run, counters=("steps",))
         assert await state.get("steps") == 40
         actions = await state.actions()
@@ -123,7 +144,7 @@ async def test_orchestrator_crash_resumes_from_latest_checkpoint(settings: Setti
     assert dsn
     wf = research(flaky=False, broken=False)
     run = ctx("crash-run")
-    async with Worker.start(settings, ("checkpoint", "join")):
+    async with Worker.start(settings, ("checkpointer", "joiner")):
         async with AlmaClient(settings) as first:
             with contextlib.suppress(SimulatedCrash):
                 await Orchestrator(WorkflowHooks(first)).run(
@@ -135,13 +156,22 @@ async def test_orchestrator_crash_resumes_from_latest_checkpoint(settings: Setti
     assert result.success
     assert result.resumed_after == "gather"
     assert result.state["tokens"] == EXPECTED_TOKENS
-    rows = await fetch(dsn, "SELECT node_id, count(*) AS n FROM checkpoints "
-                            "WHERE run_id = 'crash-run' GROUP BY node_id")  # fmt: skip
+    rows = await fetch(
+        dsn,
+        "SELECT node_id, count(*) AS n FROM checkpoints "
+        "WHERE run_id = 'crash-run' GROUP BY node_id",
+    )
     # nothing before the crash ran twice; everything after ran once
     assert {r["node_id"]: r["n"] for r in rows} == {
-        "start": 1, "plan": 1, "search-web": 1, "search-papers": 1, "search-news": 1, "gather": 1,
-        "draft": 1, "review": 1,
-    }  # fmt: skip
+        "start": 1,
+        "plan": 1,
+        "search-web": 1,
+        "search-papers": 1,
+        "search-news": 1,
+        "gather": 1,
+        "draft": 1,
+        "review": 1,
+    }
     status = await fetch(dsn, "SELECT status FROM runs WHERE run_id = 'crash-run'")
     assert status[0]["status"] == "succeeded"
 
@@ -159,13 +189,22 @@ async def test_the_dag_orchestrator_example_runs(
 ) -> None:
     """examples/dag_orchestrator.py against running workers, as a user runs it."""
     example = Path(__file__).parents[2] / "examples" / "dag_orchestrator.py"
-    env = {**worker_env(settings), "PYTHONPATH": str(Path(__file__).parents[2]),
-           "ALMA_DATA_DIR": str(tmp_path)}  # fmt: skip
-    async with Worker.start(settings, ("checkpoint", "join", "learn"), embedder):
+    env = {
+        **worker_env(settings),
+        "PYTHONPATH": str(Path(__file__).parents[2]),
+        "ALMA_DATA_DIR": str(tmp_path),
+    }
+    async with Worker.start(settings, ("checkpointer", "joiner", "learner"), embedder):
         result = await asyncio.to_thread(
-            subprocess.run, [sys.executable, str(example)], env=env, cwd=tmp_path,
-            capture_output=True, text=True, timeout=180, check=False,
-        )  # fmt: skip
+            subprocess.run,
+            [sys.executable, str(example)],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert sum("success=True" in line for line in lines) == 4, result.stdout

@@ -32,8 +32,10 @@ def test_ratio_pairs_repetitions() -> None:
 
 def test_write_replaces_only_its_section_and_merges_the_json(tmp_path: Path) -> None:
     out = tmp_path / "benchmarks.md"
-    out.write_text("# Title\n\nprose before\n\n<!-- bench:a:start -->\nold\n"
-                   "<!-- bench:a:end -->\n\nprose after\n")  # fmt: skip
+    out.write_text(
+        "# Title\n\nprose before\n\n<!-- bench:a:start -->\nold\n"
+        "<!-- bench:a:end -->\n\nprose after\n"
+    )
     m = machine({"PostgreSQL": "18"})
     a = Section("a")
     a.table("t", "Table A", ["x", "y"])
@@ -68,8 +70,13 @@ def test_plots_read_cells_as_numbers() -> None:
 
 def test_plots_draw_the_curves_from_the_json(tmp_path: Path) -> None:
     curves = Section("curves")
-    headers = ["branches", "state per branch", "ALMA merge p50 ms", "LangGraph reducers p50 ms",
-               "ALMA ÷ LangGraph"]  # fmt: skip
+    headers = [
+        "branches",
+        "state per branch",
+        "ALMA merge p50 ms",
+        "LangGraph reducers p50 ms",
+        "ALMA ÷ LangGraph",
+    ]
     curves.table("merge_branches", "m", headers)
     curves.table("merge_size", "s", headers)
     for n in (2, 4):

@@ -28,9 +28,16 @@ TP = ("lifecycle", 0)
 
 
 def record(offset: int) -> Incoming:
-    doc = {"event_id": f"e{offset}", "type": "node.completed", "tenant_id": "acme",
-           "emitted_at": "2026-11-23T10:00:00Z", "workflow_id": "wf", "run_id": "r",
-           "node_id": "n", "payload": {"state": {"i": offset}}}  # fmt: skip
+    doc = {
+        "event_id": f"e{offset}",
+        "type": "node.completed",
+        "tenant_id": "acme",
+        "emitted_at": "2026-11-23T10:00:00Z",
+        "workflow_id": "wf",
+        "run_id": "r",
+        "node_id": "n",
+        "payload": {"state": {"i": offset}},
+    }
     raw = json.dumps(doc).encode()
     return Incoming(TP[0], TP[1], offset, b"r", raw, decode(raw, key=b"r"))
 
@@ -122,8 +129,9 @@ def refusing(
 
 
 def handler(store: Offsets, relay: Sent | None = None) -> Handler:
-    return Handler(store, None, relay or Sent(), Metrics(), max_state_bytes=10_000,
-                   max_record_bytes=100_000)  # fmt: skip
+    return Handler(
+        store, None, relay or Sent(), Metrics(), max_state_bytes=10_000, max_record_bytes=100_000
+    )
 
 
 async def test_a_refused_record_is_dead_lettered_alone_and_the_rest_applied() -> None:
@@ -136,8 +144,9 @@ async def test_a_refused_record_is_dead_lettered_alone_and_the_rest_applied() ->
     assert [4] in calls  # the others, one by one, applied
     letters = [d for o in outcomes for d in o.dead_letters]
     assert [(d.record.offset, d.reason) for d in letters] == [
-        (1, "storage_rejected"), (3, "internal_error")
-    ]  # fmt: skip
+        (1, "storage_rejected"),
+        (3, "internal_error"),
+    ]
     assert letters[0].event_id == "e1"  # what its decoding found is kept
     assert store.next_offset[TP] == 5
 

@@ -42,8 +42,9 @@ REGISTRY = ReducerRegistry()
 
 
 def run(p: BranchJoinPayload, branches: dict[str, Head] = BRANCHES) -> dict[str, Any]:
-    return merge(p, main=MAIN, branches=branches, registered=None, registry=REGISTRY,
-                 max_state_bytes=10_000).state  # fmt: skip
+    return merge(
+        p, main=MAIN, branches=branches, registered=None, registry=REGISTRY, max_state_bytes=10_000
+    ).state
 
 
 def test_order_is_the_requests_not_completion_or_name() -> None:
@@ -66,8 +67,11 @@ def test_renaming_a_branch_changes_nothing() -> None:
 
 def test_no_reducer_conflict_is_an_error_only_in_strict_mode() -> None:
     with pytest.raises(errors.ConflictingUpdate, match=r"field 'answer'.*alpha, beta"):
-        run(payload(branch_ids=["alpha", "beta"], reducers={"log": "append", "n": "sum"},
-                    strict=True))  # fmt: skip
+        run(
+            payload(
+                branch_ids=["alpha", "beta"], reducers={"log": "append", "n": "sum"}, strict=True
+            )
+        )
     assert run(payload(branch_ids=["alpha", "beta"]))["answer"] == "B"
 
 
@@ -84,8 +88,14 @@ def test_missing_branch_names_it() -> None:
 def test_merged_state_over_the_limit() -> None:
     big = {"x": head(2, {"blob": "x" * 600}), "y": head(3, {"more": "y" * 600})}
     with pytest.raises(errors.StateTooLarge, match="merged state"):
-        merge(payload(branch_ids=["x", "y"]), main=None, branches=big, registered=None,
-              registry=REGISTRY, max_state_bytes=1000)  # fmt: skip
+        merge(
+            payload(branch_ids=["x", "y"]),
+            main=None,
+            branches=big,
+            registered=None,
+            registry=REGISTRY,
+            max_state_bytes=1000,
+        )
 
 
 def test_request_reducers_override_the_workflows_field_by_field() -> None:
@@ -98,8 +108,9 @@ def test_request_reducers_override_the_workflows_field_by_field() -> None:
 
 def test_states_join_has_no_base_and_records_no_branches() -> None:
     p = payload(states=[{"n": 1}, {"n": 2}], reducers={"n": "sum"})
-    result = merge(p, main=MAIN, branches={}, registered=None, registry=REGISTRY,
-                   max_state_bytes=1000)  # fmt: skip
+    result = merge(
+        p, main=MAIN, branches={}, registered=None, registry=REGISTRY, max_state_bytes=1000
+    )
     assert result.state == {"n": 3}
     assert result.merged_from == ()
     assert json.loads(result.state_json) == {"n": 3}
@@ -109,16 +120,28 @@ def test_states_join_has_no_base_and_records_no_branches() -> None:
 
 
 def join_event(join_id: str, run: str = "r", tenant: str = "acme", **kw: Any) -> BranchJoin:
-    doc = {"event_id": f"e-{join_id}", "type": "branch.join", "tenant_id": tenant,
-           "emitted_at": "2026-11-23T10:00:00Z", "workflow_id": "wf", "run_id": run,
-           "payload": {"join_id": join_id, **kw}}  # fmt: skip
+    doc = {
+        "event_id": f"e-{join_id}",
+        "type": "branch.join",
+        "tenant_id": tenant,
+        "emitted_at": "2026-11-23T10:00:00Z",
+        "workflow_id": "wf",
+        "run_id": run,
+        "payload": {"join_id": join_id, **kw},
+    }
     return BranchJoin.model_validate(doc, strict=False)
 
 
 def planner(**kw: Any) -> JoinPlanner:
     runs = {"r": RunAtJoin("acme", "wf", 4, {"": MAIN, **BRANCHES})}
-    args: dict[str, Any] = {"runs": runs, "replies": {}, "registered": {}, "later_node": {},
-                            "registry": ReducerRegistry(), "max_state_bytes": 10_000}  # fmt: skip
+    args: dict[str, Any] = {
+        "runs": runs,
+        "replies": {},
+        "registered": {},
+        "later_node": {},
+        "registry": ReducerRegistry(),
+        "max_state_bytes": 10_000,
+    }
     return JoinPlanner(**(args | kw))
 
 

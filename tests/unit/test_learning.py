@@ -13,11 +13,17 @@ from alma_core.memory import MemoryKind
 
 def run(success: bool = True, **kw: object) -> FinishedRun:
     base: dict[str, object] = {
-        "tenant_id": "acme", "workflow_id": "wf", "run_id": "r1", "event_id": "e1",
-        "success": success, "duration_ms": 2500, "node_count": 3,
-        "nodes_succeeded": 3 if success else 1, "nodes_failed": 0 if success else 1,
+        "tenant_id": "acme",
+        "workflow_id": "wf",
+        "run_id": "r1",
+        "event_id": "e1",
+        "success": success,
+        "duration_ms": 2500,
+        "node_count": 3,
+        "nodes_succeeded": 3 if success else 1,
+        "nodes_failed": 0 if success else 1,
         "task": "summarise papers",
-    }  # fmt: skip
+    }
     base.update(kw)
     return FinishedRun(**base)  # type: ignore[arg-type]
 

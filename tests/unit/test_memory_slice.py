@@ -64,13 +64,30 @@ def test_prompt_fits_and_keeps_the_best(items: list[Memory], budget: int, n_out:
 
 
 def test_prompt_sections_and_truncation() -> None:
-    s = slice_of([
-        Memory("a", "t", MemoryKind.HEURISTIC, "use the cache", occurrences=4, successes=3,
-               confidence=0.75, score=0.9),
-        Memory("b", "t", MemoryKind.ANTI_PATTERN, "never parse html with regex", occurrences=2,
-               score=0.8),
-        Memory("c", "t", MemoryKind.DOMAIN_KNOWLEDGE, "x " * 500, score=0.1),
-    ], outcomes=1)  # fmt: skip
+    s = slice_of(
+        [
+            Memory(
+                "a",
+                "t",
+                MemoryKind.HEURISTIC,
+                "use the cache",
+                occurrences=4,
+                successes=3,
+                confidence=0.75,
+                score=0.9,
+            ),
+            Memory(
+                "b",
+                "t",
+                MemoryKind.ANTI_PATTERN,
+                "never parse html with regex",
+                occurrences=2,
+                score=0.8,
+            ),
+            Memory("c", "t", MemoryKind.DOMAIN_KNOWLEDGE, "x " * 500, score=0.1),
+        ],
+        outcomes=1,
+    )
     full = s.to_prompt(max_tokens=5000)
     assert "## Strategies that worked" in full
     assert "(confidence 75%, 3/4 runs)" in full

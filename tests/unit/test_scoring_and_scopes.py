@@ -61,8 +61,16 @@ def test_similarity_from_cosine_distance() -> None:
 
 def test_signals_by_kind() -> None:
     now = datetime.now(UTC)
-    h = Memory("1", "t", MemoryKind.HEURISTIC, "x", occurrences=4, successes=3, confidence=0.75,
-               updated_at=now - timedelta(days=30))  # fmt: skip
+    h = Memory(
+        "1",
+        "t",
+        MemoryKind.HEURISTIC,
+        "x",
+        occurrences=4,
+        successes=3,
+        confidence=0.75,
+        updated_at=now - timedelta(days=30),
+    )
     s = memory_signals(h, 0.2, now)
     assert (s.success_rate, s.confidence) == (0.75, 0.75)
     assert s.similarity == pytest.approx(0.8)

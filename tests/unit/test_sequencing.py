@@ -21,11 +21,14 @@ AT = Coordinates("t", 0, 0)
 
 def ev(type_: str = "node.completed", run: str = "r", **payload: Any) -> Event:
     doc: dict[str, Any] = {
-        "event_id": payload.pop("event_id", uuid.uuid4().hex), "type": type_,
-        "emitted_at": "2026-11-22T10:00:00Z", "tenant_id": payload.pop("tenant", "acme"),
-        "workflow_id": payload.pop("workflow", "wf"), "run_id": run,
+        "event_id": payload.pop("event_id", uuid.uuid4().hex),
+        "type": type_,
+        "emitted_at": "2026-11-22T10:00:00Z",
+        "tenant_id": payload.pop("tenant", "acme"),
+        "workflow_id": payload.pop("workflow", "wf"),
+        "run_id": run,
         "payload": payload,
-    }  # fmt: skip
+    }
     if type_.startswith("node."):
         doc["node_id"] = "n"
     branch = payload.pop("branch", None)
@@ -38,10 +41,13 @@ def ev(type_: str = "node.completed", run: str = "r", **payload: Any) -> Event:
 
 def sequencer(**kw: Any) -> Sequencer:
     return Sequencer(
-        runs=kw.get("runs", {}), heads=kw.get("heads", {}),
-        reducer_configs=kw.get("configs", {}), known_event_ids=kw.get("known", set()),
-        registry=ReducerRegistry(), max_state_bytes=kw.get("limit", 10_000),
-    )  # fmt: skip
+        runs=kw.get("runs", {}),
+        heads=kw.get("heads", {}),
+        reducer_configs=kw.get("configs", {}),
+        known_event_ids=kw.get("known", set()),
+        registry=ReducerRegistry(),
+        max_state_bytes=kw.get("limit", 10_000),
+    )
 
 
 def test_seq_counts_from_the_run_row() -> None:
@@ -102,9 +108,11 @@ def test_rejections_change_nothing() -> None:
     with pytest.raises(errors.StateTooLarge):
         seq.apply(ev(updates={"big": "x" * 200}), AT)
     with pytest.raises(errors.ReducerTypeError):
-        sequencer(runs={"r": run}, heads={("r", MAIN): head},
-                  configs={("acme", "wf"): ReducerConfig({"a": "sum"})}).apply(
-            ev(updates={"a": "text"}), AT)  # fmt: skip
+        sequencer(
+            runs={"r": run},
+            heads={("r", MAIN): head},
+            configs={("acme", "wf"): ReducerConfig({"a": "sum"})},
+        ).apply(ev(updates={"a": "text"}), AT)
     with pytest.raises(errors.RejectedEvent, match="belongs to workflow"):
         seq.apply(ev(state={"a": 2}, workflow="other"), AT)
     assert run.last_seq == 3
@@ -126,7 +134,16 @@ def test_failure_checkpoint_and_status() -> None:
     assert seq.runs["r"].status == "failed"
     seq.apply(ev(updates={"a": 2}), AT)
     assert seq.runs["r"].status == "running"
-    seq.apply(ev("workflow.completed", outcome="success", duration_ms=1, node_count=1,
-                 nodes_succeeded=1, nodes_failed=0), AT)  # fmt: skip
+    seq.apply(
+        ev(
+            "workflow.completed",
+            outcome="success",
+            duration_ms=1,
+            node_count=1,
+            nodes_succeeded=1,
+            nodes_failed=0,
+        ),
+        AT,
+    )
     assert seq.runs["r"].status == "succeeded"
     assert [h.event.type for h in seq.effects.handoffs] == ["workflow.completed"]

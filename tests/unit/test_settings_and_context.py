@@ -59,8 +59,9 @@ def test_context_hierarchy() -> None:
 def test_to_env_makes_another_process_load_the_same_settings(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    original = load(postgres_dsn="postgresql://u@h:5/db", partitions=7,
-                             fetch_max_wait_ms=20, redis_prefix="p")  # fmt: skip
+    original = load(
+        postgres_dsn="postgresql://u@h:5/db", partitions=7, fetch_max_wait_ms=20, redis_prefix="p"
+    )
     for name in list(os.environ):
         if name.startswith("ALMA_"):
             monkeypatch.delenv(name)
