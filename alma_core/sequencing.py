@@ -242,7 +242,9 @@ class Sequencer:
             new_state = head.state if head else {}
         state_json = canonical_json(new_state)
         digest = hashlib.sha256(state_json.encode()).hexdigest()
-        metadata = {"error": payload.error.model_dump()}
+        metadata: dict[str, Any] = {"error": payload.error.model_dump()}
+        if payload.attempt is not None:
+            metadata["attempt"] = payload.attempt
         seq = self._checkpoint(run, event, key, new_state, state_json, digest, "failure", metadata)
         if run.completed_at is None:
             run.status = "failed"

@@ -85,9 +85,12 @@ class ErrorInfo(_Model):
 
 
 class NodeFailedPayload(_Model):
-    """A failure checkpoint; ``state`` or ``updates`` (at most one) record what the node had."""
+    """A failure checkpoint; ``state`` or ``updates`` (at most one) record what the node had.
+    ``attempt`` (optional, added in 1.1) says which attempt failed when the orchestrator
+    retries nodes; it is kept in the checkpoint's metadata."""
 
     error: ErrorInfo
+    attempt: int | None = Field(default=None, ge=1, le=INTEGER_MAX)
     state: JsonObject | None = None
     updates: JsonObject | None = None
 

@@ -236,14 +236,25 @@ class AlmaClient:
         )
         return event.event_id
 
-    def _event(self, type_: str, ctx: WorkflowContext, payload: dict[str, Any]) -> Event:
+    def event(
+        self,
+        type_: str,
+        ctx: WorkflowContext,
+        payload: dict[str, Any],
+        *,
+        event_id: str | None = None,
+    ) -> Event:
+        """A contract event for ``ctx``, checked before anything is sent (a bad context or
+        payload raises ContextError). ``event_id`` makes it idempotent: an orchestrator
+        that derives it from its own identity of the step (Temporal's activity id, say)
+        can publish again after a crash and the event has its effect once."""
         ctx.validate(require_tenant=self.settings.require_tenant)
         if not (ctx.tenant_id and ctx.workflow_id and ctx.run_id):
             raise errors.ContextError(f"{type_} needs tenant_id, workflow_id and run_id")
         if type_.startswith("node.") and not ctx.node_id:
             raise errors.ContextError(f"{type_} needs node_id")
         doc = {
-            "event_id": uuid.uuid4().hex,
+            "event_id": event_id or uuid.uuid4().hex,
             "type": type_,
             "emitted_at": datetime.now(UTC),
             "tenant_id": ctx.tenant_id,
@@ -265,9 +276,10 @@ class AlmaClient:
         *,
         attempt: int | None = None,
         input: dict[str, Any] | None = None,
+        event_id: str | None = None,
     ) -> str:
         return await self.publish(
-            self._event("node.started", ctx, {"attempt": attempt, "input": input})
+            self.event("node.started", ctx, {"attempt": attempt, "input": input}, event_id=event_id)
         )
 
     async def node_completed(
@@ -278,20 +290,16 @@ class AlmaClient:
         updates: dict[str, Any] | None = None,
         expected_seq: int | None = None,
         metadata: dict[str, Any] | None = None,
+        event_id: str | None = None,
     ) -> str:
         """A checkpoint: the full ``state``, or ``updates`` folded with the run's reducers."""
-        return await self.publish(
-            self._event(
-                "node.completed",
-                ctx,
-                {
-                    "state": state,
-                    "updates": updates,
-                    "expected_seq": expected_seq,
-                    "metadata": metadata,
-                },
-            )
-        )
+        payload = {
+            "state": state,
+            "updates": updates,
+            "expected_seq": expected_seq,
+            "metadata": metadata,
+        }
+        return await self.publish(self.event("node.completed", ctx, payload, event_id=event_id))
 
     async def node_failed(
         self,
@@ -301,18 +309,16 @@ class AlmaClient:
         message: str,
         state: dict[str, Any] | None = None,
         updates: dict[str, Any] | None = None,
+        attempt: int | None = None,
+        event_id: str | None = None,
     ) -> str:
-        return await self.publish(
-            self._event(
-                "node.failed",
-                ctx,
-                {
-                    "error": {"type": error_type, "message": message},
-                    "state": state,
-                    "updates": updates,
-                },
-            )
-        )
+        payload = {
+            "error": {"type": error_type, "message": message},
+            "attempt": attempt,
+            "state": state,
+            "updates": updates,
+        }
+        return await self.publish(self.event("node.failed", ctx, payload, event_id=event_id))
 
     async def workflow_completed(
         self,
@@ -327,24 +333,20 @@ class AlmaClient:
         task: str | None = None,
         artifacts: list[dict[str, Any]] | None = None,
         cleanup_checkpoints: bool | None = None,
+        event_id: str | None = None,
     ) -> str:
-        return await self.publish(
-            self._event(
-                "workflow.completed",
-                ctx,
-                {
-                    "outcome": "success" if success else "failure",
-                    "duration_ms": duration_ms,
-                    "node_count": node_count,
-                    "nodes_succeeded": nodes_succeeded,
-                    "nodes_failed": nodes_failed,
-                    "error_message": error_message,
-                    "task": task,
-                    "artifacts": artifacts,
-                    "cleanup_checkpoints": cleanup_checkpoints,
-                },
-            )
-        )
+        payload = {
+            "outcome": "success" if success else "failure",
+            "duration_ms": duration_ms,
+            "node_count": node_count,
+            "nodes_succeeded": nodes_succeeded,
+            "nodes_failed": nodes_failed,
+            "error_message": error_message,
+            "task": task,
+            "artifacts": artifacts,
+            "cleanup_checkpoints": cleanup_checkpoints,
+        }
+        return await self.publish(self.event("workflow.completed", ctx, payload, event_id=event_id))
 
     async def merge(
         self,
@@ -372,7 +374,7 @@ class AlmaClient:
             "default_reducer": default_reducer,
             "strict": strict,
         }
-        event = self._event("branch.join", replace(ctx, node_id=node_id or ctx.node_id), payload)
+        event = self.event("branch.join", replace(ctx, node_id=node_id or ctx.node_id), payload)
         key = (ctx.tenant_id or "", ctx.run_id or "", join_id)
         future = await self._replies.expect(key)
         try:

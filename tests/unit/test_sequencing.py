@@ -131,7 +131,10 @@ def test_failure_checkpoint_and_status() -> None:
         {"a": 1},
         "E",
     )
+    assert "attempt" not in failure.metadata
     assert seq.runs["r"].status == "failed"
+    seq.apply(ev("node.failed", error={"type": "E", "message": "again"}, attempt=2), AT)
+    assert seq.effects.checkpoints[-1].metadata["attempt"] == 2  # which retry failed
     seq.apply(ev(updates={"a": 2}), AT)
     assert seq.runs["r"].status == "running"
     seq.apply(
