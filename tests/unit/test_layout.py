@@ -7,7 +7,8 @@ module's imports (with ``ast``, importing nothing).
 * ``schemas`` is the event contract: it imports nothing of ours.
 * ``storage`` (the PostgreSQL/Redis edges) never reaches up into ``sdk``, ``cli``
   or ``consumers``; ``sdk`` never into ``cli`` or ``consumers``.
-* ``consumers`` never imports the command line or the SDK.
+* ``consumers`` never imports the command line or the SDK; ``integrations`` never
+  the command line or ``consumers``, and the Temporal workflow side no service client.
 * Only ``alma_core/cli/stack.py`` imports ``consumers``.
 * Optional extras stay optional: a module imports an extra's library at its top
   level only where that extra is the point (typer and rich in ``cli``, temporalio in
@@ -106,6 +107,21 @@ def test_storage_never_reaches_up() -> None:
 
 def test_sdk_never_reaches_the_command_line_or_the_workers() -> None:
     assert offenders(modules("alma_core/sdk"), ("alma_core.cli", "consumers")) == {}
+
+
+def test_integrations_never_reach_the_command_line_or_the_workers() -> None:
+    """An integration is a library for someone else's worker: it stands on the SDK."""
+    forbidden = ("alma_core.cli", "consumers")
+    assert offenders(modules("alma_core/integrations"), forbidden) == {}
+
+
+def test_the_temporal_workflow_side_does_no_io() -> None:
+    """Workflow code must be deterministic: its side imports no client of a service."""
+    workflow_side = [
+        ROOT / "alma_core" / "integrations" / "temporal" / n for n in ("workflow.py", "mapping.py")
+    ]
+    forbidden = (*IO_LIBRARIES[1:], "alma_core.storage", "alma_core.sdk")
+    assert offenders(workflow_side, forbidden) == {}
 
 
 def test_consumers_never_import_the_command_line_or_the_sdk() -> None:

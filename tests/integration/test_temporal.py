@@ -1,0 +1,325 @@
+"""ALMA Stream driven by a real Temporal server (``temporal server start-dev``): workflows
+and activities written as a Temporal team writes them, ALMA's plugin on the worker,
+the real broker, PostgreSQL and Redis behind it.
+
+What must hold: activities become checkpoints in order; parallel branches join with
+reducers into one merged checkpoint the workflow receives; Temporal's retries leave a
+failure checkpoint per failed attempt; a worker killed after ALMA made a node durable
+but before Temporal recorded it leaves one effect; a replay publishes nothing; the run's
+outcome is learned and retrievable from the next run's activity; and what ALMA
+refuses fails the workflow with a clear error, never a hung activity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Replayer, Worker
+
+from alma_core.integrations.temporal import mapping
+from alma_core.integrations.temporal.worker import AlmaPlugin
+from alma_core.settings import Settings
+from alma_core.storage.embeddings import AsyncEmbedder
+from tests.integration import temporal_app as app
+from tests.integration.harness import Worker as AlmaWorker
+from tests.integration.harness import count, fetch, wait_for, worker_env
+
+ROOT = Path(__file__).parents[2]
+
+
+@contextlib.asynccontextmanager
+async def temporal_worker(
+    env: WorkflowEnvironment, settings: Settings, **plugin: Any
+) -> AsyncIterator[str]:
+    """A Temporal worker with ALMA's plugin, in this process, on its own task queue.
+    No workflow cache: every workflow task replays the history, so the workflow side
+    runs again and again and must publish nothing twice."""
+    queue = f"q-{uuid.uuid4().hex[:10]}"
+    async with Worker(
+        env.client,
+        task_queue=queue,
+        workflows=app.WORKFLOWS,
+        activities=app.ACTIVITIES,
+        plugins=[AlmaPlugin(settings, tenant_id="acme", **plugin)],
+        max_cached_workflows=0,
+    ):
+        yield queue
+
+
+async def run_to_end(client: Client, workflow: Any, arg: str, queue: str) -> tuple[Any, str]:
+    """Run a workflow; its result and its ALMA run id."""
+    handle: WorkflowHandle[Any, Any] = await client.start_workflow(
+        workflow, arg, id=f"wf-{uuid.uuid4().hex[:10]}", task_queue=queue
+    )
+    try:
+        result = await handle.result()
+    finally:
+        run = mapping.run_id(handle.id, handle.result_run_id or "")
+    return result, run
+
+
+async def checkpoints(dsn: str, run: str) -> list[Any]:
+    return await fetch(
+        dsn,
+        """SELECT seq, kind, node_id, branch_id, state, metadata, event_id FROM checkpoints
+           WHERE run_id = $1 ORDER BY seq""",
+        run,
+    )
+
+
+async def events(dsn: str, run: str) -> list[Any]:
+    return await fetch(
+        dsn,
+        """SELECT type, node_id, payload, event_id FROM run_events WHERE run_id = $1
+           ORDER BY ordinal""",
+        run,
+    )
+
+
+async def run_status(dsn: str, run: str) -> str:
+    rows = await fetch(dsn, "SELECT status FROM runs WHERE run_id = $1", run)
+    return str(rows[0]["status"]) if rows else ""
+
+
+async def test_sequential_activities_become_checkpoints_in_order(
+    temporal: WorkflowEnvironment, settings: Settings
+) -> None:
+    dsn = settings.postgres_dsn or ""
+    async with AlmaWorker.start(settings), temporal_worker(temporal, settings) as queue:
+        result, run = await run_to_end(temporal.client, app.Research.run, "heat pumps", queue)
+
+        async def finished() -> bool:
+            return await run_status(dsn, run) == "succeeded"
+
+        await wait_for(finished, what="the run's workflow.completed")
+    rows = await checkpoints(dsn, run)
+    assert [r["seq"] for r in rows] == [1, 2, 3]
+    assert [r["node_id"] for r in rows] == ["plan", "fetch", "write"]
+    assert rows[0]["state"] == {"topic": "heat pumps", "steps": ["fetch", "write"]}
+    assert rows[-1]["state"] == result  # the run's state is what the workflow built
+    assert all(r["branch_id"] is None for r in rows)
+    seen = await events(dsn, run)
+    assert [(e["type"], e["node_id"]) for e in seen] == [
+        ("node.started", "plan"),
+        ("node.completed", "plan"),
+        ("node.started", "fetch"),
+        ("node.completed", "fetch"),
+        ("node.started", "write"),
+        ("node.completed", "write"),
+        ("workflow.completed", None),
+    ]
+    assert [e["payload"].get("attempt") for e in seen if e["type"] == "node.started"] == [1] * 3
+    assert all(e["event_id"].startswith("t-") for e in seen)  # derived from Temporal's ids
+    done = seen[-1]["payload"]
+    assert (done["outcome"], done["node_count"], done["nodes_succeeded"]) == ("success", 3, 3)
+    assert done["task"] == "write a research report on heat pumps"
+    rows = await fetch(dsn, "SELECT tenant_id, workflow_id FROM runs WHERE run_id = $1", run)
+    assert dict(rows[0]) == {"tenant_id": "acme", "workflow_id": "Research"}
+
+
+async def test_a_parallel_fan_out_joins_with_reducers(
+    temporal: WorkflowEnvironment, settings: Settings
+) -> None:
+    dsn = settings.postgres_dsn or ""
+    async with (
+        AlmaWorker.start(settings, ("checkpointer", "joiner")),
+        temporal_worker(temporal, settings) as queue,
+    ):
+        merged, run = await run_to_end(temporal.client, app.Review.run, "contract", queue)
+    # the branches in the order the join names them, folded onto the main line
+    assert merged == {
+        "topic": "contract",
+        "steps": ["fetch", "write"],
+        "notes": ["legal ok", "finance ok", "security ok"],
+        "risk": 7,
+        "hours": 6,
+    }
+    rows = await checkpoints(dsn, run)
+    assert [r["seq"] for r in rows] == [1, 2, 3, 4, 5]
+    assert sorted(r["branch_id"] for r in rows[1:4]) == ["finance", "legal", "security"]
+    assert all(r["node_id"] == "review" for r in rows[1:4])
+    assert (rows[4]["kind"], rows[4]["state"]) == ("merge", merged)
+    heads = await fetch(dsn, "SELECT branch_key, seq FROM run_heads WHERE run_id = $1", run)
+    by_branch = {r["branch_key"]: r["seq"] for r in heads}
+    assert by_branch[""] == 5
+    assert {by_branch[b] for b in ("legal", "finance", "security")} == {2, 3, 4}
+
+
+async def test_temporal_retries_leave_one_failure_checkpoint_per_attempt(
+    temporal: WorkflowEnvironment, settings: Settings
+) -> None:
+    dsn = settings.postgres_dsn or ""
+    async with AlmaWorker.start(settings), temporal_worker(temporal, settings) as queue:
+        result, run = await run_to_end(temporal.client, app.Flaky.run, "x", queue)
+    assert result == {"fetched_on_attempt": 3}
+    rows = await checkpoints(dsn, run)
+    assert [(r["seq"], r["kind"]) for r in rows] == [(1, "failure"), (2, "failure"), (3, "node")]
+    assert [r["metadata"].get("attempt") for r in rows[:2]] == [1, 2]
+    assert rows[0]["metadata"]["error"]["message"] == "upstream 503 on attempt 1"
+    assert rows[2]["state"] == result
+    seen = await events(dsn, run)
+    starts = [e["payload"]["attempt"] for e in seen if e["type"] == "node.started"]
+    assert starts == [1, 2, 3]
+    assert [e["type"] for e in seen].count("node.completed") == 1
+
+
+async def test_a_worker_killed_after_the_checkpoint_leaves_one_effect(
+    temporal: WorkflowEnvironment, settings: Settings, tmp_path: Path
+) -> None:
+    """The worker process dies after ALMA made ``plan`` durable and before Temporal
+    heard of it. Temporal times the attempt out and runs ``plan`` again on the
+    restarted worker: ALMA has one checkpoint for it, two starts, gapless seqs."""
+    dsn = settings.postgres_dsn or ""
+    queue = f"q-{uuid.uuid4().hex[:10]}"
+    marker = tmp_path / "die-once"
+    marker.touch()
+    env = {**worker_env(settings), "PYTHONPATH": str(ROOT)}
+    address = temporal.client.service_client.config.target_host
+    command = [
+        sys.executable,
+        "-m",
+        "tests.integration.temporal_app",
+        "--address",
+        address,
+        "--task-queue",
+        queue,
+        "--marker",
+        str(marker),
+    ]
+    log = (tmp_path / "worker.log").open("wb")
+    first = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)  # noqa: ASYNC220
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        async with AlmaWorker.start(settings):
+            handle = await temporal.client.start_workflow(
+                app.Delivery.run, "invoices", id=f"wf-{uuid.uuid4().hex[:10]}", task_queue=queue
+            )
+
+            async def died() -> bool:
+                return first.poll() is not None
+
+            await wait_for(died, limit_s=60, what="the worker to kill itself after `plan`")
+            assert first.returncode == -9
+            assert not marker.exists()
+            second = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)  # noqa: ASYNC220
+            result = await handle.result()
+            run = mapping.run_id(handle.id, handle.result_run_id or "")
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(30)
+        log.close()
+    assert result == {
+        "topic": "invoices",
+        "steps": ["fetch", "write"],
+        "draft": "a report on invoices",
+    }
+    rows = await checkpoints(dsn, run)
+    assert [(r["seq"], r["node_id"]) for r in rows] == [(1, "plan"), (2, "write")]
+    seen = await events(dsn, run)
+    plan_events = [(e["type"], e["payload"].get("attempt")) for e in seen if e["node_id"] == "plan"]
+    # attempt 1 started and completed (then the process died), attempt 2 started; its
+    # completion is the same event as attempt 1's, so the inbox dropped it
+    assert plan_events == [("node.started", 1), ("node.completed", None), ("node.started", 2)]
+
+
+async def test_a_replay_publishes_nothing(
+    temporal: WorkflowEnvironment, settings: Settings
+) -> None:
+    dsn = settings.postgres_dsn or ""
+    async with AlmaWorker.start(settings), temporal_worker(temporal, settings) as queue:
+        _, run = await run_to_end(temporal.client, app.Research.run, "tides", queue)
+
+        async def finished() -> bool:
+            return await run_status(dsn, run) == "succeeded"
+
+        await wait_for(finished, what="the run's workflow.completed")
+        before = await count(dsn, "SELECT count(*) FROM run_events")
+        workflow_id = run.split("/")[0]
+        history = await temporal.client.get_workflow_handle(workflow_id).fetch_history()
+        replayer = Replayer(workflows=app.WORKFLOWS, plugins=[AlmaPlugin(settings)])
+        replayed = await replayer.replay_workflow(history, raise_on_replay_failure=True)
+        assert replayed.replay_failure is None
+    assert await count(dsn, "SELECT count(*) FROM run_events") == before == 7
+
+
+async def test_the_outcome_is_learned_and_retrieved_by_the_next_run(
+    temporal: WorkflowEnvironment, settings: Settings, embedder: AsyncEmbedder
+) -> None:
+    dsn = settings.postgres_dsn or ""
+    async with (
+        AlmaWorker.start(settings, ("checkpointer", "learner"), embedder),
+        temporal_worker(temporal, settings) as queue,
+    ):
+        _, run = await run_to_end(temporal.client, app.Research.run, "heat pumps", queue)
+
+        async def learned() -> bool:
+            return await count(dsn, "SELECT count(*) FROM workflow_outcomes") == 1
+
+        await wait_for(learned, limit_s=60, what="the outcome")
+        outcome = await fetch(
+            dsn,
+            "SELECT run_id, success, node_count, task, strategy FROM workflow_outcomes",
+        )
+        assert dict(outcome[0]) == {
+            "run_id": run,
+            "success": True,
+            "node_count": 3,
+            "task": "write a research report on heat pumps",
+            "strategy": "plan → fetch → write",
+        }
+        # another workflow's activity asks what ALMA learned: its own workflow's scope
+        # holds nothing, the Research workflow's holds the run
+        prompts, _ = await run_to_end(
+            temporal.client, app.Recall.run, "a research report on heat pumps", queue
+        )
+    assert "Research" not in prompts["own"]
+    assert f"Research run {run}: succeeded (3/3 nodes" in prompts["research"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "error_type", "says"),
+    [
+        ("opaque", "ResultNotJson", "cannot be converted"),
+        ("not_a_number", "ResultNotJson", "not JSON"),
+        ("too_big", "StateTooLarge", "the limit is 65536"),
+        ("unknown_reducer", "MergeFailed", "unknown_reducer"),
+    ],
+)
+async def test_what_alma_refuses_fails_the_workflow_clearly(
+    temporal: WorkflowEnvironment, settings: Settings, kind: str, error_type: str, says: str
+) -> None:
+    dsn = settings.postgres_dsn or ""
+    async with (
+        AlmaWorker.start(settings, ("checkpointer", "joiner")),
+        temporal_worker(temporal, settings) as queue,
+    ):
+        with pytest.raises(WorkflowFailureError) as failed:
+            await run_to_end(temporal.client, app.Broken.run, kind, queue)
+        activity_error = failed.value.cause
+        assert isinstance(activity_error, ActivityError)
+        cause = activity_error.cause
+        assert isinstance(cause, ApplicationError)
+        assert cause.type == error_type
+        assert cause.non_retryable
+        assert says in cause.message
+
+        async def failed_run() -> list[Any]:
+            return await fetch(dsn, "SELECT run_id, status FROM runs WHERE status = 'failed'")
+
+        rows = await wait_for(failed_run, what="the failed run")
+    seen = await events(dsn, rows[0]["run_id"])
+    assert seen[-1]["type"] == "workflow.completed"
+    assert seen[-1]["payload"]["outcome"] == "failure"
+    assert error_type in seen[-1]["payload"]["error_message"]
