@@ -1,7 +1,7 @@
 """Every benchmark in one run: ALMA Stream side by side with its peers, the cost
 curves, and the scaling trend over checkpointer processes.
 
-    python -m bench [--quick | --full] [--reps N] [--only peers,curves,scaling]
+    python -m bench [--quick | --full] [--reps N] [--only peers,curves,scaling,temporal]
                     [--out docs/benchmarks.md]
 
 Brings up the embedded stack (PostgreSQL with fsync on) or uses the services
@@ -23,11 +23,11 @@ from pathlib import Path
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench import curves, merges, peers, plots, run_state, scaling
+from bench import curves, merges, peers, plots, run_state, scaling, temporal
 from bench.env import Env, services_versions, stack
 from bench.report import Section, console, machine, write
 
-SUITES = ("peers", "curves", "scaling")
+SUITES = ("peers", "curves", "scaling", "temporal")
 
 
 def steps(env: Env, only: set[str]) -> int:
@@ -38,6 +38,8 @@ def steps(env: Env, only: set[str]) -> int:
         n += 2 + curves.steps(env)
     if "scaling" in only:
         n += len(scaling.PROCESSES)
+    if "temporal" in only:
+        n += temporal.STEPS_PER_REP * env.reps
     return n
 
 
@@ -76,6 +78,10 @@ async def main(args: argparse.Namespace) -> int:
                 scale = Section("scaling")
                 await scaling.run(env, scale)
                 write([scale], m, args.out, label)
+            if "temporal" in only:
+                plugin = Section("temporal")
+                await temporal.run(env, plugin)
+                write([plugin], m, args.out, label)
     if args.out is not None:
         for png in plots.draw(args.out.with_suffix(".json"), args.out.parent / "img"):
             console.print(f"plotted {png}")

@@ -162,7 +162,7 @@ async def checkpoint_worker(
     original = checkpointer.CheckpointHandler
     checkpointer.CheckpointHandler = SignallingHandler  # type: ignore[misc]
     try:
-        task = asyncio.create_task(run_worker(s, services, ["checkpoint"], stop, ready=ready))
+        task = asyncio.create_task(run_worker(s, services, ["checkpointer"], stop, ready=ready))
         await asyncio.wait_for(ready.wait(), 60)
     finally:
         checkpointer.CheckpointHandler = original  # type: ignore[misc]

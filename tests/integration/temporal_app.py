@@ -20,6 +20,7 @@ from typing import Any
 from temporalio import activity, workflow
 from temporalio.client import Client
 from temporalio.common import RetryPolicy
+from temporalio.exceptions import ApplicationError
 from temporalio.worker import (
     ActivityInboundInterceptor,
     ExecuteActivityInput,
@@ -83,8 +84,18 @@ async def not_a_number(topic: str) -> Any:
 
 
 @activity.defn
+async def bad_hours(topic: str) -> dict[str, Any]:
+    return {"hours": "many"}  # the workflow sums hours: a reducer refuses a string
+
+
+@activity.defn
 async def too_big(topic: str) -> dict[str, Any]:
     return {"blob": "x" * 100_000}
+
+
+@activity.defn
+async def deliver(topic: str) -> dict[str, Any]:
+    raise ApplicationError("the printer is on fire", non_retryable=True)
 
 
 @activity.defn
@@ -146,7 +157,14 @@ class Broken:
         if kind == "unknown_reducer":
             await alma.execute_activity(review, "legal", branch="legal", start_to_close_timeout=T)
             return await alma.join(["legal"], reducers={"risk": "no_such_reducer"})
-        step = {"opaque": opaque, "not_a_number": not_a_number, "too_big": too_big}[kind]
+        if kind == "reducer_type":
+            await workflow.execute_activity(review, "legal", start_to_close_timeout=T)
+        step = {
+            "opaque": opaque,
+            "not_a_number": not_a_number,
+            "too_big": too_big,
+            "reducer_type": bad_hours,
+        }[kind]
         got: dict[str, Any] = await workflow.execute_activity(
             step, kind, start_to_close_timeout=T, retry_policy=FAST_RETRY
         )
@@ -176,8 +194,35 @@ class Delivery:
         return out
 
 
-WORKFLOWS = [Research, Review, Flaky, Broken, Recall, Delivery]
-ACTIVITIES = [plan, fetch, write, review, flaky, opaque, not_a_number, too_big, recall]
+@workflow.defn
+class Resumable:
+    """Plan, fetch, then a delivery that fails; a new run of the same workflow id,
+    told the failed run, resumes from ALMA's checkpoint instead of starting over."""
+
+    @workflow.run
+    async def run(self, failed_run: str) -> dict[str, Any]:
+        if failed_run:
+            point = await alma.resume(failed_run)
+            return {"at": (point.kind, point.node_id, point.seq), "state": point.state}
+        for step in (plan, fetch, deliver):
+            await workflow.execute_activity(step, "parcels", start_to_close_timeout=T)
+        return {}
+
+
+WORKFLOWS = [Research, Review, Flaky, Broken, Recall, Delivery, Resumable]
+ACTIVITIES = [
+    plan,
+    fetch,
+    write,
+    review,
+    flaky,
+    opaque,
+    not_a_number,
+    bad_hours,
+    too_big,
+    recall,
+    deliver,
+]
 
 
 # --- the worker process of the crash test -------------------------------------------------

@@ -12,6 +12,7 @@ refuses fails the workflow with a clear error, never a hung activity.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from alma_core.settings import Settings
 from alma_core.storage.embeddings import AsyncEmbedder
 from tests.integration import temporal_app as app
 from tests.integration.harness import Worker as AlmaWorker
-from tests.integration.harness import count, fetch, wait_for, worker_env
+from tests.integration.harness import count, fetch, register_reducers, wait_for, worker_env
 
 ROOT = Path(__file__).parents[2]
 
@@ -234,6 +235,30 @@ async def test_a_worker_killed_after_the_checkpoint_leaves_one_effect(
     assert plan_events == [("node.started", 1), ("node.completed", None), ("node.started", 2)]
 
 
+async def test_a_new_run_resumes_from_where_a_failed_run_stopped(
+    temporal: WorkflowEnvironment, settings: Settings
+) -> None:
+    async with AlmaWorker.start(settings), temporal_worker(temporal, settings) as queue:
+        workflow_id = f"wf-{uuid.uuid4().hex[:10]}"
+        first = await temporal.client.start_workflow(
+            app.Resumable.run, "", id=workflow_id, task_queue=queue
+        )
+        with pytest.raises(WorkflowFailureError):
+            await first.result()
+        second = await temporal.client.start_workflow(
+            app.Resumable.run, first.result_run_id, id=workflow_id, task_queue=queue
+        )
+        resumed = await second.result()
+    # the failed run stopped at deliver's failure (seq 3), with plan's and fetch's state
+    assert resumed["at"] == ["failure", "deliver", 3]
+    assert resumed["state"] == {
+        "topic": "parcels",
+        "steps": ["fetch", "write"],
+        "sources": ["web:parcels"],
+        "pages": 3,
+    }
+
+
 async def test_a_replay_publishes_nothing(
     temporal: WorkflowEnvironment, settings: Settings
 ) -> None:
@@ -294,6 +319,7 @@ async def test_the_outcome_is_learned_and_retrieved_by_the_next_run(
         ("opaque", "ResultNotJson", "cannot be converted"),
         ("not_a_number", "ResultNotJson", "not JSON"),
         ("too_big", "StateTooLarge", "the limit is 65536"),
+        ("reducer_type", "ReducerTypeError", "sum"),  # dead-lettered by the checkpointer
         ("unknown_reducer", "MergeFailed", "unknown_reducer"),
     ],
 )
@@ -301,6 +327,7 @@ async def test_what_alma_refuses_fails_the_workflow_clearly(
     temporal: WorkflowEnvironment, settings: Settings, kind: str, error_type: str, says: str
 ) -> None:
     dsn = settings.postgres_dsn or ""
+    await register_reducers(dsn, "Broken", {"hours": "sum"})
     async with (
         AlmaWorker.start(settings, ("checkpointer", "joiner")),
         temporal_worker(temporal, settings) as queue,
@@ -323,3 +350,36 @@ async def test_what_alma_refuses_fails_the_workflow_clearly(
     assert seen[-1]["type"] == "workflow.completed"
     assert seen[-1]["payload"]["outcome"] == "failure"
     assert error_type in seen[-1]["payload"]["error_message"]
+
+
+async def test_the_agtestari_example_runs(
+    temporal: WorkflowEnvironment, settings: Settings, embedder: AsyncEmbedder, tmp_path: Path
+) -> None:
+    """examples/agtestari_temporal.py against running workers and a Temporal server,
+    as a user runs it."""
+    example = ROOT / "examples" / "agtestari_temporal.py"
+    env = {
+        **worker_env(settings),
+        "PYTHONPATH": str(ROOT),
+        "TEMPORAL_ADDRESS": temporal.client.service_client.config.target_host,
+    }
+    async with AlmaWorker.start(settings, ("checkpointer", "joiner", "learner"), embedder):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(example),
+            env=env,
+            cwd=tmp_path,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        out, _ = await asyncio.wait_for(proc.communicate(), 150)
+    text = out.decode()
+    assert proc.returncode == 0, text
+    assert "nda-acme: approved, risk 3, ['legal: standard terms', 'finance: risk 2']" in text
+    assert "msa-globex: approved, risk 6" in text  # after the approval service's retry
+    assert "supplier-initech: failed (unlimited liability clause" in text
+    assert "Strategies that worked" in text
+    dsn = settings.postgres_dsn or ""
+    statuses = await fetch(dsn, "SELECT status, count(*) AS n FROM runs GROUP BY status")
+    # four reviews (one failed) and the run that asked for lessons
+    assert {r["status"]: r["n"] for r in statuses} == {"succeeded": 4, "failed": 1}

@@ -208,11 +208,13 @@ class Head:
 
 @dataclass
 class ResumePoint:
-    """What ``alma.resume`` returns: the latest checkpoint's node and seq, the main
-    line's state, and every branch's head (empty for a run with no checkpoint)."""
+    """What ``alma.resume`` returns: the latest checkpoint's node, seq and kind (``node``,
+    ``failure``: the run stopped at that node's failure, ``merge``), the main line's
+    state, and every branch's head (empty for a run with no checkpoint)."""
 
     run_id: str
     seq: int = 0
     node_id: str | None = None
+    kind: str | None = None
     state: dict[str, Any] = field(default_factory=dict)
     branches: dict[str, Head] = field(default_factory=dict)

@@ -350,6 +350,7 @@ class _Activities:
             run_id=run,
             seq=latest.seq if latest else 0,
             node_id=latest.node_id if latest else None,
+            kind=latest.kind if latest else None,
             state=point.state,
             branches={
                 b: Head(cp.seq, cp.node_id, cp.state)

