@@ -55,6 +55,11 @@ async def write(topic: str) -> dict[str, Any]:
 
 
 @activity.defn
+async def note(text: str) -> dict[str, Any]:
+    return {"notes": [text], "count": 1}
+
+
+@activity.defn
 async def review(section: str) -> dict[str, Any]:
     """One reviewer's notes, risk and effort: the branches of the fan-out."""
     risk = {"legal": 3, "finance": 7, "security": 5}[section]
@@ -139,6 +144,16 @@ class Review:
 
 
 @workflow.defn
+class Notes:
+    """Two activities writing the same fields: the plugin's reducers fold them."""
+
+    @workflow.run
+    async def run(self, topic: str) -> None:
+        for text in ("first", "second"):
+            await workflow.execute_activity(note, text, start_to_close_timeout=T)
+
+
+@workflow.defn
 class Flaky:
     @workflow.run
     async def run(self, topic: str) -> dict[str, Any]:
@@ -209,8 +224,9 @@ class Resumable:
         return {}
 
 
-WORKFLOWS = [Research, Review, Flaky, Broken, Recall, Delivery, Resumable]
+WORKFLOWS = [Research, Review, Notes, Flaky, Broken, Recall, Delivery, Resumable]
 ACTIVITIES = [
+    note,
     plan,
     fetch,
     write,

@@ -156,6 +156,20 @@ async def test_a_parallel_fan_out_joins_with_reducers(
     assert {by_branch[b] for b in ("legal", "finance", "security")} == {2, 3, 4}
 
 
+async def test_updates_fold_with_the_reducers_the_plugin_registers(
+    temporal: WorkflowEnvironment, settings: Settings
+) -> None:
+    dsn = settings.postgres_dsn or ""
+    reducers = {"Notes": {"notes": "append", "count": "sum"}}
+    async with (
+        AlmaWorker.start(settings),
+        temporal_worker(temporal, settings, reducers=reducers) as queue,
+    ):
+        _, run = await run_to_end(temporal.client, app.Notes.run, "x", queue)
+    rows = await checkpoints(dsn, run)
+    assert rows[-1]["state"] == {"notes": ["first", "second"], "count": 2}
+
+
 async def test_temporal_retries_leave_one_failure_checkpoint_per_attempt(
     temporal: WorkflowEnvironment, settings: Settings
 ) -> None:

@@ -369,7 +369,9 @@ class AlmaPlugin(SimplePlugin):
     return once their checkpoint is durable (False: once Kafka has the event);
     ``record_starts``: publish ``node.started`` per attempt; ``complete_runs``: finish
     the ALMA run when the workflow returns or fails; ``task_queue``: where ALMA's own
-    activities run (default: the workflow's)."""
+    activities run (default: the workflow's); ``reducers``: per workflow type, the
+    reducer of each state field its activities' ``updates`` fold with (registered
+    for ``tenant_id`` when the worker starts, as ``alma reducers set`` would)."""
 
     def __init__(
         self,
@@ -383,6 +385,7 @@ class AlmaPlugin(SimplePlugin):
         complete_runs: bool = True,
         task_queue: str | None = None,
         effect_timeout: float = 30.0,
+        reducers: dict[str, dict[str, str]] | None = None,
     ) -> None:
         if client is None and settings is None:
             raise errors.ConfigError("AlmaPlugin needs settings (alma_core.settings.load())")
@@ -395,6 +398,12 @@ class AlmaPlugin(SimplePlugin):
                 "ALMA_POSTGRES_DSN (and ALMA_REDIS_URL), or pass durable=False"
             )
         self.default_tenant = tenant_id if isinstance(tenant_id, str) else None
+        if reducers and self.default_tenant is None:
+            raise errors.ConfigError(
+                "AlmaPlugin(reducers=...) registers them for one tenant: give tenant_id as a "
+                "name, or register each tenant's with `alma reducers set`"
+            )
+        self.reducers = reducers or {}
         self.durable = durable
         self.record_starts = record_starts
         self.effect_timeout = effect_timeout
@@ -433,6 +442,10 @@ class AlmaPlugin(SimplePlugin):
         """The client runs while a worker with this plugin runs (once for several)."""
         if self._owns_client and self._running == 0:
             await self.client.start()
+        if self._running == 0:
+            for workflow_type, fields in self.reducers.items():
+                ctx = WorkflowContext(tenant_id=self.default_tenant, workflow_id=workflow_type)
+                await self.client.register_reducers(ctx, fields)
         self._running += 1
         try:
             yield
