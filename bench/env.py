@@ -143,8 +143,13 @@ class SignallingHandler(checkpointer.CheckpointHandler):
 
     on_done: ClassVar[Callable[[Any, float], None]]
 
-    async def handle(self, cluster_id: str, batch: dict[Any, list[Any]]) -> HandleResult:
-        result = await super().handle(cluster_id, batch)
+    async def handle(
+        self,
+        cluster_id: str,
+        batch: dict[Any, list[Any]],
+        read_from: dict[Any, int] | None = None,
+    ) -> HandleResult:
+        result = await super().handle(cluster_id, batch, read_from)
         now = time.perf_counter()
         for records in batch.values():
             for record in records:

@@ -83,9 +83,14 @@ class TimedLearnHandler(learner.LearnHandler):
     done: ClassVar[list[float]] = []
     batches: ClassVar[list[tuple[int, float]]] = []
 
-    async def handle(self, cluster_id: str, batch: dict[Any, list[Any]]) -> HandleResult:
+    async def handle(
+        self,
+        cluster_id: str,
+        batch: dict[Any, list[Any]],
+        read_from: dict[Any, int] | None = None,
+    ) -> HandleResult:
         started = time.perf_counter()
-        result = await super().handle(cluster_id, batch)
+        result = await super().handle(cluster_id, batch, read_from)
         now = datetime.now(UTC)
         completions = 0
         for records in batch.values():

@@ -88,11 +88,17 @@ class StoreHandler(Generic[OutcomeT]):
     async def idle(self) -> None:
         await self.relay.sweep()
 
-    async def handle(self, cluster_id: str, batch: dict[PartitionKey, list[Any]]) -> HandleResult:
+    async def handle(
+        self,
+        cluster_id: str,
+        batch: dict[PartitionKey, list[Any]],
+        read_from: dict[PartitionKey, int] | None = None,
+    ) -> HandleResult:
         """Decode, prepare, apply (record by record if the batch fails), then the
-        post-commit step for every outcome."""
+        post-commit step for every outcome. ``read_from``: where the consumer read each
+        partition's records from, when it knows."""
         started = time.perf_counter()
-        incoming = self.decode_batch(batch)
+        incoming = self.decode_batch(batch, read_from or {})
         apply = await self.prepare(incoming)
         out = HandleResult()
         for outcome in await self.apply_all(cluster_id, incoming, apply):
@@ -119,6 +125,21 @@ class StoreHandler(Generic[OutcomeT]):
         m = self.metrics
         if outcome.already_applied:
             m.duplicates.labels(self.name).inc(outcome.already_applied)
+        for (topic, partition), (start, end) in outcome.holes.items():
+            m.offsets_skipped.labels(self.name).inc(end - start)
+            log.log(
+                logging.INFO if end - start == 1 else logging.WARNING,
+                "the log holds no record at these offsets (a transaction marker, or records "
+                "removed by retention or compaction); the partition moves past them",
+                extra={
+                    "action": "log_hole",
+                    "consumer": self.name,
+                    "topic": topic,
+                    "partition": partition,
+                    "from_offset": start,
+                    "to_offset": end,
+                },
+            )
         for dl in outcome.dead_letters:
             m.dead_letters.labels(self.name, dl.reason).inc()
             log.warning(
@@ -143,28 +164,31 @@ class StoreHandler(Generic[OutcomeT]):
         await self.relay.publish(outcome.outbox_ids)
 
     def decode_batch(
-        self, batch: dict[PartitionKey, list[Any]]
-    ) -> dict[PartitionKey, list[Incoming]]:
-        return {
-            tp: [
-                Incoming(
-                    r.topic,
-                    r.partition,
-                    r.offset,
-                    r.key,
+        self, batch: dict[PartitionKey, list[Any]], read_from: dict[PartitionKey, int]
+    ) -> Batch:
+        """Decode every record, each with the consumer's position when it was read (the
+        batch's starting position for the first, the previous record's next offset for
+        the others)."""
+        out: Batch = {}
+        for tp, records in batch.items():
+            position = read_from.get(tp)
+            decoded = []
+            for r in records:
+                value = decode(
                     r.value,
-                    decode(
-                        r.value,
-                        key=r.key,
-                        max_state_bytes=self.max_state_bytes,
-                        max_record_bytes=self.max_record_bytes,
-                    ),
-                    tuple(r.headers or ()),
+                    key=r.key,
+                    max_state_bytes=self.max_state_bytes,
+                    max_record_bytes=self.max_record_bytes,
                 )
-                for r in records
-            ]
-            for tp, records in batch.items()
-        }
+                headers = tuple(r.headers or ())
+                decoded.append(
+                    Incoming(
+                        r.topic, r.partition, r.offset, r.key, r.value, value, headers, position
+                    )
+                )
+                position = r.offset + 1
+            out[tp] = decoded
+        return out
 
     async def apply_all(
         self, cluster_id: str, batch: Batch, apply: Apply[OutcomeT]

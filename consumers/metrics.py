@@ -100,6 +100,13 @@ class Metrics:
             ["consumer", "topic", "partition"],
             registry=r,
         )
+        self.offsets_skipped = Counter(
+            "alma_offsets_skipped_total",
+            "Offsets of the log that held no record when read (transaction markers, records "
+            "removed by retention or compaction): moved past",
+            ["consumer"],
+            registry=r,
+        )
         self.offsets_ahead_of_log = Gauge(
             "alma_offsets_ahead_of_log",
             "Records this group applied beyond the end of the broker's log (the broker "

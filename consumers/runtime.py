@@ -54,8 +54,15 @@ class BatchHandler(Protocol):
     ) -> dict[PartitionKey, int]:
         """Where each partition resumes (stored with the effects)."""
 
-    async def handle(self, cluster_id: str, batch: dict[PartitionKey, list[Any]]) -> HandleResult:
-        """Apply a batch durably; raise a retriable StorageError to have it retried."""
+    async def handle(
+        self,
+        cluster_id: str,
+        batch: dict[PartitionKey, list[Any]],
+        read_from: dict[PartitionKey, int] | None = None,
+    ) -> HandleResult:
+        """Apply a batch durably; raise a retriable StorageError to have it retried.
+        ``read_from``: the consumer's position when it read each partition's records
+        (where it is known), so the store can tell a hole in the log from a gap."""
 
     async def idle(self) -> None:
         """Periodic work (outbox sweeps, pruning): called when a poll returns nothing,
@@ -119,6 +126,9 @@ class ConsumerRuntime:
         self._last_periodic = 0.0
         self._applied_to: dict[TopicPartition, int] = {}  # next offset the store expects
         self._log_behind: set[TopicPartition] = set()
+        # Where the consumer reads each partition from: the offset it was sent to, then
+        # the offset after the last record it returned. Unknown after a fallback start.
+        self._position: dict[TopicPartition, int] = {}
 
     async def _refresh_cluster_id(self) -> str:
         assert self._admin is not None
@@ -130,6 +140,7 @@ class ConsumerRuntime:
         self.assigned = set(assigned)
         self._applied_to.clear()
         self._log_behind.clear()
+        self._position.clear()
         name = self.handler.name
         self.metrics.assigned_partitions.labels(name).set(len(assigned))
         if not assigned or self.consumer is None:
@@ -153,6 +164,7 @@ class ConsumerRuntime:
             if offset is not None:
                 self.consumer.seek(tp, offset)
                 self._applied_to[tp] = offset
+                self._position[tp] = offset
         log.info(
             "partitions assigned",
             extra={"action": "assigned", "consumer": name, "partitions": len(assigned)},
@@ -166,6 +178,8 @@ class ConsumerRuntime:
             group_id=cfg.group_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
+            # records of aborted upstream transactions are not events
+            isolation_level="read_committed",
             session_timeout_ms=cfg.session_timeout_ms,
             heartbeat_interval_ms=cfg.heartbeat_interval_ms,
             max_poll_interval_ms=cfg.max_poll_interval_ms,
@@ -236,7 +250,12 @@ class ConsumerRuntime:
                 await self._periodic()
                 continue
             plain = {(tp.topic, tp.partition): records for tp, records in batch.items()}
-            result = await self._handle_with_retry(consumer, plain, stop)
+            read_from = {
+                (tp.topic, tp.partition): self._position[tp] for tp in batch if tp in self._position
+            }
+            for tp, records in batch.items():
+                self._position[tp] = records[-1].offset + 1
+            result = await self._handle_with_retry(consumer, plain, read_from, stop)
             if result is None:
                 return  # stopping during an outage: the batch is redelivered later
             await self._after(consumer, result)
@@ -302,7 +321,11 @@ class ConsumerRuntime:
         return batch
 
     async def _handle_with_retry(
-        self, consumer: AIOKafkaConsumer, batch: dict[PartitionKey, list[Any]], stop: asyncio.Event
+        self,
+        consumer: AIOKafkaConsumer,
+        batch: dict[PartitionKey, list[Any]],
+        read_from: dict[PartitionKey, int],
+        stop: asyncio.Event,
     ) -> HandleResult | None:
         name = self.handler.name
         attempt = 0
@@ -310,7 +333,7 @@ class ConsumerRuntime:
         try:
             while True:
                 try:
-                    return await self.handler.handle(self.cluster_id, batch)
+                    return await self.handler.handle(self.cluster_id, batch, read_from)
                 except errors.StorageError as exc:
                     if not exc.retriable:
                         raise
@@ -352,6 +375,7 @@ class ConsumerRuntime:
         for key, offset in result.seeks.items():
             if key in owned:
                 consumer.seek(owned[key], offset)
+                self._position[owned[key]] = offset
         for key, offset in result.next_offsets.items():
             if key in owned:
                 tp = owned[key]

@@ -49,6 +49,9 @@ class Incoming:
     value: bytes | None
     decoded: Decoded
     headers: tuple[tuple[str, bytes], ...] = ()
+    # The consumer's position when it read this record: its own offset, or an earlier
+    # one when the log holds no record in between (a commit marker, a removed record).
+    read_from: int | None = None
 
     def header_int(self, name: str) -> int | None:
         """A header holding a decimal integer, or None (absent or unreadable)."""
@@ -125,6 +128,7 @@ class BatchOutcome:
     next_offsets: dict[PartitionKey, int] = field(default_factory=dict)
     seeks: dict[PartitionKey, int] = field(default_factory=dict)
     already_applied: int = 0  # records at offsets this group had applied before
+    holes: dict[PartitionKey, tuple[int, int]] = field(default_factory=dict)  # no records
     dead_letters: list[DeadLetter] = field(default_factory=list)
     outbox_ids: list[int] = field(default_factory=list)
     cache_writes: list[CacheEntry] = field(default_factory=list)
@@ -166,6 +170,7 @@ class BatchStore:
             fenced = await offsets.fence(conn, self.group_id, cluster_id, batch)
             outcome.seeks, outcome.next_offsets = fenced.seeks, fenced.next_offsets
             outcome.already_applied = fenced.already_applied
+            outcome.holes = fenced.holes
             if not fenced.todo:
                 return outcome
             rows = await work(conn, fenced.todo, outcome)

@@ -5,8 +5,12 @@ way: :func:`fence` at the start of its transaction, :func:`advance` at the end.
 
 * Records below a partition's stored ``next_offset`` were already applied (by
   this member before a crash, or by another member): they are dropped.
-* A stored offset above the batch's first record is a gap: the partition is
-  sent back to it (``seeks``).
+* A batch that starts after the stored ``next_offset`` is a gap. If the consumer read
+  the batch from the stored offset or before it (each record says where its read
+  began: ``read_from``), the log holds no record in between (a transaction's commit
+  marker, records removed by retention or compaction): the batch is applied and the
+  hole reported (``holes``). Otherwise the partition is sent back to the stored
+  offset (``seeks``) for what it has not read.
 * The rows are locked ``FOR UPDATE``: two members that both think they own a
   partition serialise here, and the second finds its records applied. A
   zombie's late writes have no effect.
@@ -29,6 +33,10 @@ class HasOffset(Protocol):
     @property
     def offset(self) -> int: ...
 
+    @property
+    def read_from(self) -> int | None:
+        """The consumer's position when it read this record (None: not known)."""
+
 
 R = TypeVar("R", bound=HasOffset)
 
@@ -39,6 +47,7 @@ class Fenced(Generic[R]):
     seeks: dict[PartitionKey, int] = field(default_factory=dict)
     next_offsets: dict[PartitionKey, int] = field(default_factory=dict)
     already_applied: int = 0
+    holes: dict[PartitionKey, tuple[int, int]] = field(default_factory=dict)  # [from, to)
 
 
 async def stored_offsets(
@@ -97,9 +106,12 @@ async def fence(
     for tp in tps:
         records = sorted(batch[tp], key=lambda r: r.offset)
         next_offset = stored[tp]
-        if next_offset < records[0].offset:
-            out.seeks[tp] = next_offset  # a gap: go back for what is missing
-            continue
+        first = records[0]
+        if next_offset < first.offset:
+            if first.read_from is None or first.read_from > next_offset:
+                out.seeks[tp] = next_offset  # a gap this consumer has not read: go back
+                continue
+            out.holes[tp] = (next_offset, first.offset)  # read, and nothing there
         fresh = [r for r in records if r.offset >= next_offset]
         out.already_applied += len(records) - len(fresh)
         if fresh:

@@ -1,6 +1,6 @@
 """The store's exactly-once mechanism, driven directly: redelivery after a crash
 between the PostgreSQL commit and the Kafka commit, a zombie member writing
-late, and a gap in the log."""
+late, a gap in what was read, and a hole in the log."""
 
 from __future__ import annotations
 
@@ -18,12 +18,19 @@ from tests.integration.harness import completed, count, fetch
 TOPIC = "lifecycle"
 
 
-def records(docs: list[dict[str, Any]], start: int = 0, partition: int = 0) -> list[Incoming]:
+def records(
+    docs: list[dict[str, Any]], start: int = 0, partition: int = 0, read_from: int | None = None
+) -> list[Incoming]:
+    """Records at consecutive offsets from ``start``; the first read from ``read_from``
+    (the consumer's position: an earlier offset when the log has nothing between)."""
     out = []
     for i, doc in enumerate(docs):
         raw = json.dumps(doc).encode()
         key = doc["run_id"].encode()
-        out.append(Incoming(TOPIC, partition, start + i, key, raw, decode(raw, key=key)))
+        position = read_from if i == 0 else start + i
+        out.append(
+            Incoming(TOPIC, partition, start + i, key, raw, decode(raw, key=key), (), position)
+        )
     return out
 
 
@@ -86,6 +93,26 @@ async def test_a_gap_sends_the_partition_back(database: str) -> None:
         later = await store.apply("c", {(TOPIC, 0): records([completed("r", state={"a": 2})], 5)})
     assert later.seeks == {(TOPIC, 0): 1}
     assert later.checkpoints == []
+
+
+async def test_a_hole_the_consumer_read_across_is_moved_past(database: str) -> None:
+    """The consumer read from offset 1 and the log's next record was at 3 (a commit
+    marker, removed records): nothing exists to go back for."""
+    async with connect(database) as pool:
+        store = store_for(pool)
+        await store.apply("c", {(TOPIC, 0): records([completed("r", state={"a": 1})])})
+        docs = [completed("r", state={"a": 2}), completed("r", state={"a": 3})]
+        later = await store.apply("c", {(TOPIC, 0): records(docs, 3, read_from=1)})
+        assert later.holes == {(TOPIC, 0): (1, 3)}
+        assert later.seeks == {}
+        assert [c.seq for c in later.checkpoints] == [2, 3]
+        assert await store.stored_offsets("c", [(TOPIC, 0)]) == {(TOPIC, 0): 5}
+        # read from beyond the stored offset: not a hole, a gap to go back for
+        gap = await store.apply(
+            "c", {(TOPIC, 0): records([completed("r", state={"a": 4})], 9, read_from=7)}
+        )
+        assert gap.seeks == {(TOPIC, 0): 5}
+        assert gap.holes == {}
 
 
 async def test_offsets_of_another_broker_cluster_are_kept_apart(database: str) -> None:

@@ -1,11 +1,20 @@
-"""Offsets stored beyond the end of the broker's log (the broker lost or replaced it)
-are never trusted silently: the partition pauses, a metric and an error say so, and
-nothing is skipped as "already applied"; `alma offsets reset` forgets them and the
-records of the new log are applied."""
+"""Offsets against the broker's log. Stored offsets beyond the end of the log (the
+broker lost or replaced it) are never trusted silently: the partition pauses, a metric
+and an error say so, and nothing is skipped as "already applied"; `alma offsets reset`
+forgets them and the records of the new log are applied. Offsets inside the log that
+hold no record (a transaction's commit marker, records deleted by retention) never
+stall a partition."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 import asyncpg
+from confluent_kafka import Producer
 
 from alma_core.cli.offsets import cluster_id
 from alma_core.settings import Settings
@@ -85,3 +94,44 @@ async def test_offsets_beyond_the_log_pause_until_reset(settings: Settings) -> N
             return await count(dsn, "SELECT count(*) FROM run_events") == len(events)
 
         await wait_for(applied, what="the new log's records once the offsets were reset")
+
+
+async def equals(read: Callable[[], Awaitable[int]], n: int) -> bool:
+    return await read() == n
+
+
+def transactional_producer(bootstrap: str, topic: str, docs: list[dict[str, Any]]) -> None:
+    """An upstream producer that writes in Kafka transactions (confluent-kafka, a client
+    independent of ours): each commit leaves a marker that takes an offset and is never
+    delivered as a record."""
+    producer = Producer({"bootstrap.servers": bootstrap, "transactional.id": uuid.uuid4().hex})
+    producer.init_transactions(10)
+    producer.begin_transaction()
+    for doc in docs:
+        producer.produce(topic, json.dumps(doc).encode(), key=doc["run_id"].encode())
+    producer.commit_transaction(10)
+
+
+async def test_offsets_with_no_record_in_the_log_never_stall_a_partition(
+    settings: Settings,
+) -> None:
+    """Kafka transactions upstream: the commit marker after each transaction takes an
+    offset that no consumer ever receives. A batch that starts after one must be
+    applied, not sent back for the missing offset forever."""
+    dsn, bootstrap = settings.postgres_dsn or "", settings.kafka_bootstrap or ""
+    first = [completed("tx", state={"n": i}) for i in range(2)]
+    later = [completed("tx", state={"n": i}) for i in range(2, 5)]
+    async with Worker.start(settings) as worker:
+        await asyncio.to_thread(transactional_producer, bootstrap, settings.lifecycle_topic, first)
+
+        async def checkpoints() -> int:
+            return await count(dsn, "SELECT count(*) FROM checkpoints")
+
+        await wait_for(lambda: equals(checkpoints, 2), what="the transaction's two events")
+        # the next batch starts after the commit marker's offset
+        await asyncio.to_thread(transactional_producer, bootstrap, settings.lifecycle_topic, later)
+        await wait_for(lambda: equals(checkpoints, 5), limit_s=30, what="the events after it")
+        assert worker.value("alma_offsets_skipped_total", {"consumer": "checkpointer"}) >= 1
+    rows = await count(dsn, "SELECT max(seq) FROM checkpoints WHERE run_id = 'tx'")
+    assert rows == 5
+    assert await count(dsn, "SELECT count(*) FROM dead_letters") == 0
