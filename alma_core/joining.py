@@ -4,6 +4,10 @@
   (never by completion time or name), is applied onto the main line's head
   with the reducers (a branch holds what it wrote, so a list ``append``ed by
   three branches gets each branch's items once, after the main line's).
+* **A join consumes its branches**: once merged, a branch has no head, so the next
+  fan-out with the same branch names (a loop, a second parallel step) starts it
+  from empty, forked from the main line as it is then, and nothing is merged
+  twice. Its checkpoints stay in the run's history.
 * ``states``: the given states, folded in order; the main line is not a base.
 * Reducers: the request's ``reducers`` / ``default_reducer`` / ``strict`` when
   given, else the workflow's registered configuration, else ``last_value``.
@@ -66,7 +70,8 @@ def merge(
             raise errors.MissingBranch(
                 f"branch {missing[0]!r} has no checkpoint in this run"
                 + (f" (nor do {', '.join(map(repr, missing[1:]))})" if len(missing) > 1 else "")
-                + "; a branch is known once a node in it has completed"
+                + " since its last join: a branch is known once a node in it has completed, "
+                "and a join consumes the branches it merges"
             )
         heads = [branches[b] for b in payload.branch_ids]
         merged_from = tuple(h.seq for h in heads)
@@ -122,6 +127,7 @@ class JoinDecision:
     checkpoint: MergedCheckpoint | None = None
     rejection: errors.RejectedEvent | None = None
     duplicate: bool = False
+    consumed: tuple[str, ...] = ()  # the branches the merge consumed
 
 
 class JoinPlanner:
@@ -179,8 +185,11 @@ class JoinPlanner:
             )
             run.last_seq = checkpoint.seq
             run.heads[MAIN] = Head(checkpoint.seq, merged.state_hash, merged.state)
+            consumed = tuple(dict.fromkeys(payload.branch_ids or ()))
+            for branch in consumed:
+                run.heads.pop(branch, None)
             reply.update(status="ok", merged_state=merged.state, checkpoint_seq=checkpoint.seq)
-            decision = JoinDecision(event, reply, checkpoint=checkpoint)
+            decision = JoinDecision(event, reply, checkpoint=checkpoint, consumed=consumed)
         MergeReply.model_validate(reply)  # the reply we send keeps our own contract
         self.replies[key] = reply
         return decision

@@ -154,6 +154,13 @@ def cache_entries(heads: Mapping[str | None, Checkpoint]) -> list[CacheEntry]:
     return entries
 
 
+def consumed_entries(merge: Checkpoint, branches: Iterable[str]) -> list[CacheEntry]:
+    """Tombstones for the branches a join consumed, at the merge's seq: a reader sees
+    no head for them (a branch written again later has a higher seq and replaces it)."""
+    doc = {"run_id": merge.run_id, "tenant_id": merge.tenant_id, "seq": merge.seq, "consumed": True}
+    return [CacheEntry(merge.run_id, field_for(b), merge.seq, doc) for b in branches]
+
+
 def _decode(value: bytes | str | None) -> dict[str, Any] | None:
     if value is None:
         return None
@@ -223,14 +230,18 @@ class RedisCheckpointCache:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
 
     async def get(self, run_id: str, field: str) -> tuple[dict[str, Any] | None, bool]:
-        """(the entry or None, whether the run's heads are complete in the cache)."""
+        """(the entry or None, whether the run's heads are complete in the cache). A
+        branch a join consumed is None when the heads are complete (it has no head)."""
         try:
             value, complete = await self._get(
                 keys=[self._epoch_key], args=[self.prefix, run_id, field]
             )
         except RedisError as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
-        return _decode(value), complete is not None
+        doc = _decode(value)
+        if doc is not None and doc.get("consumed"):
+            doc = None
+        return doc, complete is not None
 
     async def heads(self, run_id: str) -> dict[str, dict[str, Any]] | None:
         """Every cached head of the run, or None unless the cache holds all of them."""
@@ -247,7 +258,9 @@ class RedisCheckpointCache:
         return {
             f: doc
             for f, v in fields.items()
-            if f not in (COMPLETE_FIELD, LATEST_FIELD) and (doc := _decode(v)) is not None
+            if f not in (COMPLETE_FIELD, LATEST_FIELD)
+            and (doc := _decode(v)) is not None
+            and not doc.get("consumed")
         }
 
 

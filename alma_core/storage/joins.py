@@ -35,7 +35,7 @@ from alma_core.storage.batches import (
     Incoming,
     dead_letter_for,
 )
-from alma_core.storage.cache import cache_entries
+from alma_core.storage.cache import cache_entries, consumed_entries
 from alma_core.storage.outbox import OutboxRow
 from alma_core.types import Checkpoint
 from schemas.decoder import Rejection
@@ -103,9 +103,10 @@ class PostgresJoinStore(BatchStore):
                     checkpoint = _checkpoint(decision, now)
                     merged.append((decision.checkpoint.merge.state_json, checkpoint))
                     outcome.checkpoints.append(checkpoint)
+                    outcome.cache_writes += cache_entries({None: checkpoint})
+                    outcome.cache_writes += consumed_entries(checkpoint, decision.consumed)
                 outbox.append(self._reply(decision))
         await self._write(conn, decisions, planner, merged)
-        outcome.cache_writes = [e for cp in outcome.checkpoints for e in cache_entries({None: cp})]
         return outbox
 
     # -- loads ----------------------------------------------------------------
@@ -226,6 +227,13 @@ class PostgresJoinStore(BatchStore):
             await conn.executemany(
                 "UPDATE runs SET last_seq = $2, updated_at = now() WHERE run_id = $1",
                 [(run_id, run.last_seq) for run_id, run in moved.items()],
+            )
+            consumed = [(d.event.run_id, b) for d in decisions for b in d.consumed]
+            await conn.execute(  # a join consumes its branches: the next fan-out starts afresh
+                """DELETE FROM run_heads h USING unnest($1::text[], $2::text[]) AS u(r, b)
+                   WHERE h.run_id = u.r AND h.branch_key = u.b""",
+                [r for r, _ in consumed],
+                [b for _, b in consumed],
             )
         if decisions:
             await conn.executemany(

@@ -150,7 +150,9 @@ async def test_joiner_killed_mid_stream_every_join_answered_once(
 ) -> None:
     """The joiner SIGKILLed while joins are in flight (some between the merged
     checkpoint and the reply): orchestrators retrying with the same join_id all get
-    their answer, and each join has exactly one merged checkpoint."""
+    their answer; each join has exactly one merged checkpoint, durable with the very
+    state and seq its reply carries; three fan-out rounds per run merge each write
+    once."""
     from alma_core import errors
     from alma_core.sdk.client import AlmaClient
     from alma_core.types import WorkflowContext
@@ -159,52 +161,63 @@ async def test_joiner_killed_mid_stream_every_join_answered_once(
     assert dsn
     rng = random.Random(7)
     runs = [f"j{i}" for i in range(10)]
-    async with (
-        Worker.start(settings),
-        Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub,
-    ):
-        for run in runs:
-            for b in ("x", "y"):
-                await pub.send(completed(run, branch=b, updates={"log": [b]}))
-        await pub.flush()
-        joiner = WorkerProcess(settings, tmp_path / "joiner.log", consumers="joiner").start()
+    rounds = 3
 
-        async def ask(client: AlmaClient, run: str, k: int) -> Any:
-            ctx = WorkflowContext(tenant_id="acme", workflow_id="wf", run_id=run)
+    async def orchestrate(client: AlmaClient, run: str) -> list[Any]:
+        """Three rounds of fan-out (branches x and y) and join, as the SDK does them:
+        the next round after the join's reply."""
+        ctx = WorkflowContext(tenant_id="acme", workflow_id="wf", run_id=run)
+        replies = []
+        for k in range(rounds):
+            for b in ("x", "y"):
+                at = WorkflowContext("acme", "wf", None, run, f"work-{b}", b)
+                await client.node_completed(at, updates={"log": [f"{b}{k}"]})
             for _ in range(8):
                 try:
-                    return await client.merge(
-                        ctx,
-                        branch_ids=["x", "y"],
-                        join_id=f"{run}-{k}",
-                        reducers={"log": "append"},
-                        timeout=5,
+                    replies.append(
+                        await client.merge(
+                            ctx,
+                            branch_ids=["x", "y"],
+                            join_id=f"{run}-{k}",
+                            reducers={"log": "append"},
+                            timeout=5,
+                        )
                     )
+                    break
                 except errors.MergeTimeout:
                     continue  # the same join_id again: safe
-            raise AssertionError(f"join {run}-{k} never answered")
+            else:
+                raise AssertionError(f"join {run}-{k} never answered")
+        return replies
 
+    async with Worker.start(settings):
+        joiner = WorkerProcess(settings, tmp_path / "joiner.log", consumers="joiner").start()
         async with AlmaClient(settings) as client:
-            asking = asyncio.gather(*(ask(client, run, k) for run in runs for k in range(3)))
+            asking = asyncio.gather(*(orchestrate(client, run) for run in runs))
             for _ in range(2):
                 await asyncio.sleep(rng.uniform(0.3, 1.0))
                 joiner.kill()
                 await asyncio.sleep(0.3)
                 joiner.start()
-            replies = await asyncio.wait_for(asyncio.shield(asking), 120)
+            by_run = await asyncio.wait_for(asyncio.shield(asking), 120)
         assert joiner.terminate() == 0
-    assert all(r.status == "ok" for r in replies)
-    assert len({(r.run_id, r.join_id) for r in replies}) == 30
-    rows = await fetch(
+    merges = await fetch(
         dsn,
-        "SELECT metadata->>'join_id' AS j, count(*) AS n FROM checkpoints "
-        "WHERE kind = 'merge' GROUP BY 1",
+        """SELECT run_id, seq, state, metadata->>'join_id' AS join_id FROM checkpoints
+           WHERE kind = 'merge'""",
     )
-    assert len(rows) == 30
-    assert all(r["n"] == 1 for r in rows)
-    for run in runs:  # three joins of one run: seqs follow each other, no gap
+    durable = {m["join_id"]: m for m in merges}
+    assert len(merges) == len(durable) == len(runs) * rounds  # one merge per join
+    for run, replies in zip(runs, by_run, strict=True):
+        for reply in replies:  # reply after durable: the checkpoint the reply names
+            assert reply.status == "ok"
+            row = durable[reply.join_id]
+            assert (row["run_id"], row["seq"]) == (run, reply.checkpoint_seq)
+            assert row["state"] == reply.merged_state
+        # each round's writes merged once, in the order given
+        assert replies[-1].merged_state == {"log": ["x0", "y0", "x1", "y1", "x2", "y2"]}
         seqs = await fetch(dsn, "SELECT seq FROM checkpoints WHERE run_id = $1 ORDER BY seq", run)
-        assert [r["seq"] for r in seqs] == list(range(1, 6))
+        assert [r["seq"] for r in seqs] == list(range(1, 3 * rounds + 1))  # no gap
 
 
 async def test_every_group_killed_each_side_effect_once(settings: Settings, tmp_path: Path) -> None:

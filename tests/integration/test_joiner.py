@@ -10,6 +10,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -382,3 +383,46 @@ async def test_a_join_takes_its_place_in_the_partition_or_fails_clearly(
         assert [r["kind"] for r in rows] == kinds
     letters = await fetch(dsn, "SELECT consumer, reason FROM dead_letters")
     assert [(r["consumer"], r["reason"]) for r in letters] == [("joiner", "run_moved_past_join")]
+
+
+async def test_a_loop_of_fan_outs_reusing_branch_names_merges_each_write_once(
+    settings: Settings, stack: tuple[Worker, AlmaClient]
+) -> None:
+    """A join consumes its branches: the next fan-out with the same branch names (a
+    loop, or two parallel steps of one workflow) starts them from empty, so nothing
+    of the first fan-out is merged again."""
+    _, client = stack
+    run = WorkflowContext(
+        tenant_id="acme", workflow_id="loop", run_id=f"loop-{uuid.uuid4().hex[:6]}"
+    )
+    await client.register_reducers(run, {"items": "append", "count": "sum"})
+    start = await client.node_completed(replace(run, node_id="start"), updates={"items": ["s"]})
+    await client.applied(run, start)
+    merged: list[dict[str, Any]] = []
+    for round_ in ("first", "second", "third"):
+        for branch in ("a", "b"):
+            at = replace(run, node_id=f"work-{branch}", branch_id=branch)
+            done = await client.node_completed(
+                at, updates={"items": [f"{round_}-{branch}"], "count": 1}
+            )
+            await client.applied(at, done)
+        reply = await client.merge(
+            replace(run, node_id=f"join-{round_}"), branch_ids=["a", "b"], timeout=60
+        )
+        merged.append(reply.merged_state or {})
+    assert merged[-1]["items"] == [
+        "s",
+        "first-a",
+        "first-b",
+        "second-a",
+        "second-b",
+        "third-a",
+        "third-b",
+    ]
+    assert [m["count"] for m in merged] == [2, 4, 6]
+    # joining branches that wrote nothing since their last join is an error
+    with pytest.raises(errors.MergeFailed, match="missing_branch"):
+        await client.merge(replace(run, node_id="again"), branch_ids=["a"], timeout=60)
+    # the branch heads are gone from the cache and the store alike
+    point = await client.resume(run)
+    assert set(point.branch_heads) == {None}

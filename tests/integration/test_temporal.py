@@ -150,10 +150,10 @@ async def test_a_parallel_fan_out_joins_with_reducers(
     assert sorted(r["branch_id"] for r in rows[1:4]) == ["finance", "legal", "security"]
     assert all(r["node_id"] == "review" for r in rows[1:4])
     assert (rows[4]["kind"], rows[4]["state"]) == ("merge", merged)
+    assert sorted(rows[4]["metadata"].items()) == [("join_id", "join-1")]
+    # the join consumed its branches: the main line is the run's only head now
     heads = await fetch(dsn, "SELECT branch_key, seq FROM run_heads WHERE run_id = $1", run)
-    by_branch = {r["branch_key"]: r["seq"] for r in heads}
-    assert by_branch[""] == 5
-    assert {by_branch[b] for b in ("legal", "finance", "security")} == {2, 3, 4}
+    assert {r["branch_key"]: r["seq"] for r in heads} == {"": 5}
 
 
 async def test_updates_fold_with_the_reducers_the_plugin_registers(

@@ -190,3 +190,15 @@ def test_a_join_that_cannot_merge_answers_an_error_and_changes_nothing(
     assert decision.reply["error"].startswith(reason)
     assert p.runs["r"].last_seq == 4
     assert p.runs["r"].heads[""] == MAIN
+
+
+def test_a_join_consumes_the_branches_it_merges() -> None:
+    p = planner()
+    first = p.decide(join_event("j1", branch_ids=["alpha", "beta"]), 4)
+    assert first.consumed == ("alpha", "beta")
+    assert set(p.runs["r"].heads) == {"", "gamma"}  # gamma was not merged: still a branch
+    again = p.decide(join_event("j2", branch_ids=["alpha"]), 5)
+    assert again.rejection is not None
+    assert again.rejection.reason == "missing_branch"
+    states = p.decide(join_event("j3", states=[{"x": 1}]), 5)
+    assert states.consumed == ()  # merging given states consumes no branch
