@@ -230,7 +230,7 @@ def resume(
     tenant: str = typer.Option(None, "--tenant", help=TENANT_HELP),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Where the run resumes: its latest checkpoint and every branch head (cache first)."""
+    """Where the run resumes: its latest checkpoint and every branch head."""
     s = common.settings()
 
     async def main() -> None:

@@ -1,6 +1,6 @@
 """AlmaClient: the orchestrator's side. Publishes lifecycle events (key = run_id,
 acks from all in-sync replicas), awaits merge replies, and finds where a run
-resumes after a crash (Redis first, PostgreSQL on a miss).
+resumes after a crash (PostgreSQL's heads, their states from Redis where cached).
 
 Merge replies come through one :class:`~alma_core.sdk.replies.ReplyListener` per
 client. A join sent again with the same ``join_id`` gets the same reply (the
@@ -119,7 +119,7 @@ class AlmaClient:
             self._embedder.close()
 
     async def _reader(self, tenant_id: str) -> CheckpointReader:
-        """Reads go to Redis first and PostgreSQL on a miss (opened on first use)."""
+        """Reads of checkpoints (opened on first use): never older than PostgreSQL."""
         pool = await self._open_reads()
         return CheckpointReader(
             pool,

@@ -68,6 +68,12 @@ if ARGV[3] == '' then return redis.call('HGETALL', key) end
 return redis.call('HMGET', key, ARGV[3], 'complete')
 """
 
+_MGET = """
+local epoch = redis.call('GET', KEYS[1]) or '0'
+local key = ARGV[1] .. ':' .. epoch .. ':heads:' .. ARGV[2]
+return redis.call('HMGET', key, unpack(ARGV, 3))
+"""
+
 _DELETE = """
 local epoch = redis.call('GET', KEYS[1]) or '0'
 local n = 0
@@ -178,6 +184,7 @@ class RedisCheckpointCache:
         self._put = client.register_script(_PUT)
         self._get = client.register_script(_GET)
         self._delete = client.register_script(_DELETE)
+        self._mget = client.register_script(_MGET)
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -242,6 +249,17 @@ class RedisCheckpointCache:
         if doc is not None and doc.get("consumed"):
             doc = None
         return doc, complete is not None
+
+    async def entries(self, run_id: str, fields: list[str]) -> dict[str, dict[str, Any]]:
+        """The run's entries for ``fields`` that the cache holds (a consumed branch's
+        tombstone included: its seq is not a head's, so a reader never takes it)."""
+        try:
+            values = await self._mget(keys=[self._epoch_key], args=[self.prefix, run_id, *fields])
+        except RedisError as exc:
+            raise errors.CacheError(f"Redis: {exc!r}") from exc
+        return {
+            f: doc for f, v in zip(fields, values, strict=True) if (doc := _decode(v)) is not None
+        }
 
     async def heads(self, run_id: str) -> dict[str, dict[str, Any]] | None:
         """Every cached head of the run, or None unless the cache holds all of them."""

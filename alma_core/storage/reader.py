@@ -1,4 +1,5 @@
-"""The resume API: where a crashed run picks up. Redis first, PostgreSQL on a miss.
+"""The resume API: where a crashed run picks up. PostgreSQL says which checkpoints are
+the heads; Redis serves those it holds at those seqs, PostgreSQL the rest.
 
 Every read is scoped to one tenant (guarantee 6): a run of another tenant is
 "not found", from the cache and from PostgreSQL alike. A reader built without
@@ -14,12 +15,10 @@ import asyncpg
 
 from alma_core import errors
 from alma_core.storage.cache import (
-    LATEST_FIELD,
-    MAIN_FIELD,
     RedisCheckpointCache,
-    branch_of,
     cache_entries,
     checkpoint_from_doc,
+    field_for,
 )
 from alma_core.storage.observer import ReadMetrics, ReadObserver
 from alma_core.storage.postgres import is_storage_failure, storage_error
@@ -30,8 +29,17 @@ _COLUMNS = """run_id, tenant_id, seq, kind, node_id, branch_id, parent_seq, even
 
 
 class CheckpointReader:
-    """Reads of one tenant's checkpoints; each cache lookup is reported to ``observer``
-    (default: this process's :class:`~alma_core.storage.observer.ReadMetrics`)."""
+    """Reads of one tenant's checkpoints. Each cache lookup is reported to ``observer``
+    (default: this process's :class:`~alma_core.storage.observer.ReadMetrics`).
+
+    **Never older than PostgreSQL.** A checkpoint never changes once written, so a
+    cached one is right exactly when its seq is still its branch's head. Every read of
+    heads asks PostgreSQL which seqs are the heads (``run_heads``: keys and seqs, no
+    states) and takes from Redis only the entries at those seqs; the others come from
+    PostgreSQL and are cached. An entry a writer never replaced (a member killed
+    between its commit and its cache write, a lost write, Redis restored from an
+    older snapshot, checkpoints deleted by retention) is never served, and a reader
+    reads its own writes."""
 
     def __init__(
         self,
@@ -52,9 +60,6 @@ class CheckpointReader:
         self.tenant_id = tenant_id
         self.observer = observer or ReadMetrics.shared()
 
-    def _mine(self, doc: Mapping[str, Any] | None) -> bool:
-        return doc is not None and (self.tenant_id is None or doc["tenant_id"] == self.tenant_id)
-
     async def _fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
         try:
             rows: list[asyncpg.Record] = await self.pool.fetch(sql, *args)
@@ -64,69 +69,88 @@ class CheckpointReader:
             raise
         return rows
 
-    async def _cache_get(self, run_id: str, field: str) -> dict[str, Any] | None:
-        if self.cache is None:
-            return None
-        try:
-            doc, _ = await self.cache.get(run_id, field)
-        except errors.CacheError:
-            self.observer.cache_read("error")
-            return None
-        self.observer.cache_read("miss" if doc is None else "hit")
-        return doc
-
-    async def _fill(self, heads: Mapping[str | None, Checkpoint]) -> None:
-        if self.cache is None or not heads:
-            return
-        try:
-            await self.cache.put(cache_entries(heads), complete=True)
-        except errors.CacheError:
-            self.observer.cache_read("error")
-
-    async def _heads_from_db(self, run_id: str) -> dict[str | None, Checkpoint]:
+    async def _head_seqs(self, run_id: str) -> dict[str | None, int]:
+        """The run's current heads by branch (None: the main line), from PostgreSQL."""
         rows = await self._fetch(
-            f"""SELECT {_COLUMNS} FROM checkpoints c
-                WHERE (c.run_id, c.seq) IN (SELECT run_id, seq FROM run_heads WHERE run_id = $1)
-                  AND ($2::text IS NULL OR c.tenant_id = $2)""",
+            """SELECT h.branch_key, h.seq FROM run_heads h JOIN runs r ON r.run_id = h.run_id
+               WHERE h.run_id = $1 AND ($2::text IS NULL OR r.tenant_id = $2)""",
             run_id,
             self.tenant_id,
         )
-        heads = {r["branch_id"]: checkpoint_from_doc(r) for r in rows}
-        await self._fill(heads)
+        return {(r["branch_key"] or None): r["seq"] for r in rows}
+
+    async def _cached(self, run_id: str, fields: list[str]) -> dict[str, dict[str, Any]]:
+        """The cache's entries for ``fields`` (a failed lookup counts and is empty)."""
+        if self.cache is None or not fields:
+            return {}
+        try:
+            return await self.cache.entries(run_id, fields)
+        except errors.CacheError:
+            self.observer.cache_read("error")
+            return {}
+
+    async def _heads(
+        self, run_id: str, wanted: set[str | None] | None = None
+    ) -> dict[str | None, Checkpoint]:
+        """The current heads (those in ``wanted``, or all): each from the cache when the
+        cache holds it at its current seq, else from PostgreSQL (then cached)."""
+        seqs = await self._head_seqs(run_id)
+        if wanted is not None:
+            seqs = {b: s for b, s in seqs.items() if b in wanted}
+        if not seqs:
+            return {}
+        cached = await self._cached(run_id, [field_for(b) for b in seqs])
+        heads: dict[str | None, Checkpoint] = {}
+        missing: dict[str | None, int] = {}
+        for branch, seq in seqs.items():
+            doc = cached.get(field_for(branch))
+            if doc is not None and doc.get("seq") == seq and self._mine(doc):
+                heads[branch] = checkpoint_from_doc(doc)
+            else:
+                missing[branch] = seq
+        if self.cache is not None:
+            self.observer.cache_read("miss" if missing else "hit")
+        if missing:
+            found = await self._by_seq(run_id, list(missing.values()))
+            heads.update({cp.branch_id: cp for cp in found})
+            await self._fill(run_id, found, complete=wanted is None and len(found) == len(missing))
         return heads
+
+    def _mine(self, doc: Mapping[str, Any]) -> bool:
+        return self.tenant_id is None or doc.get("tenant_id") == self.tenant_id
+
+    async def _by_seq(self, run_id: str, seqs: list[int]) -> list[Checkpoint]:
+        rows = await self._fetch(
+            f"""SELECT {_COLUMNS} FROM checkpoints
+                WHERE run_id = $1 AND seq = ANY($2::bigint[])
+                  AND ($3::text IS NULL OR tenant_id = $3)""",
+            run_id,
+            seqs,
+            self.tenant_id,
+        )
+        return [checkpoint_from_doc(r) for r in rows]
+
+    async def _fill(self, run_id: str, found: list[Checkpoint], *, complete: bool) -> None:
+        if self.cache is None or not found:
+            return
+        try:
+            await self.cache.put(
+                cache_entries({cp.branch_id: cp for cp in found}), complete=complete
+            )
+        except errors.CacheError:
+            self.observer.cache_read("error")
 
     async def latest(self, run_id: str) -> Checkpoint | None:
         """The run's newest checkpoint (highest seq, any branch)."""
-        doc = await self._cache_get(run_id, LATEST_FIELD)
-        if self._mine(doc):
-            assert doc is not None
-            return checkpoint_from_doc(doc)
-        if doc is not None:
-            return None  # another tenant's run
-        heads = await self._heads_from_db(run_id)
+        heads = await self._heads(run_id)
         return max(heads.values(), key=lambda cp: cp.seq) if heads else None
 
     async def branch_heads(self, run_id: str) -> dict[str | None, Checkpoint]:
         """The head of every branch of the run; the main line under ``None``."""
-        if self.cache is not None:
-            try:
-                cached = await self.cache.heads(run_id)
-            except errors.CacheError:
-                self.observer.cache_read("error")
-                cached = None
-            if cached is not None:
-                self.observer.cache_read("hit")
-                if not all(self._mine(d) for d in cached.values()):
-                    return {}
-                return {branch_of(f): checkpoint_from_doc(d) for f, d in cached.items()}
-            self.observer.cache_read("miss")
-        return await self._heads_from_db(run_id)
+        return await self._heads(run_id)
 
     async def main_head(self, run_id: str) -> Checkpoint | None:
-        doc = await self._cache_get(run_id, MAIN_FIELD)
-        if doc is not None:
-            return checkpoint_from_doc(doc) if self._mine(doc) else None
-        return (await self._heads_from_db(run_id)).get(None)
+        return (await self._heads(run_id, {None})).get(None)
 
     async def history(
         self, run_id: str, *, limit: int = 100, before_seq: int | None = None

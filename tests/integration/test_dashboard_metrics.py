@@ -16,6 +16,7 @@ from pathlib import Path
 
 from alma_core.sdk.client import AlmaClient
 from alma_core.settings import Settings
+from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.types import RetrievalScope, WorkflowContext
 from tests.integration.harness import Publisher, Worker, count, wait_for
@@ -102,7 +103,11 @@ async def test_every_metric_the_dashboard_and_the_alerts_name_is_produced(
 
             await wait_for(learned, limit_s=60, what="the outcome")
             await client.resume(ctx)  # the cache serves it
-            await client.resume(WorkflowContext("acme", "metrics-wf", None, "unknown-run"))
+            async with RedisCheckpointCache.connect(
+                settings.redis_url or "", prefix=settings.redis_prefix
+            ) as cache:
+                await cache.bump_epoch()  # what a worker's start does: the cache starts empty
+            await client.resume(ctx)  # a miss, from PostgreSQL
             await client.retrieve("measure the metrics", ctx, RetrievalScope.WORKFLOW)
         missing = {
             series
