@@ -12,7 +12,8 @@
     │   ├── RunMovedPastJoin
     │   ├── StateTooLarge
     │   ├── TenantMismatch
-    │   └── StaleExpectedSeq
+    │   ├── StaleExpectedSeq
+    │   └── EventIdReused
     ├── StorageError            Postgres failed (retriable: back off and try again)
     │   └── StorageRejected     Postgres refused the data itself (not retriable)
     ├── CacheError              Redis failed (retriable; callers fall back to Postgres)
@@ -115,6 +116,13 @@ class StaleExpectedSeq(RejectedEvent):
     """The run's latest checkpoint sequence is not the one the event expected."""
 
     reason = "stale_expected_seq"
+
+
+class EventIdReused(RejectedEvent):
+    """Another run already has an event with this event_id: event ids are unique across
+    runs (the inbox keeps one effect per id)."""
+
+    reason = "event_id_reused"
 
 
 class StorageError(AlmaError):

@@ -12,7 +12,8 @@ returns in one transaction. No I/O here, so every rule is unit-tested:
 * a state equal (by hash) to its branch head records the event, no checkpoint;
 * a tenant other than the run's, a stale ``expected_seq``, an unknown reducer,
   a state over the limit: :class:`errors.RejectedEvent`, nothing changes;
-* an ``event_id`` seen before has no effect at all.
+* an ``event_id`` seen before, for the same run, has no effect at all; one another
+  run used is :class:`errors.EventIdReused` (dropping it would lose the event).
 """
 
 from __future__ import annotations
@@ -124,14 +125,14 @@ class Sequencer:
         runs: dict[str, RunView],
         heads: dict[tuple[str, str], Head],
         reducer_configs: dict[tuple[str, str], ReducerConfig],
-        known_event_ids: set[str],
+        known_event_ids: dict[str, tuple[str, str]],
         registry: ReducerRegistry,
         max_state_bytes: int,
     ) -> None:
         self.runs = runs
         self.heads = heads
         self.reducer_configs = reducer_configs
-        self.seen = set(known_event_ids)
+        self.seen = dict(known_event_ids)  # event_id -> (tenant_id, run_id) it belongs to
         self.registry = registry
         self.max_state_bytes = max_state_bytes
         self.effects = Effects()
@@ -145,7 +146,13 @@ class Sequencer:
         Raises :class:`errors.RejectedEvent` (and changes nothing) when the
         event can never be applied.
         """
-        if event.event_id in self.seen:
+        owner = self.seen.get(event.event_id)
+        if owner is not None:
+            if owner != (event.tenant_id, event.run_id):
+                raise errors.EventIdReused(
+                    f"event_id {event.event_id!r} belongs to run {owner[1]!r} (tenant "
+                    f"{owner[0]!r}); give each event of each run its own id"
+                )
             self.effects.duplicates += 1
             return None
         run = self._run_for(event)
@@ -166,7 +173,7 @@ class Sequencer:
             self.runs[run.run_id] = run
         run.event_count += 1
         run.changed = True
-        self.seen.add(event.event_id)
+        self.seen[event.event_id] = (event.tenant_id, event.run_id)
         row = EventRow(event, effect, seq, coords, run.last_seq)
         self.effects.events.append(row)
         if effect == "handed_off":

@@ -162,13 +162,13 @@ class AlmaClient:
         """Wait until the checkpointer has had ``event_id``'s effect (read-your-writes).
         Raises the event's rejection (e.g. StaleExpectedSeq) if it was dead-lettered,
         and EffectTimeout if neither happened in ``timeout`` seconds."""
-        if not ctx.tenant_id:
-            raise errors.ContextError("applied() needs the run's tenant_id")
+        if not (ctx.tenant_id and ctx.run_id):
+            raise errors.ContextError("applied() needs the run's tenant_id and run_id")
         pool = await self._open_reads()
         deadline = time.monotonic() + timeout
         pause = 0.005
         while True:
-            found = await runs.effect_of(pool, event_id, ctx.tenant_id)
+            found = await runs.effect_of(pool, event_id, ctx.tenant_id, ctx.run_id)
             if found is not None and found.rejected is not None:
                 reason, detail = found.rejected
                 raise errors.rejection(reason, f"event {event_id}: {detail}")

@@ -176,11 +176,14 @@ class PostgresCheckpointStore(BatchStore):
             (r["tenant_id"], r["workflow_id"]): ReducerConfig.from_json(r["config"]) for r in rows
         }
 
-    async def _known_event_ids(self, conn: asyncpg.Connection, event_ids: list[str]) -> set[str]:
+    async def _known_event_ids(
+        self, conn: asyncpg.Connection, event_ids: list[str]
+    ) -> dict[str, tuple[str, str]]:
         rows = await conn.fetch(
-            "SELECT event_id FROM run_events WHERE event_id = ANY($1::text[])", event_ids
+            "SELECT event_id, tenant_id, run_id FROM run_events WHERE event_id = ANY($1::text[])",
+            event_ids,
         )
-        return {r["event_id"] for r in rows}
+        return {r["event_id"]: (r["tenant_id"], r["run_id"]) for r in rows}
 
     # -- writes ---------------------------------------------------------------
 

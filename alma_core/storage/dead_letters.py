@@ -76,14 +76,16 @@ async def of_run(conn: asyncpg.Connection, run_id: str, tenant_id: str) -> list[
 
 
 async def of_event(
-    conn: asyncpg.Connection | asyncpg.Pool, event_id: str, tenant_id: str
+    conn: asyncpg.Connection | asyncpg.Pool, event_id: str, tenant_id: str, run_id: str
 ) -> asyncpg.Record | None:
-    """The latest dead letter of an event (its reason and detail), if it has one."""
+    """The latest dead letter of an event of this run (its reason and detail), if any."""
     row: asyncpg.Record | None = await conn.fetchrow(
-        """SELECT reason, detail FROM dead_letters WHERE event_id = $1 AND tenant_id = $2
+        """SELECT reason, detail FROM dead_letters
+           WHERE event_id = $1 AND tenant_id = $2 AND run_id = $3
            ORDER BY id DESC LIMIT 1""",
         event_id,
         tenant_id,
+        run_id,
     )
     return row
 

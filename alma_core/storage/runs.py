@@ -27,16 +27,19 @@ class EventEffect:
     rejected: tuple[str, str] | None = None
 
 
-async def effect_of(conn: Conn, event_id: str, tenant_id: str) -> EventEffect | None:
-    """The event's effect, its rejection, or None while it has had neither."""
+async def effect_of(conn: Conn, event_id: str, tenant_id: str, run_id: str) -> EventEffect | None:
+    """The event's effect in this run, its rejection, or None while it has had neither
+    (an event of another run with the same id is not this one's)."""
     row = await conn.fetchrow(
-        "SELECT effect, checkpoint_seq FROM run_events WHERE event_id = $1 AND tenant_id = $2",
+        """SELECT effect, checkpoint_seq FROM run_events
+           WHERE event_id = $1 AND tenant_id = $2 AND run_id = $3""",
         event_id,
         tenant_id,
+        run_id,
     )
     if row is not None:
         return EventEffect(row["effect"], row["checkpoint_seq"])
-    dead = await dead_letters.of_event(conn, event_id, tenant_id)
+    dead = await dead_letters.of_event(conn, event_id, tenant_id, run_id)
     if dead is not None:
         return EventEffect(rejected=(dead["reason"], dead["detail"]))
     return None

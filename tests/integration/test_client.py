@@ -95,3 +95,23 @@ async def test_an_orchestrator_that_crashed_resumes_from_the_latest_checkpoint(
         assert (fresh.latest, fresh.state) == (None, {})
         other = await after_restart.resume(replace(RUN, tenant_id="globex"))
         assert other.latest is None
+
+
+async def test_an_event_id_reused_by_another_run_is_refused_clearly(
+    settings: Settings, worker: Worker
+) -> None:
+    """An orchestrator that derives event ids badly publishes one id for two runs: the
+    second is dead-lettered as event_id_reused, and applied() says so instead of
+    confirming it with the first run's checkpoint."""
+    async with AlmaClient(settings) as client:
+        first = replace(RUN, run_id="owner", node_id="n")
+        second = replace(RUN, run_id="borrower", node_id="n")
+        await client.node_completed(first, state={"a": 1}, event_id="same-id")
+        assert (await client.applied(first, "same-id")).seq == 1
+        await client.node_completed(second, state={"b": 2}, event_id="same-id")
+        with pytest.raises(errors.EventIdReused, match="owner"):
+            await client.applied(second, "same-id", timeout=20)
+        # the owner's effect is untouched, and still confirmed for the owner
+        assert (await client.applied(first, "same-id")).seq == 1
+    dsn = settings.postgres_dsn or ""
+    assert await count(dsn, "SELECT count(*) FROM checkpoints WHERE run_id = 'borrower'") == 0

@@ -44,7 +44,7 @@ def sequencer(**kw: Any) -> Sequencer:
         runs=kw.get("runs", {}),
         heads=kw.get("heads", {}),
         reducer_configs=kw.get("configs", {}),
-        known_event_ids=kw.get("known", set()),
+        known_event_ids=kw.get("known", {}),
         registry=ReducerRegistry(),
         max_state_bytes=kw.get("limit", 10_000),
     )
@@ -72,13 +72,28 @@ def test_gapless_and_unchanged_states_skipped(states: list[dict[str, int]]) -> N
 
 
 def test_duplicate_event_id_has_no_effect() -> None:
-    seq = sequencer(known={"old"})
+    seq = sequencer(known={"old": ("acme", "r")})
     assert seq.apply(ev(state={"a": 1}, event_id="old"), AT) is None
     e = ev(state={"a": 2})
     seq.apply(e, AT)
     assert seq.apply(e, AT) is None
     assert seq.effects.duplicates == 2
     assert len(seq.effects.checkpoints) == 1
+
+
+def test_an_event_id_another_run_used_is_refused_not_dropped() -> None:
+    """Dropping it as a duplicate would lose the event and let applied() confirm it
+    with the other run's seq."""
+    seq = sequencer(known={"taken": ("acme", "other-run")})
+    with pytest.raises(errors.EventIdReused, match="other-run"):
+        seq.apply(ev(state={"a": 1}, event_id="taken"), AT)
+    with pytest.raises(errors.EventIdReused):  # another tenant's, likewise
+        sequencer(known={"taken": ("globex", "r")}).apply(ev(state={}, event_id="taken"), AT)
+    first = ev(state={"a": 1}, event_id="fresh")
+    seq.apply(first, AT)
+    with pytest.raises(errors.EventIdReused):  # within one batch too
+        seq.apply(ev("node.completed", run="r2", state={"b": 1}, event_id="fresh"), AT)
+    assert [c.event_id for c in seq.effects.checkpoints] == ["fresh"]
 
 
 def test_updates_fold_per_branch_with_the_workflow_reducers() -> None:
