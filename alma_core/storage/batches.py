@@ -95,10 +95,10 @@ def headers_json(pairs: dict[str, str | int | None]) -> str:
 
 
 async def record_dead_letter(
-    conn: asyncpg.Connection, consumer: str, dlq_topic: str, dl: DeadLetter
+    conn: asyncpg.Connection, consumer: str, cluster_id: str, dlq_topic: str, dl: DeadLetter
 ) -> OutboxRow:
     """Keep the dead letter (for `alma dlq`) and return its dead-letter-topic record."""
-    await dead_letters.insert(conn, consumer, dl)
+    await dead_letters.insert(conn, consumer, cluster_id, dl)
     return dead_letter_record(consumer, dlq_topic, dl)
 
 
@@ -175,7 +175,9 @@ class BatchStore:
                 return outcome
             rows = await work(conn, fenced.todo, outcome)
             for dl in outcome.dead_letters:
-                rows.append(await record_dead_letter(conn, self.consumer, self.dlq_topic, dl))
+                rows.append(
+                    await record_dead_letter(conn, self.consumer, cluster_id, self.dlq_topic, dl)
+                )
             outcome.outbox_ids = await outbox.insert(conn, rows)
             outcome.next_offsets.update(
                 await offsets.advance(conn, self.group_id, cluster_id, fenced.todo)

@@ -26,13 +26,14 @@ def storable(text: str | None, limit: int | None = None) -> str | None:
     return clean[:limit] if limit is not None else clean
 
 
-async def insert(conn: asyncpg.Connection, consumer: str, dl: DeadLetter) -> None:
-    """Keep a dead letter (in the caller's transaction); once per source record."""
+async def insert(conn: asyncpg.Connection, consumer: str, cluster_id: str, dl: DeadLetter) -> None:
+    """Keep a dead letter (in the caller's transaction); once per source record: its
+    broker cluster, topic, partition and offset."""
     rec = dl.record
     await conn.execute(
         """INSERT INTO dead_letters (consumer, reason, detail, event_id, run_id, tenant_id,
-               source_topic, source_partition, source_offset, key, value)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+               source_topic, source_partition, source_offset, key, value, cluster_id)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
            ON CONFLICT DO NOTHING""",
         consumer,
         dl.reason,
@@ -45,6 +46,7 @@ async def insert(conn: asyncpg.Connection, consumer: str, dl: DeadLetter) -> Non
         rec.offset,
         rec.key,
         rec.value,
+        cluster_id,
     )
 
 
@@ -54,7 +56,7 @@ async def listing(
     """Dead letters, newest first (without their bytes)."""
     rows = await conn.fetch(
         """SELECT id, consumer, reason, detail, event_id, run_id, tenant_id, source_topic,
-                  source_partition, source_offset, created_at, replayed_at
+                  source_partition, source_offset, cluster_id, created_at, replayed_at
            FROM dead_letters
            WHERE ($1::text IS NULL OR reason = $1) AND ($2::text IS NULL OR tenant_id = $2)
            ORDER BY id DESC LIMIT $3""",

@@ -124,3 +124,19 @@ async def test_offsets_of_another_broker_cluster_are_kept_apart(database: str) -
         )
         assert len(fresh.checkpoints) == 1
         assert await store.stored_offsets("new-cluster", [(TOPIC, 0)]) == {(TOPIC, 0): 1}
+
+
+async def test_dead_letters_of_another_broker_cluster_are_kept_apart(database: str) -> None:
+    """The embedded broker starts empty under a new cluster id: its records reuse the
+    old log's offsets. A dead letter at an offset the old log had must still be kept."""
+    async with connect(database) as pool:
+        store = store_for(pool)
+        for cluster, junk in (("old-cluster", b"{not json"), ("new-cluster", b"[]")):
+            bad = Incoming(TOPIC, 0, 0, b"r", junk, decode(junk, key=b"r"))
+            result = await store.apply(cluster, {(TOPIC, 0): [bad]})
+            assert len(result.dead_letters) == 1
+    rows = await fetch(database, "SELECT reason, value FROM dead_letters ORDER BY id")
+    assert [(r["reason"], bytes(r["value"])) for r in rows] == [
+        ("malformed_json", b"{not json"),
+        ("not_an_object", b"[]"),
+    ]
