@@ -79,6 +79,9 @@ class Settings(BaseSettings):
     checkpoint_retention_days: float = Field(
         default=0, ge=0, description="prune checkpoints of runs completed this long ago (0: never)"
     )
+    prune_every_seconds: float = Field(
+        default=300, gt=0, description="how often the learner prunes (with a retention set)"
+    )
     retrieval_exact_max_rows: int = Field(
         default=3000, ge=0, description="largest scope searched exactly; above, HNSW"
     )

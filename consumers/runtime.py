@@ -263,8 +263,23 @@ class ConsumerRuntime:
                 await self._periodic()
 
     async def _periodic(self) -> None:
+        """The handler's periodic work; PostgreSQL being away postpones it (the next
+        round tries again), like every other work, and never ends the consumer."""
         self._last_periodic = time.monotonic()
-        await self.handler.idle()
+        try:
+            await self.handler.idle()
+        except errors.StorageError as exc:
+            if not exc.retriable:
+                raise
+            self.metrics.storage_retries.labels(self.handler.name).inc()
+            log.warning(
+                "periodic work postponed: storage unavailable",
+                extra={
+                    "action": "periodic_postponed",
+                    "consumer": self.handler.name,
+                    "error": exc.message,
+                },
+            )
 
     def _check_log_ends(
         self, consumer: AIOKafkaConsumer, batch: dict[TopicPartition, list[Any]]

@@ -259,6 +259,7 @@ async def run_worker(
                     max_state_bytes=settings.max_record_bytes,
                     max_record_bytes=settings.max_record_bytes,
                     retention_days=settings.checkpoint_retention_days,
+                    prune_every_s=settings.prune_every_seconds,
                 )
                 runtimes.append(
                     runtime(

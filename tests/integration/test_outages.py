@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from alma_core.storage.embeddings import AsyncEmbedder
 from tests.integration.conftest import PrivateStack
 from tests.integration.harness import (
     Publisher,
@@ -110,3 +111,45 @@ async def test_redis_outage_never_stalls_and_the_cache_never_goes_back(
 async def _async(value: float) -> float:
     await asyncio.sleep(0)
     return value
+
+
+async def test_the_learner_pauses_through_an_outage_with_retention_on(
+    private_stack: PrivateStack, embedder: AsyncEmbedder
+) -> None:
+    """Retention prunes in the learner's idle time; PostgreSQL going away while it does
+    must pause the learner like any other work, never end it."""
+    settings = private_stack.settings.model_copy(
+        update={"checkpoint_retention_days": 30, "prune_every_seconds": 0.2}
+    )
+    dsn = settings.postgres_dsn or ""
+    pg = private_stack.postgres
+    async with (
+        Worker.start(settings, ("checkpointer", "learner"), embedder) as worker,
+        Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub,
+    ):
+        port = pg.port
+        pg.kill()
+        await asyncio.sleep(2)  # several idle rounds, each pruning, all failing
+        assert worker.task is not None
+        assert not worker.task.done(), "the worker ended during the outage"
+        await pg.start(port=port)
+        await pub.send(completed("after", state={"n": 1}))
+        await pub.send(
+            {
+                **completed("after", node=None),
+                "type": "workflow.completed",
+                "payload": {
+                    "outcome": "success",
+                    "duration_ms": 5,
+                    "node_count": 1,
+                    "nodes_succeeded": 1,
+                    "nodes_failed": 0,
+                },
+            }
+        )
+        await pub.flush()
+
+        async def learned() -> bool:
+            return await count(dsn, "SELECT count(*) FROM workflow_outcomes") == 1
+
+        await wait_for(learned, limit_s=90, what="the outcome after the outage")
