@@ -58,6 +58,15 @@ class Settings(BaseSettings):
     heartbeat_interval_ms: int = Field(default=1_000, ge=100)
     fetch_max_wait_ms: int = Field(default=100, ge=0, le=10_000)
     pg_pool_size: int = Field(default=8, ge=1, le=200)
+    pg_lock_timeout_ms: int = Field(
+        default=10_000, ge=0, description="longest wait for a lock, then back off and retry"
+    )
+    pg_idle_in_transaction_timeout_ms: int = Field(
+        default=60_000,
+        ge=0,
+        description="PostgreSQL ends a session idle inside a transaction this long (a stalled "
+        "member's), releasing its locks",
+    )
 
     # Learning and retrieval.
     embedding_model_path: Path | None = Field(

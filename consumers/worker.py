@@ -63,11 +63,16 @@ class Services:
     redis_url: str
 
 
-async def _wait_for_pool(dsn: str, size: int, stop: asyncio.Event) -> asyncpg.Pool | None:
+async def _wait_for_pool(dsn: str, settings: Settings, stop: asyncio.Event) -> asyncpg.Pool | None:
     attempt = 0
     while not stop.is_set():
         try:
-            return await postgres.create_pool(dsn, max_size=size)
+            return await postgres.create_pool(
+                dsn,
+                max_size=settings.pg_pool_size,
+                lock_timeout_ms=settings.pg_lock_timeout_ms,
+                idle_in_transaction_timeout_ms=settings.pg_idle_in_transaction_timeout_ms,
+            )
         except errors.StorageError as exc:
             attempt += 1
             delay = backoff_delay(attempt, 0.5, 10.0)
@@ -133,7 +138,7 @@ async def run_worker(
     if status is not None:
         status.metrics = metrics
     owned: AsyncEmbedder | None = None
-    pool = await _wait_for_pool(services.postgres_dsn, settings.pg_pool_size, stop)
+    pool = await _wait_for_pool(services.postgres_dsn, settings, stop)
     if pool is None:
         return
     try:

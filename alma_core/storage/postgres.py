@@ -71,8 +71,21 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
         )
 
 
-async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 8) -> asyncpg.Pool:
-    """A pool for ``dsn``; a failure to connect names the DSN and what to check."""
+async def create_pool(
+    dsn: str,
+    *,
+    min_size: int = 1,
+    max_size: int = 8,
+    lock_timeout_ms: int = 10_000,
+    idle_in_transaction_timeout_ms: int = 60_000,
+) -> asyncpg.Pool:
+    """A pool for ``dsn``; a failure to connect names the DSN and what to check.
+
+    No wait is unbounded: a lock not granted within ``lock_timeout_ms`` is an error the
+    consumers back off from and retry (55P03, retriable), and PostgreSQL ends a
+    session left idle inside a transaction for ``idle_in_transaction_timeout_ms`` (a
+    member that stalled mid-batch), which releases the locks it held on its
+    partitions' offsets. 0 turns either off."""
     try:
         pool: asyncpg.Pool = await asyncpg.create_pool(
             dsn,
@@ -81,6 +94,11 @@ async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 8) -> asyn
             init=_init_connection,
             timeout=10,
             command_timeout=60,  # nothing waits forever on a server that went away
+            server_settings={
+                "application_name": "alma-stream",
+                "lock_timeout": str(lock_timeout_ms),
+                "idle_in_transaction_session_timeout": str(idle_in_transaction_timeout_ms),
+            },
         )
     except Exception as exc:
         if is_storage_failure(exc):

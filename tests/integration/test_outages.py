@@ -5,6 +5,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import asyncpg
+import pytest
+
+from alma_core.settings import Settings
+from alma_core.storage import postgres
 from alma_core.storage.embeddings import AsyncEmbedder
 from tests.integration.conftest import PrivateStack
 from tests.integration.harness import (
@@ -153,3 +158,54 @@ async def test_the_learner_pauses_through_an_outage_with_retention_on(
             return await count(dsn, "SELECT count(*) FROM workflow_outcomes") == 1
 
         await wait_for(learned, limit_s=90, what="the outcome after the outage")
+
+
+async def test_a_zombie_transaction_holding_a_partition_is_cut_off(settings: Settings) -> None:
+    """A member that stalled inside its batch's transaction (its event loop blocked, its
+    network cut) holds the lock on its partitions' offsets. The new owner waits at most
+    ALMA_PG_LOCK_TIMEOUT_MS per try (then backs off and retries), and PostgreSQL ends
+    the zombie's session after ALMA_PG_IDLE_IN_TRANSACTION_TIMEOUT_MS: the partition
+    goes on instead of waiting for hours."""
+    settings = settings.model_copy(
+        update={"pg_lock_timeout_ms": 300, "pg_idle_in_transaction_timeout_ms": 2000}
+    )
+    dsn = settings.postgres_dsn or ""
+    group = f"{settings.group_prefix}-checkpointer"
+    async with (
+        Worker.start(settings) as worker,
+        Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub,
+    ):
+        await pub.send(completed("zombie", state={"n": 0}))
+        await pub.flush()
+
+        async def first() -> bool:
+            return await count(dsn, "SELECT count(*) FROM checkpoints") == 1
+
+        await wait_for(first, what="the first checkpoint")
+        zombie = await postgres.create_pool(
+            dsn,
+            max_size=1,
+            lock_timeout_ms=settings.pg_lock_timeout_ms,
+            idle_in_transaction_timeout_ms=settings.pg_idle_in_transaction_timeout_ms,
+        )
+        try:
+            conn = await zombie.acquire()
+            await conn.execute("BEGIN")
+            await conn.execute(  # what a stalled member's batch holds
+                "SELECT 1 FROM consumer_offsets WHERE group_id = $1 FOR UPDATE", group
+            )
+            await pub.send(completed("zombie", state={"n": 1}))
+            await pub.flush()
+
+            async def second() -> bool:
+                return await count(dsn, "SELECT count(*) FROM checkpoints") == 2
+
+            await wait_for(second, limit_s=30, what="the partition to go on")
+            retried = worker.value("alma_storage_retries_total", {"consumer": "checkpointer"})
+            assert retried >= 1  # it waited on the lock, gave up, backed off
+            # the server ended the zombie's session (the pool let go of it)
+            with pytest.raises((asyncpg.PostgresError, asyncpg.InterfaceError)):
+                await conn.execute("SELECT 1")
+        finally:
+            await zombie.expire_connections()
+            zombie.terminate()
