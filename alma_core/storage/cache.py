@@ -349,7 +349,11 @@ class CacheWriter:
     async def write(self, entries: list[CacheEntry]) -> bool:
         """True when written; False when Redis is down (counted, never raised)."""
         if time.monotonic() < self._skip_until:
+            # skipped: an entry this write should replace may be there (a reader may
+            # have filled it meanwhile), so it must become unreachable like a failure's
             self.failures += 1
+            self._dirty = True
+            self._schedule_repair()
             return False
         return await self._attempt(lambda: self.cache.put(entries))
 

@@ -317,5 +317,34 @@ async def assert_cache_matches(settings: Settings, runs: list[str], *, require_a
                 assert not require_all, f"{run}: not cached"
                 continue
             hits += 1
-            assert (doc["seq"], doc["state_hash"]) == (expected.seq, expected.state_hash), run
+            assert (doc["seq"], doc["state_hash"]) == (expected.seq, expected.state_hash), (
+                run, doc["seq"], expected.seq)
     return hits
+
+
+async def assert_reads_fresh(settings: Settings, runs: list[str]) -> int:
+    """What a reader gets for each run (its heads, through the cache) is PostgreSQL's
+    latest, whatever the cache holds. Returns how many runs the cache served whole."""
+    from alma_core.storage.cache import RedisCheckpointCache
+    from alma_core.storage.observer import Tally
+    from alma_core.storage.postgres import connect
+    from alma_core.storage.reader import CheckpointReader
+
+    assert settings.postgres_dsn
+    assert settings.redis_url
+    tally = Tally()
+    async with (
+        connect(settings.postgres_dsn) as pool,
+        RedisCheckpointCache.connect(settings.redis_url, prefix=settings.redis_prefix) as cache,
+    ):
+        reader = CheckpointReader(pool, cache, tenant_id=None, require_tenant=False, observer=tally)
+        for run in runs:
+            got = await reader.latest(run)
+            truth = await pool.fetchrow(
+                """SELECT seq, state_hash FROM checkpoints WHERE run_id = $1
+                   ORDER BY seq DESC LIMIT 1""",
+                run,
+            )
+            assert got is not None, run
+            assert (got.seq, got.state_hash) == (truth["seq"], truth["state_hash"]), run
+    return tally.counts["cache_hit"]

@@ -243,8 +243,26 @@ async def test_learner_killed_mid_batch_learns_each_run_once(
     finally:
         assert learner.terminate() == 0
     rows = await fetch(dsn, "SELECT run_id, count(*) AS n FROM workflow_outcomes GROUP BY 1")
-    assert len(rows) == 24
+    assert len(rows) == 24  # one per run (also what the table's unique keys allow)
     assert all(r["n"] == 1 for r in rows)
+    # the learner's own part: it applied every hand-off once and skipped none; its stored
+    # offsets end where the log ends (the fence dropped what the killed member had applied)
+    group = f"{settings.group_prefix}-learner"
+    applied_to = await count(
+        dsn, "SELECT coalesce(sum(next_offset), 0) FROM consumer_offsets WHERE group_id = $1", group
+    )
+    assert applied_to == 24  # one hand-off per completion on the sequenced topic
+    # memories counted from the stored outcomes, never incremented: no run counted twice
+    derived = await fetch(
+        dsn,
+        """SELECT m.kind, m.occurrences,
+                  (SELECT count(*) FROM workflow_outcomes o WHERE o.tenant_id = m.tenant_id
+                     AND (m.kind <> 'heuristic' OR o.strategy = m.strategy)
+                     AND (m.kind <> 'anti_pattern' OR
+                          o.error_signature = m.metadata->>'error_signature')) AS outcomes
+           FROM memories m WHERE m.kind IN ('heuristic', 'anti_pattern')""",
+    )
+    assert all(r["occurrences"] == r["outcomes"] for r in derived), derived
     memories = await fetch(dsn, "SELECT kind, occurrences, successes FROM memories")
     assert sorted(m["kind"] for m in memories if m["kind"] != "outcome") == [
         "anti_pattern",
