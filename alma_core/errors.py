@@ -11,7 +11,6 @@
     │   ├── MissingBranch
     │   ├── RunMovedPastJoin
     │   ├── StateTooLarge
-    │   ├── TenantMismatch
     │   ├── StaleExpectedSeq
     │   └── EventIdReused
     ├── StorageError            Postgres failed (retriable: back off and try again)
@@ -104,12 +103,6 @@ class StateTooLarge(RejectedEvent):
     """The state is larger than the configured limit."""
 
     reason = "state_too_large"
-
-
-class TenantMismatch(RejectedEvent):
-    """The event's tenant is not the tenant the run belongs to."""
-
-    reason = "tenant_mismatch"
 
 
 class StaleExpectedSeq(RejectedEvent):

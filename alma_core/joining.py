@@ -29,7 +29,7 @@ from typing import Any
 
 from alma_core import errors
 from alma_core.reducers import ReducerConfig, ReducerRegistry, apply_updates, merge_states
-from alma_core.sequencing import MAIN, Head, canonical_json
+from alma_core.sequencing import MAIN, Head, RunKey, canonical_json
 from schemas.events import BranchJoin, BranchJoinPayload, MergeReply
 
 
@@ -132,18 +132,19 @@ class JoinDecision:
 
 class JoinPlanner:
     """The joiner's decisions for one batch, in partition order, from what the store
-    loaded: the runs (locked), their heads, the replies already given, the workflows'
-    registered reducers, and for each join's position the first node checkpoint after
-    it (None: none). A join merged here moves its run's main line and seq, so a later
-    join of the same run in the batch merges onto it."""
+    loaded: the runs (locked, by tenant and run id), their heads, the replies already
+    given (by tenant, run and join id), the workflows' registered reducers, and for
+    each join's position the first node checkpoint after it (absent: none). A join
+    merged here moves its run's main line and seq, so a later join of the same run in
+    the batch merges onto it."""
 
     def __init__(
         self,
         *,
-        runs: dict[str, RunAtJoin],
-        replies: dict[tuple[str, str], dict[str, Any]],
+        runs: dict[RunKey, RunAtJoin],
+        replies: dict[tuple[str, str, str], dict[str, Any]],
         registered: dict[tuple[str, str], ReducerConfig],
-        later_node: dict[tuple[str, int], int],
+        later_node: dict[tuple[str, str, int], int],
         registry: ReducerRegistry,
         max_state_bytes: int,
     ) -> None:
@@ -156,7 +157,7 @@ class JoinPlanner:
 
     def decide(self, event: BranchJoin, position: int | None) -> JoinDecision:
         payload = event.payload
-        key = (event.run_id, payload.join_id)
+        key = (event.tenant_id, event.run_id, payload.join_id)
         if key in self.replies:
             return JoinDecision(event, self.replies[key], duplicate=True)
         reply: dict[str, Any] = {
@@ -166,7 +167,7 @@ class JoinPlanner:
         }
         try:
             run = self._run(event)
-            self._check_position(event.run_id, position)
+            self._check_position(event, position)
             merged = merge(
                 payload,
                 main=run.heads.get(MAIN),
@@ -195,19 +196,19 @@ class JoinPlanner:
         return decision
 
     def _run(self, event: BranchJoin) -> RunAtJoin:
-        run = self.runs.get(event.run_id)
-        if run is None or run.tenant_id != event.tenant_id:
+        run = self.runs.get((event.tenant_id, event.run_id))
+        if run is None:
             raise errors.MissingBranch(f"run {event.run_id!r} is unknown for this tenant")
         return run
 
-    def _check_position(self, run_id: str, position: int | None) -> None:
+    def _check_position(self, event: BranchJoin, position: int | None) -> None:
         """The join is merged at its place in the partition: every checkpoint after its
         position must be a merge of an earlier join (the joiner takes joins in partition
         order). A node's checkpoint there means events after the join were applied
         first, and a merge now would fold them in and take a seq after theirs."""
         if position is None:  # a hand-off from before the position header existed
             return
-        later = self.later_node.get((run_id, position))
+        later = self.later_node.get((event.tenant_id, event.run_id, position))
         if later is not None:
             raise errors.RunMovedPastJoin(
                 f"the run was at seq {position} at the join, and seq {later} (a later event) "

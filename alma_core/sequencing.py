@@ -10,10 +10,12 @@ returns in one transaction. No I/O here, so every rule is unit-tested:
   ``branch_id`` is null) with the run's reducers; a branch starts empty and
   holds what the branch wrote;
 * a state equal (by hash) to its branch head records the event, no checkpoint;
-* a tenant other than the run's, a stale ``expected_seq``, an unknown reducer,
-  a state over the limit: :class:`errors.RejectedEvent`, nothing changes;
-* an ``event_id`` seen before, for the same run, has no effect at all; one another
-  run used is :class:`errors.EventIdReused` (dropping it would lose the event).
+* a run is ``(tenant_id, run_id)``: two tenants' runs of one id are two runs;
+* a stale ``expected_seq``, an unknown reducer, a state over the limit:
+  :class:`errors.RejectedEvent`, nothing changes;
+* an ``event_id`` the tenant used before, for the same run, has no effect at all; one
+  another run of the tenant used is :class:`errors.EventIdReused` (dropping it would
+  lose the event).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from schemas.events import (
 )
 
 MAIN = ""  # branch key of the main line
+
+RunKey = tuple[str, str]  # (tenant_id, run_id): a run's identity
+HeadKey = tuple[str, str, str]  # (tenant_id, run_id, branch key)
 
 Effect = Literal["checkpointed", "unchanged", "recorded", "handed_off"]
 
@@ -64,6 +69,10 @@ class RunView:
     event_count: int = 0
     completed_at: datetime | None = None
     changed: bool = False
+
+    @property
+    def key(self) -> RunKey:
+        return (self.tenant_id, self.run_id)
 
 
 @dataclass(frozen=True)
@@ -122,21 +131,21 @@ class Sequencer:
     def __init__(
         self,
         *,
-        runs: dict[str, RunView],
-        heads: dict[tuple[str, str], Head],
+        runs: dict[RunKey, RunView],
+        heads: dict[HeadKey, Head],
         reducer_configs: dict[tuple[str, str], ReducerConfig],
-        known_event_ids: dict[str, tuple[str, str]],
+        known_event_ids: dict[tuple[str, str], str],
         registry: ReducerRegistry,
         max_state_bytes: int,
     ) -> None:
         self.runs = runs
         self.heads = heads
         self.reducer_configs = reducer_configs
-        self.seen = dict(known_event_ids)  # event_id -> (tenant_id, run_id) it belongs to
+        self.seen = dict(known_event_ids)  # (tenant_id, event_id) -> the run it belongs to
         self.registry = registry
         self.max_state_bytes = max_state_bytes
         self.effects = Effects()
-        self.touched_heads: dict[tuple[str, str], Head] = {}
+        self.touched_heads: dict[HeadKey, Head] = {}
 
     # -- public ---------------------------------------------------------------
 
@@ -146,12 +155,12 @@ class Sequencer:
         Raises :class:`errors.RejectedEvent` (and changes nothing) when the
         event can never be applied.
         """
-        owner = self.seen.get(event.event_id)
+        owner = self.seen.get((event.tenant_id, event.event_id))
         if owner is not None:
-            if owner != (event.tenant_id, event.run_id):
+            if owner != event.run_id:
                 raise errors.EventIdReused(
-                    f"event_id {event.event_id!r} belongs to run {owner[1]!r} (tenant "
-                    f"{owner[0]!r}); give each event of each run its own id"
+                    f"event_id {event.event_id!r} belongs to run {owner!r} of this tenant; "
+                    "give each event of each run its own id"
                 )
             self.effects.duplicates += 1
             return None
@@ -169,11 +178,11 @@ class Sequencer:
                 run.completed_at = event.emitted_at
         else:  # pragma: no cover - the union is closed
             raise errors.RejectedEvent(f"unhandled event type {type(event).__name__}")
-        if run.run_id not in self.runs:
-            self.runs[run.run_id] = run
+        if run.key not in self.runs:
+            self.runs[run.key] = run
         run.event_count += 1
         run.changed = True
-        self.seen[event.event_id] = (event.tenant_id, event.run_id)
+        self.seen[(event.tenant_id, event.event_id)] = event.run_id
         row = EventRow(event, effect, seq, coords, run.last_seq)
         self.effects.events.append(row)
         if effect == "handed_off":
@@ -183,17 +192,13 @@ class Sequencer:
     # -- rules ----------------------------------------------------------------
 
     def _run_for(self, event: Event) -> RunView:
-        run = self.runs.get(event.run_id)
+        run = self.runs.get((event.tenant_id, event.run_id))
         if run is None:
             return RunView(
                 run_id=event.run_id,
                 tenant_id=event.tenant_id,
                 workflow_id=event.workflow_id,
                 workflow_version=event.workflow_version,
-            )
-        if run.tenant_id != event.tenant_id:
-            raise errors.TenantMismatch(
-                f"run {event.run_id!r} belongs to another tenant than {event.tenant_id!r}"
             )
         if run.workflow_id != event.workflow_id:
             raise errors.RejectedEvent(
@@ -212,7 +217,7 @@ class Sequencer:
             return state
         if updates is None:
             return None
-        head = self.heads.get((run.run_id, key))
+        head = self.heads.get((*run.key, key))
         return apply_updates(head.state if head else {}, updates, self._config(run), self.registry)
 
     def _node_completed(self, run: RunView, event: NodeCompleted) -> tuple[Effect, int | None]:
@@ -225,7 +230,7 @@ class Sequencer:
         key = branch_key(event.branch_id)
         new_state = self._next_state(run, key, payload.state, payload.updates)
         assert new_state is not None  # the contract requires state or updates
-        head = self.heads.get((run.run_id, key))
+        head = self.heads.get((*run.key, key))
         state_json = canonical_json(new_state)
         digest = hashlib.sha256(state_json.encode()).hexdigest()
         if head is not None and head.state_hash == digest:
@@ -245,7 +250,7 @@ class Sequencer:
         key = branch_key(event.branch_id)
         new_state = self._next_state(run, key, payload.state, payload.updates)
         if new_state is None:
-            head = self.heads.get((run.run_id, key))
+            head = self.heads.get((*run.key, key))
             new_state = head.state if head else {}
         state_json = canonical_json(new_state)
         digest = hashlib.sha256(state_json.encode()).hexdigest()
@@ -274,7 +279,7 @@ class Sequencer:
                 f"the resulting state is {size} bytes; the limit is {self.max_state_bytes} "
                 "(keep large data in artifacts)"
             )
-        parent = self.heads.get((run.run_id, key)) or self.heads.get((run.run_id, MAIN))
+        parent = self.heads.get((*run.key, key)) or self.heads.get((*run.key, MAIN))
         run.last_seq += 1
         row = CheckpointRow(
             run_id=run.run_id,
@@ -293,6 +298,6 @@ class Sequencer:
         )
         self.effects.checkpoints.append(row)
         head = Head(row.seq, digest, state)
-        self.heads[(run.run_id, key)] = head
-        self.touched_heads[(run.run_id, key)] = head
+        self.heads[(*run.key, key)] = head
+        self.touched_heads[(*run.key, key)] = head
         return row.seq

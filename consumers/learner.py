@@ -102,12 +102,13 @@ class LearnHandler(StoreHandler[LearnOutcome]):
             if isinstance(r.decoded, WorkflowCompleted)
         ]
         known = await self.store.learned([e for _, e in completions])
-        fresh = [(r, e) for r, e in completions if e.event_id not in known]
+        fresh = [(r, e) for r, e in completions if (e.tenant_id, e.event_id) not in known]
         if not fresh:
             return {}
         histories = await self.store.histories(sorted({(e.tenant_id, e.run_id) for _, e in fresh}))
         drafts = [
-            (r, e, learning.draft(_finished(e), histories.get(e.run_id, []))) for r, e in fresh
+            (r, e, learning.draft(_finished(e), histories.get((e.tenant_id, e.run_id), [])))
+            for r, e in fresh
         ]
         texts = [t for _, _, d in drafts for t in d.texts()]
 
@@ -144,6 +145,8 @@ class LearnHandler(StoreHandler[LearnOutcome]):
         )
         if pruned.checkpoints:
             self.metrics.checkpoints_pruned.labels("retention").inc(pruned.checkpoints)
+            if self.cache is not None:
+                await self.cache.forget(pruned.pruned)
             log.info(
                 "pruned checkpoints of old runs",
                 extra={"action": "prune", "runs": pruned.runs, "checkpoints": pruned.checkpoints},

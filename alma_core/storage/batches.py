@@ -132,7 +132,8 @@ class BatchOutcome:
     dead_letters: list[DeadLetter] = field(default_factory=list)
     outbox_ids: list[int] = field(default_factory=list)
     cache_writes: list[CacheEntry] = field(default_factory=list)
-    cache_forgets: list[str] = field(default_factory=list)  # runs whose checkpoints are gone
+    # (tenant, run id) of runs whose checkpoints are gone
+    cache_forgets: list[tuple[str, str]] = field(default_factory=list)
 
 
 OutcomeT = TypeVar("OutcomeT", bound=BatchOutcome)

@@ -1,6 +1,8 @@
 """RedisCheckpointCache: the latest checkpoint and branch heads of each run.
 
-One hash per run, ``{prefix}:{epoch}:heads:{run_id}``, with a field per
+One hash per run, ``{prefix}:{epoch}:heads:{run key}`` (the run key is the tenant
+and the run id, ``<len(tenant)>:<tenant>:<run_id>``: a run is its tenant's), with a
+field per
 branch head (``@`` for the main line, ``b:<branch_id>`` for branches), a
 ``latest`` field (the run's highest seq) and a ``complete`` marker set when
 all heads were filled from PostgreSQL. Values are ``<seq>:<json>``.
@@ -92,14 +94,24 @@ def branch_of(field: str) -> str | None:
     return None if field == MAIN_FIELD else field[2:]
 
 
+def run_key(tenant_id: str, run_id: str) -> str:
+    """A run's part of its Redis key: unambiguous whatever the tenant contains."""
+    return f"{len(tenant_id)}:{tenant_id}:{run_id}"
+
+
 @dataclass(frozen=True)
 class CacheEntry:
     """One cached checkpoint (a JSON object with at least run_id, tenant_id, seq)."""
 
+    tenant_id: str
     run_id: str
     field: str
     seq: int
     document: dict[str, Any]
+
+    @property
+    def key(self) -> str:
+        return run_key(self.tenant_id, self.run_id)
 
     def encode(self) -> str:
         return f"{self.seq}:{json.dumps(self.document, separators=(',', ':'))}"
@@ -149,13 +161,19 @@ def checkpoint_from_doc(doc: Mapping[str, Any]) -> Checkpoint:
 def cache_entries(heads: Mapping[str | None, Checkpoint]) -> list[CacheEntry]:
     """Entries for a set of branch heads, plus the run's ``latest``."""
     entries = [
-        CacheEntry(cp.run_id, field_for(branch), cp.seq, checkpoint_to_doc(cp))
+        CacheEntry(cp.tenant_id, cp.run_id, field_for(branch), cp.seq, checkpoint_to_doc(cp))
         for branch, cp in heads.items()
     ]
     if heads:
         newest = max(heads.values(), key=lambda cp: cp.seq)
         entries.append(
-            CacheEntry(newest.run_id, LATEST_FIELD, newest.seq, checkpoint_to_doc(newest))
+            CacheEntry(
+                newest.tenant_id,
+                newest.run_id,
+                LATEST_FIELD,
+                newest.seq,
+                checkpoint_to_doc(newest),
+            )
         )
     return entries
 
@@ -164,7 +182,9 @@ def consumed_entries(merge: Checkpoint, branches: Iterable[str]) -> list[CacheEn
     """Tombstones for the branches a join consumed, at the merge's seq: a reader sees
     no head for them (a branch written again later has a higher seq and replaces it)."""
     doc = {"run_id": merge.run_id, "tenant_id": merge.tenant_id, "seq": merge.seq, "consumed": True}
-    return [CacheEntry(merge.run_id, field_for(b), merge.seq, doc) for b in branches]
+    return [
+        CacheEntry(merge.tenant_id, merge.run_id, field_for(b), merge.seq, doc) for b in branches
+    ]
 
 
 def _decode(value: bytes | str | None) -> dict[str, Any] | None:
@@ -218,7 +238,7 @@ class RedisCheckpointCache:
         """Write entries, each only where its seq is higher; returns how many were written."""
         argv: list[str | int] = [self.prefix, self.ttl_s, "1" if complete else "0"]
         for e in entries:
-            argv += [e.run_id, e.field, e.seq, e.encode()]
+            argv += [e.key, e.field, e.seq, e.encode()]
         if len(argv) == 3:
             return 0
         try:
@@ -226,9 +246,10 @@ class RedisCheckpointCache:
         except RedisError as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
 
-    async def delete(self, run_ids: Iterable[str]) -> int:
-        """Forget runs (their checkpoints were deleted); returns how many were cached."""
-        argv = [self.prefix, *run_ids]
+    async def delete(self, runs: Iterable[tuple[str, str]]) -> int:
+        """Forget runs, (tenant, run id) each (their checkpoints were deleted); returns
+        how many were cached."""
+        argv = [self.prefix, *(run_key(t, r) for t, r in runs)]
         if len(argv) == 1:
             return 0
         try:
@@ -236,12 +257,14 @@ class RedisCheckpointCache:
         except RedisError as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
 
-    async def get(self, run_id: str, field: str) -> tuple[dict[str, Any] | None, bool]:
+    async def get(
+        self, tenant_id: str, run_id: str, field: str
+    ) -> tuple[dict[str, Any] | None, bool]:
         """(the entry or None, whether the run's heads are complete in the cache). A
         branch a join consumed is None when the heads are complete (it has no head)."""
         try:
             value, complete = await self._get(
-                keys=[self._epoch_key], args=[self.prefix, run_id, field]
+                keys=[self._epoch_key], args=[self.prefix, run_key(tenant_id, run_id), field]
             )
         except RedisError as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
@@ -250,21 +273,27 @@ class RedisCheckpointCache:
             doc = None
         return doc, complete is not None
 
-    async def entries(self, run_id: str, fields: list[str]) -> dict[str, dict[str, Any]]:
+    async def entries(
+        self, tenant_id: str, run_id: str, fields: list[str]
+    ) -> dict[str, dict[str, Any]]:
         """The run's entries for ``fields`` that the cache holds (a consumed branch's
         tombstone included: its seq is not a head's, so a reader never takes it)."""
         try:
-            values = await self._mget(keys=[self._epoch_key], args=[self.prefix, run_id, *fields])
+            values = await self._mget(
+                keys=[self._epoch_key], args=[self.prefix, run_key(tenant_id, run_id), *fields]
+            )
         except RedisError as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
         return {
             f: doc for f, v in zip(fields, values, strict=True) if (doc := _decode(v)) is not None
         }
 
-    async def heads(self, run_id: str) -> dict[str, dict[str, Any]] | None:
+    async def heads(self, tenant_id: str, run_id: str) -> dict[str, dict[str, Any]] | None:
         """Every cached head of the run, or None unless the cache holds all of them."""
         try:
-            flat = await self._get(keys=[self._epoch_key], args=[self.prefix, run_id, ""])
+            flat = await self._get(
+                keys=[self._epoch_key], args=[self.prefix, run_key(tenant_id, run_id), ""]
+            )
         except RedisError as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
         fields = {
@@ -341,10 +370,10 @@ class CacheWriter:
     def degraded(self) -> bool:
         return self._dirty and self.failures > 0
 
-    async def forget(self, run_ids: list[str]) -> bool:
+    async def forget(self, runs: list[tuple[str, str]]) -> bool:
         """Drop runs whose checkpoints were deleted; when Redis is down, the epoch bump
         on its return makes the old entries unreachable all the same."""
-        return await self._attempt(lambda: self.cache.delete(run_ids))
+        return await self._attempt(lambda: self.cache.delete(runs))
 
     async def write(self, entries: list[CacheEntry]) -> bool:
         """True when written; False when Redis is down (counted, never raised)."""

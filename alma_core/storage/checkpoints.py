@@ -5,8 +5,9 @@ How a batch becomes effects exactly once, without Kafka transactions:
 1. **Offsets in Postgres, fenced** (:mod:`alma_core.storage.offsets`): records already
    applied are dropped, a gap sends the partition back, and a zombie member's
    late writes have no effect.
-2. **Inbox.** ``run_events.event_id`` is the primary key: an event published
-   twice (two offsets, one ``event_id``) has its effect once.
+2. **Inbox.** ``run_events`` is keyed by (tenant, ``event_id``): an event published
+   twice (two offsets, one ``event_id``) has its effect once. A run is (tenant,
+   ``run_id``) everywhere: two tenants' runs of one id are two runs.
 3. **Everything else in the same transaction:** runs, checkpoints, heads,
    the audit log, dead letters, and the outbox rows (hand-offs to the joiner
    and learner, dead-letter records) that are published only after commit.
@@ -27,6 +28,8 @@ from alma_core.reducers import ReducerConfig, ReducerRegistry
 from alma_core.sequencing import (
     CheckpointRow,
     Head,
+    HeadKey,
+    RunKey,
     RunView,
     Sequencer,
     branch_key,
@@ -71,10 +74,15 @@ def _audit_payload(event: Event) -> str:
     return event.payload.model_dump_json(exclude={"state"}, exclude_none=True)
 
 
-def _needs_head_state(event: Decoded) -> tuple[str, str] | None:
-    if isinstance(event, NodeCompleted | NodeFailed) and event.payload.state is None:
-        return (event.run_id, branch_key(event.branch_id))
-    return None
+def _needs_head_state(event: Decoded) -> bool:
+    """An event folded into its branch's head (``updates``, or a failure without state)."""
+    return isinstance(event, NodeCompleted | NodeFailed) and event.payload.state is None
+
+
+def _pairs(keys: set[tuple[str, str]]) -> tuple[list[str], list[str]]:
+    """Two parallel arrays for ``unnest``, in a fixed order (locks are taken in it)."""
+    ordered = sorted(keys)
+    return [a for a, _ in ordered], [b for _, b in ordered]
 
 
 class PostgresCheckpointStore(BatchStore):
@@ -99,10 +107,12 @@ class PostgresCheckpointStore(BatchStore):
             r.decoded for rs in todo.values() for r in rs if not isinstance(r.decoded, Rejection)
         ]
         sequencer = Sequencer(
-            runs=await self._load_runs(conn, sorted({e.run_id for e in events})),
+            runs=await self._load_runs(conn, {(e.tenant_id, e.run_id) for e in events}),
             heads=await self._load_heads(conn, events),
             reducer_configs=await self._load_reducer_configs(conn, events),
-            known_event_ids=await self._known_event_ids(conn, [e.event_id for e in events]),
+            known_event_ids=await self._known_event_ids(
+                conn, {(e.tenant_id, e.event_id) for e in events}
+            ),
             registry=self.registry,
             max_state_bytes=self.config.max_state_bytes,
         )
@@ -120,43 +130,53 @@ class PostgresCheckpointStore(BatchStore):
         outcome.applied = [(e.event.type, e.effect, e.event.emitted_at) for e in effects.events]
         outcome.duplicates = effects.duplicates
         outcome.checkpoints = effects.checkpoints
-        heads: dict[tuple[str, str], CheckpointRow] = {}
+        heads: dict[HeadKey, CheckpointRow] = {}
         for row in effects.checkpoints:
-            heads[(row.run_id, branch_key(row.branch_id))] = row
+            heads[(row.tenant_id, row.run_id, branch_key(row.branch_id))] = row
         outcome.cache_writes = _cache_entries(heads.values(), outcome.created_at)
         await self._write(conn, sequencer, outcome, heads)
         return self._handoffs(sequencer)
 
     # -- loads ----------------------------------------------------------------
 
-    async def _load_runs(self, conn: asyncpg.Connection, run_ids: list[str]) -> dict[str, RunView]:
+    async def _load_runs(
+        self, conn: asyncpg.Connection, runs: set[RunKey]
+    ) -> dict[RunKey, RunView]:
+        tenants, run_ids = _pairs(runs)
         rows = await conn.fetch(
-            """SELECT run_id, tenant_id, workflow_id, workflow_version, status, last_seq,
-                      event_count, completed_at
-               FROM runs WHERE run_id = ANY($1::text[]) ORDER BY run_id FOR UPDATE""",
+            """SELECT r.run_id, r.tenant_id, r.workflow_id, r.workflow_version, r.status,
+                      r.last_seq, r.event_count, r.completed_at
+               FROM runs r JOIN unnest($1::text[], $2::text[]) AS u(t, r)
+                 ON r.tenant_id = u.t AND r.run_id = u.r
+               ORDER BY r.tenant_id, r.run_id FOR UPDATE OF r""",
+            tenants,
             run_ids,
         )
-        return {r["run_id"]: RunView(**dict(r)) for r in rows}
+        return {(r["tenant_id"], r["run_id"]): RunView(**dict(r)) for r in rows}
 
     async def _load_heads(
         self, conn: asyncpg.Connection, events: list[Event]
-    ) -> dict[tuple[str, str], Head]:
-        run_ids = sorted({e.run_id for e in events})
-        need_state = {k for k in map(_needs_head_state, events) if k is not None}
-        # A branch's first checkpoint takes the main line as its parent.
-        need_state_runs = sorted({run for run, _ in need_state})
+    ) -> dict[HeadKey, Head]:
+        """Every head of the batch's runs; the state only of runs whose events fold
+        into a head (a branch's first checkpoint takes the main line as its parent)."""
+        tenants, run_ids = _pairs({(e.tenant_id, e.run_id) for e in events})
+        folding = {(e.tenant_id, e.run_id) for e in events if _needs_head_state(e)}
         rows = await conn.fetch(
-            """SELECT h.run_id, h.branch_key, h.seq, h.state_hash,
-                      CASE WHEN h.run_id = ANY($2::text[]) THEN c.state END AS state
+            """SELECT h.tenant_id, h.run_id, h.branch_key, h.seq, h.state_hash, u.f,
+                      CASE WHEN u.f THEN c.state END AS state
                FROM run_heads h
-               LEFT JOIN checkpoints c ON c.run_id = h.run_id AND c.seq = h.seq
-                                      AND h.run_id = ANY($2::text[])
-               WHERE h.run_id = ANY($1::text[])""",
+               JOIN unnest($1::text[], $2::text[], $3::bool[]) AS u(t, r, f)
+                 ON h.tenant_id = u.t AND h.run_id = u.r
+               LEFT JOIN checkpoints c ON u.f AND c.tenant_id = h.tenant_id
+                                      AND c.run_id = h.run_id AND c.seq = h.seq""",
+            tenants,
             run_ids,
-            need_state_runs,
+            [run in folding for run in zip(tenants, run_ids, strict=True)],
         )
         return {
-            (r["run_id"], r["branch_key"]): Head(r["seq"], r["state_hash"], r["state"] or {})
+            (r["tenant_id"], r["run_id"], r["branch_key"]): Head(
+                r["seq"], r["state_hash"], r["state"] or {}
+            )
             for r in rows
         }
 
@@ -177,13 +197,18 @@ class PostgresCheckpointStore(BatchStore):
         }
 
     async def _known_event_ids(
-        self, conn: asyncpg.Connection, event_ids: list[str]
-    ) -> dict[str, tuple[str, str]]:
+        self, conn: asyncpg.Connection, events: set[tuple[str, str]]
+    ) -> dict[tuple[str, str], str]:
+        """(tenant, event id) -> run, for the batch's events the tenant used before."""
+        tenants, event_ids = _pairs(events)
         rows = await conn.fetch(
-            "SELECT event_id, tenant_id, run_id FROM run_events WHERE event_id = ANY($1::text[])",
+            """SELECT e.tenant_id, e.event_id, e.run_id FROM run_events e
+               JOIN unnest($1::text[], $2::text[]) AS u(t, e) ON e.tenant_id = u.t
+                                                           AND e.event_id = u.e""",
+            tenants,
             event_ids,
         )
-        return {r["event_id"]: (r["tenant_id"], r["run_id"]) for r in rows}
+        return {(r["tenant_id"], r["event_id"]): r["run_id"] for r in rows}
 
     # -- writes ---------------------------------------------------------------
 
@@ -192,7 +217,7 @@ class PostgresCheckpointStore(BatchStore):
         conn: asyncpg.Connection,
         seq: Sequencer,
         result: CheckpointOutcome,
-        heads: dict[tuple[str, str], CheckpointRow],
+        heads: dict[HeadKey, CheckpointRow],
     ) -> None:
         changed = [r for r in seq.runs.values() if r.changed]
         if changed:
@@ -200,7 +225,7 @@ class PostgresCheckpointStore(BatchStore):
                 """INSERT INTO runs (run_id, tenant_id, workflow_id, workflow_version, status,
                                      last_seq, event_count, completed_at)
                    VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
-                   ON CONFLICT (run_id) DO UPDATE SET
+                   ON CONFLICT (tenant_id, run_id) DO UPDATE SET
                      status = EXCLUDED.status, last_seq = EXCLUDED.last_seq,
                      event_count = EXCLUDED.event_count, completed_at = EXCLUDED.completed_at,
                      workflow_version = coalesce(runs.workflow_version, EXCLUDED.workflow_version),
@@ -244,11 +269,14 @@ class PostgresCheckpointStore(BatchStore):
                 ],
             )
             await conn.executemany(
-                """INSERT INTO run_heads (run_id, branch_key, seq, state_hash)
-                   VALUES ($1, $2, $3, $4)
-                   ON CONFLICT (run_id, branch_key) DO UPDATE
+                """INSERT INTO run_heads (tenant_id, run_id, branch_key, seq, state_hash)
+                   VALUES ($1, $2, $3, $4, $5)
+                   ON CONFLICT (tenant_id, run_id, branch_key) DO UPDATE
                    SET seq = EXCLUDED.seq, state_hash = EXCLUDED.state_hash""",
-                [(run, key, row.seq, row.state_hash) for (run, key), row in heads.items()],
+                [
+                    (tenant, run, key, row.seq, row.state_hash)
+                    for (tenant, run, key), row in heads.items()
+                ],
             )
         events = seq.effects.events
         if events:

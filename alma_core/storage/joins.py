@@ -4,7 +4,7 @@ batch's joins need (runs locked, heads, earlier replies, reducers, positions), d
 in pure code (:class:`~alma_core.joining.JoinPlanner`), write per batch.
 
 * Offsets fenced as for the checkpointer (:mod:`alma_core.storage.offsets`).
-* ``joins`` (run_id, join_id) remembers every answer: a join delivered again
+* ``joins`` (tenant_id, run_id, join_id) remembers every answer: a join delivered again
   gets the very same reply again (same bytes) and no second checkpoint.
 * The reply is an outbox row written with the merged checkpoint, published
   after commit (guarantee 3: an ``ok`` reply is only ever sent for a durable
@@ -114,34 +114,47 @@ class PostgresJoinStore(BatchStore):
     async def _load(
         self, conn: asyncpg.Connection, joins: list[tuple[Incoming, BranchJoin]]
     ) -> JoinPlanner:
-        """Everything the batch's joins need, in five statements whatever their number."""
-        run_ids = sorted({e.run_id for _, e in joins})
+        """Everything the batch's joins need, in five statements whatever their number.
+        A run is (tenant, run id) throughout."""
+        keys = sorted({(e.tenant_id, e.run_id) for _, e in joins})
+        tenants, run_ids = [t for t, _ in keys], [r for _, r in keys]
         # lock the runs in one order: no deadlock with the checkpointer
         rows = await conn.fetch(
-            """SELECT run_id, tenant_id, workflow_id, last_seq FROM runs
-               WHERE run_id = ANY($1::text[]) ORDER BY run_id FOR UPDATE""",
+            """SELECT r.run_id, r.tenant_id, r.workflow_id, r.last_seq FROM runs r
+               JOIN unnest($1::text[], $2::text[]) AS u(t, r)
+                 ON r.tenant_id = u.t AND r.run_id = u.r
+               ORDER BY r.tenant_id, r.run_id FOR UPDATE OF r""",
+            tenants,
             run_ids,
         )
         runs = {
-            r["run_id"]: RunAtJoin(r["tenant_id"], r["workflow_id"], r["last_seq"], {})
+            (r["tenant_id"], r["run_id"]): RunAtJoin(
+                r["tenant_id"], r["workflow_id"], r["last_seq"], {}
+            )
             for r in rows
         }
         for r in await conn.fetch(
-            """SELECT h.run_id, h.branch_key, h.seq, h.state_hash, c.state FROM run_heads h
-               JOIN checkpoints c ON c.run_id = h.run_id AND c.seq = h.seq
-               WHERE h.run_id = ANY($1::text[])""",
+            """SELECT h.tenant_id, h.run_id, h.branch_key, h.seq, h.state_hash, c.state
+               FROM run_heads h
+               JOIN unnest($1::text[], $2::text[]) AS u(t, r)
+                 ON h.tenant_id = u.t AND h.run_id = u.r
+               JOIN checkpoints c ON c.tenant_id = h.tenant_id AND c.run_id = h.run_id
+                                 AND c.seq = h.seq""",
+            tenants,
             run_ids,
         ):
-            runs[r["run_id"]].heads[r["branch_key"]] = Head(r["seq"], r["state_hash"], r["state"])
-        keys = sorted({(e.run_id, e.payload.join_id) for _, e in joins})
+            head = Head(r["seq"], r["state_hash"], r["state"])
+            runs[(r["tenant_id"], r["run_id"])].heads[r["branch_key"]] = head
+        asked = sorted({(e.tenant_id, e.run_id, e.payload.join_id) for _, e in joins})
         replies = {
-            (r["run_id"], r["join_id"]): r["reply"]
+            (r["tenant_id"], r["run_id"], r["join_id"]): r["reply"]
             for r in await conn.fetch(
-                """SELECT j.run_id, j.join_id, j.reply FROM joins j
-                   JOIN unnest($1::text[], $2::text[]) AS u(r, j) ON j.run_id = u.r
-                                                                AND j.join_id = u.j""",
-                [k[0] for k in keys],
-                [k[1] for k in keys],
+                """SELECT j.tenant_id, j.run_id, j.join_id, j.reply FROM joins j
+                   JOIN unnest($1::text[], $2::text[], $3::text[]) AS u(t, r, j)
+                     ON j.tenant_id = u.t AND j.run_id = u.r AND j.join_id = u.j""",
+                [k[0] for k in asked],
+                [k[1] for k in asked],
+                [k[2] for k in asked],
             )
         }
         workflows = sorted({(run.tenant_id, run.workflow_id) for run in runs.values()})
@@ -156,17 +169,23 @@ class PostgresJoinStore(BatchStore):
             )
         }
         positions = sorted(
-            {(e.run_id, p) for r, e in joins if (p := r.header_int(RUN_SEQ_HEADER)) is not None}
+            {
+                (e.tenant_id, e.run_id, p)
+                for r, e in joins
+                if (p := r.header_int(RUN_SEQ_HEADER)) is not None
+            }
         )
         later_node = {
-            (r["run_id"], r["position"]): r["later"]
+            (r["tenant_id"], r["run_id"], r["position"]): r["later"]
             for r in await conn.fetch(
-                """SELECT u.r AS run_id, u.p AS position,
+                """SELECT u.t AS tenant_id, u.r AS run_id, u.p AS position,
                           (SELECT min(seq) FROM checkpoints c
-                           WHERE c.run_id = u.r AND c.seq > u.p AND c.kind <> 'merge') AS later
-                   FROM unnest($1::text[], $2::bigint[]) AS u(r, p)""",
-                [r for r, _ in positions],
-                [p for _, p in positions],
+                           WHERE c.tenant_id = u.t AND c.run_id = u.r AND c.seq > u.p
+                             AND c.kind <> 'merge') AS later
+                   FROM unnest($1::text[], $2::text[], $3::bigint[]) AS u(t, r, p)""",
+                [k[0] for k in positions],
+                [k[1] for k in positions],
+                [k[2] for k in positions],
             )
             if r["later"] is not None
         }
@@ -213,27 +232,35 @@ class PostgresJoinStore(BatchStore):
                     for state_json, cp in merged
                 ],
             )
-            moved = {cp.run_id: planner.runs[cp.run_id] for _, cp in merged}
+            moved = {
+                (cp.tenant_id, cp.run_id): planner.runs[(cp.tenant_id, cp.run_id)]
+                for _, cp in merged
+            }
             await conn.executemany(
-                """INSERT INTO run_heads (run_id, branch_key, seq, state_hash)
-                   VALUES ($1, $2, $3, $4)
-                   ON CONFLICT (run_id, branch_key) DO UPDATE
+                """INSERT INTO run_heads (tenant_id, run_id, branch_key, seq, state_hash)
+                   VALUES ($1, $2, $3, $4, $5)
+                   ON CONFLICT (tenant_id, run_id, branch_key) DO UPDATE
                    SET seq = EXCLUDED.seq, state_hash = EXCLUDED.state_hash""",
                 [
-                    (run_id, MAIN, run.last_seq, run.heads[MAIN].state_hash)
-                    for run_id, run in moved.items()
+                    (tenant, run_id, MAIN, run.last_seq, run.heads[MAIN].state_hash)
+                    for (tenant, run_id), run in moved.items()
                 ],
             )
             await conn.executemany(
-                "UPDATE runs SET last_seq = $2, updated_at = now() WHERE run_id = $1",
-                [(run_id, run.last_seq) for run_id, run in moved.items()],
+                """UPDATE runs SET last_seq = $3, updated_at = now()
+                   WHERE tenant_id = $1 AND run_id = $2""",
+                [(tenant, run_id, run.last_seq) for (tenant, run_id), run in moved.items()],
             )
-            consumed = [(d.event.run_id, b) for d in decisions for b in d.consumed]
+            consumed = [
+                (d.event.tenant_id, d.event.run_id, b) for d in decisions for b in d.consumed
+            ]
             await conn.execute(  # a join consumes its branches: the next fan-out starts afresh
-                """DELETE FROM run_heads h USING unnest($1::text[], $2::text[]) AS u(r, b)
-                   WHERE h.run_id = u.r AND h.branch_key = u.b""",
-                [r for r, _ in consumed],
-                [b for _, b in consumed],
+                """DELETE FROM run_heads h
+                   USING unnest($1::text[], $2::text[], $3::text[]) AS u(t, r, b)
+                   WHERE h.tenant_id = u.t AND h.run_id = u.r AND h.branch_key = u.b""",
+                [t for t, _, _ in consumed],
+                [r for _, r, _ in consumed],
+                [b for _, _, b in consumed],
             )
         if decisions:
             await conn.executemany(

@@ -92,29 +92,29 @@ class PostgresLearnStore(BatchStore):
 
     async def histories(
         self, runs: list[tuple[str, str]]
-    ) -> dict[str, list[learning.HistoryEvent]]:
-        """Each run's audit log, in order (tenant-scoped)."""
+    ) -> dict[tuple[str, str], list[learning.HistoryEvent]]:
+        """Each run's audit log, in order, by (tenant, run id)."""
         if not runs:
             return {}
 
         async def read() -> list[asyncpg.Record]:
             rows: list[asyncpg.Record] = await self.pool.fetch(
-                """SELECT e.run_id, e.type, e.node_id, e.branch_id,
+                """SELECT e.tenant_id, e.run_id, e.type, e.node_id, e.branch_id,
                           e.payload->'error'->>'type' AS error_type,
                           e.payload->'error'->>'message' AS error_message
                    FROM run_events e
                    JOIN unnest($1::text[], $2::text[]) AS u(t, r)
                      ON e.tenant_id = u.t AND e.run_id = u.r
                    WHERE e.type IN ('node.completed', 'node.failed')
-                   ORDER BY e.run_id, e.ordinal""",
+                   ORDER BY e.tenant_id, e.run_id, e.ordinal""",
                 [t for t, _ in runs],
                 [r for _, r in runs],
             )
             return rows
 
-        out: dict[str, list[learning.HistoryEvent]] = {r: [] for _, r in runs}
+        out: dict[tuple[str, str], list[learning.HistoryEvent]] = {run: [] for run in runs}
         for row in await self._guarded("reading run histories", read()):
-            out[row["run_id"]].append(
+            out[(row["tenant_id"], row["run_id"])].append(
                 learning.HistoryEvent(
                     row["type"],
                     row["node_id"],
@@ -125,24 +125,25 @@ class PostgresLearnStore(BatchStore):
             )
         return out
 
-    async def learned(self, events: list[WorkflowCompleted]) -> set[str]:
-        """Event ids whose run already has an outcome (nothing to embed for them)."""
+    async def learned(self, events: list[WorkflowCompleted]) -> set[tuple[str, str]]:
+        """(tenant, event id) of the completions whose run already has an outcome
+        (nothing to embed for them)."""
         if not events:
             return set()
 
         async def read() -> list[asyncpg.Record]:
             rows: list[asyncpg.Record] = await self.pool.fetch(
-                """SELECT u.e FROM unnest($1::text[], $2::text[], $3::text[]) AS u(e, t, r)
+                """SELECT u.t, u.e FROM unnest($1::text[], $2::text[], $3::text[]) AS u(e, t, r)
                    WHERE EXISTS (
                        SELECT 1 FROM workflow_outcomes o
-                       WHERE o.event_id = u.e OR (o.tenant_id = u.t AND o.run_id = u.r))""",
+                       WHERE o.tenant_id = u.t AND (o.event_id = u.e OR o.run_id = u.r))""",
                 [e.event_id for e in events],
                 [e.tenant_id for e in events],
                 [e.run_id for e in events],
             )
             return rows
 
-        return {r["e"] for r in await self._guarded("reading known outcomes", read())}
+        return {(r["t"], r["e"]) for r in await self._guarded("reading known outcomes", read())}
 
     # -- the transaction ----------------------------------------------------------
 
@@ -373,6 +374,11 @@ class PostgresLearnStore(BatchStore):
             runs,
             tenants,
         )
-        await conn.execute("DELETE FROM run_heads WHERE run_id = ANY($1::text[])", runs)
-        outcome.cache_forgets = runs
+        await conn.execute(
+            """DELETE FROM run_heads h USING unnest($1::text[], $2::text[]) AS u(r, t)
+               WHERE h.run_id = u.r AND h.tenant_id = u.t""",
+            runs,
+            tenants,
+        )
+        outcome.cache_forgets = list(zip(tenants, runs, strict=True))
         outcome.checkpoints_removed = int(removed or 0)

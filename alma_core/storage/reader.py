@@ -8,7 +8,6 @@ a tenant is an operator's reader and exists only when multi-tenant mode is off.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import asyncpg
@@ -69,22 +68,36 @@ class CheckpointReader:
             raise
         return rows
 
-    async def _head_seqs(self, run_id: str) -> dict[str | None, int]:
+    async def _tenant_of(self, run_id: str) -> str | None:
+        """The tenant whose run this is: the reader's, or (an operator's reader, with no
+        tenant) the only tenant with a run of this id. None: there is no such run."""
+        if self.tenant_id is not None:
+            return self.tenant_id
+        rows = await self._fetch("SELECT tenant_id FROM runs WHERE run_id = $1", run_id)
+        tenants = sorted(r["tenant_id"] for r in rows)
+        if len(tenants) > 1:
+            raise errors.ContextError(
+                f"tenants {', '.join(tenants)} each have a run {run_id!r}: pass its tenant"
+            )
+        return tenants[0] if tenants else None
+
+    async def _head_seqs(self, tenant_id: str, run_id: str) -> dict[str | None, int]:
         """The run's current heads by branch (None: the main line), from PostgreSQL."""
         rows = await self._fetch(
-            """SELECT h.branch_key, h.seq FROM run_heads h JOIN runs r ON r.run_id = h.run_id
-               WHERE h.run_id = $1 AND ($2::text IS NULL OR r.tenant_id = $2)""",
+            """SELECT branch_key, seq FROM run_heads WHERE tenant_id = $1 AND run_id = $2""",
+            tenant_id,
             run_id,
-            self.tenant_id,
         )
         return {(r["branch_key"] or None): r["seq"] for r in rows}
 
-    async def _cached(self, run_id: str, fields: list[str]) -> dict[str, dict[str, Any]]:
+    async def _cached(
+        self, tenant_id: str, run_id: str, fields: list[str]
+    ) -> dict[str, dict[str, Any]]:
         """The cache's entries for ``fields`` (a failed lookup counts and is empty)."""
         if self.cache is None or not fields:
             return {}
         try:
-            return await self.cache.entries(run_id, fields)
+            return await self.cache.entries(tenant_id, run_id, fields)
         except errors.CacheError:
             self.observer.cache_read("error")
             return {}
@@ -94,43 +107,42 @@ class CheckpointReader:
     ) -> dict[str | None, Checkpoint]:
         """The current heads (those in ``wanted``, or all): each from the cache when the
         cache holds it at its current seq, else from PostgreSQL (then cached)."""
-        seqs = await self._head_seqs(run_id)
+        tenant_id = await self._tenant_of(run_id)
+        if tenant_id is None:
+            return {}
+        seqs = await self._head_seqs(tenant_id, run_id)
         if wanted is not None:
             seqs = {b: s for b, s in seqs.items() if b in wanted}
         if not seqs:
             return {}
-        cached = await self._cached(run_id, [field_for(b) for b in seqs])
+        cached = await self._cached(tenant_id, run_id, [field_for(b) for b in seqs])
         heads: dict[str | None, Checkpoint] = {}
         missing: dict[str | None, int] = {}
         for branch, seq in seqs.items():
             doc = cached.get(field_for(branch))
-            if doc is not None and doc.get("seq") == seq and self._mine(doc):
+            if doc is not None and doc.get("seq") == seq and doc.get("tenant_id") == tenant_id:
                 heads[branch] = checkpoint_from_doc(doc)
             else:
                 missing[branch] = seq
         if self.cache is not None:
             self.observer.cache_read("miss" if missing else "hit")
         if missing:
-            found = await self._by_seq(run_id, list(missing.values()))
+            found = await self._by_seq(tenant_id, run_id, list(missing.values()))
             heads.update({cp.branch_id: cp for cp in found})
-            await self._fill(run_id, found, complete=wanted is None and len(found) == len(missing))
+            await self._fill(found, complete=wanted is None and len(found) == len(missing))
         return heads
 
-    def _mine(self, doc: Mapping[str, Any]) -> bool:
-        return self.tenant_id is None or doc.get("tenant_id") == self.tenant_id
-
-    async def _by_seq(self, run_id: str, seqs: list[int]) -> list[Checkpoint]:
+    async def _by_seq(self, tenant_id: str, run_id: str, seqs: list[int]) -> list[Checkpoint]:
         rows = await self._fetch(
             f"""SELECT {_COLUMNS} FROM checkpoints
-                WHERE run_id = $1 AND seq = ANY($2::bigint[])
-                  AND ($3::text IS NULL OR tenant_id = $3)""",
+                WHERE tenant_id = $1 AND run_id = $2 AND seq = ANY($3::bigint[])""",
+            tenant_id,
             run_id,
             seqs,
-            self.tenant_id,
         )
         return [checkpoint_from_doc(r) for r in rows]
 
-    async def _fill(self, run_id: str, found: list[Checkpoint], *, complete: bool) -> None:
+    async def _fill(self, found: list[Checkpoint], *, complete: bool) -> None:
         if self.cache is None or not found:
             return
         try:
@@ -156,27 +168,22 @@ class CheckpointReader:
         self, run_id: str, *, limit: int = 100, before_seq: int | None = None
     ) -> list[Checkpoint]:
         """Checkpoints newest first, ``limit`` at most, below ``before_seq`` when given."""
+        tenant_id = await self._tenant_of(run_id)
         rows = await self._fetch(
             f"""SELECT {_COLUMNS} FROM checkpoints
-                WHERE run_id = $1 AND ($2::text IS NULL OR tenant_id = $2)
-                  AND ($3::bigint IS NULL OR seq < $3)
+                WHERE tenant_id = $1 AND run_id = $2 AND ($3::bigint IS NULL OR seq < $3)
                 ORDER BY seq DESC LIMIT $4""",
+            tenant_id,
             run_id,
-            self.tenant_id,
             before_seq,
             max(1, min(limit, 10_000)),
         )
         return [checkpoint_from_doc(r) for r in rows]
 
     async def get(self, run_id: str, seq: int) -> Checkpoint | None:
-        rows = await self._fetch(
-            f"""SELECT {_COLUMNS} FROM checkpoints
-                WHERE run_id = $1 AND seq = $2 AND ($3::text IS NULL OR tenant_id = $3)""",
-            run_id,
-            seq,
-            self.tenant_id,
-        )
-        return checkpoint_from_doc(rows[0]) if rows else None
+        tenant_id = await self._tenant_of(run_id)
+        found = await self._by_seq(tenant_id, run_id, [seq]) if tenant_id else []
+        return found[0] if found else None
 
     async def state_has(self, run_id: str, key: str) -> bool:
         """Has the run's main-line state got ``key``? (the idempotency check)."""

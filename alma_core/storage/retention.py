@@ -9,7 +9,7 @@ pruning never blocks the checkpointer for long and two pruners never collide.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import asyncpg
 
@@ -22,6 +22,7 @@ class PruneResult:
     checkpoints: int = 0
     batches: int = 0
     more: bool = False  # stopped at max_batches with work left
+    pruned: list[tuple[str, str]] = field(default_factory=list)  # (tenant, run id)
 
 
 async def prune_checkpoints(
@@ -38,10 +39,11 @@ async def prune_checkpoints(
         for _ in range(max_batches):
             async with pool.acquire() as conn, conn.transaction():
                 runs = await conn.fetch(
-                    """SELECT r.run_id FROM runs r
+                    """SELECT r.tenant_id, r.run_id FROM runs r
                        WHERE r.completed_at IS NOT NULL
                          AND r.completed_at < now() - make_interval(secs => $1)
-                         AND EXISTS (SELECT 1 FROM run_heads h WHERE h.run_id = r.run_id)
+                         AND EXISTS (SELECT 1 FROM run_heads h
+                                     WHERE h.tenant_id = r.tenant_id AND h.run_id = r.run_id)
                        ORDER BY r.completed_at
                        LIMIT $2
                        FOR UPDATE OF r SKIP LOCKED""",
@@ -50,15 +52,23 @@ async def prune_checkpoints(
                 )
                 if not runs:
                     return result
-                ids = [r["run_id"] for r in runs]
+                tenants, ids = [r["tenant_id"] for r in runs], [r["run_id"] for r in runs]
                 deleted = await conn.fetchval(
-                    """WITH gone AS (DELETE FROM checkpoints WHERE run_id = ANY($1::text[])
-                                     RETURNING 1)
+                    """WITH gone AS (
+                         DELETE FROM checkpoints c USING unnest($1::text[], $2::text[]) u(t, r)
+                         WHERE c.tenant_id = u.t AND c.run_id = u.r RETURNING 1)
                        SELECT count(*) FROM gone""",
+                    tenants,
                     ids,
                 )
-                await conn.execute("DELETE FROM run_heads WHERE run_id = ANY($1::text[])", ids)
+                await conn.execute(
+                    """DELETE FROM run_heads h USING unnest($1::text[], $2::text[]) u(t, r)
+                       WHERE h.tenant_id = u.t AND h.run_id = u.r""",
+                    tenants,
+                    ids,
+                )
             result.runs += len(ids)
+            result.pruned += list(zip(tenants, ids, strict=True))
             result.checkpoints += int(deleted or 0)
             result.batches += 1
         result.more = True

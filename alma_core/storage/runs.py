@@ -12,6 +12,7 @@ from typing import Any, TypeAlias
 
 import asyncpg
 
+from alma_core import errors
 from alma_core.storage import dead_letters
 
 Conn: TypeAlias = asyncpg.Connection | asyncpg.Pool
@@ -72,35 +73,45 @@ async def listing(
 
 async def report(conn: asyncpg.Connection, run_id: str, tenant_id: str | None) -> dict[str, Any]:
     """Everything about one run: the run, its events, checkpoints (without states),
-    joins, outcome and dead letters; ``{}`` when the tenant has no such run."""
-    run = await conn.fetchrow(
+    joins, outcome and dead letters; ``{}`` when the tenant has no such run. Without a
+    tenant (an operator), the only tenant's run of this id; ContextError if several."""
+    found = await conn.fetch(
         "SELECT * FROM runs WHERE run_id = $1 AND ($2::text IS NULL OR tenant_id = $2)",
         run_id,
         tenant_id,
     )
-    if run is None:
+    if not found:
         return {}
+    if len(found) > 1:
+        tenants = ", ".join(sorted(r["tenant_id"] for r in found))
+        raise errors.ContextError(f"tenants {tenants} each have a run {run_id!r}: pass --tenant")
+    run = found[0]
+    tenant = run["tenant_id"]
     events = await conn.fetch(
         """SELECT event_id, type, node_id, branch_id, effect, checkpoint_seq, emitted_at,
-                  recorded_at FROM run_events WHERE run_id = $1 ORDER BY ordinal""",
+                  recorded_at FROM run_events WHERE tenant_id = $1 AND run_id = $2
+           ORDER BY ordinal""",
+        tenant,
         run_id,
     )
     checkpoints = await conn.fetch(
         """SELECT seq, kind, node_id, branch_id, parent_seq, size_bytes, state_hash, created_at
-           FROM checkpoints WHERE run_id = $1 ORDER BY seq""",
+           FROM checkpoints WHERE tenant_id = $1 AND run_id = $2 ORDER BY seq""",
+        tenant,
         run_id,
     )
     joins = await conn.fetch(
-        """SELECT join_id, status, checkpoint_seq, created_at FROM joins WHERE run_id = $1
-           ORDER BY created_at""",
+        """SELECT join_id, status, checkpoint_seq, created_at FROM joins
+           WHERE tenant_id = $1 AND run_id = $2 ORDER BY created_at""",
+        tenant,
         run_id,
     )
     outcome = await conn.fetchrow(
         """SELECT success, duration_ms, node_count, nodes_succeeded, nodes_failed, error_message,
                   failing_node, task, strategy, learnings_extracted, created_at
-           FROM workflow_outcomes WHERE run_id = $1 AND tenant_id = $2""",
+           FROM workflow_outcomes WHERE tenant_id = $1 AND run_id = $2""",
+        tenant,
         run_id,
-        run["tenant_id"],
     )
     return {
         "run": run,
@@ -108,7 +119,7 @@ async def report(conn: asyncpg.Connection, run_id: str, tenant_id: str | None) -
         "checkpoints": checkpoints,
         "joins": joins,
         "outcome": outcome,
-        "dead_letters": await dead_letters.of_run(conn, run_id, run["tenant_id"]),
+        "dead_letters": await dead_letters.of_run(conn, run_id, tenant),
     }
 
 

@@ -294,9 +294,11 @@ async def assert_exactly_once(dsn: str, published: dict[str, list[dict[str, Any]
         assert [eid for _, eid in got] == [d["event_id"] for d in docs], f"{run}: order/once"
 
 
-async def assert_cache_matches(settings: Settings, runs: list[str], *, require_all: bool) -> int:
-    """The cached latest checkpoint of each run is PostgreSQL's (never older).
-    Returns how many runs were served from the cache."""
+async def assert_cache_matches(
+    settings: Settings, runs: list[str], *, require_all: bool, tenant: str = "acme"
+) -> int:
+    """The cached latest checkpoint of each of the tenant's runs is PostgreSQL's (never
+    older). Returns how many runs were served from the cache."""
     from alma_core.storage.cache import RedisCheckpointCache
     from alma_core.storage.postgres import connect
     from alma_core.storage.reader import CheckpointReader
@@ -308,9 +310,9 @@ async def assert_cache_matches(settings: Settings, runs: list[str], *, require_a
         connect(settings.postgres_dsn) as pool,
         RedisCheckpointCache.connect(settings.redis_url, prefix=settings.redis_prefix) as cache,
     ):
-        truth = CheckpointReader(pool, None, tenant_id=None, require_tenant=False)
+        truth = CheckpointReader(pool, None, tenant_id=tenant)
         for run in runs:
-            doc, _ = await cache.get(run, "latest")
+            doc, _ = await cache.get(tenant, run, "latest")
             expected = await truth.latest(run)
             assert expected is not None
             if doc is None:
@@ -318,7 +320,10 @@ async def assert_cache_matches(settings: Settings, runs: list[str], *, require_a
                 continue
             hits += 1
             assert (doc["seq"], doc["state_hash"]) == (expected.seq, expected.state_hash), (
-                run, doc["seq"], expected.seq)
+                run,
+                doc["seq"],
+                expected.seq,
+            )
     return hits
 
 

@@ -9,19 +9,19 @@ from tests.services import Services
 
 
 def entry(run: str, field: str, seq: int) -> CacheEntry:
-    return CacheEntry(run, field, seq, {"run_id": run, "tenant_id": "t", "seq": seq})
+    return CacheEntry("t", run, field, seq, {"run_id": run, "tenant_id": "t", "seq": seq})
 
 
 async def test_never_goes_back(services: Services) -> None:
     async with RedisCheckpointCache.connect(services.redis_url, prefix=uuid.uuid4().hex) as cache:
         assert await cache.put([entry("r", "latest", 5)]) == 1
         assert await cache.put([entry("r", "latest", 3), entry("r", "latest", 5)]) == 0
-        doc, complete = await cache.get("r", "latest")
+        doc, complete = await cache.get("t", "r", "latest")
         assert doc is not None
         assert doc["seq"] == 5
         assert not complete
         assert await cache.put([entry("r", "latest", 6)]) == 1
-        doc, _ = await cache.get("r", "latest")
+        doc, _ = await cache.get("t", "r", "latest")
         assert doc is not None
         assert doc["seq"] == 6
 
@@ -29,14 +29,14 @@ async def test_never_goes_back(services: Services) -> None:
 async def test_heads_only_when_complete_and_epoch_invalidates(services: Services) -> None:
     async with RedisCheckpointCache.connect(services.redis_url, prefix=uuid.uuid4().hex) as cache:
         await cache.put([entry("r", "@", 1)])
-        assert await cache.heads("r") is None  # a writer's partial view is not "all heads"
+        assert await cache.heads("t", "r") is None  # a writer's partial view is not "all heads"
         await cache.put([entry("r", "@", 1), entry("r", "b:x", 2)], complete=True)
-        heads = await cache.heads("r")
+        heads = await cache.heads("t", "r")
         assert heads is not None
         assert set(heads) == {"@", "b:x"}
         await cache.bump_epoch()
-        assert await cache.heads("r") is None
-        assert await cache.get("r", "@") == (None, False)
+        assert await cache.heads("t", "r") is None
+        assert await cache.get("t", "r", "@") == (None, False)
 
 
 async def test_writer_counts_failures_and_never_raises() -> None:
@@ -70,7 +70,7 @@ async def test_a_failed_write_invalidates_as_soon_as_redis_answers(services: Ser
             await admin.config_set("maxmemory", 1)  # every write refused, reads served
             try:
                 assert await writer.write([entry("r", "latest", 2)]) is False
-                doc, _ = await cache.get("r", "latest")
+                doc, _ = await cache.get("t", "r", "latest")
                 assert doc is not None
                 assert doc["seq"] == 1  # what PostgreSQL has moved past
             finally:
@@ -78,7 +78,7 @@ async def test_a_failed_write_invalidates_as_soon_as_redis_answers(services: Ser
                 await admin.config_set("maxmemory-policy", before["maxmemory-policy"])
 
             async def not_stale() -> bool:
-                doc, _ = await cache.get("r", "latest")
+                doc, _ = await cache.get("t", "r", "latest")
                 return doc is None or doc["seq"] >= 2
 
             await wait_for(not_stale, what="the stale entry to stop being served", limit_s=10)

@@ -184,7 +184,6 @@ async def test_bad_input_goes_to_the_dead_letters_and_the_partition_moves_on(
             run.encode(),
             "unknown_type",
         ),
-        (completed(run, tenant="evil", state={"x": 1}), run.encode(), "tenant_mismatch"),
         (completed(run, state={"x": 1}, expected_seq=99), run.encode(), "stale_expected_seq"),
         (completed(run, state={"blob": "x" * 70_000}), run.encode(), "state_too_large"),
         # Small alone, too large once folded into the run's state:
@@ -198,7 +197,7 @@ async def test_bad_input_goes_to_the_dead_letters_and_the_partition_moves_on(
         ),
     ]
     async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
-        # The run's first event exists so the tenant check has a run to compare with.
+        # The run's first event exists so the expected_seq and the size checks have a run.
         first = completed(run, updates={"grow": "z" * 30_000})
         good.append(first)
         await pub.send(first)
@@ -233,9 +232,9 @@ async def test_bad_input_goes_to_the_dead_letters_and_the_partition_moves_on(
         assert int(headers["alma.source.offset"].decode()) >= 0
     assert (
         worker.value(
-            "alma_dead_letters_total", {"consumer": "checkpointer", "reason": "tenant_mismatch"}
+            "alma_dead_letters_total", {"consumer": "checkpointer", "reason": "state_too_large"}
         )
-        == 1
+        == 2
     )
 
 

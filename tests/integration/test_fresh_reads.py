@@ -63,7 +63,7 @@ async def test_a_commit_whose_cache_write_never_came_is_read_from_postgres(
         async with RedisCheckpointCache.connect(
             settings.redis_url or "", prefix=settings.redis_prefix
         ) as cache:
-            cached, _ = await cache.get("killed", "latest")
+            cached, _ = await cache.get("acme", "killed", "latest")
             assert cached is not None
             assert cached["seq"] == 3  # the cache is behind
             tally = Tally()
@@ -132,7 +132,7 @@ async def test_checkpoints_retention_deleted_are_not_served(settings: Settings) 
         async with RedisCheckpointCache.connect(
             settings.redis_url or "", prefix=settings.redis_prefix
         ) as cache:
-            cached, _ = await cache.get("old", "latest")
+            cached, _ = await cache.get("acme", "old", "latest")
             assert cached is not None  # still in Redis
             reader = CheckpointReader(pool, cache, tenant_id="acme")
             assert await reader.latest("old") is None

@@ -93,3 +93,33 @@ async def test_concurrent_upgrades_apply_each_step_once(empty_database: str) -> 
     finally:
         for c in conns:
             await c.close()
+
+
+async def test_runs_of_one_id_in_two_tenants_keep_their_data_and_block_going_below(
+    empty_database: str,
+) -> None:
+    """0006 keys runs by tenant: it keeps the rows it finds, and going back below it is
+    refused (naming the run) while two tenants share a run id, instead of losing one."""
+    conn = await asyncpg.connect(empty_database)
+    try:
+        migrator = Migrator(conn)
+        await migrator.migrate(5)
+        await conn.execute(
+            """INSERT INTO runs (run_id, tenant_id, workflow_id, last_seq)
+                   VALUES ('r', 'acme', 'w', 1);
+               INSERT INTO checkpoints (run_id, seq, tenant_id, kind, event_id, state, state_hash,
+                   size_bytes) VALUES ('r', 1, 'acme', 'node', 'e1', '{}', 'h', 2);
+               INSERT INTO run_heads (run_id, branch_key, seq, state_hash)
+                   VALUES ('r', '', 1, 'h')"""
+        )
+        await migrator.migrate()
+        heads = await conn.fetch("SELECT tenant_id, run_id, seq FROM run_heads")
+        assert [tuple(r) for r in heads] == [("acme", "r", 1)]  # the tenant filled in
+        await conn.execute(
+            """INSERT INTO runs (run_id, tenant_id, workflow_id) VALUES ('r', 'globex', 'w')"""
+        )
+        with pytest.raises(errors.MigrationError, match="tenants share the run id r"):
+            await migrator.migrate(5)
+        assert await migrator.current() == len(load_migrations())  # nothing half-done
+    finally:
+        await conn.close()

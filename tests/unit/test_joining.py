@@ -133,7 +133,7 @@ def join_event(join_id: str, run: str = "r", tenant: str = "acme", **kw: Any) ->
 
 
 def planner(**kw: Any) -> JoinPlanner:
-    runs = {"r": RunAtJoin("acme", "wf", 4, {"": MAIN, **BRANCHES})}
+    runs = {("acme", "r"): RunAtJoin("acme", "wf", 4, {"": MAIN, **BRANCHES})}
     args: dict[str, Any] = {
         "runs": runs,
         "replies": {},
@@ -165,7 +165,7 @@ def test_the_same_join_twice_is_one_merge_and_the_same_reply() -> None:
     assert again.duplicate
     assert again.checkpoint is None
     assert again.reply == first.reply
-    earlier = planner(replies={("r", "old"): {"status": "ok", "note": "stored"}})
+    earlier = planner(replies={("acme", "r", "old"): {"status": "ok", "note": "stored"}})
     assert earlier.decide(join_event("old", branch_ids=["alpha"]), 4).reply["note"] == "stored"
 
 
@@ -181,22 +181,22 @@ def test_the_same_join_twice_is_one_merge_and_the_same_reply() -> None:
 def test_a_join_that_cannot_merge_answers_an_error_and_changes_nothing(
     kw: dict[str, Any], tenant: str, position: int, reason: str
 ) -> None:
-    p = planner(later_node={("r", 2): 3})  # a node's checkpoint at seq 3, after position 2
+    p = planner(later_node={("acme", "r", 2): 3})  # a node checkpoint at seq 3, after 2
     decision = p.decide(join_event("j", tenant=tenant, **kw), position)
     assert decision.checkpoint is None
     assert decision.rejection is not None
     assert decision.rejection.reason == reason
     assert decision.reply["status"] == "error"
     assert decision.reply["error"].startswith(reason)
-    assert p.runs["r"].last_seq == 4
-    assert p.runs["r"].heads[""] == MAIN
+    assert p.runs[("acme", "r")].last_seq == 4
+    assert p.runs[("acme", "r")].heads[""] == MAIN
 
 
 def test_a_join_consumes_the_branches_it_merges() -> None:
     p = planner()
     first = p.decide(join_event("j1", branch_ids=["alpha", "beta"]), 4)
     assert first.consumed == ("alpha", "beta")
-    assert set(p.runs["r"].heads) == {"", "gamma"}  # gamma was not merged: still a branch
+    assert set(p.runs[("acme", "r")].heads) == {"", "gamma"}  # gamma was not merged: still a branch
     again = p.decide(join_event("j2", branch_ids=["alpha"]), 5)
     assert again.rejection is not None
     assert again.rejection.reason == "missing_branch"

@@ -52,7 +52,7 @@ def sequencer(**kw: Any) -> Sequencer:
 
 def test_seq_counts_from_the_run_row() -> None:
     run = RunView("r", "acme", "wf", None, last_seq=7)
-    seq = sequencer(runs={"r": run})
+    seq = sequencer(runs={("acme", "r"): run})
     seq.apply(ev(state={"a": 1}), AT)
     seq.apply(ev(state={"a": 2}), AT)
     assert [c.seq for c in seq.effects.checkpoints] == [8, 9]
@@ -72,7 +72,7 @@ def test_gapless_and_unchanged_states_skipped(states: list[dict[str, int]]) -> N
 
 
 def test_duplicate_event_id_has_no_effect() -> None:
-    seq = sequencer(known={"old": ("acme", "r")})
+    seq = sequencer(known={("acme", "old"): "r"})
     assert seq.apply(ev(state={"a": 1}, event_id="old"), AT) is None
     e = ev(state={"a": 2})
     seq.apply(e, AT)
@@ -84,16 +84,24 @@ def test_duplicate_event_id_has_no_effect() -> None:
 def test_an_event_id_another_run_used_is_refused_not_dropped() -> None:
     """Dropping it as a duplicate would lose the event and let applied() confirm it
     with the other run's seq."""
-    seq = sequencer(known={"taken": ("acme", "other-run")})
+    seq = sequencer(known={("acme", "taken"): "other-run"})
     with pytest.raises(errors.EventIdReused, match="other-run"):
         seq.apply(ev(state={"a": 1}, event_id="taken"), AT)
-    with pytest.raises(errors.EventIdReused):  # another tenant's, likewise
-        sequencer(known={"taken": ("globex", "r")}).apply(ev(state={}, event_id="taken"), AT)
     first = ev(state={"a": 1}, event_id="fresh")
     seq.apply(first, AT)
     with pytest.raises(errors.EventIdReused):  # within one batch too
         seq.apply(ev("node.completed", run="r2", state={"b": 1}, event_id="fresh"), AT)
     assert [c.event_id for c in seq.effects.checkpoints] == ["fresh"]
+
+
+def test_a_run_is_its_tenant_and_its_id() -> None:
+    """Two tenants may name a run, and an event, alike: each is its own."""
+    globex = RunView("r", "globex", "wf", None, last_seq=9)
+    seq = sequencer(runs={("globex", "r"): globex}, known={("globex", "e1"): "r"})
+    assert seq.apply(ev(state={"a": 1}, event_id="e1"), AT) == "checkpointed"  # acme's r
+    assert seq.effects.checkpoints[0].seq == 1
+    assert (seq.effects.checkpoints[0].tenant_id, globex.last_seq) == ("acme", 9)
+    assert seq.apply(ev(state={"a": 1}, event_id="e1", tenant="globex"), AT) is None  # its own
 
 
 def test_updates_fold_per_branch_with_the_workflow_reducers() -> None:
@@ -115,17 +123,15 @@ def test_updates_fold_per_branch_with_the_workflow_reducers() -> None:
 def test_rejections_change_nothing() -> None:
     run = RunView("r", "acme", "wf", None, last_seq=3)
     head = Head(3, state_hash({"a": 1}), {"a": 1})
-    seq = sequencer(runs={"r": run}, heads={("r", MAIN): head}, limit=100)
-    with pytest.raises(errors.TenantMismatch):
-        seq.apply(ev(state={"a": 2}, tenant="evil"), AT)
+    seq = sequencer(runs={("acme", "r"): run}, heads={("acme", "r", MAIN): head}, limit=100)
     with pytest.raises(errors.StaleExpectedSeq, match="at seq 3"):
         seq.apply(ev(state={"a": 2}, expected_seq=2), AT)
     with pytest.raises(errors.StateTooLarge):
         seq.apply(ev(updates={"big": "x" * 200}), AT)
     with pytest.raises(errors.ReducerTypeError):
         sequencer(
-            runs={"r": run},
-            heads={("r", MAIN): head},
+            runs={("acme", "r"): run},
+            heads={("acme", "r", MAIN): head},
             configs={("acme", "wf"): ReducerConfig({"a": "sum"})},
         ).apply(ev(updates={"a": "text"}), AT)
     with pytest.raises(errors.RejectedEvent, match="belongs to workflow"):
@@ -147,11 +153,11 @@ def test_failure_checkpoint_and_status() -> None:
         "E",
     )
     assert "attempt" not in failure.metadata
-    assert seq.runs["r"].status == "failed"
+    assert seq.runs[("acme", "r")].status == "failed"
     seq.apply(ev("node.failed", error={"type": "E", "message": "again"}, attempt=2), AT)
     assert seq.effects.checkpoints[-1].metadata["attempt"] == 2  # which retry failed
     seq.apply(ev(updates={"a": 2}), AT)
-    assert seq.runs["r"].status == "running"
+    assert seq.runs[("acme", "r")].status == "running"
     seq.apply(
         ev(
             "workflow.completed",
@@ -163,5 +169,5 @@ def test_failure_checkpoint_and_status() -> None:
         ),
         AT,
     )
-    assert seq.runs["r"].status == "succeeded"
+    assert seq.runs[("acme", "r")].status == "succeeded"
     assert [h.event.type for h in seq.effects.handoffs] == ["workflow.completed"]
