@@ -26,6 +26,7 @@ import asyncpg
 from alma_core import errors, learning
 from alma_core.learning import LearningPolicy, OutcomeDraft
 from alma_core.sequencing import Coordinates
+from alma_core.storage import retention
 from alma_core.storage.batches import Batch, BatchOutcome, BatchStore, dead_letter_for
 from alma_core.storage.embeddings import Vector, vector_literal
 from alma_core.storage.outbox import OutboxRow
@@ -364,21 +365,6 @@ class PostgresLearnStore(BatchStore):
     ) -> None:
         if not items:
             return
-        runs = [i.draft.run.run_id for i in items]
-        tenants = [i.draft.run.tenant_id for i in items]
-        removed = await conn.fetchval(
-            """WITH gone AS (
-                 DELETE FROM checkpoints c USING unnest($1::text[], $2::text[]) AS u(r, t)
-                 WHERE c.run_id = u.r AND c.tenant_id = u.t RETURNING 1)
-               SELECT count(*) FROM gone""",
-            runs,
-            tenants,
-        )
-        await conn.execute(
-            """DELETE FROM run_heads h USING unnest($1::text[], $2::text[]) AS u(r, t)
-               WHERE h.run_id = u.r AND h.tenant_id = u.t""",
-            runs,
-            tenants,
-        )
-        outcome.cache_forgets = list(zip(tenants, runs, strict=True))
-        outcome.checkpoints_removed = int(removed or 0)
+        runs = [(i.draft.run.tenant_id, i.draft.run.run_id) for i in items]
+        outcome.checkpoints_removed = await retention.delete_checkpoints(conn, runs)
+        outcome.cache_forgets = runs

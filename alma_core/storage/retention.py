@@ -25,6 +25,27 @@ class PruneResult:
     pruned: list[tuple[str, str]] = field(default_factory=list)  # (tenant, run id)
 
 
+async def delete_checkpoints(conn: asyncpg.Connection, runs: list[tuple[str, str]]) -> int:
+    """Delete these runs' checkpoints and branch heads, (tenant, run id) each, in the
+    caller's transaction; how many checkpoints went."""
+    tenants, run_ids = [t for t, _ in runs], [r for _, r in runs]
+    deleted = await conn.fetchval(
+        """WITH gone AS (
+             DELETE FROM checkpoints c USING unnest($1::text[], $2::text[]) u(t, r)
+             WHERE c.tenant_id = u.t AND c.run_id = u.r RETURNING 1)
+           SELECT count(*) FROM gone""",
+        tenants,
+        run_ids,
+    )
+    await conn.execute(
+        """DELETE FROM run_heads h USING unnest($1::text[], $2::text[]) u(t, r)
+           WHERE h.tenant_id = u.t AND h.run_id = u.r""",
+        tenants,
+        run_ids,
+    )
+    return int(deleted or 0)
+
+
 async def prune_checkpoints(
     pool: asyncpg.Pool,
     older_than_days: float,
@@ -52,24 +73,11 @@ async def prune_checkpoints(
                 )
                 if not runs:
                     return result
-                tenants, ids = [r["tenant_id"] for r in runs], [r["run_id"] for r in runs]
-                deleted = await conn.fetchval(
-                    """WITH gone AS (
-                         DELETE FROM checkpoints c USING unnest($1::text[], $2::text[]) u(t, r)
-                         WHERE c.tenant_id = u.t AND c.run_id = u.r RETURNING 1)
-                       SELECT count(*) FROM gone""",
-                    tenants,
-                    ids,
-                )
-                await conn.execute(
-                    """DELETE FROM run_heads h USING unnest($1::text[], $2::text[]) u(t, r)
-                       WHERE h.tenant_id = u.t AND h.run_id = u.r""",
-                    tenants,
-                    ids,
-                )
-            result.runs += len(ids)
-            result.pruned += list(zip(tenants, ids, strict=True))
-            result.checkpoints += int(deleted or 0)
+                keys = [(r["tenant_id"], r["run_id"]) for r in runs]
+                deleted = await delete_checkpoints(conn, keys)
+            result.runs += len(keys)
+            result.pruned += keys
+            result.checkpoints += deleted
             result.batches += 1
         result.more = True
         return result
