@@ -60,6 +60,11 @@ async def note(text: str) -> dict[str, Any]:
 
 
 @activity.defn
+async def blob(name: str) -> bytes:
+    return b"\x89PNG raw bytes"  # not JSON: recorded as a node, not as state
+
+
+@activity.defn
 async def review(section: str) -> dict[str, Any]:
     """One reviewer's notes, risk and effort: the branches of the fan-out."""
     risk = {"legal": 3, "finance": 7, "security": 5}[section]
@@ -151,6 +156,7 @@ class Notes:
     async def run(self, topic: str) -> None:
         for text in ("first", "second"):
             await workflow.execute_activity(note, text, start_to_close_timeout=T)
+        await alma.execute_activity(blob, "chart", result="ignore", start_to_close_timeout=T)
 
 
 @workflow.defn
@@ -226,6 +232,7 @@ class Resumable:
 
 WORKFLOWS = [Research, Review, Notes, Flaky, Broken, Recall, Delivery, Resumable]
 ACTIVITIES = [
+    blob,
     note,
     plan,
     fetch,

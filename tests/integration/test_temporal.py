@@ -168,6 +168,10 @@ async def test_updates_fold_with_the_reducers_the_plugin_registers(
         _, run = await run_to_end(temporal.client, app.Notes.run, "x", queue)
     rows = await checkpoints(dsn, run)
     assert rows[-1]["state"] == {"notes": ["first", "second"], "count": 2}
+    # result="ignore": bytes recorded as the node's completion, the state untouched
+    seen = await events(dsn, run)
+    assert ("node.completed", "blob") in [(e["type"], e["node_id"]) for e in seen]
+    assert len(rows) == 2
 
 
 async def test_temporal_retries_leave_one_failure_checkpoint_per_attempt(

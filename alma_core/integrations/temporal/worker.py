@@ -149,7 +149,8 @@ class _Nodes:
             await self._failed(ctx, info, ids("failed", info.attempt), exc)
             raise
         try:
-            payload = mapping.node_payload(self._as_json(result, node_id), header, node_id)
+            value = None if header.result == "ignore" else self._as_json(result, node_id)
+            payload = mapping.node_payload(value, header, node_id)
             self._check_size(payload, node_id)
             completion = ids("completed")
             await self._publish(
