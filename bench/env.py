@@ -233,5 +233,4 @@ class AlmaRun:
             await self.store.apply(f"c-{self.run}", {("bench", 0): records[lo : lo + 250]})
 
     async def latest(self) -> None:
-        await self.reader.latest(self.run)
-        await self.reader.branch_heads(self.run)
+        await self.reader.branch_heads(self.run)  # what resume() reads

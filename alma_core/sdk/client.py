@@ -224,8 +224,8 @@ class AlmaClient:
         if not (ctx.tenant_id and ctx.run_id):
             raise errors.ContextError("resume needs tenant_id and run_id")
         reader = await self._reader(ctx.tenant_id)
-        latest = await reader.latest(ctx.run_id)
-        heads = await reader.branch_heads(ctx.run_id) if latest is not None else {}
+        heads = await reader.branch_heads(ctx.run_id)  # the latest is one of them
+        latest = max(heads.values(), key=lambda cp: cp.seq) if heads else None
         return ResumePoint(ctx.run_id, latest, heads)
 
     async def publish(self, event: Event) -> str:

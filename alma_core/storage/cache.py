@@ -274,19 +274,25 @@ class RedisCheckpointCache:
         return doc, complete is not None
 
     async def entries(
-        self, tenant_id: str, run_id: str, fields: list[str]
+        self, tenant_id: str, run_id: str, fields: list[str] | None = None
     ) -> dict[str, dict[str, Any]]:
-        """The run's entries for ``fields`` that the cache holds (a consumed branch's
-        tombstone included: its seq is not a head's, so a reader never takes it)."""
+        """The run's entries for ``fields`` (None: all of them) that the cache holds (a
+        consumed branch's tombstone included: its seq is not a head's, so a reader
+        never takes it)."""
+        key = run_key(tenant_id, run_id)
         try:
-            values = await self._mget(
-                keys=[self._epoch_key], args=[self.prefix, run_key(tenant_id, run_id), *fields]
-            )
+            if fields is None:
+                flat = await self._get(keys=[self._epoch_key], args=[self.prefix, key, ""])
+                names = [k.decode() if isinstance(k, bytes) else k for k in flat[::2]]
+                pairs = [
+                    (f, v) for f, v in zip(names, flat[1::2], strict=True) if f != COMPLETE_FIELD
+                ]
+            else:
+                values = await self._mget(keys=[self._epoch_key], args=[self.prefix, key, *fields])
+                pairs = list(zip(fields, values, strict=True))
         except RedisError as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
-        return {
-            f: doc for f, v in zip(fields, values, strict=True) if (doc := _decode(v)) is not None
-        }
+        return {f: doc for f, v in pairs if (doc := _decode(v)) is not None}
 
     async def heads(self, tenant_id: str, run_id: str) -> dict[str, dict[str, Any]] | None:
         """Every cached head of the run, or None unless the cache holds all of them."""

@@ -8,6 +8,7 @@ a tenant is an operator's reader and exists only when multi-tenant mode is off.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import asyncpg
@@ -25,6 +26,9 @@ from alma_core.types import Checkpoint
 
 _COLUMNS = """run_id, tenant_id, seq, kind, node_id, branch_id, parent_seq, event_id, state,
               state_hash, size_bytes, merged_from, metadata, created_at"""
+_HEAD_COLUMNS = """c.run_id, c.tenant_id, c.seq, c.kind, c.node_id, c.branch_id, c.parent_seq,
+                   c.event_id, c.state, c.state_hash, c.size_bytes, c.merged_from, c.metadata,
+                   c.created_at"""
 
 
 class CheckpointReader:
@@ -91,10 +95,11 @@ class CheckpointReader:
         return {(r["branch_key"] or None): r["seq"] for r in rows}
 
     async def _cached(
-        self, tenant_id: str, run_id: str, fields: list[str]
+        self, tenant_id: str, run_id: str, fields: list[str] | None
     ) -> dict[str, dict[str, Any]]:
-        """The cache's entries for ``fields`` (a failed lookup counts and is empty)."""
-        if self.cache is None or not fields:
+        """The cache's entries for ``fields`` (None: all the run's), a failed lookup
+        counted and empty."""
+        if self.cache is None:
             return {}
         try:
             return await self.cache.entries(tenant_id, run_id, fields)
@@ -106,16 +111,21 @@ class CheckpointReader:
         self, run_id: str, wanted: set[str | None] | None = None
     ) -> dict[str | None, Checkpoint]:
         """The current heads (those in ``wanted``, or all): each from the cache when the
-        cache holds it at its current seq, else from PostgreSQL (then cached)."""
+        cache holds it at its current seq, else from PostgreSQL (then cached). The two
+        lookups run at once: a read costs the slower of them, not their sum."""
         tenant_id = await self._tenant_of(run_id)
         if tenant_id is None:
             return {}
-        seqs = await self._head_seqs(tenant_id, run_id)
+        if self.cache is None:
+            return await self._heads_from_db(tenant_id, run_id, wanted)
+        fields = None if wanted is None else [field_for(b) for b in wanted]
+        seqs, cached = await asyncio.gather(
+            self._head_seqs(tenant_id, run_id), self._cached(tenant_id, run_id, fields)
+        )
         if wanted is not None:
             seqs = {b: s for b, s in seqs.items() if b in wanted}
         if not seqs:
             return {}
-        cached = await self._cached(tenant_id, run_id, [field_for(b) for b in seqs])
         heads: dict[str | None, Checkpoint] = {}
         missing: dict[str | None, int] = {}
         for branch, seq in seqs.items():
@@ -124,13 +134,26 @@ class CheckpointReader:
                 heads[branch] = checkpoint_from_doc(doc)
             else:
                 missing[branch] = seq
-        if self.cache is not None:
-            self.observer.cache_read("miss" if missing else "hit")
+        self.observer.cache_read("miss" if missing else "hit")
         if missing:
             found = await self._by_seq(tenant_id, run_id, list(missing.values()))
             heads.update({cp.branch_id: cp for cp in found})
             await self._fill(found, complete=wanted is None and len(found) == len(missing))
         return heads
+
+    async def _heads_from_db(
+        self, tenant_id: str, run_id: str, wanted: set[str | None] | None
+    ) -> dict[str | None, Checkpoint]:
+        """Without a cache: the heads and their checkpoints in one query."""
+        rows = await self._fetch(
+            f"""SELECT {_HEAD_COLUMNS} FROM run_heads h JOIN checkpoints c
+                  ON c.tenant_id = h.tenant_id AND c.run_id = h.run_id AND c.seq = h.seq
+                WHERE h.tenant_id = $1 AND h.run_id = $2""",
+            tenant_id,
+            run_id,
+        )
+        heads = {r["branch_id"]: checkpoint_from_doc(r) for r in rows}
+        return heads if wanted is None else {b: cp for b, cp in heads.items() if b in wanted}
 
     async def _by_seq(self, tenant_id: str, run_id: str, seqs: list[int]) -> list[Checkpoint]:
         rows = await self._fetch(
