@@ -114,6 +114,8 @@ async def test_sigkill_members_at_random_points(settings: Settings, tmp_path: Pa
         # right away, whatever a killed member left in Redis: readers see PostgreSQL's latest
         await assert_reads_fresh(settings, runs)
         assert await count(dsn, "SELECT count(*) FROM dead_letters") == 0
+        for w in workers:  # a member restarted last may still be starting: SIGTERM after
+            await w.wait_started()
     finally:
         codes = [w.terminate() for w in workers]
     assert codes == [0, 0, 0], "every member leaves cleanly on SIGTERM"
