@@ -15,7 +15,9 @@ returns in one transaction. No I/O here, so every rule is unit-tested:
   :class:`errors.RejectedEvent`, nothing changes;
 * an ``event_id`` the tenant used before, for the same run, has no effect at all; one
   another run of the tenant used is :class:`errors.EventIdReused` (dropping it would
-  lose the event).
+  lose the event);
+* a LangGraph thread's events (``graph.*``) are recorded in order and handed to the
+  store as they are (:mod:`alma_core.storage.graphs` writes their rows).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any, Literal
 from alma_core import errors
 from alma_core.reducers import ReducerConfig, ReducerRegistry, apply_updates
 from schemas.events import (
+    GRAPH_EVENTS,
     BranchJoin,
     Event,
     NodeCompleted,
@@ -122,6 +125,7 @@ class Effects:
     checkpoints: list[CheckpointRow] = field(default_factory=list)
     events: list[EventRow] = field(default_factory=list)
     handoffs: list[EventRow] = field(default_factory=list)
+    graph: list[EventRow] = field(default_factory=list)  # LangGraph threads' rows to write
     duplicates: int = 0
 
 
@@ -169,7 +173,7 @@ class Sequencer:
             effect, seq = self._node_completed(run, event)
         elif isinstance(event, NodeFailed):
             effect, seq = self._node_failed(run, event)
-        elif isinstance(event, NodeStarted):
+        elif isinstance(event, (NodeStarted, *GRAPH_EVENTS)):
             effect, seq = "recorded", None
         elif isinstance(event, BranchJoin | WorkflowCompleted):
             effect, seq = "handed_off", None
@@ -187,6 +191,8 @@ class Sequencer:
         self.effects.events.append(row)
         if effect == "handed_off":
             self.effects.handoffs.append(row)
+        elif isinstance(event, GRAPH_EVENTS):
+            self.effects.graph.append(row)
         return effect
 
     # -- rules ----------------------------------------------------------------

@@ -33,6 +33,11 @@ class EventType(StrEnum):
     NODE_FAILED = "node.failed"
     BRANCH_JOIN = "branch.join"
     WORKFLOW_COMPLETED = "workflow.completed"
+    # 1.2, additive: a LangGraph thread's checkpoints, pending writes and upkeep, so a
+    # LangGraph checkpointer writes through the pipeline (alma_core.integrations.langgraph)
+    GRAPH_CHECKPOINT = "graph.checkpoint"
+    GRAPH_WRITES = "graph.writes"
+    GRAPH_UPKEEP = "graph.upkeep"
 
 
 class _Model(BaseModel):
@@ -160,6 +165,76 @@ class WorkflowCompletedPayload(_Model):
         return self
 
 
+# --- LangGraph threads (1.2) ------------------------------------------------
+# A thread is a run (run_id = thread_id); its checkpoints live in their own tables
+# beside the run's audit trail. Channel values are LangGraph's serializer output, which
+# is not always JSON: each is carried as its type name and its bytes in base64.
+
+Namespace = Annotated[str, StringConstraints(max_length=1024)]
+
+
+class SerializedValue(_Model):
+    """A value as LangGraph's serializer wrote it: ``dumps_typed`` → (type, bytes)."""
+
+    type: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    data: str = Field(description="The bytes, base64 (empty for the type 'empty').")
+
+
+class GraphCheckpointPayload(_Model):
+    """A LangGraph checkpoint: its fields but the channel values (JSON), the values of
+    the channels this checkpoint changed (``new_versions``), and its metadata."""
+
+    checkpoint_ns: Namespace = ""
+    checkpoint_id: Id
+    parent_checkpoint_id: Id | None = None
+    checkpoint: JsonObject = Field(description="v, id, ts, channel_versions, versions_seen...")
+    values: dict[str, SerializedValue] = Field(
+        default_factory=dict, description="channel -> its value at the version in new_versions"
+    )
+    new_versions: dict[str, str | int | float] = Field(default_factory=dict)
+    metadata: JsonObject = Field(default_factory=dict)
+
+
+class GraphWrite(_Model):
+    idx: int = Field(ge=-(2**31), le=INTEGER_MAX)
+    channel: Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+    value: SerializedValue
+
+
+class GraphWritesPayload(_Model):
+    """A task's pending writes against a checkpoint (``put_writes``)."""
+
+    checkpoint_ns: Namespace = ""
+    checkpoint_id: Id
+    task_id: Id
+    task_path: Annotated[str, StringConstraints(max_length=4096)] = ""
+    writes: Annotated[list[GraphWrite], Field(max_length=100_000)]
+    replace: bool = Field(
+        default=False, description="special channels (errors, interrupts): the last write wins"
+    )
+    error: ErrorInfo | None = Field(
+        default=None, description="the task failed: its error, for the audit log and learning"
+    )
+
+
+class GraphUpkeepPayload(_Model):
+    """What a LangGraph checkpointer does to a whole thread: delete it, delete the
+    checkpoints of some LangGraph runs, prune it, or copy it to another thread."""
+
+    op: Literal["delete_thread", "delete_runs", "prune", "copy"]
+    run_ids: Annotated[list[Id], Field(max_length=10_000)] | None = None
+    strategy: Literal["keep_latest", "delete"] | None = None
+    target_thread_id: Id | None = None
+
+    @model_validator(mode="after")
+    def _arguments(self) -> GraphUpkeepPayload:
+        needs = {"delete_runs": "run_ids", "prune": "strategy", "copy": "target_thread_id"}
+        field = needs.get(self.op)
+        if field is not None and getattr(self, field) is None:
+            raise ValueError(f"{self.op} needs {field}")
+        return self
+
+
 # --- envelope ---------------------------------------------------------------
 
 
@@ -204,10 +279,36 @@ class WorkflowCompleted(_Envelope):
     payload: WorkflowCompletedPayload
 
 
+class GraphCheckpoint(_Envelope):
+    type: Literal["graph.checkpoint"]
+    node_id: Id | None = None
+    payload: GraphCheckpointPayload
+
+
+class GraphWrites(_Envelope):
+    type: Literal["graph.writes"]
+    node_id: Id | None = None  # the node whose task wrote them, when known
+    payload: GraphWritesPayload
+
+
+class GraphUpkeep(_Envelope):
+    type: Literal["graph.upkeep"]
+    node_id: Id | None = None
+    payload: GraphUpkeepPayload
+
+
 Event = Annotated[
-    NodeStarted | NodeCompleted | NodeFailed | BranchJoin | WorkflowCompleted,
+    NodeStarted
+    | NodeCompleted
+    | NodeFailed
+    | BranchJoin
+    | WorkflowCompleted
+    | GraphCheckpoint
+    | GraphWrites
+    | GraphUpkeep,
     Field(discriminator="type"),
 ]
+GRAPH_EVENTS = (GraphCheckpoint, GraphWrites, GraphUpkeep)
 
 EVENT_MODELS: dict[EventType, type[_Envelope]] = {
     EventType.NODE_STARTED: NodeStarted,
@@ -215,6 +316,9 @@ EVENT_MODELS: dict[EventType, type[_Envelope]] = {
     EventType.NODE_FAILED: NodeFailed,
     EventType.BRANCH_JOIN: BranchJoin,
     EventType.WORKFLOW_COMPLETED: WorkflowCompleted,
+    EventType.GRAPH_CHECKPOINT: GraphCheckpoint,
+    EventType.GRAPH_WRITES: GraphWrites,
+    EventType.GRAPH_UPKEEP: GraphUpkeep,
 }
 
 event_adapter: TypeAdapter[Event] = TypeAdapter(Event)

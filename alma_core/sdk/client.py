@@ -129,6 +129,11 @@ class AlmaClient:
             observer=self.observer,
         )
 
+    async def read_pool(self) -> asyncpg.Pool:
+        """The client's PostgreSQL pool for reads (opened on first use), for integrations
+        that read what the pipeline wrote (the LangGraph saver)."""
+        return await self._open_reads()
+
     async def _open_reads(self) -> asyncpg.Pool:
         if self._reads is None:
             if not (self.settings.postgres_dsn and self.settings.redis_url):

