@@ -105,6 +105,12 @@ class StateTooLarge(RejectedEvent):
     reason = "state_too_large"
 
 
+class RecordTooLarge(RejectedEvent):
+    """An event's record is over ``ALMA_MAX_RECORD_BYTES``: refused before it is sent."""
+
+    reason = "record_too_large"
+
+
 class StaleExpectedSeq(RejectedEvent):
     """The run's latest checkpoint sequence is not the one the event expected."""
 

@@ -236,8 +236,16 @@ class AlmaClient:
     async def publish(self, event: Event) -> str:
         """Publish one contract event and wait for the broker's acknowledgement (so one
         caller's events of a run cannot overtake each other). Returns its event_id."""
+        record = encode(event)
+        if len(record) > self.settings.max_record_bytes:
+            raise errors.RecordTooLarge(
+                f"{event.type} {event.event_id} of run {event.run_id!r} is {len(record):,} "
+                f"bytes, over ALMA_MAX_RECORD_BYTES={self.settings.max_record_bytes:,}: keep "
+                "large values out of the state (an artifact reference), or raise the limit "
+                "on the broker's topic and in ALMA_MAX_RECORD_BYTES alike"
+            )
         await self._producer.send_and_wait(
-            self.settings.lifecycle_topic, encode(event), key=event.run_id.encode()
+            self.settings.lifecycle_topic, record, key=event.run_id.encode()
         )
         return event.event_id
 

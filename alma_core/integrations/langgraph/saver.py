@@ -53,6 +53,7 @@ from alma_core.types import WorkflowContext
 Wait = Literal["applied", "published"]
 _PULL, _PUSH = "~__pregel_pull, ", "~__pregel_push, "
 _SENDS_KEPT = 1024  # checkpoints whose Send targets are remembered (a Send task's node)
+_SEND_WAIT_S = 5.0  # the longest a Send task's writes wait for their checkpoint's aput
 
 
 def _encoded(typed: tuple[str, bytes | None]) -> dict[str, str]:
@@ -91,7 +92,10 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         self.wait = wait
         self.timeout = timeout
         self._pending: dict[str, str] = {}  # thread -> its last event not yet seen applied
+        # the nodes of each checkpoint's Sends (a Send task's node), and the writes that
+        # wait for a checkpoint's aput to learn them
         self._sends: OrderedDict[tuple[str, str, str], list[str]] = OrderedDict()
+        self._announced: dict[tuple[str, str, str], asyncio.Future[list[str]]] = {}
         try:
             self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -143,23 +147,46 @@ class AlmaSaver(BaseCheckpointSaver[str]):
             if self._pending.get(thread) == event_id:
                 del self._pending[thread]
 
-    def _node_of(self, thread: str, ns: str, checkpoint_id: str, task_path: str) -> str | None:
-        """The node a task runs: a pull task's is in its path, a Send's in the checkpoint."""
-        if task_path.startswith(_PULL):
-            return task_path[len(_PULL) :].split(", ", 1)[0] or None
-        if task_path.startswith(_PUSH):
-            index = task_path[len(_PUSH) :].split(", ", 1)[0]
-            sends = self._sends.get((thread, ns, checkpoint_id))
-            if sends is not None and index.isdigit() and int(index) < len(sends):
-                return sends[int(index)]
-        return None
+    async def _node_of(self, thread: str, ns: str, checkpoint_id: str, path: str) -> str | None:
+        """The node a task runs: a pull task's is in its path (LangGraph's own, such as
+        ``__start__`` for the input, are no nodes of the graph's); a Send's is in the
+        checkpoint the task runs from: from this saver's ``aput`` of it (waited for a
+        moment: with ``durability="async"`` tasks start before it), else as stored."""
+        if path.startswith(_PULL):
+            node = path[len(_PULL) :].split(", ", 1)[0]
+            return None if not node or node.startswith("__") else node
+        index = path[len(_PUSH) :].split(", ", 1)[0] if path.startswith(_PUSH) else ""
+        if not index.isdigit():
+            return None
+        key = (thread, ns, checkpoint_id)
+        sends = self._sends.get(key)
+        if sends is None:
+            stored = await graphs.get(
+                await self.client.read_pool(), self.tenant_id, thread, ns, checkpoint_id
+            )
+            if stored is not None:
+                sends = self._remember(key, self._tuple(stored).checkpoint)
+            else:
+                announced = self._announced.setdefault(
+                    key, asyncio.get_running_loop().create_future()
+                )
+                with contextlib.suppress(TimeoutError):
+                    sends = await asyncio.wait_for(asyncio.shield(announced), _SEND_WAIT_S)
+        return sends[int(index)] if sends is not None and int(index) < len(sends) else None
 
-    def _remember_sends(self, thread: str, ns: str, checkpoint: Checkpoint) -> None:
-        sends = checkpoint["channel_values"].get(TASKS)
-        if isinstance(sends, list) and sends:
-            self._sends[(thread, ns, checkpoint["id"])] = [getattr(s, "node", "") for s in sends]
-            while len(self._sends) > _SENDS_KEPT:
-                self._sends.popitem(last=False)
+    def _remember(self, key: tuple[str, str, str], checkpoint: Checkpoint) -> list[str]:
+        """The nodes of the checkpoint's Sends, for its tasks' writes."""
+        packets = checkpoint["channel_values"].get(TASKS)
+        sends = [getattr(p, "node", "") for p in packets] if isinstance(packets, list) else []
+        self._sends[key] = sends
+        announced = self._announced.pop(key, None)
+        if announced is not None and not announced.done():
+            announced.set_result(sends)
+        while len(self._sends) > _SENDS_KEPT:
+            self._sends.popitem(last=False)
+        while len(self._announced) > _SENDS_KEPT:
+            self._announced.pop(next(iter(self._announced))).cancel()
+        return sends
 
     def _tuple(self, stored: graphs.StoredCheckpoint) -> CheckpointTuple:
         def config(checkpoint_id: str) -> RunnableConfig:
@@ -242,6 +269,7 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         configurable = config["configurable"]
         thread = str(configurable["thread_id"])
         ns = configurable.get("checkpoint_ns", "")
+        self._remember((thread, ns, checkpoint["id"]), checkpoint)  # before any await
         # As LangGraph's Postgres saver: primitives stay in the checkpoint, the other
         # values are stored once per (channel, version), those this checkpoint changed.
         inline = dict(checkpoint["channel_values"])
@@ -256,7 +284,6 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         values = await asyncio.to_thread(
             lambda: {c: _encoded(self.serde.dumps_typed(blobs[c])) for c in changed}
         )
-        self._remember_sends(thread, ns, checkpoint)
         await self._send(
             "graph.checkpoint",
             thread,
@@ -318,7 +345,7 @@ class AlmaSaver(BaseCheckpointSaver[str]):
                 if error is None
                 else {"type": type(error).__name__[:256], "message": str(error)[:65536]},
             },
-            node_id=self._node_of(thread, ns, checkpoint_id, task_path) if finished else None,
+            node_id=await self._node_of(thread, ns, checkpoint_id, task_path) if finished else None,
         )
 
     async def adelete_thread(self, thread_id: str) -> None:
