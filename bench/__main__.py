@@ -1,7 +1,7 @@
 """Every benchmark in one run: ALMA Stream side by side with its peers, the cost
 curves, and the scaling trend over checkpointer processes.
 
-    python -m bench [--quick | --full] [--reps N] [--only peers,curves,scaling,temporal]
+    python -m bench [--quick | --full] [--reps N] [--only peers,curves,scaling,temporal,langgraph]
                     [--out docs/benchmarks.md]
 
 Brings up the embedded stack (PostgreSQL with fsync on) or uses the services
@@ -23,11 +23,11 @@ from pathlib import Path
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench import curves, merges, peers, plots, run_state, scaling, temporal
+from bench import curves, langgraph, merges, peers, plots, run_state, scaling, temporal
 from bench.env import Env, services_versions, stack
 from bench.report import Section, console, machine, write
 
-SUITES = ("peers", "curves", "scaling", "temporal")
+SUITES = ("peers", "curves", "scaling", "temporal", "langgraph")
 
 
 def steps(env: Env, only: set[str]) -> int:
@@ -40,6 +40,8 @@ def steps(env: Env, only: set[str]) -> int:
         n += len(scaling.PROCESSES)
     if "temporal" in only:
         n += temporal.STEPS_PER_REP * env.reps
+    if "langgraph" in only:
+        n += langgraph.STEPS_PER_REP * env.reps
     return n
 
 
@@ -82,6 +84,10 @@ async def main(args: argparse.Namespace) -> int:
                 plugin = Section("temporal")
                 await temporal.run(env, plugin)
                 write([plugin], m, args.out, label)
+            if "langgraph" in only:
+                saver = Section("langgraph")
+                await langgraph.run(env, saver)
+                write([saver], m, args.out, label)
     if args.out is not None:
         for png in plots.draw(args.out.with_suffix(".json"), args.out.parent / "img"):
             console.print(f"plotted {png}")

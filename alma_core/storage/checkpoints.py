@@ -75,9 +75,12 @@ def _audit_payload(event: Event) -> str:
     """What the audit log keeps of an event: all but the state (it lives in the
     checkpoint), and of a LangGraph event all but its values (in graph_*): the channels
     it wrote, which the learner and ``alma runs`` read."""
-    if isinstance(event, GraphCheckpoint):
-        doc = event.payload.model_dump(mode="json", exclude={"values"}, exclude_none=True)
+    if isinstance(event, GraphCheckpoint):  # the checkpoint itself is in graph_checkpoints
+        doc = event.payload.model_dump(
+            mode="json", include={"checkpoint_ns", "checkpoint_id", "parent_checkpoint_id"}
+        )
         doc["channels"] = sorted(event.payload.values)
+        doc["step"] = event.payload.metadata.get("step")
         return json.dumps(doc)
     if isinstance(event, GraphWrites):
         doc = event.payload.model_dump(mode="json", exclude={"writes"}, exclude_none=True)

@@ -166,6 +166,8 @@ class AlmaSaver(BaseCheckpointSaver[str]):
             )
             if stored is not None:
                 sends = self._remember(key, self._tuple(stored).checkpoint)
+            elif key in self._sends:  # its aput began while PostgreSQL was asked
+                sends = self._sends[key]
             else:
                 announced = self._announced.setdefault(
                     key, asyncio.get_running_loop().create_future()

@@ -1,0 +1,275 @@
+"""The same LangGraph graph on AlmaSaver and on LangGraph's AsyncPostgresSaver, side by
+side in one run, on one PostgreSQL server (the peer in its own database).
+
+The graph: 10 nodes (``start → prep → plan → branch ×5 by Send → merge → post1..post5``),
+each node rewriting a 5 KB field (a branch adding 1 KB to a list) and appending a note
+(both lists ``Annotated[list, add]``).
+
+* Invokes: one thread at a time, and 50 threads at once; invokes per second and each
+  invoke's p50/p99, per durability mode (``sync``, ``async``, ``exit``); AlmaSaver with
+  ``wait="applied"`` (a write returns once the checkpointer applied it) and
+  ``wait="published"`` (once the broker has it; the saver's reads wait for it).
+* Storage per checkpoint: the tables' size (with indexes and TOAST) over the
+  checkpoints stored; ALMA's includes the audit log's rows of the thread's events.
+* ``aget_tuple`` of a thread's latest checkpoint at 10 and 10,000 checkpoints.
+
+The checkpointer runs in this process, on the same 2 cores as the graph.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import operator
+import random
+import string
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, TypedDict
+
+import asyncpg
+from langgraph.checkpoint.base import BaseCheckpointSaver, empty_checkpoint
+from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import Send
+
+from alma_core.integrations.langgraph import AlmaSaver
+from alma_core.sdk.client import AlmaClient
+from bench.env import Env
+from bench.peers import langgraph_saver_pool
+from bench.report import Section, Stat, pct, ratio
+from bench.temporal import alma_workers
+
+DURABILITY = ("sync", "async", "exit")
+SAVERS = ("AsyncPostgresSaver", "AlmaSaver, wait=applied", "AlmaSaver, wait=published")
+FIELD = 5 * 1024
+READ_SIZES = (10, 10_000)
+
+
+class State(TypedDict, total=False):
+    scratch: str
+    parts: Annotated[list[str], operator.add]  # the branches' (1 KB each)
+    notes: Annotated[list[str], operator.add]
+
+
+def _text(size: int = FIELD) -> str:
+    return "".join(random.choices(string.ascii_letters, k=size))
+
+
+def build(saver: BaseCheckpointSaver[Any]) -> Any:
+    def node(name: str) -> Any:
+        def run(state: State) -> State:
+            if name == "branch":  # five at once: each adds a part
+                return {"parts": [_text(FIELD // 5)], "notes": [name]}
+            return {"scratch": _text(), "notes": [name]}
+
+        return run
+
+    graph = StateGraph(State)
+    chain = ["start", "prep", "plan", "branch", "merge"] + [f"post{i}" for i in range(1, 6)]
+    for name in chain:
+        graph.add_node(name, node(name))
+    graph.add_edge(START, "start")
+    graph.add_edge("start", "prep")
+    graph.add_edge("prep", "plan")
+    graph.add_conditional_edges("plan", lambda s: [Send("branch", s) for _ in range(5)], ["branch"])
+    graph.add_edge("branch", "merge")
+    for a, b in itertools.pairwise(chain[4:]):
+        graph.add_edge(a, b)
+    graph.add_edge(chain[-1], END)
+    return graph.compile(checkpointer=saver)
+
+
+async def invokes(
+    graph: Any, durability: str, threads: int, rounds: int
+) -> tuple[list[float], float]:
+    """Each invoke's seconds and invokes per second: ``threads`` threads at once,
+    ``rounds`` times (a new thread each invoke)."""
+    seconds: list[float] = []
+
+    async def one() -> None:
+        config = {"configurable": {"thread_id": f"b-{uuid.uuid4().hex[:12]}"}}
+        started = time.perf_counter()
+        await graph.ainvoke({"scratch": _text()}, config, durability=durability)
+        seconds.append(time.perf_counter() - started)
+
+    started = time.perf_counter()
+    for _ in range(rounds):
+        await asyncio.gather(*(one() for _ in range(threads)))
+    return seconds, threads * rounds / (time.perf_counter() - started)
+
+
+@asynccontextmanager
+async def savers(env: Env, pool: Any) -> AsyncIterator[dict[str, BaseCheckpointSaver[Any]]]:
+    topic = await env.topic("langgraph")
+    async with alma_workers(env, topic) as s, AlmaClient(s) as client:
+        yield {
+            SAVERS[0]: AsyncPostgresSaver(pool),
+            SAVERS[1]: AlmaSaver(client, tenant_id="bench", workflow_id="bench-graph"),
+            SAVERS[2]: AlmaSaver(
+                client, tenant_id="bench", workflow_id="bench-graph", wait="published"
+            ),
+        }
+
+
+async def _size(dsn: str, tables: list[str], count_sql: str, audit: bool = False) -> float:
+    """Bytes per checkpoint: the tables with their indexes; with ``audit``, ALMA's
+    ``run_events`` too, in the share of its rows that are LangGraph events."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("VACUUM ANALYZE")
+        total = sum([await conn.fetchval("SELECT pg_total_relation_size($1)", t) for t in tables])
+        if audit:
+            share = await conn.fetchval(
+                """SELECT count(*) FILTER (WHERE type LIKE 'graph.%')::float8
+                          / greatest(count(*), 1) FROM run_events"""
+            )
+            total += share * await conn.fetchval("SELECT pg_total_relation_size('run_events')")
+        n = await conn.fetchval(count_sql)
+    finally:
+        await conn.close()
+    return float(total) / max(1, n)
+
+
+async def _long_thread(saver: BaseCheckpointSaver[Any], thread: str, n: int) -> Any:
+    """A thread of ``n`` checkpoints (each a 5 KB field), written with ``aput``."""
+    config: Any = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    version: Any = None
+    for step in range(n):
+        checkpoint = empty_checkpoint()
+        version = saver.get_next_version(version, None)
+        checkpoint["channel_values"] = {"scratch": _text()}
+        checkpoint["channel_versions"] = {"scratch": version}
+        config = await saver.aput(
+            config, checkpoint, {"source": "loop", "step": step}, {"scratch": version}
+        )
+    await saver.aget_tuple(config)  # a published saver's writes, applied
+    return config
+
+
+async def reads(saver: BaseCheckpointSaver[Any], n: int, samples: int) -> list[float]:
+    config = await _long_thread(saver, f"r-{uuid.uuid4().hex[:10]}", n)
+    latest = {"configurable": {**config["configurable"]}}
+    del latest["configurable"]["checkpoint_id"]
+    seconds = []
+    for _ in range(samples):
+        started = time.perf_counter()
+        found = await saver.aget_tuple(latest)
+        seconds.append(time.perf_counter() - started)
+        if found is None or found.checkpoint["id"] != config["configurable"]["checkpoint_id"]:
+            raise RuntimeError(f"{type(saver).__name__} read a wrong latest checkpoint: {found}")
+    return seconds
+
+
+async def run(env: Env, section: Section) -> None:
+    section.table(
+        "langgraph",
+        "The same LangGraph graph (10 nodes, a 5-way Send fan-out, 5 KB per node) on each saver",
+        ["saver", "durability", "threads", "invokes/s", "p50 ms", "p99 ms", "× AsyncPostgresSaver"],
+    )
+    section.table(
+        "langgraph_reads",
+        "LangGraph `aget_tuple` of a thread's latest checkpoint, and storage per checkpoint",
+        ["saver", "checkpoints in the thread", "p50 ms", "p99 ms", "bytes per checkpoint"],
+    )
+    sequential, concurrent, rounds = (5, 50, 1) if env.quick else (20, 50, 2)
+    samples = 50 if env.quick else 200
+    got: dict[tuple[str, str, int], list[tuple[list[float], float]]] = {}
+    read_got: dict[tuple[str, int], list[list[float]]] = {}
+    pool = await langgraph_saver_pool(env.peer_dsn, size=20)
+    try:
+        for _ in range(env.reps):
+            async with savers(env, pool) as by_name:
+                for durability in DURABILITY:
+                    for name, saver in by_name.items():
+                        graph = build(saver)
+                        await invokes(graph, durability, 1, 1)  # warm
+                        for threads, n in ((1, sequential), (concurrent, rounds)):
+                            env.step(f"LangGraph: {name}, {durability}, {threads} threads")
+                            result = await _timed(graph, durability, threads, n)
+                            got.setdefault((name, durability, threads), []).append(result)
+                        env.done()
+                for name in (SAVERS[0], SAVERS[2]):
+                    for n in READ_SIZES:
+                        env.step(f"LangGraph reads: {name}, {n:,} checkpoints")
+                        seconds = await reads(by_name[name], n, samples)
+                        read_got.setdefault((name.split(",")[0], n), []).append(seconds)
+                    env.done()
+        sizes = {
+            "AsyncPostgresSaver": await _size(
+                env.peer_dsn,
+                ["checkpoints", "checkpoint_blobs", "checkpoint_writes"],
+                "SELECT count(*) FROM checkpoints",
+            ),
+            "AlmaSaver": await _size(
+                env.services.postgres_dsn,
+                ["graph_checkpoints", "graph_blobs", "graph_writes"],
+                "SELECT count(*) FROM graph_checkpoints",
+                audit=True,
+            ),
+        }
+    finally:
+        await pool.close()
+    for durability in DURABILITY:
+        for threads in (1, concurrent):
+            base = Stat([r for _, r in got[(SAVERS[0], durability, threads)]], 1)
+            for name in SAVERS:
+                runs = got[(name, durability, threads)]
+                rate = Stat([r for _, r in runs], 1)
+                section.add(
+                    "langgraph",
+                    [
+                        name,
+                        durability,
+                        threads,
+                        rate,
+                        Stat([pct(s, 50) * 1000 for s, _ in runs], 1),
+                        Stat([pct(s, 99) * 1000 for s, _ in runs], 1),
+                        ratio(rate, base),
+                    ],
+                )
+    for name in ("AsyncPostgresSaver", "AlmaSaver"):
+        for n in READ_SIZES:
+            runs_ = read_got[(name, n)]
+            section.add(
+                "langgraph_reads",
+                [
+                    name,
+                    f"{n:,}",
+                    Stat([pct(s, 50) * 1000 for s in runs_]),
+                    Stat([pct(s, 99) * 1000 for s in runs_]),
+                    f"{sizes[name]:,.0f}",
+                ],
+            )
+    section.note(
+        "langgraph",
+        f"{sequential} invokes one after another (threads = 1), or {concurrent} at once "
+        f"{rounds}× (each invoke its own thread); an invoke writes 11 checkpoints and 15 "
+        "tasks' writes (`exit`: one checkpoint at the end). The checkpointer, the graph "
+        "and PostgreSQL share 2 cores; ALMA_FETCH_MAX_WAIT_MS=50.",
+    )
+    section.note(
+        "langgraph_reads",
+        f"{samples} reads of the latest checkpoint (5 KB value) of a thread of that many "
+        "checkpoints written by `aput`; AlmaSaver's reads are PostgreSQL's (one indexed "
+        "query), the same for both wait modes. Storage: the tables with their indexes "
+        "after VACUUM, over the checkpoints stored; ALMA's counts its audit log of the "
+        "threads' events too.",
+    )
+
+
+async def _timed(graph: Any, durability: str, threads: int, n: int) -> tuple[list[float], float]:
+    """``n`` invokes one after another (one thread), or ``n`` rounds of ``threads``."""
+    if threads == 1:
+        seconds: list[float] = []
+        started = time.perf_counter()
+        for _ in range(n):
+            one, _ = await invokes(graph, durability, 1, 1)
+            seconds += one
+        return seconds, n / (time.perf_counter() - started)
+    return await invokes(graph, durability, threads, n)
+
+
+STEPS_PER_REP = len(DURABILITY) + 2
