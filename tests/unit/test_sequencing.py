@@ -171,3 +171,28 @@ def test_failure_checkpoint_and_status() -> None:
     )
     assert seq.runs[("acme", "r")].status == "succeeded"
     assert [h.event.type for h in seq.effects.handoffs] == ["workflow.completed"]
+
+
+def test_a_langgraph_threads_events_are_recorded_in_order_once() -> None:
+    """graph.* events (a LangGraph thread is a run) touch no checkpoint or head: they
+    are recorded, handed to the store in their order, and a repeat has no effect."""
+    run = RunView("r", "acme", "wf", None, last_seq=3)
+    seq = sequencer(runs={("acme", "r"): run})
+    value = {"type": "json", "data": "e30="}
+    events = [
+        ev("graph.checkpoint", checkpoint_id="c1", checkpoint={"v": 4}, values={"x": value}),
+        ev(
+            "graph.writes",
+            checkpoint_id="c1",
+            task_id="t",
+            writes=[{"idx": 0, "channel": "x", "value": value}],
+        ),
+        ev("graph.upkeep", op="prune", strategy="keep_latest"),
+    ]
+    assert [seq.apply(e, AT) for e in events] == ["recorded"] * 3
+    assert seq.apply(events[1], AT) is None
+    assert [r.event for r in seq.effects.graph] == events
+    assert seq.effects.checkpoints == []
+    assert (run.last_seq, run.event_count) == (3, 3)
+    with pytest.raises(errors.RejectedEvent, match="belongs to workflow"):
+        seq.apply(ev("graph.upkeep", workflow="other", op="delete_thread"), AT)
