@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
 from alma_core import errors
-from alma_core.settings import load
+from alma_core.settings import load, load_running
 from alma_core.types import WorkflowContext
 
 
@@ -68,3 +70,29 @@ def test_to_env_makes_another_process_load_the_same_settings(
     for name, value in original.to_env().items():
         monkeypatch.setenv(name, value)
     assert load() == original
+
+
+def test_load_running_takes_the_unset_services_from_alma_up(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("ALMA_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("ALMA_DATA_DIR", str(tmp_path))
+    assert load_running().kafka_bootstrap is None  # no alma up: nothing to take
+    (tmp_path / "endpoints.json").write_text(
+        json.dumps(
+            {
+                "kafka_bootstrap": "127.0.0.1:9092",
+                "postgres_dsn": "postgresql://u@127.0.0.1:5432/alma",
+                "redis_url": "redis://127.0.0.1:6379/0",
+            }
+        )
+    )
+    monkeypatch.setenv("ALMA_REDIS_URL", "redis://10.0.0.9:6379/0")
+    loaded = load_running()
+    assert (loaded.kafka_bootstrap, loaded.postgres_dsn, loaded.redis_url) == (
+        "127.0.0.1:9092",
+        "postgresql://u@127.0.0.1:5432/alma",
+        "redis://10.0.0.9:6379/0",  # a variable wins over alma up's
+    )
