@@ -46,6 +46,20 @@ async def effect_of(conn: Conn, event_id: str, tenant_id: str, run_id: str) -> E
     return None
 
 
+async def unrecorded(conn: Conn, tenant_id: str, run_id: str, event_ids: list[str]) -> list[str]:
+    """Those of the run's ``event_ids`` the checkpointer has not recorded (yet, or ever:
+    dead-lettered), in the order given."""
+    rows = await conn.fetch(
+        """SELECT event_id FROM run_events
+           WHERE tenant_id = $1 AND run_id = $2 AND event_id = ANY($3::text[])""",
+        tenant_id,
+        run_id,
+        event_ids,
+    )
+    recorded = {r["event_id"] for r in rows}
+    return [e for e in event_ids if e not in recorded]
+
+
 async def listing(
     conn: Conn,
     *,

@@ -264,6 +264,13 @@ async def test_what_the_pipeline_refuses_raises_at_the_write(
         with pytest.raises(errors.RejectedEvent, match="belongs to workflow 'agent-graph'"):
             await other.ainvoke({"task": "survey"}, app.config(thread))
 
+        # published: the write returns, the saver's next read raises the reason, once
+        saver = AlmaSaver(client, tenant_id=app.TENANT, workflow_id="other", wait="published")
+        await app.build(saver).ainvoke({"task": "survey"}, app.config(thread))
+        with pytest.raises(errors.RejectedEvent, match="belongs to workflow 'agent-graph'"):
+            await saver.aget_tuple(app.config(thread))
+        assert await saver.aget_tuple(app.config(thread)) is not None  # raised once
+
         huge = "x" * (settings.max_record_bytes + 1)
         with pytest.raises(errors.RecordTooLarge, match="ALMA_MAX_RECORD_BYTES"):
             await mine.ainvoke(Command(resume=True, update={"task": huge}), app.config(thread))

@@ -47,7 +47,7 @@ from langgraph.checkpoint.serde.types import ERROR, TASKS, _DeltaSnapshot
 from alma_core import errors
 from alma_core.sdk.client import AlmaClient
 from alma_core.settings import Settings
-from alma_core.storage import graphs
+from alma_core.storage import graphs, runs
 from alma_core.types import WorkflowContext
 
 Wait = Literal["applied", "published"]
@@ -91,7 +91,7 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         self.workflow_id = workflow_id
         self.wait = wait
         self.timeout = timeout
-        self._pending: dict[str, str] = {}  # thread -> its last event not yet seen applied
+        self._pending: dict[str, list[str]] = {}  # thread -> its events not seen applied
         # the nodes of each checkpoint's Sends (a Send task's node), and the writes that
         # wait for a checkpoint's aput to learn them
         self._sends: OrderedDict[tuple[str, str, str], list[str]] = OrderedDict()
@@ -134,18 +134,36 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         if (wait or self.wait) == "applied":
             await self.client.applied(ctx, event_id, timeout=self.timeout)
         else:
-            self._pending[thread_id] = event_id
+            self._pending.setdefault(thread_id, []).append(event_id)
 
     async def _caught_up(self, thread_id: str | None = None) -> None:
-        """Wait until this saver's writes of the thread (all threads: None) are applied."""
-        threads = list(self._pending) if thread_id is None else [thread_id]
-        for thread in threads:
-            event_id = self._pending.get(thread)
-            if event_id is None:
+        """Wait until this saver's writes of the thread (all threads: None) are applied.
+        Concurrent writes (a fan-out's tasks) may reach the partition in another order
+        than they returned: wait for the last, then for any the log does not hold yet.
+        A refused write raises here once (its reason); a timeout leaves them owed."""
+        for thread in list(self._pending) if thread_id is None else [thread_id]:
+            ids = list(self._pending.get(thread, ()))
+            if not ids:
                 continue
+            refused = [await self._refusal(thread, ids[-1])]  # the last first, then the rest
+            pool = await self.client.read_pool()
+            for event_id in await runs.unrecorded(pool, self.tenant_id, thread, ids[:-1]):
+                refused.append(await self._refusal(thread, event_id))
+            owed = [e for e in self._pending.get(thread, ()) if e not in ids]
+            if owed:
+                self._pending[thread] = owed
+            else:
+                self._pending.pop(thread, None)
+            if first := next((r for r in refused if r is not None), None):
+                raise first
+
+    async def _refusal(self, thread: str, event_id: str) -> errors.RejectedEvent | None:
+        """Wait for the event's effect: None once applied, its rejection if refused."""
+        try:
             await self.client.applied(self._ctx(thread), event_id, timeout=self.timeout)
-            if self._pending.get(thread) == event_id:
-                del self._pending[thread]
+        except errors.RejectedEvent as exc:
+            return exc
+        return None
 
     async def _node_of(self, thread: str, ns: str, checkpoint_id: str, path: str) -> str | None:
         """The node a task runs: a pull task's is in its path (LangGraph's own, such as
@@ -174,6 +192,8 @@ class AlmaSaver(BaseCheckpointSaver[str]):
                 )
                 with contextlib.suppress(TimeoutError):
                     sends = await asyncio.wait_for(asyncio.shield(announced), _SEND_WAIT_S)
+                if self._announced.get(key) is announced:  # it never came: forget it
+                    del self._announced[key]
         return sends[int(index)] if sends is not None and int(index) < len(sends) else None
 
     def _remember(self, key: tuple[str, str, str], checkpoint: Checkpoint) -> list[str]:
