@@ -12,7 +12,8 @@
     │   ├── RunMovedPastJoin
     │   ├── StateTooLarge
     │   ├── StaleExpectedSeq
-    │   └── EventIdReused
+    │   ├── EventIdReused
+    │   └── RunPruned
     ├── StorageError            Postgres failed (retriable: back off and try again)
     │   └── StorageRejected     Postgres refused the data itself (not retriable)
     ├── CacheError              Redis failed (retriable; callers fall back to Postgres)
@@ -122,6 +123,13 @@ class EventIdReused(RejectedEvent):
     runs (the inbox keeps one effect per id)."""
 
     reason = "event_id_reused"
+
+
+class RunPruned(RejectedEvent):
+    """Retention pruned this closed run: it takes no more events (one replayed after its
+    inbox row was deleted cannot be told from a new one, so neither is applied)."""
+
+    reason = "run_pruned"
 
 
 class StorageError(AlmaError):

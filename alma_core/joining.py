@@ -104,6 +104,7 @@ class RunAtJoin:
     workflow_id: str
     last_seq: int
     heads: dict[str, Head]  # branch key -> head, the main line under MAIN
+    pruned: bool = False  # retention began on this closed run: no more merges
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,10 @@ class JoinPlanner:
         run = self.runs.get((event.tenant_id, event.run_id))
         if run is None:
             raise errors.MissingBranch(f"run {event.run_id!r} is unknown for this tenant")
+        if run.pruned:
+            raise errors.RunPruned(
+                f"run {event.run_id!r} is closed and retention has pruned it: no more merges"
+            )
         return run
 
     def _check_position(self, event: BranchJoin, position: int | None) -> None:

@@ -16,6 +16,8 @@ returns in one transaction. No I/O here, so every rule is unit-tested:
 * an ``event_id`` the tenant used before, for the same run, has no effect at all; one
   another run of the tenant used is :class:`errors.EventIdReused` (dropping it would
   lose the event);
+* a closed run that retention pruned takes no more events (:class:`errors.RunPruned`):
+  its inbox may be gone, so a replayed event could otherwise take effect again;
 * a LangGraph thread's events (``graph.*``) are recorded in order and handed to the
   store as they are (:mod:`alma_core.storage.graphs` writes their rows).
 """
@@ -71,6 +73,7 @@ class RunView:
     last_seq: int = 0
     event_count: int = 0
     completed_at: datetime | None = None
+    pruned: bool = False  # retention began on this closed run: it takes no more events
     changed: bool = False
 
     @property
@@ -205,6 +208,12 @@ class Sequencer:
                 tenant_id=event.tenant_id,
                 workflow_id=event.workflow_id,
                 workflow_version=event.workflow_version,
+            )
+        if run.pruned:
+            raise errors.RunPruned(
+                f"run {event.run_id!r} was completed at {run.completed_at} and retention has "
+                "pruned it (ALMA_*_RETENTION_DAYS): it takes no more events; give new work "
+                "a new run id"
             )
         if run.workflow_id != event.workflow_id:
             raise errors.RejectedEvent(

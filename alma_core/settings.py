@@ -6,14 +6,65 @@ Nothing else in ALMA Stream reads ``os.environ``.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from alma_core import errors
 from alma_core.scoring import ScoringWeights
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Days each kind of row is kept (0: forever); :mod:`alma_core.storage.retention`
+    prunes by it."""
+
+    checkpoints_days: float = 0
+    events_days: float = 0
+    runs_days: float = 0
+    dead_letters_days: float = 0
+    outcome_memories_days: float = 0
+
+    @property
+    def active(self) -> bool:
+        return any(getattr(self, f.name) > 0 for f in fields(self))
+
+    def problem(self) -> str | None:
+        """Deleting a run row drops whatever is left of the run, and only a pruned run
+        refuses replayed events: the run lifetime comes after the other two."""
+        runs = self.runs_days
+        others = {
+            "ALMA_CHECKPOINT_RETENTION_DAYS": self.checkpoints_days,
+            "ALMA_EVENT_RETENTION_DAYS": self.events_days,
+        }
+        wrong = [f"{k}={v:g}" for k, v in others.items() if v <= 0 or v > runs]
+        if runs <= 0 or not wrong:
+            return None
+        return (
+            f"ALMA_RUN_RETENTION_DAYS={runs:g} deletes runs with all that is left of them, "
+            f"so it needs the checkpoint and event retentions set and no longer than it "
+            f"(got {', '.join(wrong)}): raise ALMA_RUN_RETENTION_DAYS, or set it to 0 to "
+            "keep run rows"
+        )
+
+    def replay_problem(self, topic: str, retention_ms: int) -> str | None:
+        """Only a run row refuses a replay of its pruned events: a topic that keeps
+        records longer than run rows live lets an old record start its run again."""
+        if self.runs_days <= 0:
+            return None
+        limit_ms = int(self.runs_days * 86_400_000)
+        if 0 <= retention_ms < limit_ms:
+            return None
+        kept = "forever" if retention_ms < 0 else f"{retention_ms / 86_400_000:g} days"
+        return (
+            f"the topic {topic} keeps records {kept}, longer than ALMA_RUN_RETENTION_DAYS="
+            f"{self.runs_days:g}: a record replayed after its run row was deleted would start "
+            f"that run again; set the topic's retention.ms below {limit_ms}, or raise "
+            "ALMA_RUN_RETENTION_DAYS (0 keeps run rows)"
+        )
 
 
 class Settings(BaseSettings):
@@ -86,10 +137,34 @@ class Settings(BaseSettings):
         default=False, description="delete a run's checkpoints once it was learned from"
     )
     checkpoint_retention_days: float = Field(
-        default=0, ge=0, description="prune checkpoints of runs completed this long ago (0: never)"
+        default=30,
+        ge=0,
+        description="prune the checkpoints of runs completed this long ago (0: never)",
+    )
+    event_retention_days: float = Field(
+        default=30,
+        ge=0,
+        description="prune the event log (audit trail, inbox) and join replies of runs "
+        "completed this long ago (0: never)",
+    )
+    run_retention_days: float = Field(
+        default=90,
+        ge=0,
+        description="delete the rows of runs completed this long ago, once their checkpoints "
+        "and events are pruned; keep it above the lifecycle topic's retention (0: never)",
+    )
+    dead_letter_retention_days: float = Field(
+        default=30, ge=0, description="delete dead letters this old (0: never)"
+    )
+    outcome_memory_retention_days: float = Field(
+        default=180,
+        ge=0,
+        description="delete the learner's node-outcome memories this old (0: never)",
     )
     prune_every_seconds: float = Field(
-        default=300, gt=0, description="how often the learner prunes (with a retention set)"
+        default=300,
+        ge=0,
+        description="how often the learner prunes (0: never; `alma db prune` does it on demand)",
     )
     retrieval_exact_max_rows: int = Field(
         default=3000, ge=0, description="largest scope searched exactly; above, HNSW"
@@ -126,6 +201,23 @@ class Settings(BaseSettings):
                     raise ValueError("expected host:port[,host:port...]")
         return value
 
+    @model_validator(mode="after")
+    def _retention_order(self) -> Settings:
+        problem = self.retention.problem()
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        return RetentionPolicy(
+            checkpoints_days=self.checkpoint_retention_days,
+            events_days=self.event_retention_days,
+            runs_days=self.run_retention_days,
+            dead_letters_days=self.dead_letter_retention_days,
+            outcome_memories_days=self.outcome_memory_retention_days,
+        )
+
     @property
     def external_services(self) -> bool:
         """True when every service is given, so the embedded stack is not needed."""
@@ -148,6 +240,9 @@ def load(**overrides: object) -> Settings:
     except ValidationError as exc:
         problems = []
         for err in exc.errors(include_url=False):
+            if not err["loc"]:  # a rule between settings: its message names them
+                problems.append(err["msg"].removeprefix("Value error, "))
+                continue
             name = "ALMA_" + "_".join(str(p) for p in err["loc"]).upper()
             problems.append(f"{name}={err.get('input')!r}: {err['msg']}")
         raise errors.ConfigError("invalid settings: " + "; ".join(problems)) from None

@@ -16,6 +16,7 @@ import time
 
 from alma_core import learning
 from alma_core.sequencing import Coordinates
+from alma_core.settings import RetentionPolicy
 from alma_core.storage import retention
 from alma_core.storage.batches import Batch
 from alma_core.storage.cache import CacheWriter
@@ -48,7 +49,7 @@ class LearnHandler(StoreHandler[LearnOutcome]):
         *,
         max_state_bytes: int,
         max_record_bytes: int,
-        retention_days: float = 0,
+        retention: RetentionPolicy | None = None,
         prune_every_s: float = 300,
     ) -> None:
         super().__init__(
@@ -60,9 +61,10 @@ class LearnHandler(StoreHandler[LearnOutcome]):
             max_record_bytes=max_record_bytes,
         )
         self.embedder = embedder
-        self.retention_days = retention_days
+        self.retention = retention or RetentionPolicy()
         self.prune_every_s = prune_every_s
         self._last_prune = 0.0
+        self._behind = False  # the last round stopped at its limit: prune again next round
 
     async def prepare(self, incoming: Batch) -> Apply[LearnOutcome]:
         """Draft and embed the completions first (no transaction open meanwhile)."""
@@ -137,19 +139,24 @@ class LearnHandler(StoreHandler[LearnOutcome]):
 
     async def idle(self) -> None:
         await super().idle()
-        if self.retention_days <= 0 or time.monotonic() - self._last_prune < self.prune_every_s:
+        if not self.retention.active or self.prune_every_s <= 0:
+            return
+        if not self._behind and time.monotonic() - self._last_prune < self.prune_every_s:
             return
         self._last_prune = time.monotonic()
-        pruned = await retention.prune_checkpoints(
-            self.store.pool, self.retention_days, batch_runs=200, max_batches=5
-        )
+        pruned = await retention.prune(self.store.pool, self.retention, max_batches=5)
+        self._behind = pruned.more
+        if pruned.pruned and self.cache is not None:
+            await self.cache.forget(pruned.pruned)
         if pruned.checkpoints:
             self.metrics.checkpoints_pruned.labels("retention").inc(pruned.checkpoints)
-            if self.cache is not None:
-                await self.cache.forget(pruned.pruned)
+        rows = {table: n for table, n in pruned.rows().items() if n}
+        for table, n in rows.items():
+            self.metrics.rows_pruned.labels(table).inc(n)
+        if rows:
             log.info(
-                "pruned checkpoints of old runs",
-                extra={"action": "prune", "runs": pruned.runs, "checkpoints": pruned.checkpoints},
+                "pruned old rows",
+                extra={"action": "prune", "rows": rows, "runs": pruned.runs, "more": pruned.more},
             )
 
     def observe(self, outcome: LearnOutcome) -> None:

@@ -191,6 +191,12 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.rows_pruned = Counter(
+            "alma_rows_pruned_total",
+            "Rows deleted by retention, by table group",
+            ["table"],
+            registry=r,
+        )
 
     # ReadObserver: a process that runs workers and serves reads (the demo) reports both
     def cache_read(self, result: CacheResult) -> None:

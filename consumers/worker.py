@@ -16,6 +16,9 @@ from typing import Any
 
 import asyncpg
 from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import KafkaError
 
 from alma_core import errors
 from alma_core.learning import LearningPolicy
@@ -115,6 +118,32 @@ async def _producer(
         await producer.stop()
 
 
+async def _check_replay_window(settings: Settings, bootstrap: str) -> None:
+    """Warn when the lifecycle topic keeps records longer than run rows live (a replay
+    of such a record would start its pruned run again); never stops the worker."""
+    topic = settings.lifecycle_topic
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5_000)
+    try:
+        await admin.start()
+        resource = ConfigResource(ConfigResourceType.TOPIC, topic)
+        (response,) = await admin.describe_configs([resource])
+        entries = [e for r in response.resources for e in r[4] if e[0] == "retention.ms"]
+        retention_ms = int(entries[0][1]) if entries else None
+    except (KafkaError, OSError, ValueError, IndexError) as exc:
+        log.info(
+            "the lifecycle topic's retention could not be read",
+            extra={"action": "replay_window_unknown", "topic": topic, "error": repr(exc)},
+        )
+        return
+    finally:
+        await admin.close()
+    problem = (
+        None if retention_ms is None else settings.retention.replay_problem(topic, retention_ms)
+    )
+    if problem:
+        log.warning(problem, extra={"action": "replay_window", "topic": topic})
+
+
 async def run_worker(
     settings: Settings,
     services: Services,
@@ -156,6 +185,8 @@ async def run_worker(
         ):
             if producer is None:
                 return
+            if checkpointer.NAME in consumers:
+                await _check_replay_window(settings, services.kafka_bootstrap)
             relay = OutboxRelay(
                 pool,
                 producer,
@@ -263,7 +294,7 @@ async def run_worker(
                     embedder,
                     max_state_bytes=settings.max_record_bytes,
                     max_record_bytes=settings.max_record_bytes,
-                    retention_days=settings.checkpoint_retention_days,
+                    retention=settings.retention,
                     prune_every_s=settings.prune_every_seconds,
                 )
                 runtimes.append(

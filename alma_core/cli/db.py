@@ -10,6 +10,7 @@ from rich.table import Table
 from alma_core import errors
 from alma_core.cli import common
 from alma_core.storage import retention
+from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.migrations import Migrator
 from alma_core.storage.postgres import connect
 
@@ -95,25 +96,77 @@ def db_status(as_json: bool = typer.Option(False, "--json")) -> None:
     common.run(main)
 
 
+_DAYS = "Days; default: the setting ({}), 0 keeps forever."
+
+
 @db_app.command("prune")
 def prune(
-    older_than_days: float = typer.Option(
-        ..., "--older-than-days", min=0.0, help="Prune runs completed longer ago than this."
+    checkpoints_days: float | None = typer.Option(
+        None,
+        min=0.0,
+        help="Checkpoints of runs completed this long ago. "
+        + _DAYS.format("ALMA_CHECKPOINT_RETENTION_DAYS"),
     ),
-    batch_runs: int = typer.Option(200, min=1, help="Runs per transaction."),
-    max_batches: int = typer.Option(1000, min=1, help="Stop after this many batches."),
+    events_days: float | None = typer.Option(
+        None,
+        min=0.0,
+        help="Event log and join replies of runs completed this long ago. "
+        + _DAYS.format("ALMA_EVENT_RETENTION_DAYS"),
+    ),
+    runs_days: float | None = typer.Option(
+        None,
+        min=0.0,
+        help="Rows of runs completed this long ago, once pruned. "
+        + _DAYS.format("ALMA_RUN_RETENTION_DAYS"),
+    ),
+    dead_letters_days: float | None = typer.Option(
+        None,
+        min=0.0,
+        help="Dead letters this old. " + _DAYS.format("ALMA_DEAD_LETTER_RETENTION_DAYS"),
+    ),
+    outcome_memories_days: float | None = typer.Option(
+        None,
+        min=0.0,
+        help="Node-outcome memories this old. "
+        + _DAYS.format("ALMA_OUTCOME_MEMORY_RETENTION_DAYS"),
+    ),
+    batch: int = typer.Option(200, min=1, help="Runs (or rows) per transaction."),
+    max_batches: int = typer.Option(1000, min=1, help="Stop each step after this many batches."),
 ) -> None:
-    """Delete the checkpoints of runs completed long ago (never of an open run)."""
-    s = common.settings()
+    """Delete what outlived its retention: checkpoints, event logs and runs of closed runs
+    (never of an open run), old dead letters and node-outcome memories."""
+    s = common.settings(
+        checkpoint_retention_days=checkpoints_days,
+        event_retention_days=events_days,
+        run_retention_days=runs_days,
+        dead_letter_retention_days=dead_letters_days,
+        outcome_memory_retention_days=outcome_memories_days,
+    )
+    if not s.retention.active:
+        common.err.print("nothing to prune: every retention is 0 (keep forever)")
+        raise typer.Exit(0)
 
     async def main() -> retention.PruneResult:
         async with connect(common.dsn(s), max_size=1) as pool:
             with common.out.status("pruning..."):
-                return await retention.prune_checkpoints(
-                    pool, older_than_days, batch_runs=batch_runs, max_batches=max_batches
+                result = await retention.prune(
+                    pool, s.retention, batch_runs=batch, max_batches=max_batches
                 )
+        if result.pruned:
+            try:
+                async with RedisCheckpointCache.connect(
+                    common.redis_url(s), prefix=s.redis_prefix
+                ) as cache:
+                    await cache.delete(result.pruned)
+            except errors.CacheError as exc:  # readers verify against PostgreSQL anyway
+                common.err.print(f"[yellow]warning:[/yellow] cache not cleared: {exc.message}")
+        return result
 
     result = common.run(main)
+    table = Table("table", "rows deleted")
+    for name, n in result.rows().items():
+        table.add_row(name, str(n))
+    common.out.print(table)
     common.out.print(
         f"pruned {result.checkpoints} checkpoints of {result.runs} runs "
         f"in {result.batches} batches" + ("; more left: run it again" if result.more else "")

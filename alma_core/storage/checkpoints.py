@@ -160,7 +160,9 @@ class PostgresCheckpointStore(BatchStore):
         tenants, run_ids = _pairs(runs)
         rows = await conn.fetch(
             """SELECT r.run_id, r.tenant_id, r.workflow_id, r.workflow_version, r.status,
-                      r.last_seq, r.event_count, r.completed_at
+                      r.last_seq, r.event_count, r.completed_at,
+                      (r.checkpoints_pruned_at IS NOT NULL
+                       OR r.events_pruned_at IS NOT NULL) AS pruned
                FROM runs r JOIN unnest($1::text[], $2::text[]) AS u(t, r)
                  ON r.tenant_id = u.t AND r.run_id = u.r
                ORDER BY r.tenant_id, r.run_id FOR UPDATE OF r""",

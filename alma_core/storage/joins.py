@@ -120,7 +120,10 @@ class PostgresJoinStore(BatchStore):
         tenants, run_ids = [t for t, _ in keys], [r for _, r in keys]
         # lock the runs in one order: no deadlock with the checkpointer
         rows = await conn.fetch(
-            """SELECT r.run_id, r.tenant_id, r.workflow_id, r.last_seq FROM runs r
+            """SELECT r.run_id, r.tenant_id, r.workflow_id, r.last_seq,
+                      (r.checkpoints_pruned_at IS NOT NULL
+                       OR r.events_pruned_at IS NOT NULL) AS pruned
+               FROM runs r
                JOIN unnest($1::text[], $2::text[]) AS u(t, r)
                  ON r.tenant_id = u.t AND r.run_id = u.r
                ORDER BY r.tenant_id, r.run_id FOR UPDATE OF r""",
@@ -129,7 +132,7 @@ class PostgresJoinStore(BatchStore):
         )
         runs = {
             (r["tenant_id"], r["run_id"]): RunAtJoin(
-                r["tenant_id"], r["workflow_id"], r["last_seq"], {}
+                r["tenant_id"], r["workflow_id"], r["last_seq"], {}, r["pruned"]
             )
             for r in rows
         }

@@ -164,6 +164,7 @@ async def test_cleanup_after_learning_and_retention_of_closed_runs_only(
     still_open = [completed("old-open", workflow=WF, node="fetch", updates={"x": 1})]
     still_open[0]["emitted_at"] = old
     recent = run_events("recent-closed")
+    settings = settings.model_copy(update={"prune_every_seconds": 0})  # this test prunes
     async with Worker.start(settings, ("checkpointer", "learner"), embedder):
         await publish(settings, docs + closed_long_ago + still_open + recent)
 
@@ -322,7 +323,19 @@ async def test_cli_retrieve_and_prune(settings: Settings, embedder: AsyncEmbedde
     no_tenant = alma("retrieve", "x", "--workflow", WF, env=env)
     assert no_tenant.returncode == 1
     assert "tenant_id is required" in no_tenant.stderr
-    pruned = alma("db", "prune", "--older-than-days", "0", env=env)
+    # retention: lifetimes from the settings, overridable per call, checked together
+    refused = alma("db", "prune", "--runs-days", "10", env=env)
+    assert refused.returncode == 2
+    assert "ALMA_RUN_RETENTION_DAYS=10" in refused.stderr
+    assert "ALMA_EVENT_RETENTION_DAYS=30" in refused.stderr
+    too_young = alma("db", "prune", env=env)
+    assert too_young.returncode == 0, too_young.stderr
+    assert "pruned 0 checkpoints of 0 runs" in too_young.stdout
+    async with connect(dsn) as pool:
+        await pool.execute("UPDATE runs SET completed_at = now() - interval '40 days'")
+    pruned = alma("db", "prune", env=env)
     assert pruned.returncode == 0, pruned.stderr
     assert "pruned 7 checkpoints of 3 runs" in pruned.stdout  # 3 + 2 + 2
     assert await count(dsn, "SELECT count(*) FROM checkpoints") == 0
+    assert await count(dsn, "SELECT count(*) FROM run_events") == 0
+    assert await count(dsn, "SELECT count(*) FROM runs") == 3, "run rows stay 90 days"

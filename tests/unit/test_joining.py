@@ -202,3 +202,17 @@ def test_a_join_consumes_the_branches_it_merges() -> None:
     assert again.rejection.reason == "missing_branch"
     states = p.decide(join_event("j3", states=[{"x": 1}]), 5)
     assert states.consumed == ()  # merging given states consumes no branch
+
+
+def test_a_pruned_run_answers_a_join_it_stored_and_refuses_any_other() -> None:
+    stored = {"join_id": "j1", "status": "ok", "checkpoint_seq": 5}
+    runs = {("acme", "r"): RunAtJoin("acme", "wf", 5, {"": MAIN, **BRANCHES}, pruned=True)}
+    p = planner(runs=runs, replies={("acme", "r", "j1"): stored})
+    again = p.decide(join_event("j1", branch_ids=["alpha"]), 4)
+    assert again.duplicate
+    assert again.reply == stored
+    late = p.decide(join_event("j2", branch_ids=["alpha"]), 5)
+    assert isinstance(late.rejection, errors.RunPruned)
+    assert late.checkpoint is None
+    assert late.reply["status"] == "error"
+    assert late.reply["error"].startswith("run_pruned: ")

@@ -196,3 +196,21 @@ def test_a_langgraph_threads_events_are_recorded_in_order_once() -> None:
     assert (run.last_seq, run.event_count) == (3, 3)
     with pytest.raises(errors.RejectedEvent, match="belongs to workflow"):
         seq.apply(ev("graph.upkeep", workflow="other", op="delete_thread"), AT)
+
+
+def test_a_pruned_run_takes_no_more_events_but_a_known_one_stays_a_duplicate() -> None:
+    """Retention deletes a closed run's inbox: an event replayed after that cannot be
+    told from a new one, so the run refuses every event it does not still know."""
+    run = RunView("r", "acme", "wf", None, last_seq=3, pruned=True)
+    seq = sequencer(runs={("acme", "r"): run}, known={("acme", "kept"): "r"})
+    assert seq.apply(ev(state={"a": 1}, event_id="kept"), AT) is None
+    for late in (
+        ev(state={"a": 2}),
+        ev("node.started"),
+        ev("node.failed", error={"type": "X", "message": "m"}),
+    ):
+        with pytest.raises(errors.RunPruned, match="new run id"):
+            seq.apply(late, AT)
+    assert (run.last_seq, seq.effects.checkpoints, seq.effects.events) == (3, [], [])
+    other = sequencer(runs={("globex", "r"): RunView("r", "globex", "wf", None, pruned=True)})
+    assert other.apply(ev(state={"a": 1}), AT) == "checkpointed"  # another tenant's run

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,27 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.partitions == 12
     assert s.max_state_bytes == 1_000_000
     assert not s.external_services
+
+
+def test_retention_defaults_bound_every_table_and_run_rows_go_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    policy = load().retention
+    assert (policy.checkpoints_days, policy.events_days, policy.runs_days) == (30, 30, 90)
+    assert (policy.dead_letters_days, policy.outcome_memories_days) == (30, 180)
+    # deleting run rows before (or without) pruning their events would let a replay in
+    monkeypatch.setenv("ALMA_EVENT_RETENTION_DAYS", "0")
+    with pytest.raises(errors.ConfigError, match="ALMA_EVENT_RETENTION_DAYS=0") as info:
+        load()
+    assert "set it to 0 to keep run rows" in info.value.message
+    monkeypatch.setenv("ALMA_EVENT_RETENTION_DAYS", "120")
+    with pytest.raises(errors.ConfigError, match="ALMA_EVENT_RETENTION_DAYS=120"):
+        load()
+    monkeypatch.setenv("ALMA_RUN_RETENTION_DAYS", "0")  # run rows kept: any order is fine
+    assert load().retention.events_days == 120
+    for var in ("CHECKPOINT", "EVENT", "DEAD_LETTER", "OUTCOME_MEMORY"):
+        monkeypatch.setenv(f"ALMA_{var}_RETENTION_DAYS", "0")
+    assert not load().retention.active
 
 
 def test_context_hierarchy() -> None:
@@ -96,3 +118,13 @@ def test_load_running_takes_the_unset_services_from_alma_up(
         "postgresql://u@127.0.0.1:5432/alma",
         "redis://10.0.0.9:6379/0",  # a variable wins over alma up's
     )
+
+
+def test_a_topic_that_outlives_run_rows_is_a_replay_problem() -> None:
+    policy = load().retention  # run rows live 90 days
+    day = 86_400_000
+    assert policy.replay_problem("t", 7 * day) is None
+    assert "keeps records 120 days" in (policy.replay_problem("t", 120 * day) or "")
+    assert "keeps records forever" in (policy.replay_problem("t", -1) or "")
+    keep_rows = replace(policy, runs_days=0)
+    assert keep_rows.replay_problem("t", -1) is None

@@ -1,0 +1,244 @@
+"""Retention on the real stack: every table that grows with traffic is pruned in
+bounded batches, an open run never is, and an event replayed after a run's inbox was
+pruned has no effect (it is dead-lettered as ``run_pruned``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import asyncpg
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from alma_core.sdk.client import AlmaClient
+from alma_core.settings import Settings
+from alma_core.storage import retention
+from alma_core.storage.embeddings import AsyncEmbedder
+from alma_core.storage.postgres import connect
+from alma_core.types import WorkflowContext
+from tests.integration.harness import (
+    Publisher,
+    Worker,
+    completed,
+    count,
+    event,
+    fetch,
+    wait_for,
+)
+
+WF = "wf"
+
+
+def finish(run: str, outcome: str = "success", **payload: Any) -> dict[str, Any]:
+    ok = outcome == "success"
+    return event(
+        "workflow.completed",
+        run,
+        node=None,
+        outcome=outcome,
+        duration_ms=10,
+        node_count=3,
+        nodes_succeeded=3 if ok else 2,
+        nodes_failed=0 if ok else 1,
+        task="file the quarterly invoices",
+        **payload,
+    )
+
+
+async def rows_of(dsn: str, run: str) -> dict[str, int]:
+    tables = ("checkpoints", "run_heads", "run_events", "joins", "runs")
+    return {
+        t: await count(
+            dsn, f"SELECT count(*) FROM {t} WHERE tenant_id = 'acme' AND run_id = $1", run
+        )
+        for t in tables
+    }
+
+
+async def send_all(settings: Settings, docs: list[dict[str, Any]]) -> None:
+    async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
+        for doc in docs:
+            await pub.send(doc)
+        await pub.flush()
+
+
+async def test_closed_runs_are_pruned_in_steps_and_a_replay_has_no_effect(
+    settings: Settings, embedder: AsyncEmbedder
+) -> None:
+    dsn = settings.postgres_dsn or ""
+    settings = settings.model_copy(update={"prune_every_seconds": 0})  # this test prunes
+    old = [
+        completed("old", node="start", updates={"log": ["start"]}),
+        completed("old", node="a", branch="b0", updates={"log": ["a"]}),
+        completed("old", node="b", branch="b1", updates={"log": ["b"]}),
+    ]
+    old_end = [
+        event("node.failed", "old", node="file", error={"type": "Http503", "message": "fx down"}),
+        finish("old", "failure", error_message="fx down"),
+    ]
+    others = [
+        completed("old2", node="start", updates={"n": 1}),
+        finish("old2"),
+        completed("recent", node="start", updates={"n": 1}),
+        finish("recent"),
+        completed("open", node="start", updates={"n": 1}),  # never completed
+    ]
+    async with (
+        Worker.start(settings, ("checkpointer", "joiner", "learner"), embedder),
+        AlmaClient(settings) as client,
+    ):
+        await send_all(settings, old)
+
+        async def branches() -> bool:
+            return await count(dsn, "SELECT count(*) FROM checkpoints") == 3
+
+        await wait_for(branches, what="the branch checkpoints")
+        ctx = WorkflowContext(tenant_id="acme", workflow_id=WF, run_id="old", node_id="join")
+        reply = await client.merge(ctx, branch_ids=["b0", "b1"], reducers={"log": "append"})
+        assert reply.checkpoint_seq == 4
+        await send_all(settings, old_end + others)
+        async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
+            await pub.send(b"{not json", key=b"hostile")
+            await pub.flush()
+
+        async def settled() -> bool:
+            outcomes = await count(dsn, "SELECT count(*) FROM workflow_outcomes")
+            letters = await fetch(dsn, "SELECT consumer, reason, detail FROM dead_letters")
+            return outcomes == 3 and len(letters) == 1
+
+        await wait_for(settled, limit_s=60, what="three outcomes and one dead letter")
+    before = await rows_of(dsn, "old")
+    # 3 node checkpoints, the merge, the failure; the join consumed its branches' heads
+    assert before == {"checkpoints": 5, "run_heads": 1, "run_events": 6, "joins": 1, "runs": 1}
+    outcome_memories = await count(dsn, "SELECT count(*) FROM memories WHERE kind = 'outcome'")
+    assert outcome_memories == 1  # the failed node of "old"
+    last_seq = await count(dsn, "SELECT last_seq FROM runs WHERE run_id = 'old'")
+
+    policy = settings.retention  # the defaults: 30, 30, 90 days; dead letters 30, memories 180
+    async with connect(dsn) as pool:
+        await pool.execute(
+            """UPDATE runs SET completed_at = now() - interval '45 days'
+               WHERE run_id IN ('old', 'old2');
+               UPDATE runs SET updated_at = now() - interval '400 days',
+                               created_at = now() - interval '400 days' WHERE run_id = 'open'"""
+        )
+        first = await retention.prune(pool, policy, batch_runs=1, max_batches=1)
+        assert first.more, "one run per batch, one batch per step: work is left"
+        rest = await retention.prune(pool, policy, batch_runs=1, max_batches=5)
+        assert not rest.more
+    assert sorted(first.pruned + rest.pruned) == [("acme", "old"), ("acme", "old2")]
+    assert first.checkpoints + rest.checkpoints == 5 + 1
+    assert first.joins + rest.joins == 1
+    assert first.runs_deleted + rest.runs_deleted == 0, "run rows stay 90 days"
+    assert await rows_of(dsn, "old") == {
+        "checkpoints": 0,
+        "run_heads": 0,
+        "run_events": 0,
+        "joins": 0,
+        "runs": 1,
+    }
+    for kept in ("recent", "open"):
+        assert (await rows_of(dsn, kept))["checkpoints"] == 1, f"{kept} is not old or not closed"
+
+    # Every event of "old" again (same ids: a replay after the inbox rows went), a new
+    # one, and a join: none has an effect; each is a dead letter naming the reason.
+    late_join = event("branch.join", "old", node="join", join_id="j-late", branch_ids=["b0"])
+    replay = old + old_end + [completed("old", node="late", updates={"log": ["late"]}), late_join]
+    async with Worker.start(settings, ("checkpointer", "joiner")):
+        await send_all(settings, replay)
+
+        async def refused() -> bool:
+            sql = "SELECT count(*) FROM dead_letters WHERE reason = 'run_pruned'"
+            return await count(dsn, sql) == len(replay)
+
+        await wait_for(refused, what="the replay refused")
+    assert await rows_of(dsn, "old") == {
+        "checkpoints": 0,
+        "run_heads": 0,
+        "run_events": 0,
+        "joins": 0,
+        "runs": 1,
+    }
+    assert await count(dsn, "SELECT last_seq FROM runs WHERE run_id = 'old'") == last_seq
+    assert await count(dsn, "SELECT count(*) FROM workflow_outcomes") == 3
+
+    # Past the run lifetime the row goes; old dead letters and node outcomes age out.
+    async with connect(dsn) as pool:
+        await pool.execute(
+            """UPDATE runs SET completed_at = now() - interval '100 days'
+               WHERE run_id IN ('old', 'old2');
+               UPDATE dead_letters SET created_at = now() - interval '40 days';
+               UPDATE memories SET created_at = now() - interval '200 days'"""
+        )
+        last = await retention.prune(pool, policy)
+        again = await retention.prune(pool, policy)
+    assert (last.runs_deleted, last.dead_letters, last.outcome_memories) == (2, 1 + len(replay), 1)
+    assert not any(again.rows().values()), again
+    remaining = {r["run_id"] for r in await fetch(dsn, "SELECT run_id FROM runs")}
+    assert remaining == {"recent", "open"}
+    # what learning is made of stays: outcomes, and memories other than node outcomes
+    assert await count(dsn, "SELECT count(*) FROM workflow_outcomes") == 3
+    assert await count(dsn, "SELECT count(*) FROM memories WHERE kind = 'outcome'") == 0
+
+
+async def test_pruning_skips_a_run_the_checkpointer_holds(settings: Settings) -> None:
+    """A pruner never waits for a run another transaction holds (the checkpointer's batch
+    locks its runs): it takes the others and the held one on a later round."""
+    dsn = settings.postgres_dsn or ""
+    async with Worker.start(settings.model_copy(update={"prune_every_seconds": 0})):
+        await send_all(settings, [completed(r, updates={"n": 1}) for r in ("held", "free")])
+        await send_all(settings, [finish("held"), finish("free")])
+
+        async def closed() -> bool:
+            return await count(dsn, "SELECT count(*) FROM runs WHERE completed_at IS NOT NULL") == 2
+
+        await wait_for(closed, what="two closed runs")
+    holder = await asyncpg.connect(dsn)
+    try:
+        await holder.execute("UPDATE runs SET completed_at = now() - interval '45 days'")
+        async with holder.transaction():
+            await holder.execute("SELECT 1 FROM runs WHERE run_id = 'held' FOR UPDATE")
+            async with connect(dsn) as pool:
+                # bounded: a pruner that waited for the lock would never return here
+                pruned = await asyncio.wait_for(retention.prune(pool, settings.retention), 30)
+        assert pruned.pruned == [("acme", "free")]
+        async with connect(dsn) as pool:
+            later = await retention.prune(pool, settings.retention)
+        assert later.pruned == [("acme", "held")]
+    finally:
+        await holder.close()
+
+
+async def test_a_worker_warns_when_the_topic_outlives_run_rows(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only a run row refuses the replay of its pruned events: a lifecycle topic that
+    keeps records longer than run rows live is named at start, with what to change."""
+    bootstrap = settings.kafka_bootstrap or ""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics(
+            [
+                NewTopic(
+                    f"{settings.lifecycle_topic}-{name}", 2, 1, topic_configs={"retention.ms": ms}
+                )
+                for name, ms in (("forever", "-1"), ("week", str(7 * 86_400_000)))
+            ]
+        )
+    finally:
+        await admin.close()
+    warned = {}
+    for name in ("forever", "week"):
+        topic = f"{settings.lifecycle_topic}-{name}"
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            async with Worker.start(settings.model_copy(update={"lifecycle_topic": topic})):
+                pass
+        warned[name] = [r.getMessage() for r in caplog.records if "retention.ms" in r.getMessage()]
+    assert warned["week"] == []  # 7 days < the 90 days run rows live
+    (message,) = warned["forever"]
+    assert "keeps records forever, longer than ALMA_RUN_RETENTION_DAYS=90" in message
+    assert "set the topic's retention.ms below 7776000000" in message
