@@ -1,8 +1,9 @@
 """Every benchmark in one run: ALMA Stream side by side with its peers, the cost
 curves, and the scaling trend over checkpointer processes.
 
-    python -m bench [--quick | --full] [--reps N] [--only peers,curves,scaling,temporal,langgraph]
-                    [--out docs/benchmarks.md]
+    python -m bench [--quick | --full] [--reps N] [--only SUITE,...] [--out docs/benchmarks.md]
+
+Suites: peers, curves, scaling, temporal, langgraph, retention (all by default).
 
 Brings up the embedded stack (PostgreSQL with fsync on) or uses the services
 named by ALMA_KAFKA_BOOTSTRAP, ALMA_POSTGRES_DSN and ALMA_REDIS_URL, shows one
@@ -23,11 +24,21 @@ from pathlib import Path
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench import curves, langgraph, merges, peers, plots, run_state, scaling, temporal
+from bench import (
+    curves,
+    langgraph,
+    merges,
+    peers,
+    plots,
+    retention,
+    run_state,
+    scaling,
+    temporal,
+)
 from bench.env import Env, services_versions, stack
 from bench.report import Section, console, machine, write
 
-SUITES = ("peers", "curves", "scaling", "temporal", "langgraph")
+SUITES = ("peers", "curves", "scaling", "temporal", "langgraph", "retention")
 
 
 def steps(env: Env, only: set[str]) -> int:
@@ -42,6 +53,8 @@ def steps(env: Env, only: set[str]) -> int:
         n += temporal.STEPS_PER_REP * env.reps
     if "langgraph" in only:
         n += langgraph.STEPS_PER_REP * env.reps
+    if "retention" in only:
+        n += retention.STEPS_PER_REP * env.reps
     return n
 
 
@@ -88,6 +101,10 @@ async def main(args: argparse.Namespace) -> int:
                 saver = Section("langgraph")
                 await langgraph.run(env, saver)
                 write([saver], m, args.out, label)
+            if "retention" in only:
+                kept = Section("retention")
+                await retention.run(env, kept)
+                write([kept], m, args.out, label)
     if args.out is not None:
         for png in plots.draw(args.out.with_suffix(".json"), args.out.parent / "img"):
             console.print(f"plotted {png}")

@@ -3,9 +3,10 @@
 Lifetimes (days; 0 keeps forever; :class:`RetentionPolicy`, from the settings):
 
 * a closed run (its ``workflow.completed`` recorded) loses, in steps recorded on
-  its row: its **checkpoints** and branch heads (and a LangGraph thread's
-  checkpoints, blobs and writes), then its **event log** (the audit trail and
-  inbox) and stored **join replies**, last the **run row** itself;
+  its row: its **checkpoints** and branch heads, then its **event log** (the audit
+  trail and inbox) and stored **join replies**, last the **run row** itself. A
+  LangGraph thread is left to LangGraph's own ``adelete_thread`` and ``aprune`` (a
+  thread goes on after ``acomplete``: a chat's next turn), as with its own savers;
 * **dead letters** and the learner's **node-outcome memories** age out by their
   creation time. Outcomes (``workflow_outcomes``) stay: learning counts them.
 
@@ -39,7 +40,6 @@ class PruneResult:
 
     runs: int = 0
     checkpoints: int = 0
-    graph_checkpoints: int = 0
     events: int = 0
     joins: int = 0
     runs_deleted: int = 0
@@ -53,7 +53,6 @@ class PruneResult:
         """Rows deleted per table group (metrics, the CLI's table)."""
         return {
             "checkpoints": self.checkpoints,
-            "graph_checkpoints": self.graph_checkpoints,
             "run_events": self.events,
             "joins": self.joins,
             "runs": self.runs_deleted,
@@ -139,6 +138,8 @@ async def _closed_runs(conn: asyncpg.Connection, unpruned: str, age_s: float, n:
         f"""SELECT tenant_id, run_id FROM runs
             WHERE completed_at IS NOT NULL AND {unpruned} IS NULL
               AND completed_at < now() - make_interval(secs => $1)
+              AND NOT EXISTS (SELECT 1 FROM graph_checkpoints g
+                              WHERE g.tenant_id = runs.tenant_id AND g.thread_id = runs.run_id)
             ORDER BY completed_at LIMIT $2
             FOR UPDATE SKIP LOCKED""",
         age_s,
@@ -177,9 +178,6 @@ async def _checkpoints_batch(
     if not runs:
         return False
     result.checkpoints += await delete_checkpoints(conn, runs)
-    result.graph_checkpoints += await _delete_of_runs(conn, "graph_checkpoints", "thread_id", runs)
-    await _delete_of_runs(conn, "graph_writes", "thread_id", runs)
-    await _delete_of_runs(conn, "graph_blobs", "thread_id", runs)
     await _mark(conn, "checkpoints_pruned_at", runs)
     result.runs += len(runs)
     result.pruned += runs

@@ -242,3 +242,26 @@ async def test_a_worker_warns_when_the_topic_outlives_run_rows(
     (message,) = warned["forever"]
     assert "keeps records forever, longer than ALMA_RUN_RETENTION_DAYS=90" in message
     assert "set the topic's retention.ms below 7776000000" in message
+
+
+async def test_a_langgraph_thread_is_left_to_langgraph(settings: Settings) -> None:
+    """A thread goes on after ``acomplete`` (a chat's next turn): retention leaves it, its
+    own ``adelete_thread``/``aprune`` remove it, as with LangGraph's savers."""
+    dsn = settings.postgres_dsn or ""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            """INSERT INTO runs (tenant_id, run_id, workflow_id, status, completed_at)
+                 VALUES ('acme', 'chat', 'agent', 'succeeded', now() - interval '100 days'),
+                        ('acme', 'batch', 'agent', 'succeeded', now() - interval '100 days');
+               INSERT INTO graph_checkpoints (tenant_id, thread_id, checkpoint_id, checkpoint)
+                 VALUES ('acme', 'chat', 'c1', '{}')"""
+        )
+    finally:
+        await conn.close()
+    async with connect(dsn) as pool:
+        pruned = await retention.prune(pool, settings.retention)
+    assert pruned.pruned == [("acme", "batch")]
+    assert pruned.runs_deleted == 1
+    assert await count(dsn, "SELECT count(*) FROM graph_checkpoints") == 1
+    assert await count(dsn, "SELECT count(*) FROM runs WHERE checkpoints_pruned_at IS NULL") == 1

@@ -1,7 +1,7 @@
 -- 0008 retention of every table that grows with traffic.
--- A closed run is pruned in steps, each recorded on its row: its checkpoints (and a
--- LangGraph thread's checkpoints, blobs and writes), then its event log and stored
--- join replies, last the row itself. Once a step touched a run it takes no more
+-- A closed run is pruned in steps, each recorded on its row: its checkpoints, then
+-- its event log and stored join replies, last the row itself (LangGraph threads are
+-- left to LangGraph's adelete_thread and aprune). Once a step touched a run it takes no more
 -- events: an event replayed after its inbox row is gone is refused (run_pruned), not
 -- applied again. Partial indexes keep each step's search to the runs it has left.
 ALTER TABLE runs
