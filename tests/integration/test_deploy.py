@@ -87,7 +87,14 @@ def test_docker_compose_services_and_settings() -> None:
         "learner",
     } <= set(services)
     assert "KAFKA_PROCESS_ROLES" in services["kafka"]["environment"]  # KRaft, no ZooKeeper
-    assert services["postgres"]["image"].startswith("pgvector/pgvector")
+    assert services["postgres"]["image"] == "pgvector/pgvector:pg18"  # as the embedded stack
+    # acknowledged events survive `docker compose down`: the log is in a named volume
+    kafka = services["kafka"]
+    log_dirs = kafka["environment"]["KAFKA_LOG_DIRS"]
+    assert any(v.split(":")[1] == log_dirs for v in kafka["volumes"])
+    assert {v.split(":")[0] for v in kafka["volumes"]} <= set(compose["volumes"])
+    retention_days = kafka["environment"]["KAFKA_LOG_RETENTION_HOURS"] / 24
+    assert retention_days < Settings.model_fields["run_retention_days"].default
     known = settings_variables()
     for name in ("init", "checkpointer", "joiner", "learner"):
         env = services[name]["environment"]
