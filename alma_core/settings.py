@@ -78,6 +78,10 @@ class Settings(BaseSettings):
         default=None, description="PostgreSQL DSN, postgresql://user:pass@host:port/db"
     )
     redis_url: str | None = Field(default=None, description="Redis URL, redis://host:port/0")
+    redis_cluster: bool = Field(
+        default=False,
+        description="ALMA_REDIS_URL names one node of a Redis Cluster (the others are found)",
+    )
 
     # Topics.
     lifecycle_topic: str = "alma.lifecycle.v1"
@@ -103,7 +107,12 @@ class Settings(BaseSettings):
         min_length=1,
         description="consumer groups are <prefix>-checkpointer, <prefix>-joiner, ...",
     )
-    redis_prefix: str = Field(default="alma", min_length=1, description="Redis key prefix")
+    redis_prefix: str = Field(
+        default="alma",
+        min_length=1,
+        pattern=r"^[^{}]+$",
+        description="Redis key prefix (no braces: it is the keys' cluster hash tag)",
+    )
     max_batch_records: int = Field(default=500, ge=1, le=10_000)
     session_timeout_ms: int = Field(default=10_000, ge=1000)
     heartbeat_interval_ms: int = Field(default=1_000, ge=100)

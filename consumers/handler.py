@@ -88,6 +88,13 @@ class StoreHandler(Generic[OutcomeT]):
     async def idle(self) -> None:
         await self.relay.sweep()
 
+    async def assigned(self, partitions: list[PartitionKey]) -> None:
+        """The cache entries of partitions newly assigned here become unreachable: a
+        member that died may have left some its successor's writes would not replace.
+        The cache is partitioned as the topics are (``ALMA_PARTITIONS``)."""
+        if self.cache is not None:
+            await self.cache.invalidate(p for _, p in partitions)
+
     async def handle(
         self,
         cluster_id: str,

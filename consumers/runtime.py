@@ -68,6 +68,10 @@ class BatchHandler(Protocol):
         """Periodic work (outbox sweeps, pruning): called when a poll returns nothing,
         and after a batch at least every ``periodic_every_s`` under steady load."""
 
+    async def assigned(self, partitions: list[PartitionKey]) -> None:
+        """Partitions this member did not hold before (their cache entries may have been
+        left by a member that died): called before any of their records is handled."""
+
 
 @dataclass(frozen=True)
 class RuntimeConfig:
@@ -137,7 +141,10 @@ class ConsumerRuntime:
         return self.cluster_id
 
     async def on_assigned(self, assigned: set[TopicPartition]) -> None:
+        moved_here = set(assigned) - self.assigned
         self.assigned = set(assigned)
+        if moved_here:
+            await self.handler.assigned([(tp.topic, tp.partition) for tp in moved_here])
         self._applied_to.clear()
         self._log_behind.clear()
         self._position.clear()

@@ -178,9 +178,7 @@ async def run_worker(
                 embedder = owned = await asyncio.to_thread(load_embedder, settings)
             await check_dimension(pool, embedder.dimension, embedder.embedder.name)
         async with (
-            RedisCheckpointCache.connect(
-                services.redis_url, prefix=settings.redis_prefix, ttl_s=settings.cache_ttl_seconds
-            ) as cache,
+            RedisCheckpointCache.for_settings(settings, services.redis_url) as cache,
             _producer(settings, services.kafka_bootstrap, stop) as producer,
         ):
             if producer is None:
@@ -199,8 +197,7 @@ async def run_worker(
             )
             await relay.sweep(force=True)
             runtimes = []
-            cache_writer = CacheWriter(cache)
-            await cache_writer.open()
+            cache_writer = CacheWriter(cache)  # invalidates the partitions it is assigned
 
             def group(name: str) -> str:
                 return f"{settings.group_prefix}-{name}"

@@ -154,9 +154,7 @@ def prune(
                 )
         if result.pruned:
             try:
-                async with RedisCheckpointCache.connect(
-                    common.redis_url(s), prefix=s.redis_prefix
-                ) as cache:
+                async with RedisCheckpointCache.for_settings(s, common.redis_url(s)) as cache:
                     await cache.delete(result.pruned)
             except errors.CacheError as exc:  # readers verify against PostgreSQL anyway
                 common.err.print(f"[yellow]warning:[/yellow] cache not cleared: {exc.message}")

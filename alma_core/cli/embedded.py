@@ -231,6 +231,87 @@ class Redis(_Service):
             await client.aclose()
 
 
+class RedisClusterNode(Redis):
+    """One node of a Redis Cluster (``--cluster-enabled yes``), in its own directory."""
+
+    def _command(self, port: int) -> list[str]:
+        return [
+            *super()._command(port),
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            str(self.run_dir / "nodes.conf"),
+            "--cluster-node-timeout",
+            "2000",
+        ]
+
+    async def _ready(self) -> bool:
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(self.url, socket_timeout=1)
+        try:
+            return bool(await client.ping())
+        finally:
+            await client.aclose()
+
+
+class RedisClusterStack:
+    """A Redis Cluster of ``size`` primaries (no replicas) from the same redis-server
+    binary, its slots spread by ``redis-cli --cluster create``: the cache's topology
+    tests run on it."""
+
+    def __init__(self, run_dir: Path, size: int = 3) -> None:
+        self.nodes = [RedisClusterNode(run_dir / f"node{i}") for i in range(size)]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    async def start(self) -> None:
+        try:
+            for node in self.nodes:
+                await node.start()
+            await self._create()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _create(self) -> None:
+        import redis.asyncio as aioredis
+
+        cli = str(Path(self.nodes[0]._command(0)[0]).with_name("redis-cli"))
+        addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        result = await asyncio.to_thread(
+            subprocess.run,
+            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if result.returncode != 0:
+            raise errors.StackError(
+                f"redis-cli --cluster create failed:\n{result.stdout[-2000:]}{result.stderr}\n"
+                "What to do: check that redis-cli sits beside redis-server and run again"
+            )
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            states = []
+            for node in self.nodes:
+                client = aioredis.Redis.from_url(node.url, socket_timeout=1)
+                try:
+                    states.append((await client.cluster("info")).get("cluster_state"))
+                finally:
+                    await client.aclose()
+            if all(state == "ok" for state in states):
+                return
+            await asyncio.sleep(0.1)
+        raise errors.StackError(f"the Redis Cluster never reached cluster_state:ok: {states}")
+
+    async def stop(self) -> None:
+        for node in self.nodes:
+            await node.stop()
+
+
 PG_USER = "embedded_postgres"
 
 

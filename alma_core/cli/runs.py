@@ -236,9 +236,7 @@ def resume(
     async def main() -> None:
         async with (
             connect(common.dsn(s), max_size=2) as pool,
-            RedisCheckpointCache.connect(
-                common.redis_url(s), prefix=s.redis_prefix, ttl_s=s.cache_ttl_seconds
-            ) as cache,
+            RedisCheckpointCache.for_settings(s, common.redis_url(s)) as cache,
         ):
             tally = Tally()
             reader = CheckpointReader(

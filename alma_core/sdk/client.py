@@ -92,6 +92,7 @@ class AlmaClient:
             self.bootstrap, settings.merged_topic, fetch_max_wait_ms=settings.fetch_max_wait_ms
         )
         self._reads: contextlib.AsyncExitStack | None = None
+        self._opening = asyncio.Lock()  # concurrent first reads open one pool, not several
         self._pool: asyncpg.Pool | None = None
         self._cache: RedisCheckpointCache | None = None
         self._embedder = embedder
@@ -135,25 +136,21 @@ class AlmaClient:
         return await self._open_reads()
 
     async def _open_reads(self) -> asyncpg.Pool:
-        if self._reads is None:
-            if not (self.settings.postgres_dsn and self.settings.redis_url):
-                raise errors.ConfigError(
-                    "reads (resume, applied, retrieve) need ALMA_POSTGRES_DSN and ALMA_REDIS_URL "
-                    "(the services of `alma up` "
-                    "are in .alma/endpoints.json)"
+        async with self._opening:
+            if self._reads is None:
+                if not (self.settings.postgres_dsn and self.settings.redis_url):
+                    raise errors.ConfigError(
+                        "reads (resume, applied, retrieve) need ALMA_POSTGRES_DSN and "
+                        "ALMA_REDIS_URL (the services of `alma up` are in .alma/endpoints.json)"
+                    )
+                stack = contextlib.AsyncExitStack()
+                self._pool = await stack.enter_async_context(
+                    connect(self.settings.postgres_dsn, max_size=4)
                 )
-            stack = contextlib.AsyncExitStack()
-            self._pool = await stack.enter_async_context(
-                connect(self.settings.postgres_dsn, max_size=4)
-            )
-            self._cache = await stack.enter_async_context(
-                RedisCheckpointCache.connect(
-                    self.settings.redis_url,
-                    prefix=self.settings.redis_prefix,
-                    ttl_s=self.settings.cache_ttl_seconds,
+                self._cache = await stack.enter_async_context(
+                    RedisCheckpointCache.for_settings(self.settings)
                 )
-            )
-            self._reads = stack
+                self._reads = stack
         assert self._pool is not None
         return self._pool
 

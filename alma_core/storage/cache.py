@@ -1,21 +1,29 @@
-"""RedisCheckpointCache: the latest checkpoint and branch heads of each run.
+"""RedisCheckpointCache: the latest checkpoint and branch heads of each run, on one
+Redis or a Redis Cluster.
 
-One hash per run, ``{prefix}:{epoch}:heads:{run key}`` (the run key is the tenant
-and the run id, ``<len(tenant)>:<tenant>:<run_id>``: a run is its tenant's), with a
-field per
-branch head (``@`` for the main line, ``b:<branch_id>`` for branches), a
-``latest`` field (the run's highest seq) and a ``complete`` marker set when
-all heads were filled from PostgreSQL. Values are ``<seq>:<json>``.
+**Layout.** Runs are spread over cache partitions: Kafka's own partition of the run
+(``murmur2(run_id) % ALMA_PARTITIONS``, what the producer chose when the topic has
+ALMA_PARTITIONS partitions). Each partition has an epoch key ``{<prefix>:<p>}:epoch``,
+and each run one hash ``{<prefix>:<p>}:h:<run key>`` (the run key is the tenant and
+the run id, ``<len(tenant)>:<tenant>:<run_id>``: a run is its tenant's). The braces
+are a Redis Cluster hash tag: a partition's keys share a slot, so every script
+declares all the keys it touches and runs on one node. Fields: one per branch head
+(``@`` for the main line, ``b:<branch_id>`` for branches), ``latest`` (the run's
+highest seq), ``complete`` (set when all heads were filled from PostgreSQL) and
+``_e`` (the partition epoch the hash was written under). Values are
+``<seq>:<json>``.
 
 * **Never backwards.** Every write goes through a Lua script that replaces a
   field only when the new seq is higher (guarantee 4).
-* **Never stale after an outage.** A writer that failed to write bumps the
-  epoch as soon as Redis answers again (a repair task retries it with backoff,
-  whether or not another write comes), and every writer bumps it at start (a crash
-  during an outage leaves no one who remembers): all older keys become
-  unreachable at once and expire by TTL.
-* **Never stalls.** Short timeouts, no client retries; callers count the
-  failure and fall back to PostgreSQL.
+* **Invalidation by partition.** A hash written under an older epoch of its
+  partition is empty to readers and emptied by the next write. A writer bumps the
+  epochs of the partitions newly assigned to it (a member that died may have left
+  entries its successor's writes would not replace): a rebalance or a rolling
+  deploy invalidates what moved, not the whole cache. A writer that failed to
+  write bumps the partitions of what it failed to write as soon as Redis answers.
+* **Never stalls.** Short timeouts, no client retries; callers count the failure
+  and fall back to PostgreSQL (readers check every entry against PostgreSQL's
+  heads anyway: :mod:`alma_core.storage.reader`).
 """
 
 from __future__ import annotations
@@ -30,24 +38,41 @@ from datetime import datetime
 from typing import Any
 
 import redis.asyncio as aioredis
+from aiokafka.partitioner import murmur2
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from alma_core import errors
+from alma_core.settings import Settings
 from alma_core.types import Checkpoint
 
 MAIN_FIELD = "@"
 LATEST_FIELD = "latest"
 COMPLETE_FIELD = "complete"
 
-_PUT = """
+EPOCH_FIELD = "_e"
+
+# Every script: KEYS[1] the partition's epoch, KEYS[2..] run hashes of that partition.
+_FRESH = """
 local epoch = redis.call('GET', KEYS[1]) or '0'
-local ttl = tonumber(ARGV[2])
+local function fresh(key) return redis.call('HGET', key, '_e') == epoch end
+"""
+
+_PUT = (
+    _FRESH
+    + """
+local ttl = tonumber(ARGV[1])
+for k = 2, #KEYS do
+  if not fresh(KEYS[k]) then
+    redis.call('DEL', KEYS[k])
+    redis.call('HSET', KEYS[k], '_e', epoch)
+  end
+end
 local written = 0
-local touched = {}
-for i = 4, #ARGV, 4 do
-  local key = ARGV[1] .. ':' .. epoch .. ':heads:' .. ARGV[i]
+for i = 3, #ARGV, 4 do
+  local key = KEYS[tonumber(ARGV[i])]
   local seq = tonumber(ARGV[i + 2])
   local cur = redis.call('HGET', key, ARGV[i + 1])
   local cur_seq = -1
@@ -56,34 +81,23 @@ for i = 4, #ARGV, 4 do
     redis.call('HSET', key, ARGV[i + 1], ARGV[i + 3])
     written = written + 1
   end
-  if ARGV[3] == '1' then redis.call('HSET', key, 'complete', '1') end
-  touched[key] = true
 end
-for key, _ in pairs(touched) do redis.call('EXPIRE', key, ttl) end
+for k = 2, #KEYS do
+  if ARGV[2] == '1' then redis.call('HSET', KEYS[k], 'complete', '1') end
+  redis.call('EXPIRE', KEYS[k], ttl)
+end
 return written
 """
+)
 
-_GET = """
-local epoch = redis.call('GET', KEYS[1]) or '0'
-local key = ARGV[1] .. ':' .. epoch .. ':heads:' .. ARGV[2]
-if ARGV[3] == '' then return redis.call('HGETALL', key) end
-return redis.call('HMGET', key, ARGV[3], 'complete')
+_GET = (
+    _FRESH
+    + """
+if not fresh(KEYS[2]) then return {} end
+if #ARGV == 0 then return redis.call('HGETALL', KEYS[2]) end
+return redis.call('HMGET', KEYS[2], unpack(ARGV))
 """
-
-_MGET = """
-local epoch = redis.call('GET', KEYS[1]) or '0'
-local key = ARGV[1] .. ':' .. epoch .. ':heads:' .. ARGV[2]
-return redis.call('HMGET', key, unpack(ARGV, 3))
-"""
-
-_DELETE = """
-local epoch = redis.call('GET', KEYS[1]) or '0'
-local n = 0
-for i = 2, #ARGV do
-  n = n + redis.call('DEL', ARGV[1] .. ':' .. epoch .. ':heads:' .. ARGV[i])
-end
-return n
-"""
+)
 
 
 def field_for(branch_id: str | None) -> str:
@@ -196,64 +210,124 @@ def _decode(value: bytes | str | None) -> dict[str, Any] | None:
     return doc
 
 
+def partition_of(run_id: str, partitions: int) -> int:
+    """The run's partition as Kafka's default partitioner picks it for the key
+    ``run_id`` (murmur2, the Java client's and aiokafka's)."""
+    return int(murmur2(run_id.encode()) & 0x7FFFFFFF) % partitions
+
+
 class RedisCheckpointCache:
-    def __init__(self, client: aioredis.Redis, *, prefix: str, ttl_s: int) -> None:
+    def __init__(
+        self, client: aioredis.Redis | RedisCluster, *, prefix: str, ttl_s: int, partitions: int
+    ) -> None:
         self.client = client
         self.prefix = prefix
         self.ttl_s = ttl_s
+        self.partitions = partitions
         self._put = client.register_script(_PUT)
         self._get = client.register_script(_GET)
-        self._delete = client.register_script(_DELETE)
-        self._mget = client.register_script(_MGET)
 
     @classmethod
     @contextlib.asynccontextmanager
     async def connect(
-        cls, url: str, *, prefix: str = "alma", ttl_s: int = 7 * 24 * 3600, timeout_s: float = 0.5
+        cls,
+        url: str,
+        *,
+        prefix: str = "alma",
+        ttl_s: int = 7 * 24 * 3600,
+        timeout_s: float = 0.5,
+        cluster: bool = False,
+        partitions: int = 12,
     ) -> AsyncIterator[RedisCheckpointCache]:
-        client = aioredis.Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False,
-        )
+        """``cluster``: ``url`` names one node of a Redis Cluster (the others are found
+        from it). ``partitions``: ALMA_PARTITIONS, the lifecycle topic's partitions."""
+        client: aioredis.Redis | RedisCluster
+        if cluster:
+            client = RedisCluster.from_url(
+                url,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0),
+            )
+        else:
+            client = aioredis.Redis.from_url(
+                url,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0),
+                retry_on_timeout=False,
+            )
         try:
-            yield cls(client, prefix=prefix, ttl_s=ttl_s)
+            yield cls(client, prefix=prefix, ttl_s=ttl_s, partitions=partitions)
         finally:
             await client.aclose()
 
-    @property
-    def _epoch_key(self) -> str:
-        return f"{self.prefix}:epoch"
+    @classmethod
+    def for_settings(
+        cls, settings: Settings, url: str | None = None
+    ) -> contextlib.AbstractAsyncContextManager[RedisCheckpointCache]:
+        """The cache as the settings describe it (``url``: a running ``alma up``'s)."""
+        return cls.connect(
+            url or settings.redis_url or "",
+            prefix=settings.redis_prefix,
+            ttl_s=settings.cache_ttl_seconds,
+            cluster=settings.redis_cluster,
+            partitions=settings.partitions,
+        )
 
-    async def bump_epoch(self) -> int:
-        """Make every cached entry unreachable (after an outage, at a writer's start)."""
+    def partition(self, run_id: str) -> int:
+        return partition_of(run_id, self.partitions)
+
+    def _epoch_key(self, partition: int) -> str:
+        return f"{{{self.prefix}:{partition}}}:epoch"
+
+    def _key(self, tenant_id: str, run_id: str) -> tuple[int, str]:
+        p = self.partition(run_id)
+        return p, f"{{{self.prefix}:{p}}}:h:{run_key(tenant_id, run_id)}"
+
+    async def bump_epoch(self, partitions: Iterable[int] | None = None) -> None:
+        """Make the cached entries of these partitions (None: all) unreachable."""
+        chosen = range(self.partitions) if partitions is None else sorted(set(partitions))
         try:
-            return int(await self.client.incr(self._epoch_key))
+            await asyncio.gather(*(self.client.incr(self._epoch_key(p)) for p in chosen))
         except RedisError as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
 
     async def put(self, entries: Iterable[CacheEntry], *, complete: bool = False) -> int:
-        """Write entries, each only where its seq is higher; returns how many were written."""
-        argv: list[str | int] = [self.prefix, self.ttl_s, "1" if complete else "0"]
+        """Write entries, each only where its seq is higher; returns how many were written.
+        One script per partition (its keys share a slot)."""
+        groups: dict[int, tuple[list[str], list[str | int]]] = {}
         for e in entries:
-            argv += [e.key, e.field, e.seq, e.encode()]
-        if len(argv) == 3:
-            return 0
+            p, key = self._key(e.tenant_id, e.run_id)
+            keys, argv = groups.setdefault(
+                p, ([self._epoch_key(p)], [self.ttl_s, "1" if complete else "0"])
+            )
+            if key not in keys:
+                keys.append(key)
+            argv += [keys.index(key) + 1, e.field, e.seq, e.encode()]
         try:
-            return int(await self._put(keys=[self._epoch_key], args=argv))
+            written = await asyncio.gather(
+                *(self._put(keys=keys, args=argv) for keys, argv in groups.values())
+            )
         except RedisError as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
+        return sum(int(n) for n in written)
 
     async def delete(self, runs: Iterable[tuple[str, str]]) -> int:
         """Forget runs, (tenant, run id) each (their checkpoints were deleted); returns
         how many were cached."""
-        argv = [self.prefix, *(run_key(t, r) for t, r in runs)]
-        if len(argv) == 1:
-            return 0
+        keys = [self._key(t, r)[1] for t, r in runs]
         try:
-            return int(await self._delete(keys=[self._epoch_key], args=argv))
+            deleted = await asyncio.gather(*(self.client.delete(k) for k in keys))
+        except RedisError as exc:
+            raise errors.CacheError(f"Redis: {exc!r}") from exc
+        return sum(int(n) for n in deleted)
+
+    async def _read(self, tenant_id: str, run_id: str, fields: list[str]) -> list[Any]:
+        """HMGET of ``fields`` (empty: HGETALL) of a fresh hash; [] when it is stale."""
+        p, key = self._key(tenant_id, run_id)
+        try:
+            return list(await self._get(keys=[self._epoch_key(p), key], args=fields))
         except RedisError as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
 
@@ -262,16 +336,20 @@ class RedisCheckpointCache:
     ) -> tuple[dict[str, Any] | None, bool]:
         """(the entry or None, whether the run's heads are complete in the cache). A
         branch a join consumed is None when the heads are complete (it has no head)."""
-        try:
-            value, complete = await self._get(
-                keys=[self._epoch_key], args=[self.prefix, run_key(tenant_id, run_id), field]
-            )
-        except RedisError as exc:
-            raise errors.CacheError(f"Redis: {exc!r}") from exc
+        found = await self._read(tenant_id, run_id, [field, COMPLETE_FIELD])
+        value, complete = found or (None, None)
         doc = _decode(value)
         if doc is not None and doc.get("consumed"):
             doc = None
         return doc, complete is not None
+
+    async def _all(self, tenant_id: str, run_id: str) -> dict[str, Any]:
+        flat = await self._read(tenant_id, run_id, [])
+        return {
+            (k.decode() if isinstance(k, bytes) else k): v
+            for k, v in zip(flat[::2], flat[1::2], strict=True)
+            if (k.decode() if isinstance(k, bytes) else k) != EPOCH_FIELD
+        }
 
     async def entries(
         self, tenant_id: str, run_id: str, fields: list[str] | None = None
@@ -279,33 +357,19 @@ class RedisCheckpointCache:
         """The run's entries for ``fields`` (None: all of them) that the cache holds (a
         consumed branch's tombstone included: its seq is not a head's, so a reader
         never takes it)."""
-        key = run_key(tenant_id, run_id)
-        try:
-            if fields is None:
-                flat = await self._get(keys=[self._epoch_key], args=[self.prefix, key, ""])
-                names = [k.decode() if isinstance(k, bytes) else k for k in flat[::2]]
-                pairs = [
-                    (f, v) for f, v in zip(names, flat[1::2], strict=True) if f != COMPLETE_FIELD
-                ]
-            else:
-                values = await self._mget(keys=[self._epoch_key], args=[self.prefix, key, *fields])
-                pairs = list(zip(fields, values, strict=True))
-        except RedisError as exc:
-            raise errors.CacheError(f"Redis: {exc!r}") from exc
+        if fields is None:
+            pairs = [(f, v) for f, v in (await self._all(tenant_id, run_id)).items()]
+            pairs = [(f, v) for f, v in pairs if f != COMPLETE_FIELD]
+        elif fields:
+            values = await self._read(tenant_id, run_id, fields)
+            pairs = list(zip(fields, values, strict=False))
+        else:
+            pairs = []
         return {f: doc for f, v in pairs if (doc := _decode(v)) is not None}
 
     async def heads(self, tenant_id: str, run_id: str) -> dict[str, dict[str, Any]] | None:
         """Every cached head of the run, or None unless the cache holds all of them."""
-        try:
-            flat = await self._get(
-                keys=[self._epoch_key], args=[self.prefix, run_key(tenant_id, run_id), ""]
-            )
-        except RedisError as exc:
-            raise errors.CacheError(f"Redis: {exc!r}") from exc
-        fields = {
-            (k.decode() if isinstance(k, bytes) else k): v
-            for k, v in zip(flat[::2], flat[1::2], strict=True)
-        }
+        fields = await self._all(tenant_id, run_id)
         if COMPLETE_FIELD not in fields:
             return None
         return {
@@ -318,8 +382,9 @@ class RedisCheckpointCache:
 
 
 class CacheWriter:
-    """The writers' side: count failures, skip Redis while it is down, and bump the
-    epoch when it answers again so nothing written before the outage is served."""
+    """The writers' side: count failures, skip Redis while it is down, and invalidate
+    the partitions whose entries may be stale (those newly assigned to this member,
+    those of writes that failed) as soon as Redis answers."""
 
     def __init__(
         self,
@@ -331,24 +396,20 @@ class CacheWriter:
         self.cache = cache
         self.retry_after_s = retry_after_s
         self.repair_max_s = repair_max_s
-        self._dirty = True  # a fresh writer cannot know what happened before it
+        self._stale: set[int] = set()  # partitions to invalidate before the next write
         self._skip_until = 0.0
         self._repair: asyncio.Task[None] | None = None
         self.failures = 0
 
-    async def open(self) -> None:
-        """Bump the epoch before this writer's first checkpoint: a predecessor that died
-        during an outage may have left entries behind. If Redis is down now, the
-        bump happens with the first write that succeeds."""
-        try:
-            await self.cache.bump_epoch()
-            self._dirty = False
-        except errors.CacheError:
-            self.failures += 1
-            self._schedule_repair()
+    async def invalidate(self, partitions: Iterable[int]) -> None:
+        """Partitions newly assigned to this member: a member that died may have left
+        entries of them that its writes would not replace. Now, or once Redis answers."""
+        self._stale.update(partitions)
+        if self._stale:
+            await self._attempt(_nothing, ())
 
     async def close(self) -> None:
-        """Stop the repair task (a bump still pending happens at the next start)."""
+        """Stop the repair task (the next owner of the partitions invalidates them)."""
         if self._repair is not None:
             self._repair.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -357,53 +418,62 @@ class CacheWriter:
 
     def _schedule_repair(self) -> None:
         """After a failed write Redis may still serve the entry that write should have
-        replaced: bump the epoch as soon as Redis answers, not at this writer's next
-        write (there may be none: the run's last event)."""
+        replaced: invalidate as soon as Redis answers, not at this writer's next write
+        (there may be none: the run's last event)."""
         if self._repair is None or self._repair.done():
             self._repair = asyncio.create_task(self._repair_loop())
 
     async def _repair_loop(self) -> None:
         delay = self.retry_after_s
-        while self._dirty:
+        while self._stale:
             await asyncio.sleep(delay)
             try:
-                await self.cache.bump_epoch()
-                self._dirty = False
+                await self._bump_stale()
             except errors.CacheError:
                 delay = min(delay * 2, self.repair_max_s)
 
+    async def _bump_stale(self) -> None:
+        stale = set(self._stale)
+        await self.cache.bump_epoch(stale)
+        self._stale -= stale
+
     @property
     def degraded(self) -> bool:
-        return self._dirty and self.failures > 0
+        return bool(self._stale) and self.failures > 0
 
     async def forget(self, runs: list[tuple[str, str]]) -> bool:
-        """Drop runs whose checkpoints were deleted; when Redis is down, the epoch bump
-        on its return makes the old entries unreachable all the same."""
-        return await self._attempt(lambda: self.cache.delete(runs))
+        """Drop runs whose checkpoints were deleted; when Redis is down, their
+        partitions are invalidated on its return all the same."""
+        parts = {self.cache.partition(r) for _, r in runs}
+        return await self._attempt(lambda: self.cache.delete(runs), parts)
 
     async def write(self, entries: list[CacheEntry]) -> bool:
         """True when written; False when Redis is down (counted, never raised)."""
+        parts = {self.cache.partition(e.run_id) for e in entries}
         if time.monotonic() < self._skip_until:
             # skipped: an entry this write should replace may be there (a reader may
             # have filled it meanwhile), so it must become unreachable like a failure's
             self.failures += 1
-            self._dirty = True
+            self._stale |= parts
             self._schedule_repair()
             return False
-        return await self._attempt(lambda: self.cache.put(entries))
+        return await self._attempt(lambda: self.cache.put(entries), parts)
 
-    async def _attempt(self, operation: Callable[[], Awaitable[int]]) -> bool:
-        """Run one cache operation after any pending epoch bump; on failure, remember
-        to bump on return and skip Redis for ``retry_after_s``."""
+    async def _attempt(self, operation: Callable[[], Awaitable[int]], parts: Iterable[int]) -> bool:
+        """Run one cache operation after any pending invalidation; on failure, remember
+        its partitions to invalidate on return and skip Redis for ``retry_after_s``."""
         try:
-            if self._dirty:
-                await self.cache.bump_epoch()
-                self._dirty = False
+            if self._stale:
+                await self._bump_stale()
             await operation()
             return True
         except errors.CacheError:
-            self._dirty = True
+            self._stale |= set(parts)
             self.failures += 1
             self._schedule_repair()
             self._skip_until = time.monotonic() + self.retry_after_s
             return False
+
+
+async def _nothing() -> int:
+    return 0

@@ -14,7 +14,7 @@ import asyncpg
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
-from alma_core.cli.embedded import EmbeddedStack, Postgres, Redis
+from alma_core.cli.embedded import EmbeddedStack, Postgres, Redis, RedisClusterStack
 from alma_core.cli.topics import ensure_topics
 from alma_core.settings import Settings, load
 from alma_core.storage.embeddings import AsyncEmbedder
@@ -128,6 +128,7 @@ def settings_for(kafka: str, postgres: str, redis: str, topics: Topics, **extra:
         heartbeat_interval_ms=200,
         fetch_max_wait_ms=50,
         metrics_port=0,
+        partitions=TEST_PARTITIONS,  # the cache is partitioned as the topics are
         **extra,
     )
 
@@ -215,3 +216,35 @@ async def temporal(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Wo
         yield env
     finally:
         await env.shutdown()
+
+
+@pytest.fixture(scope="session")
+async def redis_cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[RedisClusterStack]:
+    """A real 3-node Redis Cluster (the same redis-server binary, ``--cluster-enabled
+    yes``, slots spread by ``redis-cli --cluster create``), for the cache's topology tests."""
+    stack = RedisClusterStack(tmp_path_factory.mktemp("redis-cluster"))
+    await stack.start()
+    try:
+        yield stack
+    finally:
+        await stack.stop()
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where the cache lives in a test: one Redis, or a cluster (``url`` names one node)."""
+
+    name: str
+    url: str
+    cluster: bool
+    nodes: list[str]
+
+
+@pytest.fixture(params=["single", "cluster"])
+def topology(request: pytest.FixtureRequest, services: Services) -> Topology:
+    if request.param == "single":
+        return Topology("single", services.redis_url, False, [services.redis_url])
+    cluster: RedisClusterStack = request.getfixturevalue("redis_cluster")
+    return Topology("cluster", cluster.url, True, [n.url for n in cluster.nodes])

@@ -308,7 +308,7 @@ async def assert_cache_matches(
     hits = 0
     async with (
         connect(settings.postgres_dsn) as pool,
-        RedisCheckpointCache.connect(settings.redis_url, prefix=settings.redis_prefix) as cache,
+        RedisCheckpointCache.for_settings(settings) as cache,
     ):
         truth = CheckpointReader(pool, None, tenant_id=tenant)
         for run in runs:
@@ -340,7 +340,7 @@ async def assert_reads_fresh(settings: Settings, runs: list[str]) -> int:
     tally = Tally()
     async with (
         connect(settings.postgres_dsn) as pool,
-        RedisCheckpointCache.connect(settings.redis_url, prefix=settings.redis_prefix) as cache,
+        RedisCheckpointCache.for_settings(settings) as cache,
     ):
         reader = CheckpointReader(pool, cache, tenant_id=None, require_tenant=False, observer=tally)
         for run in runs:

@@ -258,7 +258,7 @@ async def test_cache_matches_postgres_and_reads_are_tenant_scoped(
     await asyncio.sleep(0.3)  # the cache is written right after the commit
     async with (
         connect(dsn) as pool,
-        RedisCheckpointCache.connect(settings.redis_url, prefix=settings.redis_prefix) as cache,
+        RedisCheckpointCache.for_settings(settings) as cache,
     ):
         tally = Tally()
         reader = CheckpointReader(pool, cache, tenant_id="acme", observer=tally)

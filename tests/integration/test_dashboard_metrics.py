@@ -103,10 +103,8 @@ async def test_every_metric_the_dashboard_and_the_alerts_name_is_produced(
 
             await wait_for(learned, limit_s=60, what="the outcome")
             await client.resume(ctx)  # the cache serves it
-            async with RedisCheckpointCache.connect(
-                settings.redis_url or "", prefix=settings.redis_prefix
-            ) as cache:
-                await cache.bump_epoch()  # what a worker's start does: the cache starts empty
+            async with RedisCheckpointCache.for_settings(settings) as cache:
+                await cache.bump_epoch()  # every partition moved: the cache starts empty
             await client.resume(ctx)  # a miss, from PostgreSQL
             await client.retrieve("measure the metrics", ctx, RetrievalScope.WORKFLOW)
         missing = {

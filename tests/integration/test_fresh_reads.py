@@ -60,9 +60,7 @@ async def test_a_commit_whose_cache_write_never_came_is_read_from_postgres(
         )
         docs = [completed("killed", state={"n": 3}), completed("killed", state={"n": 4})]
         await store.apply("c", {("elsewhere", 0): as_records(docs, 0)})
-        async with RedisCheckpointCache.connect(
-            settings.redis_url or "", prefix=settings.redis_prefix
-        ) as cache:
+        async with RedisCheckpointCache.for_settings(settings) as cache:
             cached, _ = await cache.get("acme", "killed", "latest")
             assert cached is not None
             assert cached["seq"] == 3  # the cache is behind
@@ -129,9 +127,7 @@ async def test_checkpoints_retention_deleted_are_not_served(settings: Settings) 
         await pool.execute("UPDATE runs SET completed_at = now() - interval '30 days'")
         pruned = await retention.prune_checkpoints(pool, 7, batch_runs=10, max_batches=1)
         assert pruned.checkpoints == 1
-        async with RedisCheckpointCache.connect(
-            settings.redis_url or "", prefix=settings.redis_prefix
-        ) as cache:
+        async with RedisCheckpointCache.for_settings(settings) as cache:
             cached, _ = await cache.get("acme", "old", "latest")
             assert cached is not None  # still in Redis
             reader = CheckpointReader(pool, cache, tenant_id="acme")

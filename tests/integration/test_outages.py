@@ -8,8 +8,10 @@ from typing import Any
 import asyncpg
 import pytest
 
+from alma_core.cli.embedded import Redis, RedisClusterStack
 from alma_core.settings import Settings
 from alma_core.storage import postgres
+from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.embeddings import AsyncEmbedder
 from tests.integration.conftest import PrivateStack
 from tests.integration.harness import (
@@ -80,12 +82,46 @@ async def test_redis_outage_never_stalls_and_the_cache_never_goes_back(
     """Redis goes away mid-stream and comes back from an older snapshot (what a restart
     from its last RDB file does): the pipeline never stalls, readers never see the
     snapshot's older checkpoints, and the cache is current again."""
+    await redis_outage(private_stack.settings, private_stack.redis)
+
+
+async def test_a_cluster_node_outage_never_stalls_and_the_cache_never_goes_back(
+    settings: Settings, redis_cluster: RedisClusterStack
+) -> None:
+    """The same on a 3-node Redis Cluster: the node serving the runs' partitions goes
+    away and comes back from an older snapshot."""
+    on_cluster = settings.model_copy(update={"redis_url": redis_cluster.url, "redis_cluster": True})
+    async with RedisCheckpointCache.for_settings(on_cluster) as cache:
+        slots = {cache.partition(run) for run in RUNS}
+        owners = {p: await _owner_of(redis_cluster, f"{{{cache.prefix}:{p}}}:epoch") for p in slots}
+    # not the node the URL names (new clients find the cluster through it)
+    candidates = [n for n in redis_cluster.nodes[1:] if n.port in owners.values()]
+    assert candidates, f"the runs' partitions {owners} all live on the seed node"
+    node = max(candidates, key=lambda n: list(owners.values()).count(n.port))
+    await redis_outage(on_cluster, node)
+
+
+async def _owner_of(cluster: RedisClusterStack, key: str) -> int:
     import redis.asyncio as aioredis
 
-    settings = private_stack.settings
+    client = aioredis.Redis.from_url(cluster.url)
+    try:
+        slot = int(await client.cluster("keyslot", key))
+        for start, end, primary, *_ in await client.execute_command("CLUSTER", "SLOTS"):
+            if int(start) <= slot <= int(end):
+                return int(primary[1])
+    finally:
+        await client.aclose()
+    raise AssertionError(f"no node serves {key}")
+
+
+async def redis_outage(settings: Settings, redis: Redis) -> None:
+    """Stop ``redis`` (one Redis, or one node of a cluster) mid-stream after a snapshot
+    and start it again from it."""
+    import redis.asyncio as aioredis
+
     dsn = settings.postgres_dsn
     assert dsn
-    redis = private_stack.redis
     published: dict[str, list[dict[str, Any]]] = {}
     async with (
         Worker.start(settings) as worker,
@@ -98,7 +134,7 @@ async def test_redis_outage_never_stalls_and_the_cache_never_goes_back(
 
         await wait_for(lambda: n_in(25), what="25 checkpoints")
         await asyncio.sleep(0.3)  # cached right after the commit
-        admin = aioredis.Redis.from_url(settings.redis_url or "")
+        admin = aioredis.Redis.from_url(redis.url)
         try:
             await admin.save()  # the snapshot Redis will come back from
         finally:
