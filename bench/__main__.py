@@ -3,7 +3,7 @@ curves, and the scaling trend over checkpointer processes.
 
     python -m bench [--quick | --full] [--reps N] [--only SUITE,...] [--out docs/benchmarks.md]
 
-Suites: peers, curves, scaling, temporal, langgraph, retention (all by default).
+Suites: peers, curves, scaling, temporal, langgraph, retention, cache (all by default).
 
 Brings up the embedded stack (PostgreSQL with fsync on) or uses the services
 named by ALMA_KAFKA_BOOTSTRAP, ALMA_POSTGRES_DSN and ALMA_REDIS_URL, shows one
@@ -25,6 +25,7 @@ from pathlib import Path
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench import (
+    cache,
     curves,
     langgraph,
     merges,
@@ -38,7 +39,7 @@ from bench import (
 from bench.env import Env, services_versions, stack
 from bench.report import Section, console, machine, write
 
-SUITES = ("peers", "curves", "scaling", "temporal", "langgraph", "retention")
+SUITES = ("peers", "curves", "scaling", "temporal", "langgraph", "retention", "cache")
 
 
 def steps(env: Env, only: set[str]) -> int:
@@ -55,6 +56,8 @@ def steps(env: Env, only: set[str]) -> int:
         n += langgraph.STEPS_PER_REP * env.reps
     if "retention" in only:
         n += retention.STEPS_PER_REP * env.reps
+    if "cache" in only:
+        n += cache.STEPS_PER_REP * env.reps
     return n
 
 
@@ -105,6 +108,10 @@ async def main(args: argparse.Namespace) -> int:
                 kept = Section("retention")
                 await retention.run(env, kept)
                 write([kept], m, args.out, label)
+            if "cache" in only:
+                topologies = Section("cache")
+                await cache.run(env, topologies)
+                write([topologies], m, args.out, label)
     if args.out is not None:
         for png in plots.draw(args.out.with_suffix(".json"), args.out.parent / "img"):
             console.print(f"plotted {png}")

@@ -226,6 +226,18 @@ class RedisCheckpointCache:
         self.partitions = partitions
         self._put = client.register_script(_PUT)
         self._get = client.register_script(_GET)
+        # A cluster client learns the slots on its first command; several first commands
+        # at once race in redis-py (connections closed under them): one learns, first.
+        self._learned = not isinstance(client, RedisCluster)
+        self._learning = asyncio.Lock()
+
+    async def _ready(self) -> None:
+        if not self._learned:
+            async with self._learning:
+                if not self._learned:
+                    assert isinstance(self.client, RedisCluster)
+                    await self.client.initialize()
+                    self._learned = True
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -289,6 +301,7 @@ class RedisCheckpointCache:
         """Make the cached entries of these partitions (None: all) unreachable."""
         chosen = range(self.partitions) if partitions is None else sorted(set(partitions))
         try:
+            await self._ready()
             await asyncio.gather(*(self.client.incr(self._epoch_key(p)) for p in chosen))
         except RedisError as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
@@ -306,6 +319,7 @@ class RedisCheckpointCache:
                 keys.append(key)
             argv += [keys.index(key) + 1, e.field, e.seq, e.encode()]
         try:
+            await self._ready()
             written = await asyncio.gather(
                 *(self._put(keys=keys, args=argv) for keys, argv in groups.values())
             )
@@ -318,6 +332,7 @@ class RedisCheckpointCache:
         how many were cached."""
         keys = [self._key(t, r)[1] for t, r in runs]
         try:
+            await self._ready()
             deleted = await asyncio.gather(*(self.client.delete(k) for k in keys))
         except RedisError as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
@@ -327,6 +342,7 @@ class RedisCheckpointCache:
         """HMGET of ``fields`` (empty: HGETALL) of a fresh hash; [] when it is stale."""
         p, key = self._key(tenant_id, run_id)
         try:
+            await self._ready()
             return list(await self._get(keys=[self._epoch_key(p), key], args=fields))
         except RedisError as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
