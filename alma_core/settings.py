@@ -80,7 +80,8 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(default=None, description="Redis URL, redis://host:port/0")
     redis_cluster: bool = Field(
         default=False,
-        description="ALMA_REDIS_URL names one node of a Redis Cluster (the others are found)",
+        description="ALMA_REDIS_URL names nodes of a Redis Cluster (one URL or several, "
+        "comma-separated; the others are found)",
     )
 
     # Topics.
@@ -196,8 +197,12 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, value: str | None) -> str | None:
-        if value and not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("expected a URL starting redis://, rediss:// or unix://")
+        schemes = ("redis://", "rediss://", "unix://")
+        if value and not all(u.strip().startswith(schemes) for u in value.split(",")):
+            raise ValueError(
+                "expected a URL starting redis://, rediss:// or unix:// (for a Redis Cluster, "
+                "several, comma-separated)"
+            )
         return value
 
     @field_validator("kafka_bootstrap")

@@ -36,10 +36,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+from urllib.parse import urlparse
 
 import redis.asyncio as aioredis
 from aiokafka.partitioner import murmur2
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -251,12 +252,18 @@ class RedisCheckpointCache:
         cluster: bool = False,
         partitions: int = 12,
     ) -> AsyncIterator[RedisCheckpointCache]:
-        """``cluster``: ``url`` names one node of a Redis Cluster (the others are found
-        from it). ``partitions``: ALMA_PARTITIONS, the lifecycle topic's partitions."""
+        """``cluster``: ``url`` names one node of a Redis Cluster, or several
+        (comma-separated URLs); the others are found from them. ``partitions``:
+        ALMA_PARTITIONS, the lifecycle topic's partitions."""
         client: aioredis.Redis | RedisCluster
         if cluster:
+            # several nodes, comma-separated: the client starts from any that answers
+            first, *others = [u.strip() for u in url.split(",")]
+            seeds = [urlparse(u) for u in others]
             client = RedisCluster.from_url(
-                url,
+                first,
+                startup_nodes=[ClusterNode(u.hostname or "", u.port or 6379) for u in seeds]
+                or None,
                 socket_timeout=timeout_s,
                 socket_connect_timeout=timeout_s,
                 retry=Retry(NoBackoff(), 0),

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import redis.asyncio as aioredis
 
+from alma_core.cli.embedded import RedisClusterStack
 from alma_core.settings import Settings
 from alma_core.storage.cache import CacheEntry, CacheWriter, RedisCheckpointCache, partition_of
 from tests.integration.conftest import Topology
@@ -111,6 +112,21 @@ async def _owner(topology: Topology, key: str) -> str:
         if int(start) <= int(slot) <= int(end):
             return str(primary[1])
     raise AssertionError(f"no node serves {key}")
+
+
+async def test_a_cluster_is_found_from_any_node_that_answers(
+    redis_cluster: RedisClusterStack,
+) -> None:
+    """ALMA_REDIS_URL may list several nodes of a cluster: a first one that is down (or
+    gone) does not matter while another answers."""
+    urls = ",".join(["redis://127.0.0.1:1/0", *(n.url for n in redis_cluster.nodes[1:])])
+    async with RedisCheckpointCache.connect(
+        urls, prefix=uuid.uuid4().hex, cluster=True, partitions=PARTITIONS
+    ) as cache:
+        assert await cache.put([entry(f"r{i}", "latest", 1) for i in range(8)]) == 8
+        doc, _ = await cache.get("t", "r3", "latest")
+        assert doc is not None
+        assert doc["seq"] == 1
 
 
 async def test_writer_counts_failures_and_never_raises() -> None:
