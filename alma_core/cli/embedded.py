@@ -245,15 +245,6 @@ class RedisClusterNode(Redis):
             "2000",
         ]
 
-    async def _ready(self) -> bool:
-        import redis.asyncio as aioredis
-
-        client = aioredis.Redis.from_url(self.url, socket_timeout=1)
-        try:
-            return bool(await client.ping())
-        finally:
-            await client.aclose()
-
 
 class RedisClusterStack:
     """A Redis Cluster of ``size`` primaries (no replicas) from the same redis-server

@@ -198,38 +198,44 @@ async def _events_batch(
 
 async def _runs_batch(conn: asyncpg.Connection, age_s: float, n: int, result: PruneResult) -> bool:
     """Run rows whose checkpoints and events are gone (what is left cascades)."""
-    deleted = await conn.fetchval(
-        """WITH gone AS (
-             DELETE FROM runs r WHERE (r.tenant_id, r.run_id) IN (
-               SELECT tenant_id, run_id FROM runs
-               WHERE checkpoints_pruned_at IS NOT NULL AND events_pruned_at IS NOT NULL
-                 AND completed_at < now() - make_interval(secs => $1)
-               ORDER BY completed_at LIMIT $2 FOR UPDATE SKIP LOCKED)
-             RETURNING 1)
-           SELECT count(*) FROM gone""",
+    deleted = await _delete_oldest(
+        conn,
+        "runs",
+        "tenant_id, run_id",
+        "checkpoints_pruned_at IS NOT NULL AND events_pruned_at IS NOT NULL AND completed_at",
         age_s,
         n,
     )
-    result.runs_deleted += int(deleted or 0)
+    result.runs_deleted += deleted
     return bool(deleted)
 
 
 async def _dead_letters_batch(
     conn: asyncpg.Connection, age_s: float, n: int, result: PruneResult
 ) -> bool:
+    deleted = await _delete_oldest(conn, "dead_letters", "id", "created_at", age_s, n)
+    result.dead_letters += deleted
+    return bool(deleted)
+
+
+async def _delete_oldest(
+    conn: asyncpg.Connection, table: str, key: str, aged: str, age_s: float, n: int
+) -> int:
+    """Delete up to ``n`` rows of ``table`` whose ``aged`` column (the last term of the
+    condition) is older than ``age_s``, oldest first, skipping rows others hold."""
+    column = aged.rsplit(" ", 1)[-1]
     deleted = await conn.fetchval(
-        """WITH gone AS (
-             DELETE FROM dead_letters WHERE id IN (
-               SELECT id FROM dead_letters
-               WHERE created_at < now() - make_interval(secs => $1)
-               ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED)
-             RETURNING 1)
-           SELECT count(*) FROM gone""",
+        f"""WITH gone AS (
+              DELETE FROM {table} WHERE ({key}) IN (
+                SELECT {key} FROM {table}
+                WHERE {aged} < now() - make_interval(secs => $1)
+                ORDER BY {column} LIMIT $2 FOR UPDATE SKIP LOCKED)
+              RETURNING 1)
+            SELECT count(*) FROM gone""",
         age_s,
         n,
     )
-    result.dead_letters += int(deleted or 0)
-    return bool(deleted)
+    return int(deleted or 0)
 
 
 async def _outcome_memories_batch(

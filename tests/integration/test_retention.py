@@ -29,6 +29,8 @@ from tests.integration.harness import (
 )
 
 WF = "wf"
+# a closed run past its checkpoint and event lifetimes, before its row's
+PRUNED_BUT_KEPT = {"checkpoints": 0, "run_heads": 0, "run_events": 0, "joins": 0, "runs": 1}
 
 
 def finish(run: str, outcome: str = "success", **payload: Any) -> dict[str, Any]:
@@ -132,13 +134,7 @@ async def test_closed_runs_are_pruned_in_steps_and_a_replay_has_no_effect(
     assert first.checkpoints + rest.checkpoints == 5 + 1
     assert first.joins + rest.joins == 1
     assert first.runs_deleted + rest.runs_deleted == 0, "run rows stay 90 days"
-    assert await rows_of(dsn, "old") == {
-        "checkpoints": 0,
-        "run_heads": 0,
-        "run_events": 0,
-        "joins": 0,
-        "runs": 1,
-    }
+    assert await rows_of(dsn, "old") == PRUNED_BUT_KEPT
     for kept in ("recent", "open"):
         assert (await rows_of(dsn, kept))["checkpoints"] == 1, f"{kept} is not old or not closed"
 
@@ -154,13 +150,7 @@ async def test_closed_runs_are_pruned_in_steps_and_a_replay_has_no_effect(
             return await count(dsn, sql) == len(replay)
 
         await wait_for(refused, what="the replay refused")
-    assert await rows_of(dsn, "old") == {
-        "checkpoints": 0,
-        "run_heads": 0,
-        "run_events": 0,
-        "joins": 0,
-        "runs": 1,
-    }
+    assert await rows_of(dsn, "old") == PRUNED_BUT_KEPT
     assert await count(dsn, "SELECT last_seq FROM runs WHERE run_id = 'old'") == last_seq
     assert await count(dsn, "SELECT count(*) FROM workflow_outcomes") == 3
 
