@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -40,6 +41,15 @@ from bench.env import Env, services_versions, stack
 from bench.report import Section, console, machine, write
 
 SUITES = ("peers", "curves", "scaling", "temporal", "langgraph", "retention", "cache")
+
+
+SINGLE_MODULE_SUITES: dict[str, Callable[[Env, Section], Awaitable[None]]] = {
+    "scaling": scaling.run,
+    "temporal": temporal.run,
+    "langgraph": langgraph.run,
+    "retention": retention.run,
+    "cache": cache.run,
+}
 
 
 def steps(env: Env, only: set[str]) -> int:
@@ -92,26 +102,12 @@ async def main(args: argparse.Namespace) -> int:
                 merges.run(env, None, curves=cost)
                 await curves.run(env, cost)
                 write([cost], m, args.out, label)
-            if "scaling" in only:
-                scale = Section("scaling")
-                await scaling.run(env, scale)
-                write([scale], m, args.out, label)
-            if "temporal" in only:
-                plugin = Section("temporal")
-                await temporal.run(env, plugin)
-                write([plugin], m, args.out, label)
-            if "langgraph" in only:
-                saver = Section("langgraph")
-                await langgraph.run(env, saver)
-                write([saver], m, args.out, label)
-            if "retention" in only:
-                kept = Section("retention")
-                await retention.run(env, kept)
-                write([kept], m, args.out, label)
-            if "cache" in only:
-                topologies = Section("cache")
-                await cache.run(env, topologies)
-                write([topologies], m, args.out, label)
+            # suites of one module each: its run(env, section)
+            for name, suite in SINGLE_MODULE_SUITES.items():
+                if name in only:
+                    section = Section(name)
+                    await suite(env, section)
+                    write([section], m, args.out, label)
     if args.out is not None:
         for png in plots.draw(args.out.with_suffix(".json"), args.out.parent / "img"):
             console.print(f"plotted {png}")
