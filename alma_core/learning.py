@@ -21,21 +21,13 @@ applying the same run twice can never count it twice.
 from __future__ import annotations
 
 import hashlib
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from alma_core.memory import MemoryKind
+from alma_core.memory import MemoryKind, mask
 
 _NAMESPACE = uuid.UUID("6f1c9a52-6c1e-4c43-9d3e-a1a5a0c0ffee")
-_MASKS = [
-    (re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.I), "<id>"),
-    (re.compile(r"\b0x[0-9a-f]+\b", re.I), "<hex>"),
-    (re.compile(r"\b[0-9a-f]{16,}\b", re.I), "<hex>"),
-    (re.compile(r"\d+(\.\d+)?"), "<n>"),
-    (re.compile(r"\s+"), " "),
-]
 
 
 @dataclass(frozen=True)
@@ -125,14 +117,6 @@ def memory_id(tenant_id: str, kind: str, dedupe_key: str) -> str:
     return str(uuid.uuid5(_NAMESPACE, f"{tenant_id}\x1f{kind}\x1f{dedupe_key}"))
 
 
-def mask(message: str) -> str:
-    """The message with its variable parts masked, lower-cased, at most 300 characters."""
-    text = message.strip().lower()
-    for pattern, replacement in _MASKS:
-        text = pattern.sub(replacement, text)
-    return text[:300]
-
-
 def error_signature(node_id: str | None, error_type: str | None, message: str | None) -> str:
     raw = f"{node_id or '-'}\x1f{error_type or '-'}\x1f{mask(message or '')}"
     return hashlib.sha256(raw.encode()).hexdigest()[:32]
@@ -202,7 +186,12 @@ def draft(run: FinishedRun, history: list[HistoryEvent]) -> OutcomeDraft:
                 node_id=event.node_id,
                 content=f"In workflow {wf}, node {event.node_id} failed with {error}",
                 condition=f"node {event.node_id} of workflow {wf}",
-                metadata={"error_type": event.error_type},
+                metadata={
+                    "error_type": event.error_type,
+                    "error_signature": error_signature(
+                        event.node_id, event.error_type, event.error_message
+                    ),
+                },
             )
         )
     signature = None

@@ -16,6 +16,23 @@ from typing import Any
 
 from alma_core.types import RetrievalScope
 
+_MASKS = [
+    (re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.I), "<id>"),
+    (re.compile(r"\b0x[0-9a-f]+\b", re.I), "<hex>"),
+    (re.compile(r"\b[0-9a-f]{16,}\b", re.I), "<hex>"),
+    (re.compile(r"\d+(\.\d+)?"), "<n>"),
+    (re.compile(r"\s+"), " "),
+]
+
+
+def mask(message: str) -> str:
+    """The text with its variable parts (ids, hex, numbers) masked, lower-cased, at
+    most 300 characters: what stays the same when the same thing happens again."""
+    text = message.strip().lower()
+    for pattern, replacement in _MASKS:
+        text = pattern.sub(replacement, text)
+    return text[:300]
+
 
 class MemoryKind(StrEnum):
     HEURISTIC = "heuristic"  # "in workflow W, doing X succeeds" (learned from repeated success)
@@ -97,14 +114,29 @@ def estimate_tokens(text: str) -> int:
     )
 
 
-_SECTIONS: list[tuple[str, str]] = [
-    ("heuristics", "## Strategies that worked"),
-    ("anti_patterns", "## Mistakes to avoid"),
-    ("domain_knowledge", "## Domain knowledge"),
-    ("preferences", "## Preferences"),
-    ("outcomes", "## What happened in past runs"),
-    ("workflow_outcomes", "## Past workflow runs"),
+# (slice attribute, heading, which workflow outcomes: None for memories)
+_SECTIONS: list[tuple[str, str, bool | None]] = [
+    ("heuristics", "## Strategies that worked", None),
+    ("anti_patterns", "## Mistakes to avoid", None),
+    ("domain_knowledge", "## Domain knowledge", None),
+    ("preferences", "## Preferences", None),
+    ("outcomes", "## What happened in past runs", None),
+    ("workflow_outcomes", "## Past runs that worked", True),
+    ("workflow_outcomes", "## Past runs that failed", False),
 ]
+_KINDS = list(dict.fromkeys(name for name, _, _ in _SECTIONS))
+
+
+def _fact(item: Memory | WorkflowOutcome) -> str:
+    """What a line says, without what varies from run to run: items of one fact make
+    one line. A failure's fact is its error signature (node, error type, masked
+    message), shared by its anti-pattern and each node outcome it comes from."""
+    if isinstance(item, WorkflowOutcome):
+        return f"run\x1f{item.id}"
+    signature = item.metadata.get("error_signature")
+    if signature and item.kind in (MemoryKind.ANTI_PATTERN, MemoryKind.OUTCOME):
+        return f"error\x1f{signature}"
+    return f"text\x1f{mask(item.content)}"
 
 
 def _line(item: Memory | WorkflowOutcome) -> str:
@@ -118,7 +150,7 @@ def _line(item: Memory | WorkflowOutcome) -> str:
             failing = f" at {item.failing_node}" if item.failing_node else ""
             text += f"; error{failing}: {item.error_message}"
         return text
-    text = f"- {item.content}"
+    text = f"- {' '.join(item.content.split())}"  # one line, whatever the content holds
     if item.kind is MemoryKind.HEURISTIC:
         text += f" (confidence {item.confidence:.0%}, {item.successes}/{item.occurrences} runs)"
     elif item.kind is MemoryKind.ANTI_PATTERN:
@@ -145,7 +177,7 @@ class MemorySlice:
     def items(self) -> list[Memory | WorkflowOutcome]:
         """Everything in the slice, highest score first."""
         out: list[Memory | WorkflowOutcome] = []
-        for name, _ in _SECTIONS:
+        for name in _KINDS:
             out.extend(getattr(self, name))
         return sorted(out, key=lambda i: -i.score)
 
@@ -185,10 +217,26 @@ class MemorySlice:
         }
 
     def render(self, kept: list[Memory | WorkflowOutcome]) -> str:
+        """The kept items under their headings, one line per distinct fact: a fact seen
+        several times is one line with its count, and a node outcome an anti-pattern
+        above already states is not repeated."""
         chosen = {id(i) for i in kept}
+        said: set[str] = set()
         parts = []
-        for name, heading in _SECTIONS:
-            lines = [_line(i) for i in getattr(self, name) if id(i) in chosen]
+        for name, heading, worked in _SECTIONS:
+            facts: dict[str, list[Memory | WorkflowOutcome]] = {}
+            for item in getattr(self, name):
+                other_outcome = isinstance(item, WorkflowOutcome) and item.success is not worked
+                if id(item) not in chosen or other_outcome:
+                    continue
+                fact = _fact(item)
+                if fact not in said:
+                    facts.setdefault(fact, []).append(item)
+            said.update(facts)
+            lines = [
+                _line(same[0]) + (f" ({len(same)} times)" if len(same) > 1 else "")
+                for same in facts.values()
+            ]
             if lines:
                 parts.append("\n".join([heading, *lines]))
         return "\n\n".join(parts)

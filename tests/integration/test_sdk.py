@@ -210,4 +210,4 @@ async def test_the_dag_orchestrator_example_runs(
     assert sum("success=True" in line for line in lines) == 4, result.stdout
     assert any("resumed after 'prepare', success=True" in line for line in lines)
     assert "'cost': 1.5" in result.stdout  # summed over the two branches
-    assert "Past workflow runs" in result.stdout
+    assert "Past runs that worked" in result.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -92,7 +93,8 @@ def test_prompt_sections_and_truncation() -> None:
     assert "## Strategies that worked" in full
     assert "(confidence 75%, 3/4 runs)" in full
     assert "## Mistakes to avoid" in full
-    assert "## Past workflow runs" in full
+    assert "## Past runs that worked\n- wf run r0: succeeded" in full  # o0 worked
+
     short = s.to_prompt(max_tokens=60)
     assert "use the cache" in short
     assert "never parse" in short
@@ -135,3 +137,40 @@ def test_async_embedder_batches_and_never_encodes_a_text_twice() -> None:
     assert model.calls == [["a", "bb"], ["ccc"]], "deduplicated, batched, then cached"
     assert sizes == [2, 1]
     assert (emb.encoded, emb.hits) == (3, 3)
+
+
+def failure(i: int, kind: MemoryKind, line: int, signature: str | None = "sig-parse") -> Memory:
+    content = (
+        f"In workflow wf, node parse failed with ValueError: bad tag at line {line}"
+        if kind is MemoryKind.OUTCOME
+        else f"Avoid: node parse of workflow wf fails with ValueError: bad tag at line {line}"
+    )
+    metadata = {"error_signature": signature} if signature else {}
+    return Memory(f"f{i}", "t", kind, content, occurrences=3, metadata=metadata, score=0.9 - i / 10)
+
+
+def test_one_line_per_fact_with_its_count() -> None:
+    """Three runs failed the same way: the anti-pattern says it once, and the node
+    outcomes behind it are not repeated under it."""
+    said = slice_of(
+        [
+            failure(0, MemoryKind.ANTI_PATTERN, 3),
+            *(failure(i, MemoryKind.OUTCOME, 3 + i) for i in range(1, 4)),
+        ]
+    ).to_prompt(max_tokens=2000)
+    assert said.count("bad tag") == 1
+    assert "## What happened in past runs" not in said
+    alone = slice_of([failure(i, MemoryKind.OUTCOME, 3 + i) for i in range(3)]).to_prompt()
+    assert alone.count("bad tag") == 1
+    assert "(3 times)" in alone
+    # stored before signatures were kept: the masked text is the fact
+    old = slice_of([failure(i, MemoryKind.OUTCOME, 3 + i, None) for i in range(2)]).to_prompt()
+    assert old.count("bad tag") == 1
+    assert "(2 times)" in old
+
+
+@given(st.lists(memories, max_size=25), st.integers(0, 3))
+def test_a_prompt_never_repeats_a_line(items: list[Memory], n_out: int) -> None:
+    doubled = [*items, *(replace(m, id=m.id + "-again") for m in items)]
+    lines = [line for line in slice_of(doubled, n_out).to_prompt(5000).splitlines() if line]
+    assert len(lines) == len(set(lines))

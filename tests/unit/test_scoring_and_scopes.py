@@ -32,14 +32,69 @@ def test_recency_halves_every_half_life() -> None:
     assert recency(-5, 30) == 1.0  # clocks disagree: the future counts as now
 
 
-@given(unit, st.floats(min_value=0, max_value=10_000), unit, unit)
-def test_score_is_within_zero_and_one(sim: float, age: float, rate: float, conf: float) -> None:
-    value = score(Signals(sim, age, rate, conf), ScoringWeights())
+@given(
+    unit,
+    st.floats(min_value=0, max_value=10_000),
+    unit,
+    unit,
+    st.sampled_from(["relevance", "weighted"]),
+)
+def test_score_is_within_zero_and_one(
+    sim: float, age: float, rate: float, conf: float, ranking: str
+) -> None:
+    value = score(Signals(sim, age, rate, conf), ScoringWeights(ranking=ranking))  # type: ignore[arg-type]
     assert 0.0 <= value <= 1.0
 
 
-def test_default_weights_are_the_seeds() -> None:
+ages = st.floats(min_value=0, max_value=3650)
+
+
+@given(unit, unit, ages)
+def test_a_more_similar_run_never_ranks_below_a_less_similar_one_because_it_failed(
+    a: float, b: float, age: float
+) -> None:
+    """Relevance first: whether a run worked never decides whether it is shown."""
+    if abs(a - b) < 1e-9:  # as good as equal in floats
+        return
+    now = datetime.now(UTC)
+    when = now - timedelta(days=age)
+    failed = WorkflowOutcome("1", "t", "w", "r1", False, 1, 3, 2, 1, "d", created_at=when)
+    worked = WorkflowOutcome("2", "t", "w", "r2", True, 1, 3, 3, 0, "d", created_at=when)
+    closer, farther = max(a, b), min(a, b)
     w = ScoringWeights()
+    assert score(outcome_signals(failed, 1 - closer, now), w) > score(
+        outcome_signals(worked, 1 - farther, now), w
+    )
+    # the seed's weighted sum buries it: what the default no longer does
+    seed = ScoringWeights(ranking="weighted")
+    assert score(outcome_signals(failed, 0.0, now), seed) < score(
+        outcome_signals(worked, 0.3, now), seed
+    )
+
+
+@given(unit, unit, ages, ages, unit, unit)
+def test_recency_and_confidence_only_order_items_of_similar_relevance(
+    a: float, b: float, age_a: float, age_b: float, conf_a: float, conf_b: float
+) -> None:
+    w = ScoringWeights()
+    first = score(Signals(a, age_a, 0.5, conf_a), w)
+    second = score(Signals(b, age_b, 0.5, conf_b), w)
+    if a > b + w.tie_band:
+        assert first > second
+    if b > a + w.tie_band:
+        assert second > first
+
+
+def test_within_the_band_the_fresher_and_surer_item_comes_first() -> None:
+    w = ScoringWeights()
+    old_unsure = score(Signals(0.81, 300, 0.5, 0.2), w)
+    fresh_sure = score(Signals(0.80, 0, 0.5, 1.0), w)
+    assert fresh_sure > old_unsure
+
+
+def test_the_seeds_weighted_sum_is_a_setting() -> None:
+    w = ScoringWeights(ranking="weighted")
+    assert ScoringWeights().ranking == "relevance"
     assert (w.similarity, w.recency, w.success_rate, w.confidence) == (0.4, 0.3, 0.2, 0.1)
     assert w.half_life_days == 30
     assert score(Signals(1, 0, 1, 1), w) == pytest.approx(1.0)
