@@ -3,7 +3,8 @@ curves, and the scaling trend over checkpointer processes.
 
     python -m bench [--quick | --full] [--reps N] [--only SUITE,...] [--out docs/benchmarks.md]
 
-Suites: peers, curves, scaling, temporal, langgraph, retention, cache (all by default).
+Suites: peers, curves, scaling, temporal, langgraph, retention, cache, quality (all by
+default).
 
 Brings up the embedded stack (PostgreSQL with fsync on) or uses the services
 named by ALMA_KAFKA_BOOTSTRAP, ALMA_POSTGRES_DSN and ALMA_REDIS_URL, shows one
@@ -32,6 +33,7 @@ from bench import (
     merges,
     peers,
     plots,
+    quality,
     retention,
     run_state,
     scaling,
@@ -40,7 +42,7 @@ from bench import (
 from bench.env import Env, services_versions, stack
 from bench.report import Section, console, machine, write
 
-SUITES = ("peers", "curves", "scaling", "temporal", "langgraph", "retention", "cache")
+SUITES = ("peers", "curves", "scaling", "temporal", "langgraph", "retention", "cache", "quality")
 
 
 SINGLE_MODULE_SUITES: dict[str, Callable[[Env, Section], Awaitable[None]]] = {
@@ -49,6 +51,7 @@ SINGLE_MODULE_SUITES: dict[str, Callable[[Env, Section], Awaitable[None]]] = {
     "langgraph": langgraph.run,
     "retention": retention.run,
     "cache": cache.run,
+    "quality": quality.run,
 }
 
 
@@ -68,6 +71,8 @@ def steps(env: Env, only: set[str]) -> int:
         n += retention.STEPS_PER_REP * env.reps
     if "cache" in only:
         n += cache.STEPS_PER_REP * env.reps
+    if "quality" in only:
+        n += quality.STEPS_PER_REP
     return n
 
 
