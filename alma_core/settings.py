@@ -134,6 +134,11 @@ class Settings(BaseSettings):
         default=None,
         description="a sentence-transformers model folder; unset: the bundled all-MiniLM-L6-v2",
     )
+    embed_url: str | None = Field(
+        default=None,
+        description="a worker's /embed (it holds the model): retrieval from the CLI, the MCP "
+        "server and the SDK embeds there instead of loading the model (`alma up` sets its own)",
+    )
     embed_batch_size: int = Field(default=32, ge=1, le=1024, description="texts per encode")
     embed_max_wait_ms: int = Field(
         default=50, ge=0, le=10_000, description="how long the learner gathers events for a batch"
@@ -279,6 +284,6 @@ def load_running(**overrides: object) -> Settings:
     loaded = load(**overrides)
     path = loaded.data_dir / ENDPOINTS_FILE
     found = json.loads(path.read_text()) if path.exists() else {}
-    services = ("kafka_bootstrap", "postgres_dsn", "redis_url")
+    services = ("kafka_bootstrap", "postgres_dsn", "redis_url", "embed_url")
     missing = {k: found[k] for k in services if getattr(loaded, k) is None and found.get(k)}
     return loaded.model_copy(update=missing) if missing else loaded

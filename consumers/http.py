@@ -1,6 +1,9 @@
 """Each worker's HTTP endpoints: ``/metrics`` (Prometheus), ``/healthz`` (the
-process answers) and ``/readyz`` (every consumer started and polled recently,
-and PostgreSQL answers). A tiny asyncio server: nothing else to deploy.
+process answers), ``/readyz`` (every consumer started and polled recently, and
+PostgreSQL answers) and, where the learner runs, ``POST /embed`` (``{"texts":
+[...]}`` → ``{"model", "dimension", "vectors"}``, at most 64 texts): the model it
+holds, for retrieval elsewhere without loading it. A tiny asyncio server: nothing
+else to deploy.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ from dataclasses import dataclass
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from alma_core import errors
+from alma_core.storage.embeddings import MAX_SERVED_TEXTS, AsyncEmbedder
 from consumers.metrics import Metrics
 from consumers.runtime import ConsumerRuntime
 
 log = logging.getLogger("alma.http")
 
 POLL_STALE_S = 30.0
+MAX_BODY_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -56,28 +61,41 @@ async def serve(
     metrics: Metrics,
     runtimes: list[ConsumerRuntime],
     database_ok: Callable[[], Awaitable[bool]],
+    embedder: AsyncEmbedder | None = None,
 ) -> AsyncIterator[int]:
     """Serve until the block ends; yields the port (0 asks for a free one)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             request = await asyncio.wait_for(reader.readline(), 5)
-            path = request.decode(errors="replace").split(" ")[1] if b" " in request else "/"
-            while (await asyncio.wait_for(reader.readline(), 5)).strip():
-                pass  # headers
-            status, content_type, body = await respond(path.split("?")[0])
+            method, _, rest = request.decode(errors="replace").partition(" ")
+            path = rest.split(" ")[0] if rest else "/"
+            length = 0
+            while line := (await asyncio.wait_for(reader.readline(), 5)).strip():
+                name, _, value = line.decode(errors="replace").partition(":")
+                if name.strip().lower() == "content-length" and value.strip().isdigit():
+                    length = int(value.strip())
+            if length > MAX_BODY_BYTES:
+                # read what was sent (up to a bound) so the client gets the answer, not a reset
+                await asyncio.wait_for(_discard(reader, min(length, 4 * MAX_BODY_BYTES)), 5)
+                status, content_type, body = "413 Content Too Large", "text/plain", b"too large\n"
+            else:
+                payload = await asyncio.wait_for(reader.readexactly(length), 5) if length else b""
+                status, content_type, body = await respond(method, path.split("?")[0], payload)
             writer.write(
                 f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
                 + body
             )
             await writer.drain()
-        except (TimeoutError, ConnectionError, IndexError):
+        except (TimeoutError, ConnectionError, IndexError, asyncio.IncompleteReadError):
             pass
         finally:
             writer.close()
 
-    async def respond(path: str) -> tuple[str, str, bytes]:
+    async def respond(method: str, path: str, payload: bytes) -> tuple[str, str, bytes]:
+        if path == "/embed" and embedder is not None:
+            return await embed(method, payload)
         if path == "/metrics":
             return "200 OK", CONTENT_TYPE_LATEST, generate_latest(metrics.registry)
         if path == "/healthz":
@@ -90,7 +108,29 @@ async def serve(
                 "application/json",
                 body,
             )
-        return "404 Not Found", "text/plain", b"try /metrics, /healthz or /readyz\n"
+        return "404 Not Found", "text/plain", b"try /metrics, /healthz, /readyz or /embed\n"
+
+    async def embed(method: str, payload: bytes) -> tuple[str, str, bytes]:
+        assert embedder is not None
+        if method != "POST":
+            return "405 Method Not Allowed", "text/plain", b'POST {"texts": [...]}\n'
+        try:
+            texts = json.loads(payload)["texts"]
+            if not (
+                isinstance(texts, list)
+                and 0 < len(texts) <= MAX_SERVED_TEXTS
+                and all(isinstance(t, str) for t in texts)
+            ):
+                raise ValueError(f"texts: a list of 1 to {MAX_SERVED_TEXTS} strings")
+        except (ValueError, KeyError, TypeError) as exc:
+            return "400 Bad Request", "text/plain", f"{exc}\n".encode()
+        vectors = await embedder.embed(texts)
+        doc = {
+            "model": embedder.embedder.name,
+            "dimension": embedder.dimension,
+            "vectors": vectors,
+        }
+        return "200 OK", "application/json", json.dumps(doc).encode()
 
     try:
         server = await asyncio.start_server(handle, "0.0.0.0", port)
@@ -106,3 +146,8 @@ async def serve(
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def _discard(reader: asyncio.StreamReader, n: int) -> None:
+    while n > 0 and (chunk := await reader.read(min(n, 65536))):
+        n -= len(chunk)

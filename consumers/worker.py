@@ -307,7 +307,10 @@ async def run_worker(
             async def database_ok() -> bool:
                 return bool(await pool.fetchval("SELECT 1"))
 
-            async with http.serve(settings.metrics_port, metrics, runtimes, database_ok) as port:
+            serving = embedder if learner.NAME in consumers else None  # the model, for retrieval
+            async with http.serve(
+                settings.metrics_port, metrics, runtimes, database_ok, serving
+            ) as port:
                 if status is not None:
                     status.http_port = port
                 tasks = [asyncio.create_task(r.run(stop)) for r in runtimes]

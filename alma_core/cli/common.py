@@ -92,12 +92,15 @@ async def connect(dsn: str) -> asyncpg.Connection:
 def resolved(s: settings_mod.Settings, endpoints: Endpoints | None = None) -> settings_mod.Settings:
     """``s`` with every service filled in: from ``endpoints`` if given, else configured,
     else the running `alma up`'s."""
+    served = s.embed_url
     if endpoints is None:
         endpoints = Endpoints(bootstrap(s), dsn(s), redis_url(s))
+        served = served or running_endpoints(s).get("embed_url")  # its learner's model
     return s.model_copy(
         update={
             "kafka_bootstrap": endpoints.kafka_bootstrap,
             "postgres_dsn": endpoints.postgres_dsn,
             "redis_url": endpoints.redis_url,
+            "embed_url": served,
         }
     )

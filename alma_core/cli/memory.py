@@ -36,13 +36,21 @@ def retrieve(
     s = common.settings()
 
     async def main() -> MemorySlice:
-        from alma_core.storage.embeddings import load_embedder
+        from alma_core.storage.embeddings import embedder_for
 
         ctx = WorkflowContext(tenant, workflow, None, run, node)
         # a context the scope cannot use is refused before the model loads (seconds)
         scopes.memory_filter(ctx, scope, agent=agent, require_tenant=s.require_tenant)
-        with common.err.status("loading the embedding model..."):
-            embedder = load_embedder(s)
+        served = s.embed_url or common.running_endpoints(s).get("embed_url")
+        where = s.model_copy(update={"embed_url": served})  # a running `alma up`'s model
+
+        def fallback(why: str) -> None:
+            common.err.print(f"[yellow]note:[/yellow] {why}")
+
+        with common.err.status(
+            f"embedding the task at {served}..." if served else "loading the embedding model..."
+        ):
+            embedder = embedder_for(where, on_fallback=fallback)
         try:
             async with connect(common.dsn(s), max_size=2) as pool:
                 retriever = Retriever.configured(pool, embedder, s)

@@ -70,8 +70,9 @@ def up(
             common.out.print(
                 f"metrics: {base}/metrics  health: {base}/healthz  ready: {base}/readyz"
             )
+            running = {"metrics_url": f"{base}/metrics", "embed_url": f"{base}/embed"}
             (s.data_dir / common.ENDPOINTS_FILE).write_text(
-                json.dumps({**endpoints.as_dict(), "metrics_url": f"{base}/metrics"}, indent=2)
+                json.dumps({**endpoints.as_dict(), **running}, indent=2)
             )
             if check:
                 stop.set()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -28,7 +29,7 @@ from alma_core.sdk.replies import ReplyListener
 from alma_core.settings import Settings
 from alma_core.storage import reducer_configs, runs
 from alma_core.storage.cache import RedisCheckpointCache
-from alma_core.storage.embeddings import AsyncEmbedder, load_embedder
+from alma_core.storage.embeddings import TextEmbedder, embedder_for
 from alma_core.storage.observer import ReadMetrics, ReadObserver
 from alma_core.storage.postgres import connect
 from alma_core.storage.reader import CheckpointReader
@@ -62,6 +63,13 @@ class Applied:
     seq: int | None
 
 
+log = logging.getLogger("alma.sdk")
+
+
+def _fallback(why: str) -> None:
+    log.warning(why, extra={"action": "embed_fallback"})
+
+
 class AlmaClient:
     """The orchestrator's handle on ALMA Stream: publish lifecycle events, merge
     branches, wait for an event's effect, resume a run, and retrieve memories.
@@ -75,7 +83,7 @@ class AlmaClient:
         settings: Settings,
         *,
         bootstrap: str | None = None,
-        embedder: AsyncEmbedder | None = None,
+        embedder: TextEmbedder | None = None,
         observer: ReadObserver | None = None,
     ) -> None:
         self.settings = settings
@@ -199,7 +207,8 @@ class AlmaClient:
         (:class:`~alma_core.storage.retrieval.Retriever`)."""
         pool = await self._open_reads()
         if self._embedder is None:
-            self._embedder = await asyncio.to_thread(load_embedder, self.settings)
+            # a worker's model when ALMA_EMBED_URL names one, else loaded here (seconds)
+            self._embedder = await asyncio.to_thread(embedder_for, self.settings, _fallback)
             self._own_embedder = True
         retriever = Retriever.configured(pool, self._embedder, self.settings, self.observer)
         return await retriever.retrieve(

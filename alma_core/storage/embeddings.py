@@ -181,3 +181,89 @@ def load_embedder(settings: Settings) -> AsyncEmbedder:
     return AsyncEmbedder(
         model, batch_size=settings.embed_batch_size, cache_size=settings.embed_cache_size
     )
+
+
+class TextEmbedder(Protocol):
+    """What retrieval needs of an embedder: vectors for texts (the model here, or a
+    worker's)."""
+
+    async def embed(
+        self, texts: list[str], observe: Callable[[int, float], None] | None = None
+    ) -> list[Vector]: ...
+
+    def close(self) -> None: ...
+
+
+MAX_SERVED_TEXTS = 64  # per request to a worker's /embed
+
+
+class ServedEmbedder:
+    """Vectors from a running worker's ``/embed`` (the learner's model, loaded once):
+    a command or an MCP server answers in milliseconds instead of loading the model
+    (seconds). If the worker does not answer, the model is loaded here once and used
+    from then on (``on_fallback`` is told why)."""
+
+    def __init__(
+        self,
+        url: str,
+        load_local: Callable[[], AsyncEmbedder],
+        *,
+        timeout_s: float = 5.0,
+        on_fallback: Callable[[str], None] | None = None,
+    ) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self._load_local = load_local
+        self._local: AsyncEmbedder | None = None
+        self._on_fallback = on_fallback
+        self.served = 0
+
+    async def embed(
+        self, texts: list[str], observe: Callable[[int, float], None] | None = None
+    ) -> list[Vector]:
+        if self._local is None:
+            try:
+                out: list[Vector] = []
+                for start in range(0, len(texts), MAX_SERVED_TEXTS):
+                    chunk = texts[start : start + MAX_SERVED_TEXTS]
+                    out += await asyncio.to_thread(self._post, chunk)
+                self.served += len(texts)
+                return out
+            except (OSError, ValueError, KeyError) as exc:  # URLError is an OSError
+                if self._on_fallback is not None:
+                    self._on_fallback(f"{self.url} did not answer ({exc}); loading the model here")
+                self._local = await asyncio.to_thread(self._load_local)
+        return await self._local.embed(texts, observe)
+
+    def _post(self, texts: list[str]) -> list[Vector]:
+        import json
+        import urllib.request
+
+        request = urllib.request.Request(
+            self.url,
+            data=json.dumps({"texts": texts}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            doc = json.loads(response.read())
+        vectors: list[Vector] = doc["vectors"]
+        if len(vectors) != len(texts):
+            raise ValueError(f"{len(vectors)} vectors for {len(texts)} texts")
+        return vectors
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.close()
+
+
+def embedder_for(
+    settings: Settings, on_fallback: Callable[[str], None] | None = None
+) -> TextEmbedder:
+    """A running worker's model when ``ALMA_EMBED_URL`` names one (``alma up`` writes
+    its own), else the model loaded here (blocking: seconds)."""
+    if settings.embed_url:
+        return ServedEmbedder(
+            settings.embed_url, lambda: load_embedder(settings), on_fallback=on_fallback
+        )
+    return load_embedder(settings)

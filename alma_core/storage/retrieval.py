@@ -32,7 +32,7 @@ from alma_core.scoring import (
     score,
 )
 from alma_core.settings import Settings
-from alma_core.storage.embeddings import AsyncEmbedder, vector_literal
+from alma_core.storage.embeddings import TextEmbedder, vector_literal
 from alma_core.storage.observer import ReadMetrics, ReadObserver
 from alma_core.storage.postgres import is_storage_failure, storage_error
 from alma_core.types import RetrievalScope, WorkflowContext
@@ -58,7 +58,7 @@ class Retriever:
     def __init__(
         self,
         pool: asyncpg.Pool,
-        embedder: AsyncEmbedder,
+        embedder: TextEmbedder,
         *,
         weights: ScoringWeights | None = None,
         require_tenant: bool = True,
@@ -78,7 +78,7 @@ class Retriever:
     def configured(
         cls,
         pool: asyncpg.Pool,
-        embedder: AsyncEmbedder,
+        embedder: TextEmbedder,
         settings: Settings,
         observer: ReadObserver | None = None,
     ) -> Retriever:

@@ -6,6 +6,7 @@ import asyncio
 import json
 
 from alma_core.settings import Settings
+from alma_core.storage.embeddings import AsyncEmbedder
 from tests.integration.conftest import PrivateStack
 from tests.integration.harness import Publisher, Worker, completed, count, wait_for
 
@@ -74,3 +75,62 @@ async def test_readiness_follows_postgres(private_stack: PrivateStack) -> None:
             return (await get(port, "/readyz"))[0] == 200
 
         await wait_for(ready_again, what="ready again")
+
+
+async def request(port: int, method: str, path: str, body: bytes = b"") -> tuple[int, str]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    writer.write(head.encode() + body)
+    await writer.drain()
+    data = await asyncio.wait_for(reader.read(), 30)
+    writer.close()
+    status, _, text = data.decode().partition("\r\n\r\n")
+    return int(status.split(" ")[1]), text
+
+
+async def test_a_worker_serves_its_model_and_retrieval_uses_it(
+    settings: Settings, embedder: AsyncEmbedder
+) -> None:
+    """The learner's model answers ``POST /embed``: ``alma retrieve`` (and the SDK, the MCP
+    server) embed the task there instead of loading the model, and load it themselves,
+    saying so, when no worker answers."""
+    from alma_core.storage.embeddings import ServedEmbedder
+    from tests.integration.test_cli import alma
+    from tests.integration.test_cli_runs import env_of
+    from tests.integration.test_learner import WF, run_events
+
+    dsn = settings.postgres_dsn or ""
+    async with Worker.start(settings, ("checkpointer", "learner"), embedder) as worker:
+        port = worker.status.http_port
+        url = f"http://127.0.0.1:{port}/embed"
+        texts = ["summarise graph database papers", "invoices in euros", "ünïcode ✓"]
+
+        def no_local_model() -> AsyncEmbedder:
+            raise AssertionError("the model was loaded though the worker answers")
+
+        served = ServedEmbedder(url, no_local_model)
+        assert await served.embed(texts) == await embedder.embed(texts)  # the same vectors
+        assert (await request(port, "GET", "/embed"))[0] == 405
+        assert (await request(port, "POST", "/embed", b'{"texts": []}'))[0] == 400
+        assert (await request(port, "POST", "/embed", b"not json"))[0] == 400
+        assert (await request(port, "POST", "/embed", b"x" * 300_000))[0] == 413
+        async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
+            for doc in run_events("served", fail_at="parse", message="bad tag at line 3"):
+                await pub.send(doc)
+            await pub.flush()
+
+        async def learned() -> bool:
+            return await count(dsn, "SELECT count(*) FROM workflow_outcomes") == 1
+
+        await wait_for(learned, limit_s=60, what="the outcome")
+        env = {**env_of(settings), "ALMA_EMBED_URL": url}
+        ask = ("retrieve", "the parser fails on html", "--tenant", "acme", "--workflow", WF)
+        found = await asyncio.to_thread(alma, *ask, "--json", env=env)
+    assert found.returncode == 0, found.stderr
+    assert "did not answer" not in found.stderr
+    items = {i["run_id"] for i in json.loads(found.stdout)["items"] if i.get("run_id")}
+    assert items == {"served"}
+    gone = await asyncio.to_thread(alma, *ask, "--json", env=env)  # the worker stopped
+    assert gone.returncode == 0, gone.stderr
+    assert f"{url} did not answer" in " ".join(gone.stderr.split())
+    assert {i["run_id"] for i in json.loads(gone.stdout)["items"] if i.get("run_id")} == items
