@@ -396,7 +396,11 @@ async def test_the_agtestari_example_runs(
     assert "nda-acme: approved, risk 3, ['legal: standard terms', 'finance: risk 2']" in text
     assert "msa-globex: approved, risk 6" in text  # after the approval service's retry
     assert "supplier-initech: failed (unlimited liability clause" in text
-    assert "Strategies that worked" in text
+    lessons = text.partition("what ALMA learned for the next supplier contract:")[2]
+    # relevance first: the failure a supplier contract met is what the next one sees first
+    assert "## Past runs that failed" in lessons
+    assert "unlimited liability clause" in lessons.partition("## Past runs that worked")[0]
+    assert "## Past runs that worked" in lessons
     dsn = settings.postgres_dsn or ""
     statuses = await fetch(dsn, "SELECT status, count(*) AS n FROM runs GROUP BY status")
     # four reviews (one failed) and the run that asked for lessons
