@@ -89,13 +89,18 @@ async def connect(dsn: str) -> asyncpg.Connection:
         ) from exc
 
 
+def embed_url(s: settings_mod.Settings) -> str | None:
+    """A worker's /embed: configured, else the running `alma up`'s (its learner's model)."""
+    return s.embed_url or running_endpoints(s).get("embed_url")
+
+
 def resolved(s: settings_mod.Settings, endpoints: Endpoints | None = None) -> settings_mod.Settings:
     """``s`` with every service filled in: from ``endpoints`` if given, else configured,
     else the running `alma up`'s."""
     served = s.embed_url
     if endpoints is None:
         endpoints = Endpoints(bootstrap(s), dsn(s), redis_url(s))
-        served = served or running_endpoints(s).get("embed_url")  # its learner's model
+        served = embed_url(s)
     return s.model_copy(
         update={
             "kafka_bootstrap": endpoints.kafka_bootstrap,

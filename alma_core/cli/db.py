@@ -156,7 +156,8 @@ def prune(
             try:
                 async with RedisCheckpointCache.for_settings(s, common.redis_url(s)) as cache:
                     await cache.delete(result.pruned)
-            except errors.CacheError as exc:  # readers verify against PostgreSQL anyway
+            # no Redis, or Redis down: readers verify against PostgreSQL anyway
+            except (errors.CacheError, errors.ConfigError) as exc:
                 common.err.print(f"[yellow]warning:[/yellow] cache not cleared: {exc.message}")
         return result
 

@@ -41,8 +41,8 @@ def retrieve(
         ctx = WorkflowContext(tenant, workflow, None, run, node)
         # a context the scope cannot use is refused before the model loads (seconds)
         scopes.memory_filter(ctx, scope, agent=agent, require_tenant=s.require_tenant)
-        served = s.embed_url or common.running_endpoints(s).get("embed_url")
-        where = s.model_copy(update={"embed_url": served})  # a running `alma up`'s model
+        served = common.embed_url(s)
+        where = s.model_copy(update={"embed_url": served})
 
         def fallback(why: str) -> None:
             common.err.print(f"[yellow]note:[/yellow] {why}")

@@ -105,10 +105,6 @@ def field_for(branch_id: str | None) -> str:
     return MAIN_FIELD if branch_id is None else f"b:{branch_id}"
 
 
-def branch_of(field: str) -> str | None:
-    return None if field == MAIN_FIELD else field[2:]
-
-
 def run_key(tenant_id: str, run_id: str) -> str:
     """A run's part of its Redis key: unambiguous whatever the tenant contains."""
     return f"{len(tenant_id)}:{tenant_id}:{run_id}"
@@ -123,10 +119,6 @@ class CacheEntry:
     field: str
     seq: int
     document: dict[str, Any]
-
-    @property
-    def key(self) -> str:
-        return run_key(self.tenant_id, self.run_id)
 
     def encode(self) -> str:
         return f"{self.seq}:{json.dumps(self.document, separators=(',', ':'))}"
@@ -307,43 +299,41 @@ class RedisCheckpointCache:
     async def bump_epoch(self, partitions: Iterable[int] | None = None) -> None:
         """Make the cached entries of these partitions (None: all) unreachable."""
         chosen = range(self.partitions) if partitions is None else sorted(set(partitions))
-        try:
-            await self._ready()
-            await asyncio.gather(*(self.client.incr(self._epoch_key(p)) for p in chosen))
-        except RedisError as exc:
-            raise errors.CacheError(f"Redis: {exc!r}") from exc
+        await self._each(self.client.incr(self._epoch_key(p)) for p in chosen)
 
     async def put(self, entries: Iterable[CacheEntry], *, complete: bool = False) -> int:
         """Write entries, each only where its seq is higher; returns how many were written.
         One script per partition (its keys share a slot)."""
-        groups: dict[int, tuple[list[str], list[str | int]]] = {}
+        # per partition: its keys (the epoch first, each run's hash once, by position) and args
+        groups: dict[int, tuple[dict[str, int], list[str | int]]] = {}
         for e in entries:
             p, key = self._key(e.tenant_id, e.run_id)
             keys, argv = groups.setdefault(
-                p, ([self._epoch_key(p)], [self.ttl_s, "1" if complete else "0"])
+                p, ({self._epoch_key(p): 1}, [self.ttl_s, "1" if complete else "0"])
             )
-            if key not in keys:
-                keys.append(key)
-            argv += [keys.index(key) + 1, e.field, e.seq, e.encode()]
-        try:
-            await self._ready()
-            written = await asyncio.gather(
-                *(self._put(keys=keys, args=argv) for keys, argv in groups.values())
-            )
-        except RedisError as exc:
-            raise errors.CacheError(f"Redis: {exc!r}") from exc
+            position = keys.setdefault(key, len(keys) + 1)
+            argv += [position, e.field, e.seq, e.encode()]
+        written = await self._each(self._put(keys=list(k), args=a) for k, a in groups.values())
         return sum(int(n) for n in written)
 
     async def delete(self, runs: Iterable[tuple[str, str]]) -> int:
         """Forget runs, (tenant, run id) each (their checkpoints were deleted); returns
-        how many were cached."""
-        keys = [self._key(t, r)[1] for t, r in runs]
+        how many were cached. One DEL per partition (its keys share a slot)."""
+        groups: dict[int, list[str]] = {}
+        for tenant, run in runs:
+            p, key = self._key(tenant, run)
+            groups.setdefault(p, []).append(key)
+        deleted = await self._each(self.client.delete(*keys) for keys in groups.values())
+        return sum(int(n) for n in deleted)
+
+    async def _each(self, commands: Iterable[Awaitable[Any]]) -> list[Any]:
+        """Commands of different partitions at once (each goes to its slot's node); made
+        only once the client is ready, so a failure leaves none unawaited."""
         try:
             await self._ready()
-            deleted = await asyncio.gather(*(self.client.delete(k) for k in keys))
+            return list(await asyncio.gather(*commands))
         except RedisError as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
-        return sum(int(n) for n in deleted)
 
     async def _read(self, tenant_id: str, run_id: str, fields: list[str]) -> list[Any]:
         """HMGET of ``fields`` (empty: HGETALL) of a fresh hash; [] when it is stale."""
@@ -368,11 +358,8 @@ class RedisCheckpointCache:
 
     async def _all(self, tenant_id: str, run_id: str) -> dict[str, Any]:
         flat = await self._read(tenant_id, run_id, [])
-        return {
-            (k.decode() if isinstance(k, bytes) else k): v
-            for k, v in zip(flat[::2], flat[1::2], strict=True)
-            if (k.decode() if isinstance(k, bytes) else k) != EPOCH_FIELD
-        }
+        names = [k.decode() if isinstance(k, bytes) else k for k in flat[::2]]
+        return {k: v for k, v in zip(names, flat[1::2], strict=True) if k != EPOCH_FIELD}
 
     async def entries(
         self, tenant_id: str, run_id: str, fields: list[str] | None = None
@@ -381,13 +368,11 @@ class RedisCheckpointCache:
         consumed branch's tombstone included: its seq is not a head's, so a reader
         never takes it)."""
         if fields is None:
-            pairs = [(f, v) for f, v in (await self._all(tenant_id, run_id)).items()]
-            pairs = [(f, v) for f, v in pairs if f != COMPLETE_FIELD]
-        elif fields:
-            values = await self._read(tenant_id, run_id, fields)
-            pairs = list(zip(fields, values, strict=False))
+            found = await self._all(tenant_id, run_id)
+            pairs = [(f, v) for f, v in found.items() if f != COMPLETE_FIELD]
         else:
-            pairs = []
+            values = await self._read(tenant_id, run_id, fields) if fields else []
+            pairs = list(zip(fields, values, strict=False))  # [] when the hash is stale
         return {f: doc for f, v in pairs if (doc := _decode(v)) is not None}
 
     async def heads(self, tenant_id: str, run_id: str) -> dict[str, dict[str, Any]] | None:

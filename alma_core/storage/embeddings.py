@@ -216,7 +216,6 @@ class ServedEmbedder:
         self._load_local = load_local
         self._local: AsyncEmbedder | None = None
         self._on_fallback = on_fallback
-        self.served = 0
 
     async def embed(
         self, texts: list[str], observe: Callable[[int, float], None] | None = None
@@ -227,7 +226,6 @@ class ServedEmbedder:
                 for start in range(0, len(texts), MAX_SERVED_TEXTS):
                     chunk = texts[start : start + MAX_SERVED_TEXTS]
                     out += await asyncio.to_thread(self._post, chunk)
-                self.served += len(texts)
                 return out
             except (OSError, ValueError, KeyError) as exc:  # URLError is an OSError
                 if self._on_fallback is not None:

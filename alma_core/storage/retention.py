@@ -101,15 +101,6 @@ async def prune(
     return result
 
 
-async def prune_checkpoints(
-    pool: asyncpg.Pool, older_than_days: float, *, batch_runs: int = 200, max_batches: int = 50
-) -> PruneResult:
-    """The checkpoints step alone: runs completed more than ``older_than_days`` ago."""
-    result = PruneResult()
-    await _batches(pool, _checkpoints_batch, older_than_days, batch_runs, max_batches, result)
-    return result
-
-
 # -- steps: each one batch in the caller's transaction; False when nothing was left --
 
 Step = Callable[[asyncpg.Connection, float, int, PruneResult], Awaitable[bool]]

@@ -353,3 +353,20 @@ async def assert_reads_fresh(settings: Settings, runs: list[str]) -> int:
             assert got is not None, run
             assert (got.seq, got.state_hash) == (truth["seq"], truth["state_hash"]), run
     return tally.counts["cache_hit"]
+
+
+async def run_script(
+    path: Path, env: dict[str, str], cwd: Path, timeout_s: float = 150
+) -> tuple[int, str]:
+    """A Python script (an example) run as a user runs it: its exit code and its output,
+    stdout and stderr together."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(path),
+        env=env,
+        cwd=cwd,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+    return proc.returncode or 0, out.decode()

@@ -16,7 +16,7 @@ from typing import Any
 from alma_core.reducers import ReducerRegistry
 from alma_core.sdk.client import AlmaClient
 from alma_core.sdk.run_state import RunState
-from alma_core.settings import Settings
+from alma_core.settings import RetentionPolicy, Settings
 from alma_core.storage import retention
 from alma_core.storage.batches import Incoming
 from alma_core.storage.cache import RedisCheckpointCache
@@ -125,7 +125,9 @@ async def test_checkpoints_retention_deleted_are_not_served(settings: Settings) 
         await wait_for(completed_run, what="the completed run")
     async with connect(dsn) as pool:
         await pool.execute("UPDATE runs SET completed_at = now() - interval '30 days'")
-        pruned = await retention.prune_checkpoints(pool, 7, batch_runs=10, max_batches=1)
+        pruned = await retention.prune(
+            pool, RetentionPolicy(checkpoints_days=7), batch_runs=10, max_batches=1
+        )
         assert pruned.checkpoints == 1
         async with RedisCheckpointCache.for_settings(settings) as cache:
             cached, _ = await cache.get("acme", "old", "latest")

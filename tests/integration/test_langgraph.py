@@ -34,7 +34,7 @@ from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.types import WorkflowContext
 from tests.integration import langgraph_app as app
 from tests.integration.harness import Worker as AlmaWorker
-from tests.integration.harness import count, fetch, wait_for, worker_env
+from tests.integration.harness import count, fetch, run_script, wait_for, worker_env
 
 ROOT = Path(__file__).parents[2]
 
@@ -283,17 +283,8 @@ async def test_the_langgraph_example_runs(
     """examples/langgraph_agent.py against running workers, as a user runs it."""
     env = {**worker_env(settings), "PYTHONPATH": str(ROOT)}
     async with AlmaWorker.start(settings, ("checkpointer", "learner"), embedder):
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            str(ROOT / "examples" / "langgraph_agent.py"),
-            env=env,
-            cwd=tmp_path,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
-        out, _ = await asyncio.wait_for(proc.communicate(), 150)
-    text = out.decode()
-    assert proc.returncode == 0, text
+        returncode, text = await run_script(ROOT / "examples" / "langgraph_agent.py", env, tmp_path)
+    assert returncode == 0, text
     assert "the human is asked: 3 findings on heat pumps" in text
     assert "'heat pumps in news'; 3 results for 'heat pumps in papers'" in text
     assert "(published)" in text

@@ -14,7 +14,7 @@ import asyncpg
 import pytest
 
 from alma_core import errors
-from alma_core.settings import Settings
+from alma_core.settings import RetentionPolicy, Settings
 from alma_core.storage import retention
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.storage.postgres import connect
@@ -33,6 +33,9 @@ from tests.integration.harness import (
 )
 
 WF = "research"
+
+
+CHECKPOINTS_30 = RetentionPolicy(checkpoints_days=30)  # the checkpoints step alone
 
 
 def run_events(
@@ -179,8 +182,8 @@ async def test_cleanup_after_learning_and_retention_of_closed_runs_only(
     assert "cleaned" not in per_run, "cleanup_checkpoints removes the run's checkpoints"
     assert per_run == {"old-closed": 3, "old-open": 1, "recent-closed": 3}
     async with connect(dsn) as pool:
-        pruned = await retention.prune_checkpoints(pool, 30, batch_runs=1, max_batches=10)
-        again = await retention.prune_checkpoints(pool, 30)
+        pruned = await retention.prune(pool, CHECKPOINTS_30, batch_runs=1, max_batches=10)
+        again = await retention.prune(pool, CHECKPOINTS_30)
     assert (pruned.runs, pruned.checkpoints, pruned.more) == (1, 3, False)
     assert again.runs == 0
     left = {r["run_id"] for r in await fetch(dsn, "SELECT DISTINCT run_id FROM checkpoints")}

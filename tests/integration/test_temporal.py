@@ -12,7 +12,6 @@ refuses fails the workflow with a clear error, never a hung activity.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import subprocess
 import sys
@@ -33,7 +32,14 @@ from alma_core.settings import Settings
 from alma_core.storage.embeddings import AsyncEmbedder
 from tests.integration import temporal_app as app
 from tests.integration.harness import Worker as AlmaWorker
-from tests.integration.harness import count, fetch, register_reducers, wait_for, worker_env
+from tests.integration.harness import (
+    count,
+    fetch,
+    register_reducers,
+    run_script,
+    wait_for,
+    worker_env,
+)
 
 ROOT = Path(__file__).parents[2]
 
@@ -382,17 +388,8 @@ async def test_the_agtestari_example_runs(
         "TEMPORAL_ADDRESS": temporal.client.service_client.config.target_host,
     }
     async with AlmaWorker.start(settings, ("checkpointer", "joiner", "learner"), embedder):
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            str(example),
-            env=env,
-            cwd=tmp_path,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
-        out, _ = await asyncio.wait_for(proc.communicate(), 150)
-    text = out.decode()
-    assert proc.returncode == 0, text
+        returncode, text = await run_script(example, env, tmp_path)
+    assert returncode == 0, text
     assert "nda-acme: approved, risk 3, ['legal: standard terms', 'finance: risk 2']" in text
     assert "msa-globex: approved, risk 6" in text  # after the approval service's retry
     assert "supplier-initech: failed (unlimited liability clause" in text
