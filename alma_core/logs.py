@@ -8,9 +8,25 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from datetime import UTC, datetime
 from typing import Any
+
+# user:password@ in a URL, and password=... in a key/value DSN or a connection error
+_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*):[^@\s]*@")
+_KV_PASSWORD = re.compile(
+    r"(?i)(?P<head>\bpass(?:word)?\s*[=:]\s*)(?:'[^']*'|\"[^\"]*\"|[^\s,;&]+)"
+)
+
+
+def redact(text: str) -> str:
+    """``text`` with every password masked: ``postgresql://alma:***@host/db``,
+    ``password=***``. Every log line and every error the command line prints goes
+    through it, so a DSN in a driver's error message does not leak either."""
+    text = _URL_PASSWORD.sub(r"\g<head>:***@", text)
+    return _KV_PASSWORD.sub(r"\g<head>***", text)
+
 
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
@@ -30,11 +46,14 @@ class JsonFormatter(logging.Formatter):
         }
         if record.exc_info:
             doc["exception"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str)
+        return redact(json.dumps(doc, default=str))
 
 
 class ConsoleFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
+        return redact(self._format(record))
+
+    def _format(self, record: logging.LogRecord) -> str:
         ts = datetime.fromtimestamp(record.created).strftime("%H:%M:%S")
         extras = " ".join(f"{k}={v}" for k, v in _extras(record).items())
         line = f"{ts} {record.levelname:<7} {record.name}: {record.getMessage()}"

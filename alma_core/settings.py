@@ -10,11 +10,15 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from alma_core import errors
+from alma_core.logs import redact
 from alma_core.scoring import ScoringWeights
+
+KafkaSecurity = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,33 @@ class Settings(BaseSettings):
         description="ALMA_REDIS_URL names nodes of a Redis Cluster (one URL or several, "
         "comma-separated; the others are found)",
     )
+
+    # Secured Kafka: applied to every producer, consumer and admin client ALMA makes.
+    kafka_security_protocol: KafkaSecurity = Field(
+        default="PLAINTEXT", description="PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL"
+    )
+    kafka_sasl_mechanism: SaslMechanism | None = Field(
+        default=None, description="PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER"
+    )
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: SecretStr | None = None
+    kafka_sasl_oauth_token_file: Path | None = Field(
+        default=None,
+        description="OAUTHBEARER: a file holding the current token, read again each time one "
+        "is needed (a projected service-account token, a sidecar's refreshed token)",
+    )
+    kafka_ssl_cafile: Path | None = Field(
+        default=None, description="CA bundle (PEM) to verify the brokers; unset: the system's"
+    )
+    kafka_ssl_certfile: Path | None = Field(
+        default=None, description="client certificate (PEM) for mutual TLS"
+    )
+    kafka_ssl_keyfile: Path | None = Field(default=None, description="its private key (PEM)")
+    kafka_ssl_key_password: SecretStr | None = None
+    kafka_ssl_check_hostname: bool = True
+
+    # The tenant `alma` commands act for when --tenant is not given.
+    tenant: str | None = Field(default=None, min_length=1)
 
     # Topics.
     lifecycle_topic: str = "alma.lifecycle.v1"
@@ -227,6 +258,19 @@ class Settings(BaseSettings):
             raise ValueError(problem)
         return self
 
+    @model_validator(mode="after")
+    def _kafka_security(self) -> Settings:
+        problem = kafka_security_problem(self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    def __repr_args__(self):  # type: ignore[no-untyped-def]
+        """The repr never shows a password: DSNs and URLs are masked, secrets are
+        pydantic's ``SecretStr``."""
+        for name, value in super().__repr_args__():
+            yield name, redact(value) if isinstance(value, str) else value
+
     @property
     def retention(self) -> RetentionPolicy:
         return RetentionPolicy(
@@ -245,11 +289,53 @@ class Settings(BaseSettings):
     def to_env(self) -> dict[str, str]:
         """The ``ALMA_`` variables that make another process (`alma worker`) load
         these settings."""
+        dumped = self.model_dump(mode="json")
+        for name in dumped:  # JSON shows secrets as '**********': pass the real ones on
+            secret = getattr(self, name)
+            if isinstance(secret, SecretStr):
+                dumped[name] = secret.get_secret_value()
         return {
             f"ALMA_{name.upper()}": value if isinstance(value, str) else json.dumps(value)
-            for name, value in self.model_dump(mode="json").items()
+            for name, value in dumped.items()
             if value is not None
         }
+
+
+def kafka_security_problem(s: Settings) -> str | None:
+    """What is missing or contradictory in the Kafka security settings, if anything."""
+    sasl = s.kafka_security_protocol.startswith("SASL_")
+    tls = s.kafka_security_protocol.endswith("SSL")
+    mechanism = s.kafka_sasl_mechanism
+    if sasl and mechanism is None:
+        return (
+            f"ALMA_KAFKA_SECURITY_PROTOCOL={s.kafka_security_protocol} needs "
+            "ALMA_KAFKA_SASL_MECHANISM (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER)"
+        )
+    if not sasl and mechanism is not None:
+        return (
+            f"ALMA_KAFKA_SASL_MECHANISM={mechanism} needs ALMA_KAFKA_SECURITY_PROTOCOL "
+            f"SASL_SSL or SASL_PLAINTEXT (got {s.kafka_security_protocol})"
+        )
+    if mechanism in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512") and not (
+        s.kafka_sasl_username and s.kafka_sasl_password
+    ):
+        return f"SASL {mechanism} needs ALMA_KAFKA_SASL_USERNAME and ALMA_KAFKA_SASL_PASSWORD"
+    if mechanism == "OAUTHBEARER" and s.kafka_sasl_oauth_token_file is None:
+        return "SASL OAUTHBEARER needs ALMA_KAFKA_SASL_OAUTH_TOKEN_FILE (a file holding the token)"
+    files = {
+        "ALMA_KAFKA_SSL_CAFILE": s.kafka_ssl_cafile,
+        "ALMA_KAFKA_SSL_CERTFILE": s.kafka_ssl_certfile,
+        "ALMA_KAFKA_SSL_KEYFILE": s.kafka_ssl_keyfile,
+    }
+    given = [name for name, path in files.items() if path is not None]
+    if given and not tls:
+        return (
+            f"{', '.join(given)} given but ALMA_KAFKA_SECURITY_PROTOCOL="
+            f"{s.kafka_security_protocol} does not use TLS: set it to SSL or SASL_SSL"
+        )
+    if s.kafka_ssl_keyfile is not None and s.kafka_ssl_certfile is None:
+        return "ALMA_KAFKA_SSL_KEYFILE needs ALMA_KAFKA_SSL_CERTFILE (the client certificate)"
+    return None
 
 
 def load(**overrides: object) -> Settings:
@@ -263,7 +349,8 @@ def load(**overrides: object) -> Settings:
                 problems.append(err["msg"].removeprefix("Value error, "))
                 continue
             name = "ALMA_" + "_".join(str(p) for p in err["loc"]).upper()
-            problems.append(f"{name}={err.get('input')!r}: {err['msg']}")
+            seen = "'***'" if "password" in name.lower() else redact(repr(err.get("input")))
+            problems.append(f"{name}={seen}: {err['msg']}")
         raise errors.ConfigError("invalid settings: " + "; ".join(problems)) from None
     except SettingsError as exc:  # a complex value (JSON) that does not parse
         field = str(exc).partition('field "')[2].partition('"')[0]

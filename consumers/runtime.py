@@ -90,6 +90,8 @@ class RuntimeConfig:
     leave_timeout_s: float = 5.0
     linger_ms: int = 0  # after a short poll, keep polling this long to fill the batch
     periodic_every_s: float = 1.0  # the handler's periodic work runs under load too
+    # TLS/SASL options for every Kafka client (alma_core.messaging.kafka.client_options)
+    client_options: dict[str, Any] = field(default_factory=dict)
 
 
 def backoff_delay(attempt: int, initial: float, maximum: float, jitter: float = 0.2) -> float:
@@ -179,9 +181,10 @@ class ConsumerRuntime:
 
     async def run(self, stop: asyncio.Event) -> None:
         cfg = self.config
-        self._admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap)
+        self._admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap, **cfg.client_options)
         consumer = AIOKafkaConsumer(
             bootstrap_servers=cfg.bootstrap,
+            **cfg.client_options,
             group_id=cfg.group_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",

@@ -22,6 +22,7 @@ from aiokafka.errors import KafkaError
 
 from alma_core import errors
 from alma_core.learning import LearningPolicy
+from alma_core.messaging import kafka
 from alma_core.reducers import default_registry
 from alma_core.settings import Settings
 from alma_core.storage import postgres
@@ -106,6 +107,7 @@ async def _producer(
     """A started producer, or None when stopped before the broker answered."""
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap,
+        **kafka.client_options(settings),
         acks="all",
         linger_ms=2,
         max_request_size=settings.max_record_bytes + 64 * 1024,
@@ -122,7 +124,9 @@ async def _check_replay_window(settings: Settings, bootstrap: str) -> None:
     """Warn when the lifecycle topic keeps records longer than run rows live (a replay
     of such a record would start its pruned run again); never stops the worker."""
     topic = settings.lifecycle_topic
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5_000)
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap, request_timeout_ms=5_000, **kafka.client_options(settings)
+    )
     try:
         await admin.start()
         resource = ConfigResource(ConfigResourceType.TOPIC, topic)
@@ -220,6 +224,7 @@ async def run_worker(
                         session_timeout_ms=settings.session_timeout_ms,
                         heartbeat_interval_ms=settings.heartbeat_interval_ms,
                         fetch_max_wait_ms=settings.fetch_max_wait_ms,
+                        client_options=kafka.client_options(settings),
                     ),
                     handler,
                     metrics,

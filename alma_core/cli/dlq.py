@@ -13,6 +13,7 @@ from rich.table import Table
 
 from alma_core import errors
 from alma_core.cli import common
+from alma_core.messaging import kafka
 from alma_core.storage import dead_letters
 from schemas.decoder import Rejection, decode
 
@@ -98,7 +99,9 @@ def dlq_replay(
                     )
             else:
                 key = decoded.run_id.encode()
-            producer = AIOKafkaProducer(bootstrap_servers=common.bootstrap(s), acks="all")
+            producer = AIOKafkaProducer(
+                bootstrap_servers=common.bootstrap(s), acks="all", **kafka.client_options(s)
+            )
             try:
                 await producer.start()
                 await producer.send_and_wait(s.lifecycle_topic, value, key=key)

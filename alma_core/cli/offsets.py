@@ -9,6 +9,7 @@ Events already applied are still dropped by the inbox (their event ids)."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import typer
 from aiokafka.admin import AIOKafkaAdminClient
@@ -17,6 +18,7 @@ from rich.table import Table
 
 from alma_core import errors
 from alma_core.cli import common
+from alma_core.messaging import kafka
 from alma_core.storage import offsets
 
 offsets_app = typer.Typer(help="Consumer offsets stored in PostgreSQL: list, reset.")
@@ -26,8 +28,10 @@ def register(app: typer.Typer) -> None:
     app.add_typer(offsets_app, name="offsets")
 
 
-async def cluster_id(bootstrap: str) -> str:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+async def cluster_id(bootstrap: str, client_options: dict[str, Any] | None = None) -> str:
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap, request_timeout_ms=10_000, **(client_options or {})
+    )
     try:
         await admin.start()
         return str((await admin.describe_cluster())["cluster_id"])
@@ -83,7 +87,7 @@ def offsets_reset(
     s = common.settings()
 
     async def main() -> None:
-        current = await cluster_id(common.bootstrap(s))
+        current = await cluster_id(common.bootstrap(s), kafka.client_options(s))
         conn = await common.connect(common.dsn(s))
         try:
             rows = await offsets.forget(conn, group, current, topic, partition)

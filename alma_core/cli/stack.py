@@ -17,6 +17,7 @@ from alma_core.cli import common
 from alma_core.cli.embedded import EmbeddedStack, Endpoints
 from alma_core.cli.topics import alma_topics, ensure_topics
 from alma_core.logs import configure as configure_logs
+from alma_core.messaging import kafka
 from alma_core.settings import Settings
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.storage.migrations import Migrator
@@ -130,6 +131,7 @@ async def bring_up(s: Settings, *, durable: bool = True) -> tuple[EmbeddedStack,
             alma_topics(s),
             partitions=s.partitions,
             replication_factor=s.replication_factor,
+            client_options=kafka.client_options(s),
         )
         conn = await common.connect(endpoints.postgres_dsn)
         try:

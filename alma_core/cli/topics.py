@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import typer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -14,6 +15,7 @@ from rich.table import Table
 
 from alma_core import errors
 from alma_core.cli import common
+from alma_core.messaging import kafka
 from alma_core.settings import Settings
 
 topics_app = typer.Typer(help="Kafka topics.")
@@ -45,9 +47,12 @@ async def ensure_topics(
     *,
     partitions: int,
     replication_factor: int = 1,
+    client_options: dict[str, Any] | None = None,
 ) -> list[str]:
     """Create the topics that do not exist yet; returns the names created."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap, request_timeout_ms=10_000, **(client_options or {})
+    )
     try:
         await admin.start()
         existing = set(await admin.list_topics())
@@ -66,8 +71,12 @@ async def ensure_topics(
         await admin.close()
 
 
-async def describe_topics(bootstrap: str, names: list[str]) -> list[TopicInfo]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+async def describe_topics(
+    bootstrap: str, names: list[str], client_options: dict[str, Any] | None = None
+) -> list[TopicInfo]:
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap, request_timeout_ms=10_000, **(client_options or {})
+    )
     try:
         await admin.start()
         existing = set(await admin.list_topics())
@@ -99,6 +108,7 @@ def topics_create(
             alma_topics(s),
             partitions=s.partitions,
             replication_factor=s.replication_factor,
+            client_options=kafka.client_options(s),
         )
         common.out.print(f"created: {', '.join(created)}" if created else "all topics exist")
 
@@ -111,7 +121,7 @@ def topics_describe(as_json: bool = typer.Option(False, "--json")) -> None:
     s = common.settings()
 
     async def main() -> None:
-        infos = await describe_topics(common.bootstrap(s), alma_topics(s))
+        infos = await describe_topics(common.bootstrap(s), alma_topics(s), kafka.client_options(s))
         if as_json:
             print(json.dumps([i.__dict__ for i in infos]))
         else:

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from alma_core import errors
 from alma_core.memory import MemorySlice
+from alma_core.messaging import kafka
 from alma_core.sdk.replies import ReplyListener
 from alma_core.settings import Settings
 from alma_core.storage import reducer_configs, runs
@@ -90,14 +91,19 @@ class AlmaClient:
         self.bootstrap = bootstrap or settings.kafka_bootstrap
         if not self.bootstrap:
             raise errors.ConfigError("AlmaClient needs ALMA_KAFKA_BOOTSTRAP (or bootstrap=...)")
+        options = kafka.client_options(settings)
         self._producer = AIOKafkaProducer(
             bootstrap_servers=self.bootstrap,
+            **options,
             acks="all",
             linger_ms=1,
             max_request_size=settings.max_record_bytes + 64 * 1024,
         )
         self._replies = ReplyListener(
-            self.bootstrap, settings.merged_topic, fetch_max_wait_ms=settings.fetch_max_wait_ms
+            self.bootstrap,
+            settings.merged_topic,
+            fetch_max_wait_ms=settings.fetch_max_wait_ms,
+            client_options=options,
         )
         self._reads: contextlib.AsyncExitStack | None = None
         self._opening = asyncio.Lock()  # concurrent first reads open one pool, not several

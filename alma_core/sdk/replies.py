@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from pydantic import ValidationError
@@ -26,8 +27,16 @@ JoinKey = tuple[str, str, str]  # tenant_id, run_id, join_id
 
 
 class ReplyListener:
-    def __init__(self, bootstrap: str, topic: str, *, fetch_max_wait_ms: int) -> None:
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        *,
+        fetch_max_wait_ms: int,
+        client_options: dict[str, Any] | None = None,
+    ) -> None:
         self.bootstrap = bootstrap
+        self.client_options = client_options or {}
         self.topic = topic
         self.fetch_max_wait_ms = fetch_max_wait_ms
         self._consumer: AIOKafkaConsumer | None = None
@@ -60,6 +69,7 @@ class ReplyListener:
     async def _start(self) -> None:
         consumer = AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap,
+            **self.client_options,
             enable_auto_commit=False,
             fetch_max_wait_ms=self.fetch_max_wait_ms,
         )

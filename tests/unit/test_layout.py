@@ -5,6 +5,7 @@ module's imports (with ``ast``, importing nothing).
   PostgreSQL, Redis or Kafka client, nothing from ``storage``, ``sdk``,
   ``integrations``, ``cli`` or ``consumers``.
 * ``schemas`` is the event contract: it imports nothing of ours.
+* ``messaging`` (the Kafka edge: how clients connect) reaches nothing above it.
 * ``storage`` (the PostgreSQL/Redis edges) never reaches up into ``sdk``, ``cli``
   or ``consumers``; ``sdk`` never into ``cli`` or ``consumers``.
 * ``consumers`` never imports the command line or the SDK; ``integrations`` never
@@ -103,6 +104,18 @@ def test_schemas_import_nothing_of_ours() -> None:
 def test_storage_never_reaches_up() -> None:
     forbidden = ("alma_core.sdk", "alma_core.cli", "alma_core.integrations", "consumers")
     assert offenders(modules("alma_core/storage"), forbidden) == {}
+
+
+def test_messaging_is_an_edge_below_everything_that_talks_to_kafka() -> None:
+    """The Kafka edge (client options) is shared by the SDK, the workers and the CLI."""
+    forbidden = (
+        "alma_core.storage",
+        "alma_core.sdk",
+        "alma_core.cli",
+        "alma_core.integrations",
+        "consumers",
+    )
+    assert offenders(modules("alma_core/messaging"), forbidden) == {}
 
 
 def test_sdk_never_reaches_the_command_line_or_the_workers() -> None:
