@@ -4,6 +4,10 @@ PostgreSQL answers) and, where the learner runs, ``POST /embed`` (``{"texts":
 [...]}`` → ``{"model", "dimension", "vectors"}``, at most 64 texts): the model it
 holds, for retrieval elsewhere without loading it. A tiny asyncio server: nothing
 else to deploy.
+
+The server starts before anything else, so liveness answers while PostgreSQL,
+Kafka or the model are still awaited (a slow dependency must not make an
+orchestrator kill the process forever); readiness names what is still missing.
 """
 
 from __future__ import annotations
@@ -14,11 +18,12 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from alma_core import errors
+from alma_core.logs import redact
 from alma_core.storage.embeddings import MAX_SERVED_TEXTS, AsyncEmbedder
 from consumers.metrics import Metrics
 from consumers.runtime import ConsumerRuntime
@@ -35,19 +40,30 @@ class Readiness:
     reasons: list[str]
 
 
-async def readiness(
-    runtimes: list[ConsumerRuntime], database_ok: Callable[[], Awaitable[bool]]
-) -> Readiness:
-    reasons = []
+@dataclass
+class Health:
+    """What a worker's start-up has not done yet (``waiting``: part → why), then the
+    running parts /readyz checks; filled in as the worker starts."""
+
+    waiting: dict[str, str] = field(default_factory=dict)
+    runtimes: list[ConsumerRuntime] = field(default_factory=list)
+    database_ok: Callable[[], Awaitable[bool]] | None = None
+    embedder: AsyncEmbedder | None = None
+
+
+async def readiness(health: Health) -> Readiness:
+    reasons = [f"{part}: {why}" for part, why in health.waiting.items()]
+    if health.database_ok is None:
+        return Readiness(False, reasons or ["starting"])
     now = time.monotonic()
-    for runtime in runtimes:
+    for runtime in health.runtimes:
         name = runtime.handler.name
         if not runtime.started.is_set():
             reasons.append(f"{name}: not started (joining its group)")
         elif now - runtime.last_poll > POLL_STALE_S:
             reasons.append(f"{name}: no poll for {now - runtime.last_poll:.0f} s")
     try:
-        ok = await asyncio.wait_for(database_ok(), 2.0)
+        ok = await asyncio.wait_for(health.database_ok(), 2.0)
     except Exception:  # noqa: BLE001 - any failure is "not reachable"
         ok = False
     if not ok:
@@ -56,13 +72,7 @@ async def readiness(
 
 
 @contextlib.asynccontextmanager
-async def serve(
-    port: int,
-    metrics: Metrics,
-    runtimes: list[ConsumerRuntime],
-    database_ok: Callable[[], Awaitable[bool]],
-    embedder: AsyncEmbedder | None = None,
-) -> AsyncIterator[int]:
+async def serve(port: int, metrics: Metrics, health: Health) -> AsyncIterator[int]:
     """Serve until the block ends; yields the port (0 asks for a free one)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -94,15 +104,16 @@ async def serve(
             writer.close()
 
     async def respond(method: str, path: str, payload: bytes) -> tuple[str, str, bytes]:
-        if path == "/embed" and embedder is not None:
+        if path == "/embed" and health.embedder is not None:
             return await embed(method, payload)
         if path == "/metrics":
             return "200 OK", CONTENT_TYPE_LATEST, generate_latest(metrics.registry)
         if path == "/healthz":
             return "200 OK", "application/json", b'{"status":"alive"}'
         if path == "/readyz":
-            state = await readiness(runtimes, database_ok)
-            body = json.dumps({"ready": state.ready, "reasons": state.reasons}).encode()
+            state = await readiness(health)
+            reasons = [redact(r) for r in state.reasons]  # an error may quote a DSN
+            body = json.dumps({"ready": state.ready, "reasons": reasons}).encode()
             return (
                 ("200 OK" if state.ready else "503 Service Unavailable"),
                 "application/json",
@@ -111,6 +122,7 @@ async def serve(
         return "404 Not Found", "text/plain", b"try /metrics, /healthz, /readyz or /embed\n"
 
     async def embed(method: str, payload: bytes) -> tuple[str, str, bytes]:
+        embedder = health.embedder
         assert embedder is not None
         if method != "POST":
             return "405 Method Not Allowed", "text/plain", b'POST {"texts": [...]}\n'

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import contextlib
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 
 from alma_core.storage.observer import LATENCY_BUCKETS, CacheResult, ReadMetrics
 
@@ -19,6 +27,10 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        if r is not REGISTRY:  # the default registry has them already
+            # process_resident_memory_bytes, process_cpu_seconds_total, process_open_fds...
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
         self.events = Counter(
             "alma_events_total",
             "Events consumed, by consumer, event type and outcome",

@@ -1,8 +1,11 @@
 """A worker process: the consumer groups it was asked for, wired to the services.
 
-Start-up waits for the services (retrying with backoff, saying so in the log)
-rather than failing; a schema older than the code is an error that says to run
-``alma db upgrade``.
+The HTTP endpoints come up first: liveness answers at once, readiness names
+what start-up still waits for. Start-up waits for the services (retrying with
+backoff, saying so in the log and in /readyz) rather than failing, and for a
+schema older than the code (``alma db upgrade``, run by the migration Job during a
+rolling upgrade); a schema that no longer admits this worker (newer migrations
+that declare it too old) is an error that says what to deploy.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from alma_core.storage.checkpoints import PostgresCheckpointStore, StoreConfig
 from alma_core.storage.embeddings import AsyncEmbedder, load_embedder
 from alma_core.storage.joins import JoinConfig, PostgresJoinStore
 from alma_core.storage.memories import LearnConfig, PostgresLearnStore, check_dimension
-from alma_core.storage.migrations import Migrator, load_migrations
+from alma_core.storage.migrations import Migrator, compatibility, load_migrations
 from consumers import checkpointer, http, joiner, learner
 from consumers.metrics import Metrics
 from consumers.outbox import OutboxRelay
@@ -67,11 +70,19 @@ class Services:
     redis_url: str
 
 
-async def _wait_for_pool(dsn: str, settings: Settings, stop: asyncio.Event) -> asyncpg.Pool | None:
+async def _pause(stop: asyncio.Event, attempt: int) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), backoff_delay(attempt, 0.5, 10.0))
+
+
+async def _wait_for_pool(
+    dsn: str, settings: Settings, stop: asyncio.Event, health: http.Health
+) -> asyncpg.Pool | None:
     attempt = 0
+    health.waiting["postgres"] = "connecting"
     while not stop.is_set():
         try:
-            return await postgres.create_pool(
+            pool = await postgres.create_pool(
                 dsn,
                 max_size=settings.pg_pool_size,
                 lock_timeout_ms=settings.pg_lock_timeout_ms,
@@ -79,25 +90,39 @@ async def _wait_for_pool(dsn: str, settings: Settings, stop: asyncio.Event) -> a
             )
         except errors.StorageError as exc:
             attempt += 1
-            delay = backoff_delay(attempt, 0.5, 10.0)
+            health.waiting["postgres"] = f"unreachable (attempt {attempt}): {exc.message}"
             log.warning(
                 "PostgreSQL unreachable; retrying",
                 extra={"action": "postgres_retry", "attempt": attempt, "error": exc.message},
             )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
+            await _pause(stop, attempt)
+        else:
+            del health.waiting["postgres"]
+            return pool
     return None
 
 
-async def check_schema(pool: asyncpg.Pool) -> None:
-    newest = len(load_migrations())
-    async with pool.acquire() as conn:
-        current = await Migrator(conn).current()
-    if current != newest:
-        raise errors.ConfigError(
-            f"the database schema is at version {current}, this ALMA Stream needs {newest}: "
-            "run `alma db upgrade`"
-        )
+async def wait_for_schema(pool: asyncpg.Pool, stop: asyncio.Event, health: http.Health) -> bool:
+    """Wait until the schema has every migration this worker knows (False: stopped
+    first); raise when the schema no longer admits this worker (only a deploy of a
+    newer release helps, so restarting would not)."""
+    built_for = len(load_migrations())
+    attempt = 0
+    while not stop.is_set():
+        async with pool.acquire() as conn:
+            migrator = Migrator(conn)
+            current, oldest = await migrator.current(), await migrator.oldest_worker()
+        problem = compatibility(built_for, current, oldest)
+        if problem is None:
+            health.waiting.pop("schema", None)
+            return True
+        if current >= built_for:
+            raise errors.ConfigError(problem)
+        attempt += 1
+        health.waiting["schema"] = problem
+        log.warning(problem, extra={"action": "schema_wait", "attempt": attempt})
+        await _pause(stop, attempt)
+    return False
 
 
 @contextlib.asynccontextmanager
@@ -170,23 +195,45 @@ async def run_worker(
     metrics = metrics or Metrics()
     if status is not None:
         status.metrics = metrics
+    health = http.Health()
+    async with http.serve(settings.metrics_port, metrics, health) as port:
+        if status is not None:
+            status.http_port = port
+        await _run(settings, services, consumers, stop, metrics, health, ready, embedder)
+
+
+async def _run(
+    settings: Settings,
+    services: Services,
+    consumers: list[str],
+    stop: asyncio.Event,
+    metrics: Metrics,
+    health: http.Health,
+    ready: asyncio.Event | None,
+    embedder: AsyncEmbedder | None,
+) -> None:
     owned: AsyncEmbedder | None = None
-    pool = await _wait_for_pool(services.postgres_dsn, settings, stop)
+    pool = await _wait_for_pool(services.postgres_dsn, settings, stop, health)
     if pool is None:
         return
     try:
-        await check_schema(pool)
+        if not await wait_for_schema(pool, stop, health):
+            return
         if learner.NAME in consumers:
             if embedder is None:
+                health.waiting["model"] = "loading the embedding model"
                 log.info("loading the embedding model", extra={"action": "embedder_load"})
                 embedder = owned = await asyncio.to_thread(load_embedder, settings)
             await check_dimension(pool, embedder.dimension, embedder.embedder.name)
+            health.waiting.pop("model", None)
+        health.waiting["kafka"] = f"connecting to {services.kafka_bootstrap}"
         async with (
             RedisCheckpointCache.for_settings(settings, services.redis_url) as cache,
             _producer(settings, services.kafka_bootstrap, stop) as producer,
         ):
             if producer is None:
                 return
+            del health.waiting["kafka"]
             if checkpointer.NAME in consumers:
                 await _check_replay_window(settings, services.kafka_bootstrap)
             relay = OutboxRelay(
@@ -312,26 +359,24 @@ async def run_worker(
             async def database_ok() -> bool:
                 return bool(await pool.fetchval("SELECT 1"))
 
-            serving = embedder if learner.NAME in consumers else None  # the model, for retrieval
-            async with http.serve(
-                settings.metrics_port, metrics, runtimes, database_ok, serving
-            ) as port:
-                if status is not None:
-                    status.http_port = port
-                tasks = [asyncio.create_task(r.run(stop)) for r in runtimes]
-                started = asyncio.ensure_future(
-                    asyncio.gather(*(r.started.wait() for r in runtimes))
-                )
-                waiting: list[asyncio.Future[Any]] = [started, *tasks]
-                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if started in done and ready is not None:
-                    ready.set()
-                try:
-                    await asyncio.gather(*tasks)
-                finally:
-                    started.cancel()
-                    await cache_writer.close()
+            health.runtimes = runtimes
+            health.database_ok = database_ok
+            if learner.NAME in consumers:
+                health.embedder = embedder  # the model, for retrieval elsewhere
+            tasks = [asyncio.create_task(r.run(stop)) for r in runtimes]
+            started = asyncio.ensure_future(asyncio.gather(*(r.started.wait() for r in runtimes)))
+            waiting: list[asyncio.Future[Any]] = [started, *tasks]
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if started in done and ready is not None:
+                ready.set()
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                started.cancel()
+                health.embedder = None
+                await cache_writer.close()
     finally:
+        health.database_ok = None
         if owned is not None:
             owned.close()
         await pool.close()

@@ -4,6 +4,16 @@ Applied versions are recorded in ``alma_schema_version``. Each step runs in its
 own transaction under an advisory lock, so two processes upgrading at once
 apply every step once. Planning is pure (:func:`plan`); :class:`Migrator` does
 the I/O.
+
+Rolling upgrades: a migration's up file may declare, in a comment line,
+``-- oldest-worker: N``: workers built for schema N (and later) still run on the
+schema it makes. Additive migrations (new tables, nullable columns, indexes)
+declare the version before them, so old pods keep running while new ones roll out
+and a rollback needs no downgrade; a destructive one (a drop, a changed key)
+declares itself, and comes in a later release than the change that stopped
+needing what it drops. Without the line a migration admits only workers built for
+it. The floor is recorded with each applied version, so a worker older than the
+migration files still reads it (:func:`compatibility`).
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from alma_core import errors
 VERSION_TABLE = "alma_schema_version"
 _LOCK_KEY = 0x414C4D41  # "ALMA"
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.(up|down)\.sql$")
+_OLDEST_WORKER = re.compile(r"^--\s*oldest-worker:\s*(\d+)\s*$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -29,6 +40,33 @@ class Migration:
     name: str
     up: str
     down: str
+
+    @property
+    def oldest_worker(self) -> int:
+        """The oldest schema version a worker may be built for and still run on this
+        one (the ``-- oldest-worker: N`` line; without it, this version)."""
+        match = _OLDEST_WORKER.search(self.up)
+        return int(match[1]) if match else self.version
+
+
+def compatibility(built_for: int, current: int, oldest_worker: int) -> str | None:
+    """Why a worker built for schema ``built_for`` cannot run on a database at
+    ``current`` whose applied migrations admit workers from ``oldest_worker`` on, or
+    None when it can: the schema must have every migration the worker knows, and must
+    still admit it."""
+    if current < built_for:
+        return (
+            f"the database schema is at version {current}, this ALMA Stream needs "
+            f"{built_for}: run `alma db upgrade` (the migration Job, in Kubernetes)"
+        )
+    if oldest_worker > built_for:
+        return (
+            f"the database schema is at version {current}, which admits workers built for "
+            f"schema {oldest_worker} or later; this ALMA Stream is built for {built_for}: "
+            f"deploy a release built for schema {oldest_worker} or later (or, losing what "
+            f"the newer migrations hold, `alma db downgrade --to {built_for}` with that release)"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -93,9 +131,9 @@ def plan(migrations: list[Migration], current: int, target: int | None = None) -
 class Migrator:
     """Applies migrations to one database over an asyncpg connection."""
 
-    def __init__(self, conn: asyncpg.Connection) -> None:
+    def __init__(self, conn: asyncpg.Connection, migrations: list[Migration] | None = None) -> None:
         self._conn = conn
-        self.migrations = load_migrations()
+        self.migrations = load_migrations() if migrations is None else migrations
 
     async def _ensure_table(self) -> None:
         await self._conn.execute(
@@ -103,6 +141,26 @@ class Migrator:
                     version    integer     PRIMARY KEY,
                     name       text        NOT NULL,
                     applied_at timestamptz NOT NULL DEFAULT now())"""
+        )
+        # each applied version's floor, readable by workers that lack its file
+        await self._conn.execute(
+            f"ALTER TABLE {VERSION_TABLE} ADD COLUMN IF NOT EXISTS oldest_worker integer"
+        )
+
+    async def oldest_worker(self) -> int:
+        """The oldest schema a worker may be built for and run on this database: the
+        highest floor of the applied migrations (a row without one: its version)."""
+        exists = await self._conn.fetchval("SELECT to_regclass($1) IS NOT NULL", VERSION_TABLE)
+        if not exists:
+            return 0
+        has_column = await self._conn.fetchval(
+            "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) "
+            "AND attname = 'oldest_worker' AND NOT attisdropped)",
+            VERSION_TABLE,
+        )
+        floor = "coalesce(oldest_worker, version)" if has_column else "version"
+        return int(
+            await self._conn.fetchval(f"SELECT coalesce(max({floor}), 0) FROM {VERSION_TABLE}")
         )
 
     async def current(self) -> int:
@@ -135,9 +193,11 @@ class Migrator:
                     await self._conn.execute(step.sql)
                     if step.direction == "up":
                         await self._conn.execute(
-                            f"INSERT INTO {VERSION_TABLE} (version, name) VALUES ($1, $2)",
+                            f"INSERT INTO {VERSION_TABLE} (version, name, oldest_worker) "
+                            "VALUES ($1, $2, $3)",
                             step.migration.version,
                             step.migration.name,
+                            step.migration.oldest_worker,
                         )
                     else:
                         await self._conn.execute(
