@@ -20,12 +20,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from alma_core import errors
 from alma_core.logs import redact
 from alma_core.storage.embeddings import MAX_SERVED_TEXTS, AsyncEmbedder
-from consumers.metrics import Metrics
 from consumers.runtime import ConsumerRuntime
 
 log = logging.getLogger("alma.http")
@@ -47,13 +46,14 @@ class Health:
 
     waiting: dict[str, str] = field(default_factory=dict)
     runtimes: list[ConsumerRuntime] = field(default_factory=list)
-    database_ok: Callable[[], Awaitable[bool]] | None = None
+    # what must answer once started (part → check): PostgreSQL for a worker
+    checks: dict[str, Callable[[], Awaitable[bool]]] = field(default_factory=dict)
     embedder: AsyncEmbedder | None = None
 
 
 async def readiness(health: Health) -> Readiness:
     reasons = [f"{part}: {why}" for part, why in health.waiting.items()]
-    if health.database_ok is None:
+    if not health.checks:
         return Readiness(False, reasons or ["starting"])
     now = time.monotonic()
     for runtime in health.runtimes:
@@ -62,17 +62,18 @@ async def readiness(health: Health) -> Readiness:
             reasons.append(f"{name}: not started (joining its group)")
         elif now - runtime.last_poll > POLL_STALE_S:
             reasons.append(f"{name}: no poll for {now - runtime.last_poll:.0f} s")
-    try:
-        ok = await asyncio.wait_for(health.database_ok(), 2.0)
-    except Exception:  # noqa: BLE001 - any failure is "not reachable"
-        ok = False
-    if not ok:
-        reasons.append("postgres: not reachable")
+    for part, check in list(health.checks.items()):
+        try:
+            ok = await asyncio.wait_for(check(), 2.0)
+        except Exception:  # noqa: BLE001 - any failure is "not reachable"
+            ok = False
+        if not ok:
+            reasons.append(f"{part}: not reachable")
     return Readiness(not reasons, reasons)
 
 
 @contextlib.asynccontextmanager
-async def serve(port: int, metrics: Metrics, health: Health) -> AsyncIterator[int]:
+async def serve(port: int, registry: CollectorRegistry, health: Health) -> AsyncIterator[int]:
     """Serve until the block ends; yields the port (0 asks for a free one)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -107,7 +108,7 @@ async def serve(port: int, metrics: Metrics, health: Health) -> AsyncIterator[in
         if path == "/embed" and health.embedder is not None:
             return await embed(method, payload)
         if path == "/metrics":
-            return "200 OK", CONTENT_TYPE_LATEST, generate_latest(metrics.registry)
+            return "200 OK", CONTENT_TYPE_LATEST, generate_latest(registry)
         if path == "/healthz":
             return "200 OK", "application/json", b'{"status":"alive"}'
         if path == "/readyz":

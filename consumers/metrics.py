@@ -222,3 +222,59 @@ class Metrics:
         for gauge in (self.lag, self.offsets_ahead_of_log):
             with contextlib.suppress(KeyError):
                 gauge.remove(consumer, topic, str(partition))
+
+
+class ExporterMetrics:
+    """What ``alma lag-exporter`` exports: the broker's view of the ALMA groups, under
+    kafka_exporter's names (its dashboards, alerts and KEDA triggers work unchanged),
+    plus the exporter's own health."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        if r is not REGISTRY:
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+        self.partition_offset = Gauge(
+            "kafka_topic_partition_current_offset",
+            "Where the partition ends (the offset the next record gets)",
+            ["topic", "partition"],
+            registry=r,
+        )
+        self.group_offset = Gauge(
+            "kafka_consumergroup_current_offset",
+            "The group's committed offset in the partition",
+            ["consumergroup", "topic", "partition"],
+            registry=r,
+        )
+        self.lag = Gauge(
+            "kafka_consumergroup_lag",
+            "Records the group has not yet committed past, per partition",
+            ["consumergroup", "topic", "partition"],
+            registry=r,
+        )
+        self.lag_sum = Gauge(
+            "kafka_consumergroup_lag_sum",
+            "Records the group has not yet committed past, over the topic",
+            ["consumergroup", "topic"],
+            registry=r,
+        )
+        self.members = Gauge(
+            "kafka_consumergroup_members",
+            "Members of the group (0: nothing consumes)",
+            ["consumergroup"],
+            registry=r,
+        )
+        self.last_success = Gauge(
+            "alma_lag_exporter_last_success_timestamp_seconds",
+            "When the broker last answered every question of a scrape (Unix time)",
+            registry=r,
+        )
+        self.errors = Counter(
+            "alma_lag_exporter_errors_total", "Scrapes of the broker that failed", registry=r
+        )
+        self.scrape_seconds = Histogram(
+            "alma_lag_exporter_scrape_seconds",
+            "Time to read the groups' offsets and the partitions' ends",
+            registry=r,
+        )

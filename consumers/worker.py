@@ -196,7 +196,7 @@ async def run_worker(
     if status is not None:
         status.metrics = metrics
     health = http.Health()
-    async with http.serve(settings.metrics_port, metrics, health) as port:
+    async with http.serve(settings.metrics_port, metrics.registry, health) as port:
         if status is not None:
             status.http_port = port
         await _run(settings, services, consumers, stop, metrics, health, ready, embedder)
@@ -360,7 +360,7 @@ async def _run(
                 return bool(await pool.fetchval("SELECT 1"))
 
             health.runtimes = runtimes
-            health.database_ok = database_ok
+            health.checks["postgres"] = database_ok
             if learner.NAME in consumers:
                 health.embedder = embedder  # the model, for retrieval elsewhere
             tasks = [asyncio.create_task(r.run(stop)) for r in runtimes]
@@ -376,7 +376,7 @@ async def _run(
                 health.embedder = None
                 await cache_writer.close()
     finally:
-        health.database_ok = None
+        health.checks.clear()
         if owned is not None:
             owned.close()
         await pool.close()

@@ -21,6 +21,7 @@ from alma_core.messaging import kafka
 from alma_core.settings import Settings
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.storage.migrations import Migrator
+from consumers.lag import run_lag_exporter
 from consumers.worker import KNOWN_CONSUMERS, WorkerStatus, run_worker
 from consumers.worker import Services as WorkerServices
 
@@ -28,6 +29,7 @@ from consumers.worker import Services as WorkerServices
 def register(app: typer.Typer) -> None:
     app.command("up")(up)
     app.command("worker")(worker)
+    app.command("lag-exporter")(lag_exporter)
 
 
 def up(
@@ -111,6 +113,22 @@ def worker(
         services = WorkerServices(common.bootstrap(s), common.dsn(s), common.redis_url(s))
         stop = _stop_on_signals()
         await run_worker(s, services, names, stop)
+
+    common.run(main)
+
+
+def lag_exporter(
+    port: int = typer.Option(9465, help="Where /metrics, /healthz and /readyz listen."),
+    interval: float = typer.Option(15.0, min=1.0, help="Seconds between questions to Kafka."),
+) -> None:
+    """Export the ALMA groups' lag as the broker sees it (kafka_exporter's metric names),
+    until SIGTERM or Ctrl-C: honest when a group died or hangs, unlike a worker's own."""
+    s = common.settings()
+    configure_logs(s.log_format, s.log_level)
+
+    async def main() -> None:
+        stop = _stop_on_signals()
+        await run_lag_exporter(s, common.bootstrap(s), stop, port=port, interval_s=interval)
 
     common.run(main)
 
