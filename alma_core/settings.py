@@ -10,7 +10,15 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    SerializationInfo,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from alma_core import errors
@@ -265,6 +273,12 @@ class Settings(BaseSettings):
             raise ValueError(problem)
         return self
 
+    @field_serializer("postgres_dsn", "redis_url", "embed_url")
+    def _masked(self, value: str | None, info: SerializationInfo) -> str | None:
+        """A dump shows URLs without their passwords unless asked for the secrets."""
+        revealed = isinstance(info.context, dict) and info.context.get("secrets")
+        return value if value is None or revealed else redact(value)
+
     def __repr_args__(self):  # type: ignore[no-untyped-def]
         """The repr never shows a password: DSNs and URLs are masked, secrets are
         pydantic's ``SecretStr``."""
@@ -289,7 +303,7 @@ class Settings(BaseSettings):
     def to_env(self) -> dict[str, str]:
         """The ``ALMA_`` variables that make another process (`alma worker`) load
         these settings."""
-        dumped = self.model_dump(mode="json")
+        dumped = self.model_dump(mode="json", context={"secrets": True})
         for name in dumped:  # JSON shows secrets as '**********': pass the real ones on
             secret = getattr(self, name)
             if isinstance(secret, SecretStr):
