@@ -363,6 +363,10 @@ async def _run(
             health.checks["postgres"] = database_ok
             if learner.NAME in consumers:
                 health.embedder = embedder  # the model, for retrieval elsewhere
+            log.info(
+                "services up; consumers starting",
+                extra={"action": "consumers_starting", "consumers": ",".join(consumers)},
+            )
             tasks = [asyncio.create_task(r.run(stop)) for r in runtimes]
             started = asyncio.ensure_future(asyncio.gather(*(r.started.wait() for r in runtimes)))
             waiting: list[asyncio.Future[Any]] = [started, *tasks]

@@ -252,12 +252,13 @@ class WorkerProcess:
             return log.read().decode(errors="replace")
 
     async def wait_started(self, limit_s: float = 60) -> None:
-        """Until this start of the process serves its endpoints: by then its cache writer
-        has bumped the Redis epoch, which makes every entry written before unreachable."""
+        """Until this start of the process has its services and starts its consumers: by
+        then its cache writer has bumped the Redis epoch, which makes every entry written
+        before unreachable. (Its endpoints come up earlier, before any service answers.)"""
 
         async def listening() -> bool:
             assert self.alive, f"worker exited:\n{self.log_since_start()[-3000:]}"
-            return '"http_listen"' in self.log_since_start()
+            return '"consumers_starting"' in self.log_since_start()
 
         await wait_for(listening, limit_s=limit_s, what=f"{self.log_path.name} to start")
 
