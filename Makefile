@@ -6,23 +6,45 @@
 #   make test   lint, type-check and run the whole test suite on real services
 #   make bench  every benchmark, side by side with LangGraph and a JSONB column, written
 #               to docs/benchmarks.md (+ .json, docs/img/*.png); BENCH="--quick" for ~3 min
+#   make lock   re-pin the worker image's dependencies (deploy/requirements.lock)
+#   make image  build the worker image, alma-stream:<version> (needs Docker)
 #
-# TORCH picks the PyTorch build installed before the project. The default is the
-# CPU build; for a GPU build use e.g. `make up TORCH="torch==2.13.0 --index-url
-# https://download.pytorch.org/whl/cu128"` (any CUDA wheel index you can reach).
+# PyTorch is installed first, alone (--no-deps: only torch is looked up there), from
+# TORCH_INDEX; its dependencies and everything else come from pip's usual index. The
+# default is the CPU build everywhere: on Linux torch==2.13.0+cpu from PyTorch's CPU
+# index (PyPI's Linux wheel is the multi-GB CUDA build), elsewhere PyPI's own wheel
+# (CPU already). Where TORCH_INDEX cannot be reached, pip warns and takes the wheel from
+# its other sources (find-links, another configured index), if one has it. For a GPU
+# build: `make up TORCH=torch==2.13.0+cu128 TORCH_INDEX=https://download.pytorch.org/whl/cu128`
+# (any CUDA wheel index you can reach), in a fresh .venv (`make clean-venv`).
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
+ifeq ($(shell uname -s),Linux)
+TORCH ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+else
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?= https://pypi.org/simple
+endif
 STAMP := $(VENV)/.installed
 
-.PHONY: up demo bench test lint typecheck unit integration clean-venv tools
+# The worker image (deploy/Dockerfile): tagged with the project's version, its
+# dependencies pinned in LOCK for Python 3.11 on Linux with the CPU build of PyTorch.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= alma-stream:$(VERSION)
+LOCK := deploy/requirements.lock
+LOCK_PYTHON ?= python3.11
+IMAGE_TORCH := torch==2.13.0+cpu
+IMAGE_TORCH_INDEX := https://download.pytorch.org/whl/cpu
+
+.PHONY: up demo bench test lint typecheck unit integration clean-venv tools lock image
 
 $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) (PyTorch: $(TORCH))"
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade --quiet pip
-	$(PY) -m pip install --progress-bar on $(TORCH)
+	$(PY) -m pip install --progress-bar on --no-deps --index-url $(TORCH_INDEX) $(TORCH)
 	$(PY) -m pip install --progress-bar on -e '.[dev]'
 	@touch $(STAMP)
 
@@ -63,3 +85,28 @@ test: lint typecheck tools
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Resolves `.[all]` afresh (newest versions pyproject.toml allows) in a throwaway venv on
+# Python 3.11 with the image's PyTorch, from a copy of the source (no build/ left here),
+# and pins what it installed. The image installs exactly these (--no-deps) and fails
+# its build (`pip check`) when the file is stale.
+lock:
+	@set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	echo "==> resolving '.[all]' in $$tmp (Python: $(LOCK_PYTHON), PyTorch: $(IMAGE_TORCH))"; \
+	$(LOCK_PYTHON) -m venv "$$tmp/venv"; \
+	"$$tmp/venv/bin/python" -c 'import sys; assert sys.version_info[:2] == (3, 11), "the image runs Python 3.11: set LOCK_PYTHON"'; \
+	"$$tmp/venv/bin/pip" install --quiet --upgrade pip; \
+	"$$tmp/venv/bin/pip" install --quiet --no-deps --index-url $(IMAGE_TORCH_INDEX) $(IMAGE_TORCH); \
+	mkdir "$$tmp/src" && cp -R pyproject.toml README.md schemas alma_core consumers "$$tmp/src/"; \
+	"$$tmp/venv/bin/pip" install --quiet "$$tmp/src[all]"; \
+	"$$tmp/venv/bin/pip" check; \
+	{ echo "# The worker image's dependencies, pinned: what \`pip install '.[all]'\` installs on"; \
+	  echo "# Python 3.11 (Linux) with PyTorch's CPU build. deploy/Dockerfile installs these with"; \
+	  echo "# --no-deps, then the project itself. Regenerate with \`make lock\` (after changing the"; \
+	  echo "# dependencies in pyproject.toml, or to take upgrades); do not edit by hand."; \
+	  "$$tmp/venv/bin/pip" freeze --all --exclude pip --exclude alma-stream; } > $(LOCK).new; \
+	mv $(LOCK).new $(LOCK); \
+	echo "==> $(LOCK): $$(grep -vc '^#' $(LOCK)) packages"
+
+image:
+	docker build -f deploy/Dockerfile --build-arg TORCH=$(IMAGE_TORCH) -t $(IMAGE) .

@@ -5,8 +5,9 @@ the code, not only declared: a panel or an alert over a series nothing feeds sho
 One process runs every consumer group and serves reads through the SDK with the
 workers' metrics as its observer (as the demo does); after a short workload with a
 join, a dead letter, a finished run, a resume and a retrieval, each named metric has
-a sample. The three that only move when something breaks are produced by the tests
-that break it (named below), which assert on them.
+a sample. The ones that only move when something breaks are produced by the tests
+that break it (named below), which assert on them; the lag exporter's own are produced
+by ``alma lag-exporter`` (``ExporterMetrics``), whose test asserts them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from alma_core.settings import Settings
 from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.types import RetrievalScope, WorkflowContext
+from consumers.metrics import ExporterMetrics
 from tests.integration.harness import Publisher, Worker, count, wait_for
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
@@ -31,7 +33,10 @@ ONLY_ON_FAILURE = {
     ("alma_cache_operations_total", "result", "write_error"): "test_outages.py",
     ("alma_dead_letter_failures_total", "", ""): "test_hostile.py",
     ("alma_offsets_ahead_of_log", "", ""): "test_offsets.py",
+    ("alma_outbox_failures_total", "", ""): "test_outbox.py",
+    ("alma_offset_commit_failures_total", "", ""): "test_broker_outage.py",
 }
+EXPORTER_TEST = "test_lag_exporter.py"
 
 
 def named_series() -> set[tuple[str, str, str]]:
@@ -107,12 +112,21 @@ async def test_every_metric_the_dashboard_and_the_alerts_name_is_produced(
                 await cache.bump_epoch()  # every partition moved: the cache starts empty
             await client.resume(ctx)  # a miss, from PostgreSQL
             await client.retrieve("measure the metrics", ctx, RetrievalScope.WORKFLOW)
+        exporter = {f.name for f in ExporterMetrics().registry.collect()}
         missing = {
             series
             for series in named - produced(worker)
-            if series not in ONLY_ON_FAILURE and (series[0], "", "") not in ONLY_ON_FAILURE
+            if series not in ONLY_ON_FAILURE
+            and (series[0], "", "") not in ONLY_ON_FAILURE
+            and series[0] not in exporter
         }
         assert missing == set()
+    by_exporter = {metric for metric, _, _ in named if metric in exporter}
+    assert by_exporter, "the alerts name the lag exporter's health"
+    for metric in by_exporter:
+        assert metric in (TESTS / EXPORTER_TEST).read_text(), (
+            f"{EXPORTER_TEST} must assert {metric}"
+        )
     for (metric, _, value), test_file in ONLY_ON_FAILURE.items():
         assert (metric, "", "") in named
         text = (TESTS / test_file).read_text()
