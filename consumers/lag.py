@@ -56,9 +56,9 @@ def lag_of(committed: int | None, start: int, end: int) -> int:
 
 @dataclass(frozen=True)
 class GroupView:
-    """One group as the broker sees it."""
+    """One group as the broker sees it (``members`` None: the broker did not say)."""
 
-    members: int
+    members: int | None
     committed: dict[Partition, int | None]
 
 
@@ -156,7 +156,7 @@ class LagExporter:
         for tp, meta in offsets.items():
             if meta is not None and meta.offset >= 0:
                 committed[(tp.topic, tp.partition)] = int(meta.offset)
-        members = 0
+        members: int | None = None  # unknown is not zero: no alert on a failed question
         with contextlib.suppress(KafkaError, IndexError, ValueError):
             (response,) = await admin.describe_consumer_groups([group])
             members = sum(len(g[-1]) for g in response.groups if g[1] == group)
@@ -180,7 +180,8 @@ class LagExporter:
         for (topic, partition), end in snapshot.ends.items():
             m.partition_offset.labels(topic, str(partition)).set(end)
         for group, view in snapshot.groups.items():
-            m.members.labels(group).set(view.members)
+            if view.members is not None:
+                m.members.labels(group).set(view.members)
             totals: dict[str, int] = {}
             for (topic, partition), lag in snapshot.lag(group).items():
                 m.lag.labels(group, topic, str(partition)).set(lag)

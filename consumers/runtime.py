@@ -88,6 +88,7 @@ class RuntimeConfig:
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 5.0
     leave_timeout_s: float = 5.0
+    commit_timeout_s: float = 5.0  # aiokafka's commit waits for a coordinator forever
     linger_ms: int = 0  # after a short poll, keep polling this long to fill the batch
     periodic_every_s: float = 1.0  # the handler's periodic work runs under load too
     # TLS/SASL options for every Kafka client (alma_core.messaging.kafka.client_options)
@@ -239,6 +240,16 @@ class ConsumerRuntime:
                 if consumer._fetcher is not None:
                     await consumer._fetcher.close()
                 await consumer._client.close()
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this task is being cancelled: not ours to swallow
+            # aiokafka's fetcher re-raises the cancellation of its own fetch task when it
+            # is closed while a fetch is failing (the broker is gone)
+            log.warning(
+                "leaving the group failed",
+                extra={"action": "leave_failed", "consumer": self.handler.name, "error": repr(exc)},
+            )
         except Exception as exc:  # noqa: BLE001 - shutting down: report, never raise
             log.warning(
                 "leaving the group failed",
@@ -428,8 +439,12 @@ class ConsumerRuntime:
         name = self.handler.name
         started = time.perf_counter()
         try:
-            await consumer.commit(commits)
-        except KafkaError as exc:
+            # Never let the hint hold the loop: with the broker away, aiokafka's commit
+            # waits for a coordinator without end (the batches after it would wait too,
+            # and so would a shutdown); the next commit carries newer offsets anyway.
+            async with asyncio.timeout(self.config.commit_timeout_s):
+                await consumer.commit(commits)
+        except (KafkaError, TimeoutError) as exc:
             self.metrics.commit_failures.labels(name).inc()
             log.warning(
                 "Kafka offset commit failed",
