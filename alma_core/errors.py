@@ -17,6 +17,7 @@
     ├── StorageError            Postgres failed (retriable: back off and try again)
     │   └── StorageRejected     Postgres refused the data itself (not retriable)
     ├── CacheError              Redis failed (retriable; callers fall back to Postgres)
+    ├── BrokerUnavailable       Kafka did not answer (retriable: check it runs, try again)
     ├── MergeFailed             a join was answered with status "error"
     ├── MergeTimeout            no reply to a join in time (retriable: same join_id)
     ├── EffectTimeout           an event had no effect in time (retriable)
@@ -177,6 +178,13 @@ class MigrationError(AlmaError):
     """The database schema cannot be moved to the requested version."""
 
     reason = "migration"
+
+
+class BrokerUnavailable(AlmaError):
+    """Kafka did not answer; check ALMA_KAFKA_BOOTSTRAP and that the broker runs."""
+
+    retriable = True
+    reason = "broker_unavailable"
 
 
 class StackError(AlmaError):

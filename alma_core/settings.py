@@ -236,6 +236,16 @@ class Settings(BaseSettings):
     def _pg_scheme(cls, value: str | None) -> str | None:
         if value and not value.startswith(("postgresql://", "postgres://")):
             raise ValueError("expected a URL starting postgresql:// or postgres://")
+        if value:  # each host's port (asyncpg fails deep inside, or wraps 99999 around)
+            netloc = value.partition("://")[2].partition("/")[0].partition("?")[0]
+            for server in netloc.rpartition("@")[2].split(","):
+                rest = server.rpartition("]")[2] if server.startswith("[") else server
+                _, colon, port = rest.rpartition(":")
+                if colon and port and not (port.isdigit() and 0 < int(port) < 65536):
+                    raise ValueError(
+                        f"port {port!r} is not a number from 1 to 65535, as in "
+                        "postgresql://user@db.example:5432/alma"
+                    )
         return value
 
     @field_validator("redis_url")
@@ -247,6 +257,16 @@ class Settings(BaseSettings):
                 "expected a URL starting redis://, rediss:// or unix:// (for a Redis Cluster, "
                 "several, comma-separated)"
             )
+        for url in (value or "").split(","):
+            url = url.strip()
+            if url.startswith("unix://"):
+                continue
+            host = url.partition("://")[2].partition("/")[0].partition("?")[0]
+            _, colon, port = host.rpartition("@")[2].rpartition("]")[2].rpartition(":")
+            if colon and not (port.isdigit() and 0 < int(port) < 65536):
+                raise ValueError(
+                    f"port {port!r} is not a number from 1 to 65535, as in redis://cache:6379/0"
+                )
         return value
 
     @field_validator("kafka_bootstrap")

@@ -1,20 +1,36 @@
-"""What every ``alma`` command shares: consoles, settings, service endpoints, and
-turning ALMA errors into a message and an exit code."""
+"""What every ``alma`` command shares: consoles, settings, service endpoints, the
+tenant, and turning errors into one message and an exit code.
+
+Exit codes (the command line's one rule): 0 done; 1 the operation failed, a service
+unreachable included (the message says what to do next); 2 wrong usage or settings.
+Everything shown to a person goes through :func:`alma_core.logs.redact`: no
+password of a DSN or URL is ever printed."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import tempfile
+import traceback
+import urllib.parse
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
 
 import asyncpg
 import typer
+import typer.exceptions
 from rich.console import Console
+from rich.markup import escape
 
 from alma_core import errors
 from alma_core import settings as settings_mod
 from alma_core.cli.embedded import Endpoints
+from alma_core.cli.embedded_process import alive
+from alma_core.logs import configure as configure_logs
+from alma_core.logs import redact
 from alma_core.storage import embeddings
 
 out = Console()
@@ -22,38 +38,104 @@ err = Console(stderr=True)
 T = TypeVar("T")
 
 ENDPOINTS_FILE = settings_mod.ENDPOINTS_FILE
+USAGE = 2  # wrong usage or settings
+FAILED = 1  # the operation failed
+
+
+def fail(message: str, code: int = FAILED) -> NoReturn:
+    """Print ``message`` (passwords masked) as one error line, never wrapped (a terminal
+    wraps it; a log keeps it whole), and exit with ``code``."""
+    err.print(f"[red]error:[/red] {escape(redact(message))}", soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def note(message: str) -> None:
+    """A notice for a person on stderr (passwords masked)."""
+    err.print(f"[yellow]note:[/yellow] {escape(redact(message))}", soft_wrap=True)
+
+
+_debug = False  # ALMA_LOG_LEVEL=DEBUG: unexpected errors show their (masked) traceback
 
 
 def run(make: Callable[[], Awaitable[T]]) -> T:
-    """Run a coroutine; turn ALMA errors into a message and exit code 1 (2 for settings)."""
+    """Run a coroutine; an error becomes one line and an exit code: settings and usage
+    (:class:`errors.ConfigError`, :class:`errors.ContextError`) 2, any other failure 1.
+    An unexpected exception (a defect, or a malformed value a driver choked on) is one
+    line too; its traceback, passwords masked, only with ``ALMA_LOG_LEVEL=DEBUG``."""
     try:
         return asyncio.run(make())  # type: ignore[arg-type]
-    except errors.ConfigError as exc:
-        err.print(f"[red]error:[/red] {exc.message}")
-        raise typer.Exit(2) from None
+    except (errors.ConfigError, errors.ContextError) as exc:
+        fail(exc.message, USAGE)
     except errors.AlmaError as exc:
-        err.print(f"[red]error:[/red] {exc.message}")
-        raise typer.Exit(1) from None
+        fail(exc.message, FAILED)
+    except (typer.Exit, typer.Abort, typer.exceptions.TyperException, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # noqa: BLE001 - one masked line instead of a traceback
+        if _debug:
+            err.print(redact("".join(traceback.format_exception(exc))), markup=False)
+        fail(
+            f"unexpected {type(exc).__name__}: {str(exc).rstrip('.')}. What to do: check "
+            "the settings it names; otherwise run again with ALMA_LOG_LEVEL=DEBUG for the "
+            "traceback and report it",
+            FAILED,
+        )
 
 
 def settings(**overrides: Any) -> settings_mod.Settings:
     """The command's settings. An ``alma`` process is ALMA Stream's own, so a model it
-    loads may set torch's threads (``ALMA_EMBED_THREADS``) and silence progress bars."""
+    loads may set torch's threads (``ALMA_EMBED_THREADS``) and silence progress bars,
+    and every log line of a library goes through the masking formatters (warnings and
+    up; ``alma up``, ``alma worker`` and others set their own level)."""
     try:
         loaded = settings_mod.load(**{k: v for k, v in overrides.items() if v is not None})
     except errors.ConfigError as exc:
-        err.print(f"[red]error:[/red] {exc.message}")
-        raise typer.Exit(2) from None
+        fail(exc.message, USAGE)
+    global _debug
+    _debug = loaded.log_level == "DEBUG"
+    configure_logs(loaded.log_format, "DEBUG" if _debug else "WARNING")
     embeddings.configure_process(loaded.embed_threads)
     return loaded
 
 
+def tenant(
+    s: settings_mod.Settings, given: str | None, *, required: bool | None = None
+) -> str | None:
+    """The tenant a command acts for: ``--tenant``, else ``ALMA_TENANT``. Missing where
+    it is required (``ALMA_REQUIRE_TENANT``, the default, or ``required``) is wrong
+    usage: exit 2."""
+    chosen = given or s.tenant
+    needed = s.require_tenant if required is None else required
+    if chosen is None and needed:
+        why = "" if required else " (ALMA_REQUIRE_TENANT=true)"
+        fail(f"a tenant is required{why}: pass --tenant T or set ALMA_TENANT", USAGE)
+    return chosen
+
+
 def running_endpoints(s: settings_mod.Settings) -> dict[str, Any]:
+    """The services of the `alma up` running on ``ALMA_DATA_DIR`` (its endpoints file);
+    nothing when there is none, or the one that wrote the file is gone."""
     path = s.data_dir / ENDPOINTS_FILE
-    if path.exists():
-        data: dict[str, Any] = json.loads(path.read_text())
-        return data
-    return {}
+    if not path.exists():
+        return {}
+    data: dict[str, Any] = json.loads(path.read_text())
+    pid = data.get("pid")
+    return {} if isinstance(pid, int) and not alive(pid) else data
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (mode 0600): the file is
+    created that way (a temporary file beside it, renamed over it), so the secret is
+    never in a file others can read, not even for a moment."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _service(s: settings_mod.Settings, field: str, what: str) -> str:
@@ -72,7 +154,18 @@ def dsn(s: settings_mod.Settings) -> str:
 
 
 def redis_url(s: settings_mod.Settings) -> str:
-    return _service(s, "redis_url", "Redis")
+    """The Redis URL (several for a Cluster), each port checked: redis-py would fail on
+    a malformed one deep inside, without naming the setting."""
+    url = _service(s, "redis_url", "Redis")
+    for one in url.split(","):
+        try:
+            urllib.parse.urlsplit(one.strip()).port  # noqa: B018 - parsed to check it
+        except ValueError as exc:
+            raise errors.ConfigError(
+                f"ALMA_REDIS_URL={redact(url)!r} is malformed: {exc}; expected a URL such as "
+                "redis://redis.example:6379/0"
+            ) from None
+    return url
 
 
 def bootstrap(s: settings_mod.Settings) -> str:
@@ -84,9 +177,24 @@ async def connect(dsn: str) -> asyncpg.Connection:
         return await asyncpg.connect(dsn, timeout=10)
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
         raise errors.StorageError(
-            f"cannot connect to PostgreSQL at {dsn}: {exc}; check ALMA_POSTGRES_DSN "
-            "or that `alma up` is running"
+            f"cannot connect to PostgreSQL at {redact(dsn)}: {redact(str(exc))}. What to do: "
+            "check ALMA_POSTGRES_DSN (host, port, user, password, database) and that the "
+            "server is running, or start `alma up`"
         ) from exc
+    except ValueError as exc:  # the driver could not parse the DSN
+        raise errors.ConfigError(
+            f"ALMA_POSTGRES_DSN={redact(dsn)!r} is malformed: {redact(str(exc))}; expected "
+            "a URL such as postgresql://user@db.example:5432/alma"
+        ) from exc
+
+
+def kafka_unavailable(bootstrap: str, doing: str, exc: BaseException) -> errors.BrokerUnavailable:
+    """Kafka did not answer while ``doing``: exit 1, with what to check."""
+    return errors.BrokerUnavailable(
+        f"cannot {doing} at {redact(bootstrap)}: {redact(repr(exc))}. What to do: check "
+        "ALMA_KAFKA_BOOTSTRAP (and the ALMA_KAFKA_SECURITY_PROTOCOL/SASL/SSL settings) and "
+        "that the broker is running, or start `alma up`"
+    )
 
 
 def embed_url(s: settings_mod.Settings) -> str | None:

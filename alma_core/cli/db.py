@@ -158,7 +158,7 @@ def prune(
                     await cache.delete(result.pruned)
             # no Redis, or Redis down: readers verify against PostgreSQL anyway
             except (errors.CacheError, errors.ConfigError) as exc:
-                common.err.print(f"[yellow]warning:[/yellow] cache not cleared: {exc.message}")
+                common.note(f"cache not cleared: {exc.message}")
         return result
 
     result = common.run(main)

@@ -41,7 +41,7 @@ async def _stack(
         yield common.resolved(s), str(running["metrics_url"]), None, None
         return
     with common.out.status("starting broker, PostgreSQL and Redis..."):
-        stack, endpoints = await bring_up(s)
+        stack, endpoints = await bring_up(s, notify=common.note)
     try:
         resolved = common.resolved(s, endpoints)
         with common.out.status("loading the embedding model and starting the workers..."):

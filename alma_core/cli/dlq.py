@@ -28,16 +28,19 @@ def register(app: typer.Typer) -> None:
 def dlq_list(
     limit: int = typer.Option(50, min=1, max=10_000),
     reason: str = typer.Option(None, help="Only this reason (e.g. schema_violation)."),
-    tenant: str = typer.Option(None, "--tenant", help="Only this tenant's dead letters."),
+    tenant: str = typer.Option(
+        None, "--tenant", help="Only this tenant's dead letters; default ALMA_TENANT (unset: all)."
+    ),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Dead letters, newest first."""
     s = common.settings()
+    who = common.tenant(s, tenant, required=False)
 
     async def main() -> None:
         conn = await common.connect(common.dsn(s))
         try:
-            rows = await dead_letters.listing(conn, reason=reason, tenant_id=tenant, limit=limit)
+            rows = await dead_letters.listing(conn, reason=reason, tenant_id=who, limit=limit)
         finally:
             await conn.close()
         docs: list[dict[str, Any]] = [
@@ -79,8 +82,7 @@ def dlq_replay(
     try:
         corrected = value_file.read_bytes() if value_file else None
     except OSError as exc:
-        common.err.print(f"[red]error:[/red] cannot read {value_file}: {exc.strerror}")
-        raise typer.Exit(2) from None
+        common.fail(f"cannot read {value_file}: {exc.strerror}", common.USAGE)
 
     async def main() -> None:
         conn = await common.connect(common.dsn(s))
@@ -106,8 +108,8 @@ def dlq_replay(
                 await producer.start()
                 await producer.send_and_wait(s.lifecycle_topic, value, key=key)
             except KafkaError as exc:
-                raise errors.AlmaError(
-                    f"cannot publish to {s.lifecycle_topic}: {exc!r}; check ALMA_KAFKA_BOOTSTRAP"
+                raise common.kafka_unavailable(
+                    common.bootstrap(s), f"publish to {s.lifecycle_topic}", exc
                 ) from exc
             finally:
                 await producer.stop()

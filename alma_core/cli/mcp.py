@@ -20,6 +20,7 @@ import typer
 from alma_core import errors
 from alma_core.cli import common
 from alma_core.logs import configure as configure_logs
+from alma_core.logs import redact
 from alma_core.sdk.client import AlmaClient
 from alma_core.settings import Settings
 from alma_core.storage.cache import checkpoint_to_doc
@@ -33,7 +34,8 @@ R = TypeVar("R")
 
 
 def _tool_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
-    """ALMA errors become tool errors the model can read (not a bare crash)."""
+    """ALMA errors become tool errors the model can read (not a bare crash), with no
+    password of a DSN in them."""
 
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -42,7 +44,7 @@ def _tool_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
         try:
             return await fn(*args, **kwargs)
         except errors.AlmaError as exc:
-            raise ToolError(f"{type(exc).__name__}: {exc.message}") from exc
+            raise ToolError(f"{type(exc).__name__}: {redact(exc.message)}") from exc
 
     return wrapper
 
@@ -199,10 +201,7 @@ def mcp() -> None:
     """Serve ALMA Stream's tools to agents over MCP (stdio): alma_checkpoint,
     alma_get_resume_point, alma_merge_states, alma_learn_workflow, alma_retrieve."""
     if importlib.util.find_spec("mcp") is None:
-        common.err.print(
-            "[red]error:[/red] `alma mcp` needs the mcp extra: pip install 'alma-stream[mcp]'"
-        )
-        raise typer.Exit(2)
+        common.fail("`alma mcp` needs the mcp extra: pip install 'alma-stream[mcp]'", common.USAGE)
     s = common.settings()
     configure_logs(s.log_format, "WARNING")  # stdout is the protocol: logs go to stderr
     common.run(lambda: run_stdio(common.resolved(s)))  # a missing service: message, exit 2

@@ -22,7 +22,11 @@ def register(app: typer.Typer) -> None:
 
 def retrieve(
     task: str = typer.Argument(..., help="What the agent is about to do."),
-    tenant: str = typer.Option(None, help="Tenant (required unless ALMA_REQUIRE_TENANT=false)."),
+    tenant: str = typer.Option(
+        None,
+        help="Tenant; default ALMA_TENANT (one of them is required unless "
+        "ALMA_REQUIRE_TENANT=false).",
+    ),
     workflow: str = typer.Option(None, help="Workflow id (WORKFLOW scope, outcomes)."),
     run: str = typer.Option(None, help="Run id (RUN and NODE scopes)."),
     node: str = typer.Option(None, help="Node id (NODE scope)."),
@@ -34,11 +38,12 @@ def retrieve(
 ) -> None:
     """Memories relevant to TASK in a scope, best first, and the prompt they make."""
     s = common.settings()
+    who = common.tenant(s, tenant)
 
     async def main() -> MemorySlice:
         from alma_core.storage.embeddings import embedder_for
 
-        ctx = WorkflowContext(tenant, workflow, None, run, node)
+        ctx = WorkflowContext(who, workflow, None, run, node)
         # a context the scope cannot use is refused before the model loads (seconds)
         scopes.memory_filter(ctx, scope, agent=agent, require_tenant=s.require_tenant)
         served = common.embed_url(s)

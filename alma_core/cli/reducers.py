@@ -14,6 +14,7 @@ from alma_core.cli import common
 from alma_core.storage import reducer_configs
 
 reducers_app = typer.Typer(help="Reducers.")
+TENANT_HELP = "The workflow's tenant; default ALMA_TENANT (one of them is required)."
 schemas_app = typer.Typer(help="The event contract's JSON Schema files.")
 
 
@@ -60,37 +61,40 @@ def reducers_set(
         help='JSON: {"reducers": {"field": "name"}, '
         '"default_reducer": "last_value", "strict": false}',
     ),
-    tenant: str = typer.Option(..., "--tenant", help="The workflow's tenant."),
+    tenant: str = typer.Option(None, "--tenant", help=TENANT_HELP),
 ) -> None:
     """Register a workflow's reducers; joins and `updates` of its runs use them."""
     s = common.settings()
+    who = common.tenant(s, tenant, required=True) or ""
     try:
         data = json.loads(config_file.read_text())
     except OSError as exc:
-        common.err.print(f"[red]error:[/red] cannot read {config_file}: {exc.strerror}")
-        raise typer.Exit(2) from None
+        common.fail(f"cannot read {config_file}: {exc.strerror}", common.USAGE)
     except json.JSONDecodeError as exc:
-        common.err.print(f"[red]error:[/red] {config_file} is not JSON: {exc}")
-        raise typer.Exit(2) from None
+        common.fail(f"{config_file} is not JSON: {exc}", common.USAGE)
     unknown = (
         set(data) - {"reducers", "default_reducer", "strict"} if isinstance(data, dict) else {}
     )
     if not isinstance(data, dict) or unknown or not isinstance(data.get("reducers", {}), dict):
-        common.err.print(
-            f'[red]error:[/red] {config_file} must be an object with "reducers" (an object '
+        common.fail(
+            f'{config_file} must be an object with "reducers" (an object '
             'of field -> reducer name), optional "default_reducer" and "strict"'
-            + (f"; unknown keys: {', '.join(sorted(unknown))}" if unknown else "")
+            + (f"; unknown keys: {', '.join(sorted(unknown))}" if unknown else ""),
+            common.USAGE,
         )
-        raise typer.Exit(2)
     config = reducers.ReducerConfig.from_json(data)
+    try:
+        config.validate()
+    except errors.UnknownReducer as exc:
+        common.fail(f"{config_file}: {exc.message} (`alma reducers list`)", common.USAGE)
 
     async def main() -> None:
         conn = await common.connect(common.dsn(s))
         try:
-            await reducer_configs.save(conn, tenant, workflow_id, config)  # validates names first
+            await reducer_configs.save(conn, who, workflow_id, config)  # validates names first
         finally:
             await conn.close()
-        common.out.print(f"reducers of workflow {workflow_id!r} (tenant {tenant!r}) saved")
+        common.out.print(f"reducers of workflow {workflow_id!r} (tenant {who!r}) saved")
 
     common.run(main)
 
@@ -98,20 +102,21 @@ def reducers_set(
 @reducers_app.command("show")
 def reducers_show(
     workflow_id: str = typer.Argument(..., help="The workflow."),
-    tenant: str = typer.Option(..., "--tenant", help="The workflow's tenant."),
+    tenant: str = typer.Option(None, "--tenant", help=TENANT_HELP),
 ) -> None:
     """A workflow's registered reducers, as JSON."""
     s = common.settings()
+    who = common.tenant(s, tenant, required=True) or ""
 
     async def main() -> None:
         conn = await common.connect(common.dsn(s))
         try:
-            config = await reducer_configs.load(conn, tenant, workflow_id)
+            config = await reducer_configs.load(conn, who, workflow_id)
         finally:
             await conn.close()
         if config is None:
             raise errors.AlmaError(
-                f"no reducers registered for workflow {workflow_id!r} of tenant {tenant!r}: "
+                f"no reducers registered for workflow {workflow_id!r} of tenant {who!r}: "
                 "`alma reducers set` registers them (runs use last_value meanwhile)"
             )
         print(json.dumps(config.to_json()))

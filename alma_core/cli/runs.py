@@ -11,7 +11,6 @@ from rich.table import Table
 
 from alma_core import errors
 from alma_core.cli import common
-from alma_core.settings import Settings
 from alma_core.storage import runs
 from alma_core.storage.cache import RedisCheckpointCache, checkpoint_to_doc
 from alma_core.storage.observer import Tally
@@ -21,7 +20,10 @@ from alma_core.types import Checkpoint
 
 runs_app = typer.Typer(help="Runs: list them, show one with its events, checkpoints and outcome.")
 
-TENANT_HELP = "Tenant of the run (required unless ALMA_REQUIRE_TENANT=false)."
+TENANT_HELP = (
+    "Tenant of the run; default ALMA_TENANT (one of them is required unless "
+    "ALMA_REQUIRE_TENANT=false)."
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -32,14 +34,6 @@ def register(app: typer.Typer) -> None:
 
 def _jsonable(row: Any) -> dict[str, Any]:
     return {k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in dict(row).items()}
-
-
-def _tenant(s: Settings, tenant: str | None) -> str | None:
-    if tenant is None and s.require_tenant:
-        raise errors.ContextError(
-            "--tenant is required (ALMA_REQUIRE_TENANT=true); pass the run's tenant"
-        )
-    return tenant
 
 
 @runs_app.command("list")
@@ -53,13 +47,10 @@ def runs_list(
     """Runs, latest activity first."""
     s = common.settings()
     if status not in (None, "running", "succeeded", "failed"):
-        common.err.print(
-            f"[red]error:[/red] unknown status {status!r}: running, succeeded or failed"
-        )
-        raise typer.Exit(2)
+        common.fail(f"unknown status {status!r}: running, succeeded or failed", common.USAGE)
+    who = common.tenant(s, tenant)
 
     async def main() -> list[dict[str, Any]]:
-        who = _tenant(s, tenant)
         conn = await common.connect(common.dsn(s))
         try:
             rows = await runs.listing(
@@ -117,9 +108,9 @@ def runs_show(
 ) -> None:
     """One run: its events, checkpoints (seq, node, branch, size), joins and outcome."""
     s = common.settings()
+    who = common.tenant(s, tenant)
 
     async def main() -> dict[str, Any]:
-        who = _tenant(s, tenant)
         conn = await common.connect(common.dsn(s))
         try:
             return await run_report(conn, run_id, who)
@@ -210,13 +201,14 @@ def checkpoints(
 ) -> None:
     """A run's checkpoints, newest first."""
     s = common.settings()
+    who = common.tenant(s, tenant)
 
     async def main() -> None:
         async with connect(common.dsn(s), max_size=2) as pool:
-            reader = CheckpointReader(pool, None, tenant_id=tenant, require_tenant=s.require_tenant)
+            reader = CheckpointReader(pool, None, tenant_id=who, require_tenant=s.require_tenant)
             history = await reader.history(run_id, limit=limit, before_seq=before)
         if not history:
-            raise _not_found(run_id, tenant)
+            raise _not_found(run_id, who)
         if as_json:
             print(json.dumps([checkpoint_to_doc(cp) for cp in history]))
         else:
@@ -232,6 +224,7 @@ def resume(
 ) -> None:
     """Where the run resumes: its latest checkpoint and every branch head."""
     s = common.settings()
+    who = common.tenant(s, tenant)
 
     async def main() -> None:
         async with (
@@ -240,12 +233,12 @@ def resume(
         ):
             tally = Tally()
             reader = CheckpointReader(
-                pool, cache, tenant_id=tenant, require_tenant=s.require_tenant, observer=tally
+                pool, cache, tenant_id=who, require_tenant=s.require_tenant, observer=tally
             )
             latest = await reader.latest(run_id)
             heads = await reader.branch_heads(run_id)
         if latest is None:
-            raise _not_found(run_id, tenant)
+            raise _not_found(run_id, who)
         if as_json:
             print(
                 json.dumps(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -13,10 +14,13 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from alma_core import errors
 from alma_core.cli import common
 from alma_core.cli.embedded import EmbeddedStack, Endpoints
+from alma_core.cli.embedded_process import Notify, alive, describe_status, log_notice, tail
 from alma_core.cli.topics import alma_topics, ensure_topics
 from alma_core.logs import configure as configure_logs
+from alma_core.logs import redact
 from alma_core.messaging import kafka
 from alma_core.settings import Settings
 from alma_core.storage.embeddings import AsyncEmbedder
@@ -24,6 +28,8 @@ from alma_core.storage.migrations import Migrator
 from consumers.lag import run_lag_exporter
 from consumers.worker import KNOWN_CONSUMERS, WorkerStatus, run_worker
 from consumers.worker import Services as WorkerServices
+
+WORKERS_DRAIN_S = 30.0  # how long the workers get to stop after a service died
 
 
 def register(app: typer.Typer) -> None:
@@ -44,15 +50,16 @@ def up(
     configure_logs(s.log_format, "WARNING" if s.log_level == "INFO" else s.log_level)
 
     async def main() -> None:
+        endpoints_file = s.data_dir / common.ENDPOINTS_FILE
+        _claim(endpoints_file)
         started = time.monotonic()
         with common.out.status("starting broker, PostgreSQL and Redis..."):
-            stack, endpoints = await bring_up(s)
+            stack, endpoints = await bring_up(s, notify=common.note)
         elapsed = time.monotonic() - started
         try:
-            s.data_dir.mkdir(parents=True, exist_ok=True)
-            (s.data_dir / common.ENDPOINTS_FILE).write_text(
-                json.dumps(endpoints.as_dict(), indent=2)
-            )
+            # The real DSNs, for the commands and applications beside this one: mode 0600.
+            mine = {**endpoints.as_dict(), "pid": os.getpid()}
+            common.write_private(endpoints_file, json.dumps(mine, indent=2))
             table = Table(title=f"ALMA Stream is up ({elapsed:.1f} s)")
             table.add_column("service")
             table.add_column("endpoint")
@@ -62,10 +69,10 @@ def up(
                 ("PostgreSQL", endpoints.postgres_dsn, stack.postgres),
                 ("Redis", endpoints.redis_url, stack.redis),
             ):
-                table.add_row(name, url, "embedded" if svc else "configured")
+                table.add_row(name, redact(url), "embedded" if svc else "configured")
             table.add_row("topics", ", ".join(alma_topics(s)), f"{s.partitions} partitions")
             common.out.print(table)
-            common.out.print(f"endpoints written to {s.data_dir / common.ENDPOINTS_FILE}")
+            common.out.print(f"endpoints written to {endpoints_file} (readable by its owner only)")
             stop = _stop_on_signals()
             workers, status = await start_workers(s, endpoints, stop)
             common.out.print(f"workers running: {', '.join(KNOWN_CONSUMERS)}")
@@ -74,21 +81,76 @@ def up(
                 f"metrics: {base}/metrics  health: {base}/healthz  ready: {base}/readyz"
             )
             running = {"metrics_url": f"{base}/metrics", "embed_url": f"{base}/embed"}
-            (s.data_dir / common.ENDPOINTS_FILE).write_text(
-                json.dumps({**endpoints.as_dict(), **running}, indent=2)
-            )
+            common.write_private(endpoints_file, json.dumps({**mine, **running}, indent=2))
             if check:
                 stop.set()
             else:
                 common.out.print("Press Ctrl-C to stop.")
-            await workers
+            await _supervise(stack, workers, stop)
         finally:
             with common.out.status("stopping..."):
                 await stack.stop()
-            (s.data_dir / common.ENDPOINTS_FILE).unlink(missing_ok=True)
+            endpoints_file.unlink(missing_ok=True)
             common.out.print("stopped")
 
     common.run(main)
+
+
+def _claim(endpoints_file: Path) -> None:
+    """Refuse to start beside a running `alma up` on the same data directory; remove
+    the endpoints file of one that is gone (saying so), or commands would use it."""
+    if not endpoints_file.exists():
+        return
+    try:
+        pid = int(json.loads(endpoints_file.read_text()).get("pid") or 0)
+    except (OSError, ValueError, AttributeError):
+        pid = 0
+    if pid and pid != os.getpid() and alive(pid):
+        raise errors.StackError(
+            f"another `alma up` (pid {pid}) is running on {endpoints_file.parent}. What to "
+            "do: use that one, stop it, or give this one another ALMA_DATA_DIR"
+        )
+    common.note(
+        f"removed the stale {endpoints_file} of an `alma up` that is gone"
+        + (f" (pid {pid})" if pid else "")
+    )
+    endpoints_file.unlink(missing_ok=True)
+
+
+async def _supervise(
+    stack: EmbeddedStack, workers: asyncio.Task[None], stop: asyncio.Event
+) -> None:
+    """Wait for the workers (they end when ``stop`` is set); if an embedded service's
+    process ends first, say which, how and where its log is, stop the workers and
+    exit 1 (the caller stops the other services)."""
+    watch = asyncio.ensure_future(stack.first_exit())
+    try:
+        await asyncio.wait([workers, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if workers.done() or watch.cancelled():
+        await workers  # the workers' error, if they failed
+        return
+    service, status = watch.result()
+    common.err.print(
+        f"[red]error:[/red] the embedded {service.title} stopped while `alma up` was "
+        f"running ({describe_status(status)}; its log: {service.log_path}). Stopping the "
+        "workers and the other services.",
+        highlight=False,
+        soft_wrap=True,
+    )
+    common.err.print(redact(tail(service.log_path)), markup=False, highlight=False)
+    common.err.print(
+        "What to do: read the log above, then start `alma up` again (a stale pid file is "
+        "removed then, and PostgreSQL recovers its data as it starts)",
+        soft_wrap=True,
+    )
+    stop.set()
+    try:
+        await asyncio.wait_for(workers, WORKERS_DRAIN_S)
+    except Exception as exc:  # noqa: BLE001 - already failing: the service's death is the news
+        common.note(f"the workers stopped with {exc!r}")
+    raise typer.Exit(common.FAILED)
 
 
 def _stop_on_signals() -> asyncio.Event:
@@ -133,14 +195,18 @@ def lag_exporter(
     common.run(main)
 
 
-async def bring_up(s: Settings, *, durable: bool = True) -> tuple[EmbeddedStack, Endpoints]:
-    """Start what is not configured, create topics, migrate. The caller stops the stack."""
+async def bring_up(
+    s: Settings, *, durable: bool = True, notify: Notify = log_notice
+) -> tuple[EmbeddedStack, Endpoints]:
+    """Start what is not configured, create topics, migrate. The caller stops the stack.
+    ``notify`` hears what the embedded services change on the host first."""
     stack = EmbeddedStack(
         s.data_dir,
         kafka_bootstrap=s.kafka_bootstrap,
         postgres_dsn=s.postgres_dsn,
         redis_url=s.redis_url,
         durable=durable,
+        notify=notify,
     )
     endpoints = await stack.start()
     try:

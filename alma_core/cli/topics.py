@@ -13,7 +13,6 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 from rich.table import Table
 
-from alma_core import errors
 from alma_core.cli import common
 from alma_core.messaging import kafka
 from alma_core.settings import Settings
@@ -64,9 +63,7 @@ async def ensure_topics(
                 )
         return missing
     except KafkaError as exc:
-        raise errors.ConfigError(
-            f"cannot create topics on {bootstrap}: {exc!r}; check ALMA_KAFKA_BOOTSTRAP"
-        ) from exc
+        raise common.kafka_unavailable(bootstrap, "create topics", exc) from exc
     finally:
         await admin.close()
 
@@ -88,9 +85,7 @@ async def describe_topics(
             for n in names
         ]
     except KafkaError as exc:
-        raise errors.ConfigError(
-            f"cannot reach Kafka at {bootstrap}: {exc!r}; check ALMA_KAFKA_BOOTSTRAP"
-        ) from exc
+        raise common.kafka_unavailable(bootstrap, "describe topics", exc) from exc
     finally:
         await admin.close()
 
@@ -132,7 +127,6 @@ def topics_describe(as_json: bool = typer.Option(False, "--json")) -> None:
                 table.add_row(i.name, str(i.partitions), i.error or "")
             common.out.print(table)
         if any(i.error for i in infos):
-            common.err.print("some topics are missing: run `alma topics create`")
-            raise typer.Exit(1)
+            common.fail("some topics are missing: run `alma topics create`")
 
     common.run(main)

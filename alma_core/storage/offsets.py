@@ -170,3 +170,21 @@ async def forget(
         partition,
     )
     return rows
+
+
+async def set_offsets(
+    conn: asyncpg.Connection, group_id: str, cluster_id: str, topic: str, to: dict[int, int]
+) -> None:
+    """Set a group's stored offsets (partition → next offset) on one broker cluster, in
+    one statement: what ``alma offsets reset`` writes while no member runs."""
+    await conn.execute(
+        """INSERT INTO consumer_offsets (group_id, cluster_id, topic, partition, next_offset)
+           SELECT $1, $2, $3, p, o FROM unnest($4::int[], $5::bigint[]) AS u(p, o)
+           ON CONFLICT (group_id, cluster_id, topic, partition)
+           DO UPDATE SET next_offset = EXCLUDED.next_offset, updated_at = now()""",
+        group_id,
+        cluster_id,
+        topic,
+        list(to),
+        list(to.values()),
+    )

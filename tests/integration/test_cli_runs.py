@@ -58,8 +58,27 @@ async def test_wrong_tenant_unknown_run_and_missing_tenant(
         assert "no checkpoints for run" in result.stderr
         assert "Traceback" not in result.stderr
     missing = alma("resume", "cli-run", env=env)
-    assert missing.returncode == 1
-    assert "tenant is required" in missing.stderr
+    assert missing.returncode == 2  # wrong usage
+    assert "a tenant is required" in missing.stderr
+    assert "pass --tenant T or set ALMA_TENANT" in missing.stderr
+
+
+async def test_alma_tenant_is_the_default_tenant(settings: Settings, worker: Worker) -> None:
+    await populate(settings)
+    env = env_of(settings)
+    for tenant, runs in (("acme", ["cli-run"]), ("globex", [])):
+        listed = alma("runs", "list", "--json", env=env | {"ALMA_TENANT": tenant})
+        assert listed.returncode == 0, listed.stderr
+        assert [r["run_id"] for r in json.loads(listed.stdout)] == runs
+    # --tenant wins over ALMA_TENANT
+    chosen = alma("runs", "list", "--tenant", "acme", "--json", env=env | {"ALMA_TENANT": "globex"})
+    assert [r["run_id"] for r in json.loads(chosen.stdout)] == ["cli-run"]
+    resumed = alma("resume", "cli-run", "--json", env=env | {"ALMA_TENANT": "acme"})
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["latest"]["seq"] == 5
+    elsewhere = alma("checkpoints", "cli-run", env=env | {"ALMA_TENANT": "globex"})
+    assert elsewhere.returncode == 1
+    assert "of tenant 'globex'" in elsewhere.stderr
 
 
 async def test_dlq_list_and_replay(settings: Settings, worker: Worker, tmp_path: Path) -> None:
@@ -106,8 +125,14 @@ async def test_reducers_set_and_show(settings: Settings, tmp_path: Path) -> None
     unknown = tmp_path / "unknown.json"
     unknown.write_text(json.dumps({"reducers": {"n": "median"}}))
     bad = alma("reducers", "set", "wf", str(unknown), "--tenant", "acme", env=env)
-    assert bad.returncode == 1
+    assert bad.returncode == 2  # a wrong file is wrong usage
     assert "unknown reducer 'median'" in bad.stderr
+    # ALMA_TENANT stands for --tenant; with neither, the command says what to pass
+    by_env = alma("reducers", "show", "wf", env=env | {"ALMA_TENANT": "acme"})
+    assert json.loads(by_env.stdout)["reducers"] == {"log": "append", "n": "sum"}
+    neither = alma("reducers", "show", "wf", env=env)
+    assert neither.returncode == 2
+    assert "pass --tenant T or set ALMA_TENANT" in neither.stderr
     malformed = tmp_path / "malformed.json"
     malformed.write_text("{nope")
     assert (
@@ -156,8 +181,8 @@ async def test_runs_list_and_show(settings: Settings, worker: Worker) -> None:
         assert missing.returncode == 1
         assert "no checkpoints for run" in missing.stderr
     no_tenant = alma("runs", "list", env=env)
-    assert no_tenant.returncode == 1
-    assert "--tenant is required" in no_tenant.stderr
+    assert no_tenant.returncode == 2
+    assert "a tenant is required" in no_tenant.stderr
     bad_status = alma("runs", "list", "--tenant", "acme", "--status", "done", env=env)
     assert bad_status.returncode == 2
     assert "unknown status" in bad_status.stderr

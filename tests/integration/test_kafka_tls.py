@@ -259,7 +259,7 @@ async def test_a_client_without_the_certificate_is_refused(tls_settings: Setting
         }
     )
     for refused in (no_cert, plaintext):
-        with pytest.raises(errors.ConfigError, match="cannot create topics"):
+        with pytest.raises(errors.BrokerUnavailable, match="cannot create topics"):
             await asyncio.wait_for(
                 ensure_topics(
                     s.kafka_bootstrap or "",

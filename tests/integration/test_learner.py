@@ -321,11 +321,12 @@ async def test_cli_retrieve_and_prune(settings: Settings, embedder: AsyncEmbedde
     assert "workflow scope, exact search" in human.stdout
     # bad input: a scope whose context is missing, no tenant in multi-tenant mode
     no_node = alma("retrieve", "x", "--tenant", "acme", "--scope", "node", env=env)
-    assert no_node.returncode == 1
+    assert no_node.returncode == 2  # wrong usage
     assert "NODE scope needs run_id" in no_node.stderr
     no_tenant = alma("retrieve", "x", "--workflow", WF, env=env)
-    assert no_tenant.returncode == 1
-    assert "tenant_id is required" in no_tenant.stderr
+    assert no_tenant.returncode == 2
+    assert "pass --tenant" in no_tenant.stderr
+    assert "ALMA_TENANT" in no_tenant.stderr
     # retention: lifetimes from the settings, overridable per call, checked together
     refused = alma("db", "prune", "--runs-days", "10", env=env)
     assert refused.returncode == 2

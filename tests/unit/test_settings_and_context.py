@@ -38,6 +38,63 @@ def test_service_urls_are_checked(
     assert expected in info.value.message
 
 
+@pytest.mark.parametrize(
+    ("dsn", "port"),
+    [
+        ("postgresql://alma:S3cretPW@localhost:notaport/db", "notaport"),
+        ("postgresql://alma:S3cretPW@h1:5432,h2:zz/db", "zz"),
+        ("postgresql://alma:S3cretPW@localhost:99999/db", "99999"),  # asyncpg wraps it
+        ("postgresql://alma:S3cretPW@[::1]:x/db", "x"),
+    ],
+)
+def test_a_malformed_dsn_port_is_a_settings_error_without_the_password(
+    monkeypatch: pytest.MonkeyPatch, dsn: str, port: str
+) -> None:
+    monkeypatch.setenv("ALMA_POSTGRES_DSN", dsn)
+    with pytest.raises(errors.ConfigError, match="ALMA_POSTGRES_DSN") as info:
+        load()
+    assert f"port {port!r} is not a number from 1 to 65535" in info.value.message
+    assert "S3cretPW" not in info.value.message
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://alma:p:w@[::1]:5432/db",
+        "postgresql://alma@h1:5432,h2/db?sslmode=require",
+        "postgresql:///db?host=/var/run/postgresql",
+        "postgres://alma:pw@db.internal/alma",
+    ],
+)
+def test_well_formed_dsns_pass(monkeypatch: pytest.MonkeyPatch, dsn: str) -> None:
+    monkeypatch.setenv("ALMA_POSTGRES_DSN", dsn)
+    assert load().postgres_dsn == dsn
+
+
+@pytest.mark.parametrize(
+    ("url", "ok"),
+    [
+        ("redis://:S3cretPW@cache:6379/0", True),
+        ("rediss://cache", True),
+        ("redis://[::1]:6380/1", True),
+        ("unix:///run/redis.sock", True),
+        ("redis://a:7000,redis://b:7001", True),
+        ("redis://:S3cretPW@cache:99999/0", False),
+        ("redis://cache:abc", False),
+        ("redis://a:7000,redis://b:0", False),
+    ],
+)
+def test_redis_url_ports_are_checked(monkeypatch: pytest.MonkeyPatch, url: str, ok: bool) -> None:
+    monkeypatch.setenv("ALMA_REDIS_URL", url)
+    if ok:
+        assert load().redis_url == url
+        return
+    with pytest.raises(errors.ConfigError, match="ALMA_REDIS_URL") as info:
+        load()
+    assert "is not a number from 1 to 65535" in info.value.message
+    assert "S3cretPW" not in info.value.message
+
+
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("ALMA_KAFKA_BOOTSTRAP", "ALMA_POSTGRES_DSN", "ALMA_REDIS_URL"):
         monkeypatch.delenv(var, raising=False)

@@ -1,0 +1,189 @@
+"""One child process of the embedded stack: started on a free loopback port with its
+own log file, polled until ready (never slept), stopped gracefully, and watched.
+
+A port taken between choosing and binding is avoided: the process exits, and it is
+started again on another port. ``exit_status`` says how a process that went away
+ended, so ``alma up`` can stop loudly when one of its services dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from alma_core import errors
+
+log = logging.getLogger("alma.embedded")
+START_ATTEMPTS = 4
+READY_TIMEOUT_S = 30.0
+
+Notify = Callable[[str], None]  # how a service tells a person what it does to the host
+
+
+def log_notice(message: str) -> None:
+    """The default :data:`Notify`: a warning in the log (``alma up`` prints instead)."""
+    log.warning(message, extra={"action": "embedded_notice"})
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def port_open(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: not gone, and not a zombie nobody reaped (read from
+    /proc where there is one)."""
+    stat_file = Path(f"/proc/{pid}/stat")
+    if Path("/proc/self/stat").exists():
+        try:
+            return stat_file.read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
+        except (OSError, IndexError):
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def describe_status(returncode: int) -> str:
+    """``returncode`` of a child in words: ``exit status 1``, ``killed by SIGKILL``."""
+    if returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-returncode).name}"
+        return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+class Service:
+    """One child process with a log file, started on a free port."""
+
+    name = "service"
+    title = "service"  # what a person calls it: "the embedded {title}"
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self.log_path = run_dir / f"{self.name}.log"
+        self.notify: Notify = log_notice
+
+    def _command(self, port: int) -> list[str]:
+        raise NotImplementedError
+
+    def _popen_kwargs(self) -> dict[str, Any]:
+        return {}
+
+    async def _ready(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        raise NotImplementedError
+
+    async def start(self, port: int | None = None) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        last = ""
+        for _ in range(START_ATTEMPTS):
+            self.port = port or free_port()
+            with self.log_path.open("ab") as log:
+                self.proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once; watched by poll()
+                    self._command(self.port),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    **self._popen_kwargs(),
+                )
+            if await self._wait_ready():
+                return
+            last = tail(self.log_path)
+            await self.stop()
+            if port:
+                break
+        raise errors.StackError(
+            f"{self.name} did not start (log {self.log_path}):\n{last}\n"
+            f"What to do: read the log above; {self._advice()}"
+        )
+
+    def _advice(self) -> str:
+        return "check that nothing else is broken on this machine and run again"
+
+    async def _wait_ready(self) -> bool:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                return False
+            with contextlib.suppress(Exception):
+                if await self._ready():
+                    return True
+            await asyncio.sleep(0.05)
+        return False
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    async def stop(self, sig: int = signal.SIGINT, grace_s: float = 15.0) -> None:
+        """Stop gracefully (SIGINT by default), then kill if it does not exit in time."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+        deadline = time.monotonic() + grace_s
+        while proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110 - polls a child
+            await asyncio.sleep(0.02)
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await asyncio.to_thread(proc.wait)
+
+    def kill(self) -> None:
+        """SIGKILL the service and every process it started (chaos tests)."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+    @property
+    def exit_status(self) -> int | None:
+        """None while running (or never started); else how the process ended. Polling
+        reaps it, so a dead child never lingers as a zombie holding its pid."""
+        return None if self.proc is None else self.proc.poll()
+
+    def kill_leftovers(self) -> None:
+        """After the service's process ended: SIGKILL what it started and left behind
+        (PostgreSQL's backends outlive a killed postmaster for a moment and hold its
+        shared memory, which would stop the next start)."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
