@@ -244,5 +244,6 @@ async def test_a_malformed_redis_url_is_one_line_naming_the_variable(database: s
     )
     assert_masked(result.stdout + result.stderr, SECRET)
     assert result.returncode == 2, result.stderr
-    assert "ALMA_REDIS_URL='redis://:***@127.0.0.1:notaport/0' is malformed" in result.stderr
+    assert "ALMA_REDIS_URL='redis://:***@127.0.0.1:notaport/0'" in result.stderr
+    assert "port 'notaport' is not a number from 1 to 65535" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
