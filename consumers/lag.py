@@ -8,9 +8,10 @@ runtime commits after its PostgreSQL commit) against where each partition ends,
 and how many members each group has. It exports them under kafka_exporter's metric
 names, so dashboards, alerts and autoscalers work the same with either exporter.
 
-Where a partition ends: the high watermark from a fetch of its last batch (exact
-on every broker; the embedded one answers ListOffsets with the start of its last
-batch), falling back to ListOffsets when the fetch returns nothing.
+What the broker says comes from :class:`~alma_core.messaging.broker_view.BrokerView`
+(as for ``alma offsets reset``): a partition ends at the high watermark of a fetch of
+its last batch, exact on every broker (the embedded one answers ListOffsets with the
+start of its last batch).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
+from alma_core import errors
 from alma_core.messaging import kafka
+from alma_core.messaging.broker_view import BrokerView
 from alma_core.settings import Settings
 from consumers import checkpointer, http, joiner, learner
 from consumers.metrics import ExporterMetrics
@@ -93,82 +94,37 @@ class LagExporter:
         self.options = client_options or {}
         self.interval_s = interval_s
         self.last_success = 0.0  # monotonic
-        self._admin: AIOKafkaAdminClient | None = None
-        self._consumer: AIOKafkaConsumer | None = None
+        self._view: BrokerView | None = None
 
     async def __aenter__(self) -> LagExporter:
-        self._admin = AIOKafkaAdminClient(
-            bootstrap_servers=self.bootstrap, request_timeout_ms=10_000, **self.options
-        )
-        self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap,
-            enable_auto_commit=False,
-            max_partition_fetch_bytes=64 * 1024,
-            fetch_max_wait_ms=100,
-            **self.options,
-        )
-        await self._admin.start()
-        await self._consumer.start()
+        self._view = await BrokerView(self.bootstrap, self.options).__aenter__()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._consumer is not None:
-            await self._consumer.stop()
-        if self._admin is not None:
-            await self._admin.close()
-
-    async def _partitions(self) -> list[TopicPartition]:
-        assert self._admin is not None
-        topics = sorted(set(self.groups.values()))
-        described = await self._admin.describe_topics(topics)
-        return [
-            TopicPartition(d["topic"], p["partition"])
-            for d in described
-            if not d.get("error_code")
-            for p in sorted(d["partitions"], key=lambda p: p["partition"])
-        ]
-
-    async def _ends(self, tps: list[TopicPartition]) -> tuple[dict[Partition, int], ...]:
-        consumer = self._consumer
-        assert consumer is not None
-        listed = await consumer.end_offsets(tps)
-        starts = await consumer.beginning_offsets(tps)
-        consumer.assign(tps)
-        for tp in tps:
-            consumer.seek(tp, max(listed[tp] - 1, starts[tp]))
-        ends = {(tp.topic, tp.partition): int(listed[tp]) for tp in tps}
-        pending = {tp for tp in tps if listed[tp] > starts[tp]}
-        deadline = time.monotonic() + 5
-        while pending and time.monotonic() < deadline:
-            await consumer.getmany(*pending, timeout_ms=500, max_records=1)
-            for tp in list(pending):
-                high = consumer.highwater(tp)
-                if high is not None:
-                    ends[(tp.topic, tp.partition)] = max(int(high), int(listed[tp]))
-                    pending.discard(tp)
-        return ends, {(tp.topic, tp.partition): int(starts[tp]) for tp in tps}
-
-    async def _group(self, group: str, tps: list[TopicPartition]) -> GroupView:
-        admin = self._admin
-        assert admin is not None
-        offsets = await admin.list_consumer_group_offsets(group, partitions=tps)
-        committed: dict[Partition, int | None] = {(tp.topic, tp.partition): None for tp in tps}
-        for tp, meta in offsets.items():
-            if meta is not None and meta.offset >= 0:
-                committed[(tp.topic, tp.partition)] = int(meta.offset)
-        members: int | None = None  # unknown is not zero: no alert on a failed question
-        with contextlib.suppress(KafkaError, IndexError, ValueError):
-            (response,) = await admin.describe_consumer_groups([group])
-            members = sum(len(g[-1]) for g in response.groups if g[1] == group)
-        return GroupView(members, committed)
+        if self._view is not None:
+            await self._view.close()
+            self._view = None
 
     async def scrape(self) -> Snapshot:
-        tps = await self._partitions()
-        ends, starts = await self._ends(tps)
+        view = self._view
+        assert view is not None
+        ends: dict[Partition, int] = {}
+        starts: dict[Partition, int] = {}
+        partitions: dict[str, list[int]] = {}
+        for topic in sorted(set(self.groups.values())):
+            partitions[topic] = await view.partitions(topic)
+            for partition, log in (await view.logs(topic, partitions[topic])).items():
+                ends[(topic, partition)] = log.end
+                starts[(topic, partition)] = log.start
         groups = {}
         for group, topic in self.groups.items():
-            own = [tp for tp in tps if tp.topic == topic]
-            groups[group] = await self._group(group, own)
+            committed = await view.committed(group, topic, partitions[topic])
+            members: int | None = None  # unknown is not zero: no alert on a failed question
+            with contextlib.suppress(KafkaError, IndexError, ValueError):
+                members = len(await view.members(group))
+            groups[group] = GroupView(
+                members, {(topic, p): offset for p, offset in committed.items()}
+            )
         return Snapshot(ends, starts, groups)
 
     def publish(self, snapshot: Snapshot) -> None:
@@ -199,7 +155,7 @@ class LagExporter:
             started = time.monotonic()
             try:
                 self.publish(await self.scrape())
-            except (KafkaError, OSError, TimeoutError) as exc:
+            except (KafkaError, OSError, TimeoutError, errors.AlmaError) as exc:
                 self.metrics.errors.inc()
                 log.warning(
                     "could not read the groups' offsets from the broker; retrying",

@@ -31,8 +31,8 @@ from rich.table import Table
 
 from alma_core import errors
 from alma_core.cli import common
-from alma_core.cli.broker_view import BrokerView, Member
 from alma_core.messaging import kafka
+from alma_core.messaging.broker_view import BrokerView, Member
 from alma_core.settings import Settings
 from alma_core.storage import offsets
 
