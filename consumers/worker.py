@@ -173,6 +173,40 @@ async def _check_replay_window(settings: Settings, bootstrap: str) -> None:
         log.warning(problem, extra={"action": "replay_window", "topic": topic})
 
 
+STOP_GRACE_S = 15.0  # how long the consumers get to leave their groups once stopped
+
+
+async def _finish(tasks: list[asyncio.Task[None]], stop: asyncio.Event) -> None:
+    """Wait for the consumers (the first error ends the worker, as before); once ``stop``
+    is set, give them ``STOP_GRACE_S`` to leave, then cancel what still runs: a Kafka
+    call that never returns (a join the broker never completes) must not keep the
+    process from exiting, and nothing is lost (the offsets are stored with the effects)."""
+    gathered: asyncio.Future[list[None]] = asyncio.gather(*tasks)
+    stopping: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([gathered, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if not gathered.done():
+            await asyncio.wait([gathered], timeout=STOP_GRACE_S)
+        if gathered.done():
+            await gathered
+            return
+        hung = [t.get_name() for t in tasks if not t.done()]
+        log.warning(
+            "consumers did not stop in time; cancelling them",
+            extra={"action": "stop_timeout", "tasks": ",".join(hung), "grace_s": STOP_GRACE_S},
+        )
+        for task in tasks:
+            task.cancel()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await gathered  # retrieved here; the outcomes below decide
+        for outcome in outcomes:
+            if isinstance(outcome, Exception):
+                raise outcome
+    finally:
+        stopping.cancel()
+
+
 async def run_worker(
     settings: Settings,
     services: Services,
@@ -367,14 +401,14 @@ async def _run(
                 "services up; consumers starting",
                 extra={"action": "consumers_starting", "consumers": ",".join(consumers)},
             )
-            tasks = [asyncio.create_task(r.run(stop)) for r in runtimes]
+            tasks = [asyncio.create_task(r.run(stop), name=r.handler.name) for r in runtimes]
             started = asyncio.ensure_future(asyncio.gather(*(r.started.wait() for r in runtimes)))
             waiting: list[asyncio.Future[Any]] = [started, *tasks]
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if started in done and ready is not None:
                 ready.set()
             try:
-                await asyncio.gather(*tasks)
+                await _finish(tasks, stop)
             finally:
                 started.cancel()
                 health.embedder = None
