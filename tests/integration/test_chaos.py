@@ -131,6 +131,7 @@ async def test_members_join_and_leave_mid_stream(settings: Settings, tmp_path: P
         producer = asyncio.create_task(produce(settings, runs, 30, published, [], rng))
         await asyncio.sleep(1.0)
         joiner = WorkerProcess(settings, tmp_path / "joiner.log").start()  # rebalance: join
+        await joiner.wait_started(limit_s=120)  # a process still importing dies on SIGTERM
         await asyncio.sleep(3.0)
         assert joiner.terminate() == 0  # rebalance: leave, draining its batch
         second = WorkerProcess(settings, tmp_path / "second.log").start()
@@ -141,6 +142,9 @@ async def test_members_join_and_leave_mid_stream(settings: Settings, tmp_path: P
             return await count(dsn, "SELECT count(*) FROM checkpoints") >= total
 
         await wait_for(all_in, limit_s=90, what=f"{total} checkpoints")
+        # the in-process member may finish everything while the second still imports: a
+        # process not yet started exits on SIGTERM's default action (-15), not cleanly
+        await second.wait_started(limit_s=120)
         assert second.terminate() == 0
     await assert_exactly_once(dsn, published)
 
