@@ -23,14 +23,19 @@ from alma_core.storage.observer import LATENCY_BUCKETS, CacheResult, ReadMetrics
 E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
+def _process_collectors(registry: CollectorRegistry) -> None:
+    """process_resident_memory_bytes, process_cpu_seconds_total, process_open_fds... in a
+    registry of our own (the default registry has them already)."""
+    if registry is not REGISTRY:
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        if r is not REGISTRY:  # the default registry has them already
-            # process_resident_memory_bytes, process_cpu_seconds_total, process_open_fds...
-            ProcessCollector(registry=r)
-            PlatformCollector(registry=r)
+        _process_collectors(r)
         self.events = Counter(
             "alma_events_total",
             "Events consumed, by consumer, event type and outcome",
@@ -232,9 +237,7 @@ class ExporterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        if r is not REGISTRY:
-            ProcessCollector(registry=r)
-            PlatformCollector(registry=r)
+        _process_collectors(r)
         self.partition_offset = Gauge(
             "kafka_topic_partition_current_offset",
             "Where the partition ends (the offset the next record gets)",

@@ -240,17 +240,12 @@ class ConsumerRuntime:
                 if consumer._fetcher is not None:
                     await consumer._fetcher.close()
                 await consumer._client.close()
-        except asyncio.CancelledError as exc:
+        except (Exception, asyncio.CancelledError) as exc:  # shutting down: report, never raise
             task = asyncio.current_task()
-            if task is not None and task.cancelling():
+            if isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling():
                 raise  # this task is being cancelled: not ours to swallow
-            # aiokafka's fetcher re-raises the cancellation of its own fetch task when it
-            # is closed while a fetch is failing (the broker is gone)
-            log.warning(
-                "leaving the group failed",
-                extra={"action": "leave_failed", "consumer": self.handler.name, "error": repr(exc)},
-            )
-        except Exception as exc:  # noqa: BLE001 - shutting down: report, never raise
+            # anything else is reported, never raised; aiokafka's fetcher even re-raises the
+            # cancellation of its own fetch task when closed while the broker is gone
             log.warning(
                 "leaving the group failed",
                 extra={"action": "leave_failed", "consumer": self.handler.name, "error": repr(exc)},
