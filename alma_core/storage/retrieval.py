@@ -167,23 +167,28 @@ class Retriever:
 
         exact: distances over the B-tree-filtered rows, in a materialised CTE that
         keeps the HNSW index out (an ``ORDER BY`` on the distance, even by alias,
-        lets the planner pick HNSW, which loses recall under a filter).
+        lets the planner pick HNSW, which loses recall under a filter). Only ids,
+        kinds and distances are carried through the ranking; the nearest rows'
+        columns are read after (carrying every column of every row in scope
+        through the sort took half the time of a 20,000-row scope).
         approximate: the HNSW index with iterative scan; for memories one scan per
         kind, so no kind crowds the others out."""
         columns = _MEMORY_COLUMNS if table == "memories" else _OUTCOME_COLUMNS
         per_kind = table == "memories"
         if plan == "exact":
             where, args = f.sql(3)
-            ranked = (
-                "SELECT * FROM (SELECT *, row_number() OVER (PARTITION BY kind "
-                "ORDER BY distance) AS rank FROM scoped) r WHERE rank <= $2"
+            nearest = (
+                "SELECT id, distance FROM (SELECT id, distance, row_number() OVER "
+                "(PARTITION BY kind ORDER BY distance) AS rank FROM scoped) r WHERE rank <= $2"
                 if per_kind
-                else "SELECT * FROM scoped ORDER BY distance LIMIT $2"
+                else "SELECT id, distance FROM scoped ORDER BY distance LIMIT $2"
             )
+            kind = ", kind" if per_kind else ""
             sql = f"""WITH scoped AS MATERIALIZED (
-                          SELECT {columns}, embedding <=> $1::vector AS distance
-                          FROM {table} WHERE {where} AND embedding IS NOT NULL)
-                      {ranked}"""
+                          SELECT id{kind}, embedding <=> $1::vector AS distance
+                          FROM {table} WHERE {where} AND embedding IS NOT NULL),
+                      nearest AS ({nearest})
+                      SELECT {columns}, distance FROM nearest JOIN {table} USING (id)"""
             return list(await conn.fetch(sql, query, limit, *args))
         await _approximate(conn, self.ef_search)
         if not per_kind:

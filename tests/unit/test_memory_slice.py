@@ -139,6 +139,22 @@ def test_async_embedder_batches_and_never_encodes_a_text_twice() -> None:
     assert (emb.encoded, emb.hits) == (3, 3)
 
 
+@given(st.lists(st.text(min_size=1, max_size=40), max_size=30), st.integers(1, 8))
+def test_async_embedder_batches_by_length_and_answers_in_order(
+    texts: list[str], batch: int
+) -> None:
+    """Texts are encoded in batches of similar length (less padding), and each text
+    still gets its own vector, in the order asked."""
+    model = CountingEmbedder()
+    emb = AsyncEmbedder(model, batch_size=batch, cache_size=100)
+    vectors = asyncio.run(emb.embed(texts))
+    emb.close()
+    assert [v[0] for v in vectors] == [float(len(t)) for t in texts]
+    encoded = [len(t) for call in model.calls for t in call]
+    assert encoded == sorted(encoded), "one pass over the texts, shortest first"
+    assert sum(len(call) for call in model.calls) == len(set(texts))
+
+
 def failure(i: int, kind: MemoryKind, line: int, signature: str | None = "sig-parse") -> Memory:
     content = (
         f"In workflow wf, node parse failed with ValueError: bad tag at line {line}"
