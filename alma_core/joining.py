@@ -22,14 +22,13 @@ loaded for the whole batch.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from alma_core import errors
 from alma_core.reducers import ReducerConfig, ReducerRegistry, apply_updates, merge_states
-from alma_core.sequencing import MAIN, Head, RunKey, canonical_json
+from alma_core.sequencing import MAIN, Head, RunKey, canonical_state
 from schemas.events import BranchJoin, BranchJoinPayload, MergeReply
 
 
@@ -85,15 +84,12 @@ def merge(
     else:
         assert payload.states is not None  # the contract requires one of them
         state = merge_states(payload.states, config, registry)
-    state_json = canonical_json(state)
-    size = len(state_json.encode())
+    state_json, digest, size = canonical_state(state)
     if size > max_state_bytes:
         raise errors.StateTooLarge(
             f"the merged state is {size} bytes; the limit is {max_state_bytes}"
         )
-    return Merge(
-        state, state_json, hashlib.sha256(state_json.encode()).hexdigest(), size, merged_from
-    )
+    return Merge(state, state_json, digest, size, merged_from)
 
 
 @dataclass

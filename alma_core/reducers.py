@@ -17,7 +17,6 @@ Pure code: no I/O, no asyncio.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from importlib import metadata
 from typing import Any
 
 from alma_core import errors
+from schemas import jsoncodec
 
 ENTRY_POINT_GROUP = "alma.reducers"
 
@@ -70,7 +70,7 @@ def _append(current: Any, update: Any) -> list[Any]:
 
 
 def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return jsoncodec.canonical(value).decode()
 
 
 def _union(current: list[Any], update: list[Any]) -> list[Any]:

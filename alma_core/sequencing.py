@@ -25,13 +25,13 @@ returns in one transaction. No I/O here, so every rule is unit-tested:
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
 from alma_core import errors
 from alma_core.reducers import ReducerConfig, ReducerRegistry, apply_updates
+from schemas import jsoncodec
 from schemas.events import (
     GRAPH_EVENTS,
     BranchJoin,
@@ -51,12 +51,19 @@ Effect = Literal["checkpointed", "unchanged", "recorded", "handed_off"]
 
 
 def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """Compact JSON with sorted keys (:func:`schemas.jsoncodec.canonical`)."""
+    return jsoncodec.canonical(value).decode()
 
 
 def state_hash(state: dict[str, Any]) -> str:
     """SHA-256 of the canonical JSON (sorted keys, compact): equal states, equal hashes."""
-    return hashlib.sha256(canonical_json(state).encode()).hexdigest()
+    return hashlib.sha256(jsoncodec.canonical(state)).hexdigest()
+
+
+def canonical_state(state: dict[str, Any]) -> tuple[str, str, int]:
+    """The state's canonical JSON, its SHA-256 and its size in bytes, from one encoding."""
+    raw = jsoncodec.canonical(state)
+    return raw.decode(), hashlib.sha256(raw).hexdigest(), len(raw)
 
 
 def branch_key(branch_id: str | None) -> str:
@@ -246,14 +253,19 @@ class Sequencer:
         new_state = self._next_state(run, key, payload.state, payload.updates)
         assert new_state is not None  # the contract requires state or updates
         head = self.heads.get((*run.key, key))
-        state_json = canonical_json(new_state)
-        digest = hashlib.sha256(state_json.encode()).hexdigest()
+        state_json, digest, size = canonical_state(new_state)
         if head is not None and head.state_hash == digest:
             effect: Effect = "unchanged"
             seq = head.seq
         else:
             seq = self._checkpoint(
-                run, event, key, new_state, state_json, digest, "node", payload.metadata or {}
+                run,
+                event,
+                key,
+                new_state,
+                (state_json, digest, size),
+                "node",
+                payload.metadata or {},
             )
             effect = "checkpointed"
         if run.status == "failed" and run.completed_at is None:
@@ -267,12 +279,11 @@ class Sequencer:
         if new_state is None:
             head = self.heads.get((*run.key, key))
             new_state = head.state if head else {}
-        state_json = canonical_json(new_state)
-        digest = hashlib.sha256(state_json.encode()).hexdigest()
+        encoded = canonical_state(new_state)
         metadata: dict[str, Any] = {"error": payload.error.model_dump()}
         if payload.attempt is not None:
             metadata["attempt"] = payload.attempt
-        seq = self._checkpoint(run, event, key, new_state, state_json, digest, "failure", metadata)
+        seq = self._checkpoint(run, event, key, new_state, encoded, "failure", metadata)
         if run.completed_at is None:
             run.status = "failed"
         return "checkpointed", seq
@@ -283,12 +294,11 @@ class Sequencer:
         event: NodeCompleted | NodeFailed,
         key: str,
         state: dict[str, Any],
-        state_json: str,
-        digest: str,
+        encoded: tuple[str, str, int],
         kind: str,
         metadata: dict[str, Any],
     ) -> int:
-        size = len(state_json.encode())
+        state_json, digest, size = encoded
         if size > self.max_state_bytes:
             raise errors.StateTooLarge(
                 f"the resulting state is {size} bytes; the limit is {self.max_state_bytes} "

@@ -7,6 +7,8 @@ outbox, offsets) of :class:`~consumers.handler.StoreHandler`.
 from __future__ import annotations
 
 import time
+from collections import Counter
+from typing import Any
 
 from alma_core.storage.batches import Batch
 from alma_core.storage.checkpoints import CheckpointOutcome, PostgresCheckpointStore
@@ -32,12 +34,19 @@ class CheckpointHandler(StoreHandler[CheckpointOutcome]):
 
     def observe(self, outcome: CheckpointOutcome) -> None:
         m = self.metrics
-        for row in outcome.checkpoints:
-            m.checkpoints.labels(NAME, row.kind).inc()
+        # Counted per kind, type and effect, not per event: a series' lookup costs more
+        # than the increment (~0.3 s of every 20,000 events when done per event).
+        for kind, n in Counter(row.kind for row in outcome.checkpoints).items():
+            m.checkpoints.labels(NAME, kind).inc(n)
         now = outcome.created_at
-        for type_, effect, emitted_at in outcome.applied:
-            m.events.labels(NAME, type_, effect).inc()
-            m.e2e_seconds.labels(NAME, type_).observe(max(0.0, (now - emitted_at).total_seconds()))
+        for (type_, effect), n in Counter((t, e) for t, e, _ in outcome.applied).items():
+            m.events.labels(NAME, type_, effect).inc(n)
+        latency: dict[str, Any] = {}
+        for type_, _, emitted_at in outcome.applied:
+            series = latency.get(type_)
+            if series is None:
+                series = latency[type_] = m.e2e_seconds.labels(NAME, type_)
+            series.observe(max(0.0, (now - emitted_at).total_seconds()))
         if outcome.duplicates:
             m.duplicates.labels(NAME).inc(outcome.duplicates)
         if outcome.dead_letters:

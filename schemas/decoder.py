@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from schemas import jsoncodec
 from schemas.events import EVENT_MODELS, Event, EventType
 
 DEFAULT_MAX_STATE_BYTES = 1_000_000
@@ -104,7 +105,7 @@ def _ids(obj: dict[str, Any]) -> dict[str, str | None]:
 
 def json_size(value: Any) -> int:
     """Size of a value in compact UTF-8 JSON: the unit of the state size limit."""
-    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+    return len(jsoncodec.compact(value))
 
 
 def _oversized_state(event: Event, max_state_bytes: int) -> tuple[str, int] | None:
@@ -151,10 +152,12 @@ def _decode(
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         return Rejection(RejectReason.NOT_UTF8, f"value is not UTF-8: {exc}")
-    try:
-        obj = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
-    except (ValueError, RecursionError) as exc:
-        return Rejection(RejectReason.MALFORMED_JSON, f"value is not JSON: {exc}"[:500])
+    obj = jsoncodec.loads(raw)
+    if obj is jsoncodec.UNSURE:  # orjson refused it, or it holds a long integer
+        try:
+            obj = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        except (ValueError, RecursionError) as exc:
+            return Rejection(RejectReason.MALFORMED_JSON, f"value is not JSON: {exc}"[:500])
     if not isinstance(obj, dict):
         return Rejection(
             RejectReason.NOT_AN_OBJECT, f"value is a JSON {type(obj).__name__}, not an object"

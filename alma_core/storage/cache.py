@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from redis.exceptions import RedisError
 from alma_core import errors
 from alma_core.settings import Settings
 from alma_core.types import Checkpoint
+from schemas import jsoncodec
 
 MAIN_FIELD = "@"
 LATEST_FIELD = "latest"
@@ -121,7 +121,7 @@ class CacheEntry:
     document: dict[str, Any]
 
     def encode(self) -> str:
-        return f"{self.seq}:{json.dumps(self.document, separators=(',', ':'))}"
+        return f"{self.seq}:{jsoncodec.compact(self.document).decode()}"
 
 
 def checkpoint_to_doc(cp: Checkpoint) -> dict[str, Any]:
@@ -197,9 +197,9 @@ def consumed_entries(merge: Checkpoint, branches: Iterable[str]) -> list[CacheEn
 def _decode(value: bytes | str | None) -> dict[str, Any] | None:
     if value is None:
         return None
-    text = value.decode() if isinstance(value, bytes) else value
-    _, _, body = text.partition(":")
-    doc: dict[str, Any] = json.loads(body)
+    raw = value if isinstance(value, bytes) else value.encode()
+    _, _, body = raw.partition(b":")
+    doc: dict[str, Any] = jsoncodec.parse(body)
     return doc
 
 

@@ -12,7 +12,6 @@ dead-lettered for them. Anything else PostgreSQL says is about the data and is
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,6 +19,7 @@ import asyncpg
 from asyncpg import exceptions as pgx
 
 from alma_core import errors
+from schemas import jsoncodec
 
 _RETRIABLE_PG = (
     pgx.PostgresConnectionError,
@@ -61,13 +61,17 @@ def is_storage_failure(exc: BaseException) -> bool:
 
 def _encode_json(value: Any) -> str:
     # Callers pass pre-serialised JSON text to avoid encoding large states twice.
-    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    return value if isinstance(value, str) else jsoncodec.compact(value).decode()
+
+
+def _decode_json(text: str) -> Any:
+    return jsoncodec.parse(text.encode())
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
     for type_name in ("jsonb", "json"):
         await conn.set_type_codec(
-            type_name, encoder=_encode_json, decoder=json.loads, schema="pg_catalog"
+            type_name, encoder=_encode_json, decoder=_decode_json, schema="pg_catalog"
         )
 
 

@@ -1,0 +1,106 @@
+"""JSON text the way the contract and the stored data define it, made by orjson (C,
+~10× faster than the standard library here) with exactly the bytes the standard
+library makes, so every hash and size stays what it was:
+
+* ``compact(value)``: compact UTF-8 JSON (the unit of the size limits);
+* ``canonical(value)``: the same with keys sorted (what state hashes are taken of);
+* ``loads(raw)``: a record's value, or :data:`UNSURE` where orjson's reading could
+  differ from the standard library's (the caller then parses with ``json``);
+  ``parse(raw)`` does both.
+
+Where orjson and ``json.dumps(..., separators=(",", ":"), ensure_ascii=False)`` differ,
+and what is done about it (each case is in ``tests/unit/test_jsoncodec.py``):
+
+* floats with 1e-10 < |x| < 1e-4: Python writes ``1e-05`` or ``2.5e-07``, orjson
+  ``0.00001`` or ``2.5e-7``. Such a rendering is looked for in orjson's output (two
+  ``bytes.find`` scans; text like "e-mail" only costs a closer look) and the value is
+  then encoded by ``json``;
+* integers beyond 64 bits: orjson refuses to write them (``json`` writes them) and
+  reads them as floats (``json`` keeps them exact): writing falls back on the error,
+  reading is handed to ``json`` when the record holds a run of 19 digits;
+* NaN, infinities, lone surrogates, nesting deeper than 1,024, non-string keys, types
+  other than JSON's: orjson refuses; ``json`` then gives the answer it always gave.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Final
+
+import orjson
+
+_OPTIONS: Final = (
+    orjson.OPT_PASSTHROUGH_DATETIME
+    | orjson.OPT_PASSTHROUGH_DATACLASS
+    | orjson.OPT_PASSTHROUGH_SUBCLASS
+)  # what json.dumps refuses, orjson must not write either
+_SORTED: Final = _OPTIONS | orjson.OPT_SORT_KEYS
+_DIGITS_TO_ZERO: Final = bytes(
+    ord("0") if chr(b).isdigit() and b < 128 else ord(" ") for b in range(256)
+)
+_LONG_INTEGER: Final = b"0" * 19  # past 64 bits, orjson reads a float
+_TOKEN_END: Final = frozenset(b",]}")
+
+UNSURE: Final = object()
+
+
+def compact(value: Any) -> bytes:
+    """Compact UTF-8 JSON, byte for byte ``json.dumps(value, separators=(",", ":"),
+    ensure_ascii=False).encode()``."""
+    return _dumps(value, _OPTIONS, False)
+
+
+def canonical(value: Any) -> bytes:
+    """:func:`compact` with keys sorted: equal values, equal bytes."""
+    return _dumps(value, _SORTED, True)
+
+
+def loads(raw: bytes) -> Any:
+    """The JSON value of ``raw``, or :data:`UNSURE` when the standard library must read
+    it (a long integer, or anything orjson refuses: the caller's ``json.loads`` then
+    accepts or rejects it as it always did)."""
+    if _LONG_INTEGER in raw.translate(_DIGITS_TO_ZERO):
+        return UNSURE
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return UNSURE
+
+
+def parse(raw: bytes) -> Any:
+    """The JSON value of ``raw``, read as ``json.loads`` reads it."""
+    value = loads(raw)
+    return json.loads(raw) if value is UNSURE else value
+
+
+def _dumps(value: Any, options: int, sort_keys: bool) -> bytes:
+    try:
+        out = orjson.dumps(value, option=options)
+    except TypeError:  # orjson.JSONEncodeError: a big integer, NaN, a surrogate, ...
+        out = None
+    if out is None or _small_float(out):
+        text = json.dumps(value, sort_keys=sort_keys, separators=(",", ":"), ensure_ascii=False)
+        return text.encode()
+    return out
+
+
+def _small_float(out: bytes) -> bool:
+    """Whether orjson wrote a float Python writes otherwise (1e-10 < |x| < 1e-4):
+    ``<digit>e-<one digit>`` ending the token, or ``0.0000`` starting one."""
+    i = out.find(b"e-")
+    while i != -1:
+        if (
+            i > 0
+            and 48 <= out[i - 1] <= 57
+            and i + 2 < len(out)
+            and 48 <= out[i + 2] <= 57
+            and (i + 3 == len(out) or out[i + 3] in _TOKEN_END)
+        ):
+            return True
+        i = out.find(b"e-", i + 2)
+    i = out.find(b"0.0000")
+    while i != -1:
+        if i == 0 or out[i - 1] in b":,[-":
+            return True
+        i = out.find(b"0.0000", i + 6)
+    return False
