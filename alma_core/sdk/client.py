@@ -24,12 +24,14 @@ from aiokafka import AIOKafkaProducer
 from pydantic import ValidationError
 
 from alma_core import errors
+from alma_core.logs import redact
 from alma_core.memory import MemorySlice
 from alma_core.messaging import kafka
 from alma_core.sdk.replies import ReplyListener
 from alma_core.settings import Settings
-from alma_core.storage import reducer_configs, runs
+from alma_core.storage import effects, reducer_configs, runs
 from alma_core.storage.cache import RedisCheckpointCache
+from alma_core.storage.effects import EffectListener
 from alma_core.storage.embeddings import TextEmbedder, embedder_for
 from alma_core.storage.observer import ReadMetrics, ReadObserver
 from alma_core.storage.postgres import connect
@@ -109,6 +111,7 @@ class AlmaClient:
         self._opening = asyncio.Lock()  # concurrent first reads open one pool, not several
         self._pool: asyncpg.Pool | None = None
         self._cache: RedisCheckpointCache | None = None
+        self._effects: EffectListener | None = None
         self._embedder = embedder
         self._own_embedder = False
         self.observer = observer or ReadMetrics.shared()
@@ -128,6 +131,8 @@ class AlmaClient:
     async def stop(self) -> None:
         await self._replies.stop()
         await self._producer.stop()
+        if self._effects is not None:
+            await self._effects.close()
         if self._reads is not None:
             await self._reads.aclose()
         if self._own_embedder and self._embedder is not None:
@@ -181,23 +186,56 @@ class AlmaClient:
         if not (ctx.tenant_id and ctx.run_id):
             raise errors.ContextError("applied() needs the run's tenant_id and run_id")
         pool = await self._open_reads()
+        listener = await self._effect_listener()
         deadline = time.monotonic() + timeout
         pause = 0.005
-        while True:
-            found = await runs.effect_of(pool, event_id, ctx.tenant_id, ctx.run_id)
-            if found is not None and found.rejected is not None:
-                reason, detail = found.rejected
-                raise errors.rejection(reason, f"event {event_id}: {detail}")
-            if found is not None:
-                return Applied(event_id, found.effect or "", found.checkpoint_seq)
-            if time.monotonic() >= deadline:
-                raise errors.EffectTimeout(
-                    f"event {event_id} of run {ctx.run_id!r} had no effect within {timeout:.0f} s; "
-                    "check that the checkpointer runs (`alma up`) and is not lagging "
-                    "(alma_consumer_lag on /metrics)"
+        async with contextlib.AsyncExitStack() as stack:
+            woke = (
+                await stack.enter_async_context(listener.watch(ctx.tenant_id, ctx.run_id))
+                if listener is not None
+                else None
+            )  # watching before the first read: a commit in between still wakes it
+            while True:
+                if woke is not None:
+                    woke.clear()  # before the read: a commit during it wakes the wait below
+                found = await runs.effect_of(pool, event_id, ctx.tenant_id, ctx.run_id)
+                if found is not None and found.rejected is not None:
+                    reason, detail = found.rejected
+                    raise errors.rejection(reason, f"event {event_id}: {detail}")
+                if found is not None:
+                    return Applied(event_id, found.effect or "", found.checkpoint_seq)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise errors.EffectTimeout(
+                        f"event {event_id} of run {ctx.run_id!r} had no effect within "
+                        f"{timeout:.0f} s; check that the checkpointer runs (`alma up`) and is "
+                        "not lagging (alma_consumer_lag on /metrics)"
+                    )
+                if woke is not None and listener is not None and listener.alive:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(woke.wait(), min(left, effects.POLL_S))
+                else:  # no notifications: poll on a back-off
+                    await asyncio.sleep(min(left, pause))
+                    pause = min(0.1, pause * 2)
+
+    async def _effect_listener(self) -> EffectListener | None:
+        """The client's LISTEN connection for effects (opened on first use, reopened
+        when lost); None when it cannot be opened (``applied`` then polls)."""
+        async with self._opening:
+            if self._effects is not None and self._effects.alive:
+                return self._effects
+            if self._effects is not None:
+                await self._effects.close()
+                self._effects = None
+            try:
+                assert self.settings.postgres_dsn is not None  # _open_reads checked it
+                self._effects = await EffectListener.open(self.settings.postgres_dsn)
+            except (OSError, asyncpg.PostgresError) as exc:
+                log.warning(
+                    "cannot listen for effects (%s); applied() polls PostgreSQL instead",
+                    redact(str(exc)),
                 )
-            await asyncio.sleep(pause)
-            pause = min(0.1, pause * 2)
+            return self._effects
 
     async def retrieve(
         self,

@@ -45,6 +45,7 @@ from alma_core.storage.batches import (
     headers_json,
 )
 from alma_core.storage.cache import CacheEntry, cache_entries
+from alma_core.storage.effects import announce
 from alma_core.storage.outbox import OutboxRow
 from alma_core.types import Checkpoint
 from schemas.decoder import Decoded, Rejection
@@ -150,6 +151,11 @@ class PostgresCheckpointStore(BatchStore):
             heads[(row.tenant_id, row.run_id, branch_key(row.branch_id))] = row
         outcome.cache_writes = _cache_entries(heads.values(), outcome.created_at)
         await self._write(conn, sequencer, outcome, heads)
+        await announce(
+            conn,
+            [(e.tenant_id, e.run_id) for e in events]
+            + [(d.tenant_id, d.run_id) for d in outcome.dead_letters if d.tenant_id and d.run_id],
+        )
         return self._handoffs(sequencer)
 
     # -- loads ----------------------------------------------------------------

@@ -19,6 +19,7 @@ from alma_core.sdk.dag import Orchestrator, SimulatedCrash
 from alma_core.sdk.hooks import WorkflowHooks
 from alma_core.sdk.run_state import RunState
 from alma_core.settings import Settings
+from alma_core.storage import effects
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.types import RetrievalScope, WorkflowContext
 from consumers.metrics import Metrics
@@ -211,3 +212,40 @@ async def test_the_dag_orchestrator_example_runs(
     assert any("resumed after 'prepare', success=True" in line for line in lines)
     assert "'cost': 1.5" in result.stdout  # summed over the two branches
     assert "Past runs that worked" in result.stdout
+
+
+async def test_applied_wakes_on_the_commit_not_on_a_poll(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """applied() is woken by the checkpointer's notification of the run (each write
+    and a rejection), not by its safety re-read (put off past the test here), and the
+    client's listening connection is closed with the client."""
+    monkeypatch.setattr(effects, "POLL_S", 60.0)
+    dsn = settings.postgres_dsn or ""
+    listening = "SELECT count(*) AS n FROM pg_stat_activity WHERE query LIKE 'LISTEN%'"
+    async with Worker.start(settings, ("checkpointer",)), AlmaClient(settings) as client:
+        run = WorkflowContext("acme", "wf", None, "notified-run", "n")
+        await client.applied(run, await client.node_completed(run, state={"a": 0}), timeout=30)
+        listener = client._effects
+        assert listener is not None
+        assert listener.alive
+        before = listener.wakeups
+        for i in range(1, 6):
+            event_id = await client.node_completed(run, state={"a": i})
+            applied = await client.applied(run, event_id, timeout=10)
+            assert (applied.effect, applied.seq) == ("checkpointed", i + 1)
+        stale = await client.node_completed(run, state={"a": 9}, expected_seq=1)
+        with pytest.raises(errors.StaleExpectedSeq):
+            await client.applied(run, stale, timeout=10)
+        # one wake-up per write at least (none if the commit did not notify)
+        assert listener.wakeups - before >= 6
+        assert (await fetch(dsn, listening))[0]["n"] >= 1
+    await wait_for(
+        lambda: _none_listening(dsn, listening),
+        limit_s=10,
+        what="the client's LISTEN connection to close with the client",
+    )
+
+
+async def _none_listening(dsn: str, sql: str) -> bool:
+    return (await fetch(dsn, sql))[0]["n"] == 0
