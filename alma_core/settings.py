@@ -156,7 +156,12 @@ class Settings(BaseSettings):
     max_batch_records: int = Field(default=500, ge=1, le=10_000)
     session_timeout_ms: int = Field(default=10_000, ge=1000)
     heartbeat_interval_ms: int = Field(default=1_000, ge=100)
-    fetch_max_wait_ms: int = Field(default=100, ge=0, le=10_000)
+    fetch_max_wait_ms: int = Field(
+        default=100,
+        ge=0,
+        le=10_000,
+        description="how long a fetch waits for data (alma up's embedded broker: 20)",
+    )
     pg_pool_size: int = Field(default=8, ge=1, le=200)
     pg_lock_timeout_ms: int = Field(
         default=10_000, ge=0, description="longest wait for a lock, then back off and retry"
@@ -396,6 +401,10 @@ def load(**overrides: object) -> Settings:
 
 
 ENDPOINTS_FILE = "endpoints.json"  # what `alma up` writes into ALMA_DATA_DIR
+# The embedded broker does not wake a waiting fetch when data arrives (Apache Kafka
+# does), so every hop costs about half the fetch wait: `alma up` uses this one with it
+# unless ALMA_FETCH_MAX_WAIT_MS says otherwise, and applications beside it too.
+EMBEDDED_FETCH_MAX_WAIT_MS = 20
 
 
 def load_running(**overrides: object) -> Settings:
@@ -406,5 +415,20 @@ def load_running(**overrides: object) -> Settings:
     path = loaded.data_dir / ENDPOINTS_FILE
     found = json.loads(path.read_text()) if path.exists() else {}
     services = ("kafka_bootstrap", "postgres_dsn", "redis_url", "embed_url")
-    missing = {k: found[k] for k in services if getattr(loaded, k) is None and found.get(k)}
-    return loaded.model_copy(update=missing) if missing else loaded
+    missing: dict[str, object] = {
+        k: found[k] for k in services if getattr(loaded, k) is None and found.get(k)
+    }
+    loaded = loaded.model_copy(update=missing) if missing else loaded
+    if "kafka_bootstrap" in missing:  # alma up's broker: alma up's fetch wait
+        return for_broker(loaded, embedded=True, wait=found.get("fetch_max_wait_ms"))
+    return loaded
+
+
+def for_broker(s: Settings, *, embedded: bool, wait: object = None) -> Settings:
+    """``s`` with the fetch wait for its broker: on the embedded one, ``wait`` (what a
+    running ``alma up`` wrote) or :data:`EMBEDDED_FETCH_MAX_WAIT_MS`, unless
+    ALMA_FETCH_MAX_WAIT_MS was set."""
+    if not embedded or "fetch_max_wait_ms" in s.model_fields_set:
+        return s
+    chosen = wait if isinstance(wait, int) else EMBEDDED_FETCH_MAX_WAIT_MS
+    return s.model_copy(update={"fetch_max_wait_ms": chosen})

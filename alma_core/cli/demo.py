@@ -43,7 +43,9 @@ async def _stack(
     with common.out.status("starting broker, PostgreSQL and Redis..."):
         stack, endpoints = await bring_up(s, notify=common.note)
     try:
-        resolved = common.resolved(s, endpoints)
+        resolved = settings_mod.for_broker(
+            common.resolved(s, endpoints), embedded=stack.broker is not None
+        )
         with common.out.status("loading the embedding model and starting the workers..."):
             embedder = await asyncio.to_thread(load_embedder, s)
             stop = asyncio.Event()

@@ -22,7 +22,7 @@ from alma_core.cli.topics import alma_topics, ensure_topics
 from alma_core.logs import configure as configure_logs
 from alma_core.logs import redact
 from alma_core.messaging import kafka
-from alma_core.settings import Settings
+from alma_core.settings import Settings, for_broker
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.storage.migrations import Migrator
 from consumers.lag import run_lag_exporter
@@ -56,9 +56,14 @@ def up(
         with common.out.status("starting broker, PostgreSQL and Redis..."):
             stack, endpoints = await bring_up(s, notify=common.note)
         elapsed = time.monotonic() - started
+        ws = for_broker(s, embedded=stack.broker is not None)
         try:
             # The real DSNs, for the commands and applications beside this one: mode 0600.
-            mine = {**endpoints.as_dict(), "pid": os.getpid()}
+            mine = {
+                **endpoints.as_dict(),
+                "pid": os.getpid(),
+                "fetch_max_wait_ms": ws.fetch_max_wait_ms,
+            }
             common.write_private(endpoints_file, json.dumps(mine, indent=2))
             table = Table(title=f"ALMA Stream is up ({elapsed:.1f} s)")
             table.add_column("service")
@@ -74,7 +79,7 @@ def up(
             common.out.print(table)
             common.out.print(f"endpoints written to {endpoints_file} (readable by its owner only)")
             stop = _stop_on_signals()
-            workers, status = await start_workers(s, endpoints, stop)
+            workers, status = await start_workers(ws, endpoints, stop)
             common.out.print(f"workers running: {', '.join(KNOWN_CONSUMERS)}")
             base = f"http://127.0.0.1:{status.http_port}"
             common.out.print(

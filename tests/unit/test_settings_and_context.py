@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from alma_core import errors
+from alma_core import settings as settings_mod
 from alma_core.settings import load, load_running
 from alma_core.types import WorkflowContext
 
@@ -185,3 +186,28 @@ def test_a_topic_that_outlives_run_rows_is_a_replay_problem() -> None:
     assert "keeps records forever" in (policy.replay_problem("t", -1) or "")
     keep_rows = replace(policy, runs_days=0)
     assert keep_rows.replay_problem("t", -1) is None
+
+
+def test_the_embedded_broker_gets_a_short_fetch_wait_unless_one_is_set(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The embedded broker does not wake a waiting fetch: alma up, its workers and the
+    applications beside it (load_running) use EMBEDDED_FETCH_MAX_WAIT_MS; a broker of
+    one's own keeps the default, and ALMA_FETCH_MAX_WAIT_MS always wins."""
+    monkeypatch.delenv("ALMA_FETCH_MAX_WAIT_MS", raising=False)
+    monkeypatch.delenv("ALMA_KAFKA_BOOTSTRAP", raising=False)
+    monkeypatch.setenv("ALMA_DATA_DIR", str(tmp_path))
+    s = settings_mod.load()
+    assert settings_mod.for_broker(s, embedded=False).fetch_max_wait_ms == 100
+    embedded = settings_mod.for_broker(s, embedded=True)
+    assert embedded.fetch_max_wait_ms == settings_mod.EMBEDDED_FETCH_MAX_WAIT_MS
+    (tmp_path / settings_mod.ENDPOINTS_FILE).write_text(
+        json.dumps({"kafka_bootstrap": "127.0.0.1:9", "fetch_max_wait_ms": 7})
+    )
+    assert settings_mod.load_running().fetch_max_wait_ms == 7
+    monkeypatch.setenv("ALMA_KAFKA_BOOTSTRAP", "127.0.0.1:19092")  # a broker of one's own
+    assert settings_mod.load_running().fetch_max_wait_ms == 100
+    monkeypatch.setenv("ALMA_FETCH_MAX_WAIT_MS", "50")
+    monkeypatch.delenv("ALMA_KAFKA_BOOTSTRAP")
+    assert settings_mod.load_running().fetch_max_wait_ms == 50
+    assert settings_mod.for_broker(settings_mod.load(), embedded=True).fetch_max_wait_ms == 50
