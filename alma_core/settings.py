@@ -226,7 +226,7 @@ class Settings(BaseSettings):
         description="how often the learner prunes (0: never; `alma db prune` does it on demand)",
     )
     retrieval_exact_max_rows: int = Field(
-        default=3000, ge=0, description="largest scope searched exactly; above, HNSW"
+        default=5000, ge=0, description="largest scope searched exactly; above, HNSW"
     )
     retrieval_ef_search: int = Field(default=100, ge=1, le=1000)
     scoring_weights: ScoringWeights = Field(default_factory=ScoringWeights)

@@ -62,7 +62,7 @@ class Retriever:
         *,
         weights: ScoringWeights | None = None,
         require_tenant: bool = True,
-        exact_max_rows: int = 3000,
+        exact_max_rows: int = 5000,
         ef_search: int = 100,
         observer: ReadObserver | None = None,
     ) -> None:
