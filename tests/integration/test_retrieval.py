@@ -15,6 +15,7 @@ import pytest
 
 from alma_core import errors, scopes
 from alma_core.memory import Memory, estimate_tokens
+from alma_core.storage import retrieval
 from alma_core.storage.embeddings import AsyncEmbedder, vector_literal
 from alma_core.storage.postgres import connect
 from alma_core.storage.retrieval import Retriever
@@ -167,6 +168,30 @@ async def test_row_level_security_admits_one_tenant_whatever_the_query(database:
             await conn.execute("SET LOCAL ROLE alma_reader")  # read only: no writes at all
             with pytest.raises(asyncpg.InsufficientPrivilegeError):
                 await conn.execute("DELETE FROM memories")
+    finally:
+        await conn.close()
+
+
+async def test_retrieval_transactions_read_as_the_reader_role_of_one_tenant(
+    database: str,
+) -> None:
+    """What Retriever sets for its read transaction: the alma_reader role and the
+    tenant, for that transaction only (the HNSW settings too)."""
+    await seed(database, random.Random(5))
+    conn = await asyncpg.connect(database)
+    try:
+        owner = await conn.fetchval("SELECT current_user")
+        f = scopes.memory_filter(WorkflowContext("t2"), RetrievalScope.TENANT, require_tenant=True)
+        async with conn.transaction(readonly=True):
+            await retrieval._as_reader(conn, f)
+            await retrieval._approximate(conn, 77)
+            assert await conn.fetchval("SELECT current_user") == "alma_reader"
+            tenants = {r[0] for r in await conn.fetch("SELECT tenant_id FROM memories")}
+            assert tenants == {"t2"}, "row-level security with the tenant set"
+            assert await conn.fetchval("SHOW hnsw.ef_search") == "77"
+            assert await conn.fetchval("SHOW hnsw.iterative_scan") == "relaxed_order"
+        assert await conn.fetchval("SELECT current_user") == owner, "local to the transaction"
+        assert await conn.fetchval("SELECT current_setting('alma.tenant_id', true)") in ("", None)
     finally:
         await conn.close()
 
