@@ -223,26 +223,21 @@ class Retriever:
 
 
 async def _as_reader(conn: asyncpg.Connection, f: scopes.ScopeFilter) -> None:
-    """Row-level security from here to the end of the transaction (``set_config`` of
-    ``role`` is ``SET LOCAL ROLE``): one round trip."""
+    """Row-level security from here to the end of the transaction."""
+    await conn.execute(f"SET LOCAL ROLE {READER_ROLE}")
     await conn.execute(
-        f"""SELECT set_config('role', '{READER_ROLE}', true),
-                  set_config('alma.tenant_id', $1, true),
-                  set_config('alma.all_tenants', $2, true)""",
+        "SELECT set_config('alma.tenant_id', $1, true), set_config('alma.all_tenants', $2, true)",
         f.tenant_id or "",
         "on" if f.all_tenants else "off",
     )
 
 
 async def _approximate(conn: asyncpg.Connection, ef_search: int) -> None:
-    # hnsw.* settings exist once the library is loaded; the vector expression loads it
-    # (LOAD itself needs a superuser), in the same round trip as the settings.
-    await conn.execute(
-        """SELECT '[1]'::vector IS NOT NULL,
-                  set_config('hnsw.iterative_scan', 'relaxed_order', true),
-                  set_config('hnsw.ef_search', $1, true)""",
-        str(int(ef_search)),
-    )
+    # hnsw.* settings exist once the library is loaded; a vector expression loads it
+    # (LOAD itself needs a superuser).
+    await conn.fetchval("SELECT '[1]'::vector IS NOT NULL")
+    await conn.execute("SET LOCAL hnsw.iterative_scan = relaxed_order")
+    await conn.execute(f"SET LOCAL hnsw.ef_search = {int(ef_search)}")
 
 
 async def _artifacts(
