@@ -136,6 +136,13 @@ class Settings(BaseSettings):
 
     # Limits and behaviour.
     max_state_bytes: int = Field(default=1_000_000, ge=1024)
+    notify_effects: bool = Field(
+        default=True,
+        description=(
+            "the checkpointer notifies waiting clients (applied(), RunState) when a batch "
+            "commits; off: clients poll PostgreSQL (set it alike for workers and clients)"
+        ),
+    )
     max_record_bytes: int = Field(default=8 * 1024 * 1024, ge=4096)
     cache_ttl_seconds: int = Field(default=7 * 24 * 3600, ge=1)
     require_tenant: bool = True

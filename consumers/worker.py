@@ -322,6 +322,7 @@ async def _run(
                         settings.sequenced_topic,
                         settings.dlq_topic,
                         settings.max_state_bytes,
+                        settings.notify_effects,
                     ),
                     registry,
                 )

@@ -221,6 +221,8 @@ class AlmaClient:
     async def _effect_listener(self) -> EffectListener | None:
         """The client's LISTEN connection for effects (opened on first use, reopened
         when lost); None when it cannot be opened (``applied`` then polls)."""
+        if not self.settings.notify_effects:
+            return None  # the workers do not notify: poll
         async with self._opening:
             if self._effects is not None and self._effects.alive:
                 return self._effects

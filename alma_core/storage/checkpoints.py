@@ -70,6 +70,7 @@ class StoreConfig:
     handoff_topic: str
     dlq_topic: str
     max_state_bytes: int
+    notify_effects: bool = True  # pg_notify the batch's runs on commit (storage.effects)
 
 
 def _audit_payload(event: Event) -> str:
@@ -151,11 +152,16 @@ class PostgresCheckpointStore(BatchStore):
             heads[(row.tenant_id, row.run_id, branch_key(row.branch_id))] = row
         outcome.cache_writes = _cache_entries(heads.values(), outcome.created_at)
         await self._write(conn, sequencer, outcome, heads)
-        await announce(
-            conn,
-            [(e.tenant_id, e.run_id) for e in events]
-            + [(d.tenant_id, d.run_id) for d in outcome.dead_letters if d.tenant_id and d.run_id],
-        )
+        if self.config.notify_effects:
+            await announce(
+                conn,
+                [(e.tenant_id, e.run_id) for e in events]
+                + [
+                    (d.tenant_id, d.run_id)
+                    for d in outcome.dead_letters
+                    if d.tenant_id and d.run_id
+                ],
+            )
         return self._handoffs(sequencer)
 
     # -- loads ----------------------------------------------------------------

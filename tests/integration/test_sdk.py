@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from alma_core import errors
@@ -249,3 +250,26 @@ async def test_applied_wakes_on_the_commit_not_on_a_poll(
 
 async def _none_listening(dsn: str, sql: str) -> bool:
     return (await fetch(dsn, sql))[0]["n"] == 0
+
+
+async def test_without_notifications_applied_polls(settings: Settings) -> None:
+    """ALMA_NOTIFY_EFFECTS=false on workers and clients: no notification is sent or
+    listened for, and applied() still returns every effect (it polls)."""
+    quiet = settings.model_copy(update={"notify_effects": False})
+    dsn = settings.postgres_dsn or ""
+    listening = "SELECT count(*) AS n FROM pg_stat_activity WHERE query LIKE 'LISTEN%'"
+    heard: list[str] = []
+    spy = await asyncpg.connect(dsn)  # would hear the worker's notifications, if any
+    await spy.add_listener(effects.CHANNEL, lambda *args: heard.append(args[-1]))
+    try:
+        async with Worker.start(quiet, ("checkpointer",)), AlmaClient(quiet) as client:
+            run = WorkflowContext("acme", "wf", None, "polled-run", "n")
+            for i in range(3):
+                event_id = await client.node_completed(run, state={"a": i})
+                applied = await client.applied(run, event_id, timeout=30)
+                assert (applied.effect, applied.seq) == ("checkpointed", i + 1)
+            assert client._effects is None
+            assert (await fetch(dsn, listening))[0]["n"] == 1  # the spy alone
+    finally:
+        await spy.close()
+    assert heard == [], "the worker notified with ALMA_NOTIFY_EFFECTS=false"
