@@ -189,12 +189,13 @@ class AlmaClient:
         listener = await self._effect_listener()
         deadline = time.monotonic() + timeout
         pause = 0.005
-        async with contextlib.AsyncExitStack() as stack:
-            woke = (
-                await stack.enter_async_context(listener.watch(ctx.tenant_id, ctx.run_id))
-                if listener is not None
-                else None
-            )  # watching before the first read: a commit in between still wakes it
+        # watching before the first read: a commit in between still wakes it
+        watching = (
+            listener.watch(ctx.tenant_id, ctx.run_id)
+            if listener is not None
+            else contextlib.nullcontext(None)
+        )
+        async with watching as woke:
             while True:
                 if woke is not None:
                     woke.clear()  # before the read: a commit during it wakes the wait below

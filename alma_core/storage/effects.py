@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import logging
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -23,8 +22,6 @@ import asyncpg
 
 CHANNEL = "alma_effects"
 POLL_S = 1.0  # a waiter's re-read while notifications arrive (a safety net only)
-
-log = logging.getLogger(__name__)
 
 
 def token(tenant_id: str, run_id: str) -> str:
