@@ -161,6 +161,13 @@ class Settings(BaseSettings):
         description="Redis key prefix (no braces: it is the keys' cluster hash tag)",
     )
     max_batch_records: int = Field(default=500, ge=1, le=10_000)
+    checkpoint_concurrency: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="transactions the checkpointer runs at once for one polled batch, each "
+        "on its own partitions (below pg_pool_size)",
+    )
     session_timeout_ms: int = Field(default=10_000, ge=1000)
     heartbeat_interval_ms: int = Field(default=1_000, ge=100)
     fetch_max_wait_ms: int = Field(
@@ -299,6 +306,21 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _pool_fits(self) -> Settings:
+        explicit = "checkpoint_concurrency" in self.model_fields_set
+        if (
+            explicit
+            and self.checkpoint_concurrency > 1
+            and self.checkpoint_concurrency >= self.pg_pool_size
+        ):
+            raise ValueError(
+                f"ALMA_CHECKPOINT_CONCURRENCY ({self.checkpoint_concurrency}) needs a connection "
+                f"each and one to spare: raise ALMA_PG_POOL_SIZE ({self.pg_pool_size}) above it "
+                "or lower the concurrency"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _kafka_security(self) -> Settings:
         problem = kafka_security_problem(self)
         if problem:
@@ -316,6 +338,12 @@ class Settings(BaseSettings):
         pydantic's ``SecretStr``."""
         for name, value in super().__repr_args__():
             yield name, redact(value) if isinstance(value, str) else value
+
+    @property
+    def checkpoint_transactions(self) -> int:
+        """The checkpointer's concurrency as the pool allows it (the default's 2 shrinks to
+        1 with a pool of 2 or fewer; a concurrency set explicitly must fit)."""
+        return max(1, min(self.checkpoint_concurrency, self.pg_pool_size - 1))
 
     @property
     def retention(self) -> RetentionPolicy:

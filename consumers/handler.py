@@ -6,6 +6,7 @@ the learner, the work before the transaction (``prepare``)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import time
@@ -72,6 +73,7 @@ class StoreHandler(Generic[OutcomeT]):
         *,
         max_state_bytes: int,
         max_record_bytes: int,
+        concurrency: int = 1,
     ) -> None:
         self.store = store
         self.cache = cache
@@ -79,6 +81,10 @@ class StoreHandler(Generic[OutcomeT]):
         self.metrics = metrics
         self.max_state_bytes = max_state_bytes
         self.max_record_bytes = max_record_bytes
+        # Transactions one batch may run at once, each on its own partitions: only for a
+        # store whose transactions touch nothing but their partitions' runs (the
+        # checkpointer's); see partition_groups.
+        self.concurrency = concurrency
 
     async def positions(
         self, cluster_id: str, partitions: list[PartitionKey]
@@ -108,11 +114,28 @@ class StoreHandler(Generic[OutcomeT]):
         incoming = self.decode_batch(batch, read_from or {})
         apply = await self.prepare(incoming)
         out = HandleResult()
-        for outcome in await self.apply_all(cluster_id, incoming, apply):
-            self.observe(outcome)
-            await self.after_commit(outcome)
-            out.next_offsets.update(outcome.next_offsets)
-            out.seeks.update(outcome.seeks)
+        groups = partition_groups(incoming, self.concurrency)
+        if len(groups) == 1:
+            done: list[list[OutcomeT] | BaseException] = [
+                await self.apply_all(cluster_id, incoming, apply)
+            ]
+        else:
+            # every group to its end, then the post-commit step of those that committed;
+            # a failure is raised after it (the retry finds their records applied)
+            done = await asyncio.gather(
+                *(self.apply_all(cluster_id, g, apply) for g in groups), return_exceptions=True
+            )
+        for outcomes in done:
+            if isinstance(outcomes, BaseException):
+                continue
+            for outcome in outcomes:
+                self.observe(outcome)
+                await self.after_commit(outcome)
+                out.next_offsets.update(outcome.next_offsets)
+                out.seeks.update(outcome.seeks)
+        for outcomes in done:
+            if isinstance(outcomes, BaseException):
+                raise outcomes
         self.metrics.batch_seconds.labels(self.name).observe(time.perf_counter() - started)
         self.metrics.batch_size.labels(self.name).observe(sum(len(rs) for rs in incoming.values()))
         return out
@@ -283,6 +306,46 @@ class StoreHandler(Generic[OutcomeT]):
             },
         )
         return result
+
+
+def partition_groups(batch: Batch, n: int) -> list[Batch]:
+    """``batch`` split into at most ``n`` groups of whole partitions, of about equal
+    record counts (largest first, each to the smallest group): the transactions a batch
+    runs at once. Partitions that share a run (events published without a key, or
+    keyed by the run id under another partition count) stay in one group: a run is
+    never in two of a batch's transactions, which could both create it (a row that
+    does not exist yet cannot be locked)."""
+    parts = [tp for tp, records in batch.items() if records]
+    owner: dict[PartitionKey, PartitionKey] = {tp: tp for tp in parts}
+
+    def root(tp: PartitionKey) -> PartitionKey:
+        while owner[tp] != tp:
+            owner[tp] = owner[owner[tp]]
+            tp = owner[tp]
+        return tp
+
+    first_seen: dict[tuple[str, str], PartitionKey] = {}
+    for tp in parts:
+        for record in batch[tp]:
+            decoded = record.decoded
+            if isinstance(decoded, Rejection):
+                continue
+            seen = first_seen.setdefault((decoded.tenant_id, decoded.run_id), tp)
+            owner[root(tp)] = root(seen)
+    components: dict[PartitionKey, list[PartitionKey]] = {}
+    for tp in parts:
+        components.setdefault(root(tp), []).append(tp)
+    bundles = sorted(
+        components.values(), key=lambda tps: (-sum(len(batch[tp]) for tp in tps), min(tps))
+    )
+    groups: list[Batch] = [{} for _ in range(max(1, min(n, len(bundles))))]
+    sizes = [0] * len(groups)
+    for tps in bundles:
+        smallest = sizes.index(min(sizes))
+        for tp in tps:
+            groups[smallest][tp] = batch[tp]
+            sizes[smallest] += len(batch[tp])
+    return groups
 
 
 def as_rejected(record: Incoming, reason: RejectReason, failure: str) -> Incoming:

@@ -333,6 +333,7 @@ async def _run(
                     metrics,
                     max_state_bytes=settings.max_state_bytes,
                     max_record_bytes=settings.max_record_bytes,
+                    concurrency=settings.checkpoint_transactions,
                 )
                 runtimes.append(runtime(checkpointer.GROUP, settings.lifecycle_topic, handler))
             if joiner.NAME in consumers:

@@ -211,3 +211,19 @@ def test_the_embedded_broker_gets_a_short_fetch_wait_unless_one_is_set(
     monkeypatch.delenv("ALMA_KAFKA_BOOTSTRAP")
     assert settings_mod.load_running().fetch_max_wait_ms == 50
     assert settings_mod.for_broker(settings_mod.load(), embedded=True).fetch_max_wait_ms == 50
+
+
+def test_checkpoint_concurrency_fits_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default (2) shrinks to what a small pool allows (one connection to spare); a
+    concurrency set explicitly that the pool cannot hold is refused, naming both."""
+    assert load().checkpoint_transactions == 2
+    monkeypatch.setenv("ALMA_PG_POOL_SIZE", "2")
+    assert load().checkpoint_transactions == 1
+    monkeypatch.setenv("ALMA_CHECKPOINT_CONCURRENCY", "2")
+    with pytest.raises(errors.ConfigError, match=r"ALMA_CHECKPOINT_CONCURRENCY.*ALMA_PG_POOL_SIZE"):
+        load()
+    monkeypatch.setenv("ALMA_PG_POOL_SIZE", "5")
+    assert load().checkpoint_transactions == 2
+    monkeypatch.setenv("ALMA_CHECKPOINT_CONCURRENCY", "1")
+    monkeypatch.setenv("ALMA_PG_POOL_SIZE", "1")
+    assert load().checkpoint_transactions == 1
