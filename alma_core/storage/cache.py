@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from aiokafka.partitioner import murmur2
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from alma_core import errors
 from alma_core.settings import Settings
@@ -112,16 +113,37 @@ def run_key(tenant_id: str, run_id: str) -> str:
 
 @dataclass(frozen=True)
 class CacheEntry:
-    """One cached checkpoint (a JSON object with at least run_id, tenant_id, seq)."""
+    """One cached checkpoint (a JSON object with at least run_id, tenant_id, seq).
+    ``state_json``: the document's ``state`` already as JSON text (the checkpointer's
+    canonical state), spliced in rather than encoded again. ``encoded``: the stored
+    value, ``<seq>:<json>``, made once (a head and ``latest`` share it)."""
 
     tenant_id: str
     run_id: str
     field: str
     seq: int
     document: dict[str, Any]
+    state_json: str | None = None
+    encoded: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.encoded:
+            object.__setattr__(
+                self, "encoded", encode_value(self.seq, self.document, self.state_json)
+            )
 
     def encode(self) -> str:
-        return f"{self.seq}:{jsoncodec.compact(self.document).decode()}"
+        return self.encoded
+
+
+def encode_value(seq: int, document: Mapping[str, Any], state_json: str | None = None) -> str:
+    """A cached value: ``<seq>:<document as compact JSON>``, the state spliced in when
+    given as text (the same JSON value, its keys in canonical order)."""
+    if state_json is None or "state" not in document:
+        return f"{seq}:{jsoncodec.compact(document).decode()}"
+    rest = jsoncodec.compact({k: v for k, v in document.items() if k != "state"}).decode()
+    head = rest[:-1] + "," if rest != "{}" else "{"
+    return f'{seq}:{head}"state":{state_json}}}'
 
 
 def checkpoint_to_doc(cp: Checkpoint) -> dict[str, Any]:
@@ -165,21 +187,34 @@ def checkpoint_from_doc(doc: Mapping[str, Any]) -> Checkpoint:
     )
 
 
-def cache_entries(heads: Mapping[str | None, Checkpoint]) -> list[CacheEntry]:
-    """Entries for a set of branch heads, plus the run's ``latest``."""
+def cache_entries(
+    heads: Mapping[str | None, Checkpoint], state_json: Mapping[str | None, str] | None = None
+) -> list[CacheEntry]:
+    """Entries for a set of branch heads, plus the run's ``latest`` (the newest head's
+    value, encoded once). ``state_json``: heads' states already as JSON, by branch."""
+    texts = state_json or {}
     entries = [
-        CacheEntry(cp.tenant_id, cp.run_id, field_for(branch), cp.seq, checkpoint_to_doc(cp))
+        CacheEntry(
+            cp.tenant_id,
+            cp.run_id,
+            field_for(branch),
+            cp.seq,
+            checkpoint_to_doc(cp),
+            texts.get(branch),
+        )
         for branch, cp in heads.items()
     ]
-    if heads:
-        newest = max(heads.values(), key=lambda cp: cp.seq)
+    if entries:
+        newest = max(entries, key=lambda e: e.seq)
         entries.append(
             CacheEntry(
                 newest.tenant_id,
                 newest.run_id,
                 LATEST_FIELD,
                 newest.seq,
-                checkpoint_to_doc(newest),
+                newest.document,
+                newest.state_json,
+                newest.encoded,
             )
         )
     return entries
@@ -203,6 +238,7 @@ def _decode(value: bytes | str | None) -> dict[str, Any] | None:
     return doc
 
 
+@functools.lru_cache(maxsize=65_536)
 def partition_of(run_id: str, partitions: int) -> int:
     """The run's partition as Kafka's default partitioner picks it for the key
     ``run_id`` (murmur2, the Java client's and aiokafka's)."""
@@ -313,8 +349,33 @@ class RedisCheckpointCache:
             )
             position = keys.setdefault(key, len(keys) + 1)
             argv += [position, e.field, e.seq, e.encode()]
-        written = await self._each(self._put(keys=list(k), args=a) for k, a in groups.values())
+        calls = [(list(k), a) for k, a in groups.values()]
+        if isinstance(self.client, RedisCluster) or len(calls) < 2:
+            written = await self._each(self._put(keys=k, args=a) for k, a in calls)
+        else:
+            written = await self._pipelined(calls)
         return sum(int(n) for n in written)
+
+    async def _pipelined(self, calls: list[tuple[list[str], list[str | int]]]) -> list[Any]:
+        """Every partition's script in one round trip (one Redis, not a cluster); a call
+        the server does not know the script for (restarted, flushed) is made again alone,
+        loading it."""
+        assert isinstance(self.client, aioredis.Redis)
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for keys, args in calls:
+                    pipe.evalsha(self._put.sha, len(keys), *keys, *args)
+                results = await pipe.execute(raise_on_error=False)
+            out = []
+            for (keys, args), result in zip(calls, results, strict=True):
+                if isinstance(result, NoScriptError):
+                    result = await self._put(keys=keys, args=args)
+                elif isinstance(result, Exception):
+                    raise result
+                out.append(result)
+            return out
+        except RedisError as exc:
+            raise errors.CacheError(f"Redis: {exc!r}") from exc
 
     async def delete(self, runs: Iterable[tuple[str, str]]) -> int:
         """Forget runs, (tenant, run id) each (their checkpoints were deleted); returns

@@ -1,4 +1,5 @@
-"""PostgresCheckpointStore: one transaction per polled batch, exactly-once effects.
+"""PostgresCheckpointStore: one transaction per polled batch (or per group of its
+partitions: ``consumers.handler.partition_groups``), exactly-once effects.
 
 How a batch becomes effects exactly once, without Kafka transactions:
 
@@ -362,10 +363,14 @@ class PostgresCheckpointStore(BatchStore):
 
 
 def _cache_entries(rows: Iterable[CheckpointRow], created_at: datetime) -> list[CacheEntry]:
-    """Cache entries for the new branch heads of a batch, run by run."""
-    by_run: dict[str, dict[str | None, Checkpoint]] = {}
+    """Cache entries for the new branch heads of a batch, run by run (a run is its
+    tenant's: two tenants' runs of one id are two runs, each with its own ``latest``)."""
+    by_run: dict[RunKey, dict[str | None, Checkpoint]] = {}
+    texts: dict[RunKey, dict[str | None, str]] = {}
     for row in rows:
-        by_run.setdefault(row.run_id, {})[row.branch_id] = Checkpoint(
+        run = (row.tenant_id, row.run_id)
+        texts.setdefault(run, {})[row.branch_id] = row.state_json
+        by_run.setdefault(run, {})[row.branch_id] = Checkpoint(
             run_id=row.run_id,
             tenant_id=row.tenant_id,
             seq=row.seq,
@@ -380,4 +385,4 @@ def _cache_entries(rows: Iterable[CheckpointRow], created_at: datetime) -> list[
             metadata=row.metadata,
             created_at=created_at,
         )
-    return [e for heads in by_run.values() for e in cache_entries(heads)]
+    return [e for run, heads in by_run.items() for e in cache_entries(heads, texts[run])]

@@ -61,6 +61,23 @@ async def test_never_goes_back(topology: Topology) -> None:
             assert doc["seq"] == 2
 
 
+async def test_a_redis_that_forgot_the_script_is_written_all_the_same(
+    topology: Topology,
+) -> None:
+    """A single Redis gets every partition's script in one pipeline; after a restart or
+    SCRIPT FLUSH the server no longer knows it, and each call is made again, loading it."""
+    async with cache_on(topology) as cache:
+        runs = [f"f{i}" for i in range(20)]
+        assert len({partition_of(r, PARTITIONS) for r in runs}) > 1
+        assert await cache.put([entry(r, "latest", 1) for r in runs]) == 20
+        await cache.client.script_flush()
+        assert await cache.put([entry(r, "latest", 2) for r in runs]) == 20
+        for r in runs:
+            doc, _ = await cache.get("t", r, "latest")
+            assert doc is not None
+            assert doc["seq"] == 2
+
+
 async def test_heads_only_when_complete_and_epoch_invalidates(topology: Topology) -> None:
     async with cache_on(topology) as cache:
         await cache.put([entry("r", "@", 1)])

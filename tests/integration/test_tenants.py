@@ -18,7 +18,15 @@ from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.storage.postgres import connect
 from alma_core.storage.reader import CheckpointReader
 from alma_core.types import WorkflowContext
-from tests.integration.harness import Worker, count, fetch, wait_for
+from tests.integration.harness import (
+    Publisher,
+    Worker,
+    assert_cache_matches,
+    completed,
+    count,
+    fetch,
+    wait_for,
+)
 
 TENANTS = ("acme", "globex")
 RUN = "invoice-42"
@@ -93,3 +101,23 @@ async def test_two_tenants_run_one_run_id_without_touching_each_other(
         with pytest.raises(errors.ContextError, match="acme, globex"):
             await operator.latest(RUN)  # whose? it says so instead of mixing them
         assert await CheckpointReader(pool, None, tenant_id="globex").latest("nope") is None
+
+
+async def test_one_batch_caches_each_tenants_run_of_one_id_apart(settings: Settings) -> None:
+    """Both tenants' events for one run id in one polled batch (published before the
+    worker starts): each tenant's cached latest is its own run's PostgreSQL head."""
+    dsn = settings.postgres_dsn or ""
+    async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
+        for i in range(5):
+            for tenant, steps in (("acme", 5), ("globex", 3)):
+                if i < steps:
+                    await pub.send(completed(RUN, tenant=tenant, node=f"n{i}", state={"i": i}))
+        await pub.flush()
+    async with Worker.start(settings):
+
+        async def all_in() -> bool:
+            return await count(dsn, "SELECT count(*) FROM checkpoints") == 8
+
+        await wait_for(all_in, what="both tenants' checkpoints")
+        for tenant in TENANTS:
+            assert await assert_cache_matches(settings, [RUN], require_all=True, tenant=tenant) == 1

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from alma_core.sequencing import canonical_state, state_hash
+from alma_core.storage.cache import encode_value
 from schemas import jsoncodec
 from schemas.decoder import decode, json_size
 
@@ -126,3 +127,22 @@ def test_decoder_rejections_are_unchanged() -> None:
     ):
         result = decode(raw)
         assert getattr(result, "reason", None) == reason, (raw, result)
+
+
+@given(st.dictionaries(st.text(), json_values), st.booleans())
+def test_a_cached_value_with_the_state_spliced_in_reads_as_the_document(
+    state: dict[str, Any], others: bool
+) -> None:
+    """The checkpointer splices its canonical state text into the cached document
+    instead of encoding the state again: the value reads back as the same document."""
+    doc: dict[str, Any] = (
+        {"run_id": "r", "seq": 3, "metadata": {"k": [1.5, None]}} if others else {}
+    )
+    doc["state"] = state
+    text, _, _ = canonical_state(state)
+    spliced = encode_value(3, doc, text)
+    plain = encode_value(3, doc)
+    assert spliced.startswith("3:")
+    assert plain.startswith("3:")
+    assert same(json.loads(spliced[2:]), json.loads(plain[2:]))
+    assert same(json.loads(spliced[2:]), doc)
