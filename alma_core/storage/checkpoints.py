@@ -49,6 +49,7 @@ from alma_core.storage.cache import CacheEntry, cache_entries
 from alma_core.storage.effects import announce
 from alma_core.storage.outbox import OutboxRow
 from alma_core.types import Checkpoint
+from schemas import jsoncodec
 from schemas.decoder import Decoded, Rejection
 from schemas.events import Event, GraphCheckpoint, GraphWrites, NodeCompleted, NodeFailed
 
@@ -103,6 +104,66 @@ def _pairs(keys: set[tuple[str, str]]) -> tuple[list[str], list[str]]:
     return [a for a, _ in ordered], [b for _, b in ordered]
 
 
+# What a batch reads once its runs are locked, in one statement (see _load_rest).
+_LOAD = """
+SELECT
+  (SELECT coalesce(json_agg(json_build_array(h.tenant_id, h.run_id, h.branch_key, h.seq,
+                                             h.state_hash, CASE WHEN u.f THEN c.state END)),
+                   '[]')
+   FROM run_heads h
+   JOIN unnest($1::text[], $2::text[], $3::bool[]) AS u(t, r, f)
+     ON h.tenant_id = u.t AND h.run_id = u.r
+   LEFT JOIN checkpoints c ON u.f AND c.tenant_id = h.tenant_id
+                          AND c.run_id = h.run_id AND c.seq = h.seq) AS heads,
+  (SELECT coalesce(json_agg(json_build_array(rc.tenant_id, rc.workflow_id, rc.config)), '[]')
+   FROM reducer_configs rc
+   JOIN unnest($4::text[], $5::text[]) AS u(t, w)
+     ON rc.tenant_id = u.t AND rc.workflow_id = u.w) AS configs,
+  (SELECT coalesce(json_agg(json_build_array(e.tenant_id, e.event_id, e.run_id)), '[]')
+   FROM run_events e
+   JOIN unnest($6::text[], $7::text[]) AS u(t, i)
+     ON e.tenant_id = u.t AND e.event_id = u.i) AS known
+"""
+
+
+# A batch's writes, one statement: each table's rows from parallel arrays. Sibling
+# data-modifying CTEs run on one snapshot; the foreign keys (a new run's checkpoints,
+# heads and events) are checked at the end of the statement, when its run row is there.
+_WRITE = """
+WITH new_runs AS (
+    INSERT INTO runs (run_id, tenant_id, workflow_id, workflow_version, status,
+                      last_seq, event_count, completed_at)
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
+                         $6::bigint[], $7::bigint[], $8::timestamptz[])
+    ON CONFLICT (tenant_id, run_id) DO UPDATE SET
+      status = EXCLUDED.status, last_seq = EXCLUDED.last_seq,
+      event_count = EXCLUDED.event_count, completed_at = EXCLUDED.completed_at,
+      workflow_version = coalesce(runs.workflow_version, EXCLUDED.workflow_version),
+      updated_at = now()
+), new_checkpoints AS (
+    INSERT INTO checkpoints (run_id, seq, tenant_id, kind, node_id, branch_id, parent_seq,
+                             event_id, state, state_hash, size_bytes, metadata, created_at)
+    SELECT u.r, u.s, u.t, u.k, u.n, u.b, u.p, u.e, u.state::jsonb, u.h, u.z,
+           u.m::jsonb, $21
+    FROM unnest($9::text[], $10::bigint[], $11::text[], $12::text[], $13::text[],
+                $14::text[], $15::bigint[], $16::text[], $17::text[], $18::text[],
+                $19::int[], $20::text[]) AS u(r, s, t, k, n, b, p, e, state, h, z, m)
+), new_heads AS (
+    INSERT INTO run_heads (tenant_id, run_id, branch_key, seq, state_hash)
+    SELECT * FROM unnest($22::text[], $23::text[], $24::text[], $25::bigint[], $26::text[])
+    ON CONFLICT (tenant_id, run_id, branch_key) DO UPDATE
+    SET seq = EXCLUDED.seq, state_hash = EXCLUDED.state_hash
+)
+INSERT INTO run_events (event_id, run_id, tenant_id, type, node_id, branch_id, emitted_at,
+                        checkpoint_seq, effect, payload, source_topic, source_partition,
+                        source_offset)
+SELECT u.i, u.r, u.t, u.y, u.n, u.b, u.at, u.s, u.x, u.p::jsonb, u.st, u.sp, u.so
+FROM unnest($27::text[], $28::text[], $29::text[], $30::text[], $31::text[], $32::text[],
+            $33::timestamptz[], $34::bigint[], $35::text[], $36::text[], $37::text[],
+            $38::int[], $39::bigint[]) AS u(i, r, t, y, n, b, at, s, x, p, st, sp, so)
+"""
+
+
 class PostgresCheckpointStore(BatchStore):
     def __init__(self, pool: asyncpg.Pool, config: StoreConfig, registry: ReducerRegistry) -> None:
         super().__init__(
@@ -124,13 +185,13 @@ class PostgresCheckpointStore(BatchStore):
         events = [
             r.decoded for rs in todo.values() for r in rs if not isinstance(r.decoded, Rejection)
         ]
+        runs = await self._load_runs(conn, {(e.tenant_id, e.run_id) for e in events})
+        loaded_heads, configs, known = await self._load_rest(conn, events)
         sequencer = Sequencer(
-            runs=await self._load_runs(conn, {(e.tenant_id, e.run_id) for e in events}),
-            heads=await self._load_heads(conn, events),
-            reducer_configs=await self._load_reducer_configs(conn, events),
-            known_event_ids=await self._known_event_ids(
-                conn, {(e.tenant_id, e.event_id) for e in events}
-            ),
+            runs=runs,
+            heads=loaded_heads,
+            reducer_configs=configs,
+            known_event_ids=known,
             registry=self.registry,
             max_state_bytes=self.config.max_state_bytes,
         )
@@ -184,61 +245,38 @@ class PostgresCheckpointStore(BatchStore):
         )
         return {(r["tenant_id"], r["run_id"]): RunView(**dict(r)) for r in rows}
 
-    async def _load_heads(
+    async def _load_rest(
         self, conn: asyncpg.Connection, events: list[Event]
-    ) -> dict[HeadKey, Head]:
-        """Every head of the batch's runs; the state only of runs whose events fold
-        into a head (a branch's first checkpoint takes the main line as its parent)."""
+    ) -> tuple[
+        dict[HeadKey, Head], dict[tuple[str, str], ReducerConfig], dict[tuple[str, str], str]
+    ]:
+        """After the runs are locked, the rest in one round trip: every head of the
+        batch's runs (the state only of runs whose events fold into a head: a branch's
+        first checkpoint takes the main line as its parent), the reducer configs of
+        their workflows, and (tenant, event id) -> run for the batch's events the
+        tenant used before."""
         tenants, run_ids = _pairs({(e.tenant_id, e.run_id) for e in events})
         folding = {(e.tenant_id, e.run_id) for e in events if _needs_head_state(e)}
-        rows = await conn.fetch(
-            """SELECT h.tenant_id, h.run_id, h.branch_key, h.seq, h.state_hash, u.f,
-                      CASE WHEN u.f THEN c.state END AS state
-               FROM run_heads h
-               JOIN unnest($1::text[], $2::text[], $3::bool[]) AS u(t, r, f)
-                 ON h.tenant_id = u.t AND h.run_id = u.r
-               LEFT JOIN checkpoints c ON u.f AND c.tenant_id = h.tenant_id
-                                      AND c.run_id = h.run_id AND c.seq = h.seq""",
+        workflows = sorted({(e.tenant_id, e.workflow_id) for e in events if _needs_head_state(e)})
+        ids = sorted({(e.tenant_id, e.event_id) for e in events})
+        row = await conn.fetchrow(
+            _LOAD,
             tenants,
             run_ids,
             [run in folding for run in zip(tenants, run_ids, strict=True)],
+            [t for t, _ in workflows],
+            [w for _, w in workflows],
+            [t for t, _ in ids],
+            [i for _, i in ids],
         )
-        return {
-            (r["tenant_id"], r["run_id"], r["branch_key"]): Head(
-                r["seq"], r["state_hash"], r["state"] or {}
-            )
-            for r in rows
+        assert row is not None
+        heads = {
+            (t, r, key): Head(seq, state_hash, state or {})
+            for t, r, key, seq, state_hash, state in row["heads"]
         }
-
-    async def _load_reducer_configs(
-        self, conn: asyncpg.Connection, events: list[Event]
-    ) -> dict[tuple[str, str], ReducerConfig]:
-        pairs = sorted({(e.tenant_id, e.workflow_id) for e in events if _needs_head_state(e)})
-        if not pairs:
-            return {}
-        rows = await conn.fetch(
-            """SELECT tenant_id, workflow_id, config FROM reducer_configs
-               WHERE (tenant_id, workflow_id) IN (SELECT * FROM unnest($1::text[], $2::text[]))""",
-            [t for t, _ in pairs],
-            [w for _, w in pairs],
-        )
-        return {
-            (r["tenant_id"], r["workflow_id"]): ReducerConfig.from_json(r["config"]) for r in rows
-        }
-
-    async def _known_event_ids(
-        self, conn: asyncpg.Connection, events: set[tuple[str, str]]
-    ) -> dict[tuple[str, str], str]:
-        """(tenant, event id) -> run, for the batch's events the tenant used before."""
-        tenants, event_ids = _pairs(events)
-        rows = await conn.fetch(
-            """SELECT e.tenant_id, e.event_id, e.run_id FROM run_events e
-               JOIN unnest($1::text[], $2::text[]) AS u(t, e) ON e.tenant_id = u.t
-                                                           AND e.event_id = u.e""",
-            tenants,
-            event_ids,
-        )
-        return {(r["tenant_id"], r["event_id"]): r["run_id"] for r in rows}
+        configs = {(t, w): ReducerConfig.from_json(config) for t, w, config in row["configs"]}
+        known = {(t, i): r for t, i, r in row["known"]}
+        return heads, configs, known
 
     # -- writes ---------------------------------------------------------------
 
@@ -249,90 +287,54 @@ class PostgresCheckpointStore(BatchStore):
         result: CheckpointOutcome,
         heads: dict[HeadKey, CheckpointRow],
     ) -> None:
-        changed = [r for r in seq.runs.values() if r.changed]
-        if changed:
-            await conn.executemany(
-                """INSERT INTO runs (run_id, tenant_id, workflow_id, workflow_version, status,
-                                     last_seq, event_count, completed_at)
-                   VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
-                   ON CONFLICT (tenant_id, run_id) DO UPDATE SET
-                     status = EXCLUDED.status, last_seq = EXCLUDED.last_seq,
-                     event_count = EXCLUDED.event_count, completed_at = EXCLUDED.completed_at,
-                     workflow_version = coalesce(runs.workflow_version, EXCLUDED.workflow_version),
-                     updated_at = now()""",
-                [
-                    (
-                        r.run_id,
-                        r.tenant_id,
-                        r.workflow_id,
-                        r.workflow_version,
-                        r.status,
-                        r.last_seq,
-                        r.event_count,
-                        r.completed_at,
-                    )
-                    for r in changed
-                ],
-            )
-        if result.checkpoints:
-            await conn.executemany(
-                """INSERT INTO checkpoints (run_id, seq, tenant_id, kind, node_id, branch_id,
-                       parent_seq, event_id, state, state_hash, size_bytes, metadata, created_at)
-                   VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, $11, $12::jsonb, $13)""",
-                [
-                    (
-                        c.run_id,
-                        c.seq,
-                        c.tenant_id,
-                        c.kind,
-                        c.node_id,
-                        c.branch_id,
-                        c.parent_seq,
-                        c.event_id,
-                        c.state_json,
-                        c.state_hash,
-                        c.size_bytes,
-                        c.metadata,
-                        result.created_at,
-                    )
-                    for c in result.checkpoints
-                ],
-            )
-            await conn.executemany(
-                """INSERT INTO run_heads (tenant_id, run_id, branch_key, seq, state_hash)
-                   VALUES ($1, $2, $3, $4, $5)
-                   ON CONFLICT (tenant_id, run_id, branch_key) DO UPDATE
-                   SET seq = EXCLUDED.seq, state_hash = EXCLUDED.state_hash""",
-                [
-                    (tenant, run, key, row.seq, row.state_hash)
-                    for (tenant, run, key), row in heads.items()
-                ],
-            )
+        """The batch's runs, checkpoints, heads and audit rows in one statement (one
+        round trip, one execution per table rather than one per row), then its
+        LangGraph rows."""
+        runs = [r for r in seq.runs.values() if r.changed]
+        cps = result.checkpoints
         events = seq.effects.events
-        if events:
-            await conn.executemany(
-                """INSERT INTO run_events (event_id, run_id, tenant_id, type, node_id, branch_id,
-                       emitted_at, checkpoint_seq, effect, payload, source_topic,
-                       source_partition, source_offset)
-                   VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::jsonb, $11, $12, $13)""",
-                [
-                    (
-                        e.event.event_id,
-                        e.event.run_id,
-                        e.event.tenant_id,
-                        e.event.type,
-                        e.event.node_id,
-                        e.event.branch_id,
-                        e.event.emitted_at,
-                        e.checkpoint_seq,
-                        e.effect,
-                        _audit_payload(e.event),
-                        e.coords.topic,
-                        e.coords.partition,
-                        e.coords.offset,
-                    )
-                    for e in events
-                ],
+        if runs or cps or events:
+            await conn.execute(
+                _WRITE,
+                [r.run_id for r in runs],
+                [r.tenant_id for r in runs],
+                [r.workflow_id for r in runs],
+                [r.workflow_version for r in runs],
+                [r.status for r in runs],
+                [r.last_seq for r in runs],
+                [r.event_count for r in runs],
+                [r.completed_at for r in runs],
+                [c.run_id for c in cps],
+                [c.seq for c in cps],
+                [c.tenant_id for c in cps],
+                [c.kind for c in cps],
+                [c.node_id for c in cps],
+                [c.branch_id for c in cps],
+                [c.parent_seq for c in cps],
+                [c.event_id for c in cps],
+                [c.state_json for c in cps],
+                [c.state_hash for c in cps],
+                [c.size_bytes for c in cps],
+                [jsoncodec.compact(c.metadata).decode() for c in cps],
+                result.created_at,
+                [t for t, _, _ in heads],
+                [r for _, r, _ in heads],
+                [k for _, _, k in heads],
+                [row.seq for row in heads.values()],
+                [row.state_hash for row in heads.values()],
+                [e.event.event_id for e in events],
+                [e.event.run_id for e in events],
+                [e.event.tenant_id for e in events],
+                [e.event.type for e in events],
+                [e.event.node_id for e in events],
+                [e.event.branch_id for e in events],
+                [e.event.emitted_at for e in events],
+                [e.checkpoint_seq for e in events],
+                [e.effect for e in events],
+                [_audit_payload(e.event) for e in events],
+                [e.coords.topic for e in events],
+                [e.coords.partition for e in events],
+                [e.coords.offset for e in events],
             )
         await graphs.apply(conn, seq.effects.graph)
 

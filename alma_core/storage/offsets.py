@@ -11,9 +11,9 @@ way: :func:`fence` at the start of its transaction, :func:`advance` at the end.
   marker, records removed by retention or compaction): the batch is applied and the
   hole reported (``holes``). Otherwise the partition is sent back to the stored
   offset (``seeks``) for what it has not read.
-* The rows are locked ``FOR UPDATE``: two members that both think they own a
-  partition serialise here, and the second finds its records applied. A
-  zombie's late writes have no effect.
+* The rows are locked (an upsert whose no-op update takes the row lock): two
+  members that both think they own a partition serialise here, and the second
+  finds its records applied. A zombie's late writes have no effect.
 * Offsets are keyed by the broker's cluster id, so offsets of one log are never
   applied to another (the embedded broker starts empty, with a new id, each time).
 """
@@ -74,33 +74,25 @@ async def fence(
     cluster_id: str,
     batch: dict[PartitionKey, list[R]],
 ) -> Fenced[R]:
-    """Lock every partition's offset row (two round trips in all); keep what is new."""
+    """Lock every partition's offset row, creating it at the batch's first offset if
+    new (one round trip: the no-op update takes the row lock, as ``FOR UPDATE``
+    would, and returns the committed value); keep what is new."""
     out: Fenced[R] = Fenced()
     tps = sorted(tp for tp, records in batch.items() if records)
     if not tps:
         return out
     firsts = [min(r.offset for r in batch[tp]) for tp in tps]
-    topics, parts = [t for t, _ in tps], [p for _, p in tps]
-    await conn.execute(
+    rows = await conn.fetch(
         """INSERT INTO consumer_offsets (group_id, cluster_id, topic, partition, next_offset)
            SELECT $1, $2, t, p, o FROM unnest($3::text[], $4::int[], $5::bigint[]) AS u(t, p, o)
-           ON CONFLICT DO NOTHING""",
+           ON CONFLICT (group_id, cluster_id, topic, partition)
+           DO UPDATE SET next_offset = consumer_offsets.next_offset
+           RETURNING topic, partition, next_offset""",
         group_id,
         cluster_id,
-        topics,
-        parts,
+        [t for t, _ in tps],
+        [p for _, p in tps],
         firsts,
-    )
-    rows = await conn.fetch(
-        """SELECT topic, partition, next_offset FROM consumer_offsets
-           WHERE group_id = $1 AND cluster_id = $2
-             AND (topic, partition) IN (SELECT * FROM unnest($3::text[], $4::int[]))
-           ORDER BY topic, partition
-           FOR UPDATE""",
-        group_id,
-        cluster_id,
-        topics,
-        parts,
     )
     stored = {(r["topic"], r["partition"]): r["next_offset"] for r in rows}
     for tp in tps:
