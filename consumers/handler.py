@@ -31,6 +31,13 @@ from schemas.decoder import Rejection, RejectReason, decode
 log = logging.getLogger("alma.consumers")
 
 OutcomeT = TypeVar("OutcomeT", bound=BatchOutcome)
+
+# A batch is split into concurrent transactions only where each carries this much
+# record data: below it a second transaction's fixed cost (its round trips and their
+# Python) outweighs the PostgreSQL work it takes off the first. Measured on 2 cores:
+# 100 KB states, 50 writers, +30 % checkpoints/s split in two; 1 KB states at 1,000
+# events/s, ~4 ms more p50 latency split (batches of ~100 KB).
+SPLIT_BYTES = 256 * 1024
 Apply = Callable[[str, Batch], Awaitable[OutcomeT]]
 
 
@@ -114,7 +121,7 @@ class StoreHandler(Generic[OutcomeT]):
         incoming = self.decode_batch(batch, read_from or {})
         apply = await self.prepare(incoming)
         out = HandleResult()
-        groups = partition_groups(incoming, self.concurrency)
+        groups = partition_groups(incoming, self._transactions(incoming))
         if len(groups) == 1:
             done: list[list[OutcomeT] | BaseException] = [
                 await self.apply_all(cluster_id, incoming, apply)
@@ -139,6 +146,13 @@ class StoreHandler(Generic[OutcomeT]):
         self.metrics.batch_seconds.labels(self.name).observe(time.perf_counter() - started)
         self.metrics.batch_size.labels(self.name).observe(sum(len(rs) for rs in incoming.values()))
         return out
+
+    def _transactions(self, incoming: Batch) -> int:
+        """How many transactions this batch is worth (see SPLIT_BYTES)."""
+        if self.concurrency <= 1:
+            return 1
+        size = sum(len(r.value or b"") for records in incoming.values() for r in records)
+        return max(1, min(self.concurrency, size // SPLIT_BYTES))
 
     async def prepare(self, incoming: Batch) -> Apply[OutcomeT]:
         """Work before the transaction (reads, embeddings); returns how to apply a batch
@@ -315,6 +329,8 @@ def partition_groups(batch: Batch, n: int) -> list[Batch]:
     keyed by the run id under another partition count) stay in one group: a run is
     never in two of a batch's transactions, which could both create it (a row that
     does not exist yet cannot be locked)."""
+    if n <= 1:
+        return [batch]
     parts = [tp for tp, records in batch.items() if records]
     owner: dict[PartitionKey, PartitionKey] = {tp: tp for tp in parts}
 

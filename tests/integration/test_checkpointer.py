@@ -15,6 +15,7 @@ from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.observer import Tally
 from alma_core.storage.postgres import connect
 from alma_core.storage.reader import CheckpointReader
+from consumers import handler
 from tests.integration.harness import (
     Publisher,
     Worker,
@@ -331,7 +332,7 @@ async def test_concurrent_updates_from_parallel_producers_lose_nothing(
 
 
 async def test_concurrent_transactions_keep_order_and_lose_nothing(
-    settings: Settings, caplog: pytest.LogCaptureFixture
+    settings: Settings, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Four transactions at once per polled batch (ALMA_CHECKPOINT_CONCURRENCY), each on
     its own partitions. Most runs are keyed by their id (one partition each: order is
@@ -342,6 +343,7 @@ async def test_concurrent_transactions_keep_order_and_lose_nothing(
     dsn = settings.postgres_dsn
     assert dsn
     s = settings.model_copy(update={"checkpoint_concurrency": 4})
+    monkeypatch.setattr(handler, "SPLIT_BYTES", 1)  # small records: split every batch
     await register_reducers(dsn, "spread", {"count": "sum", "seen": "append"})
     runs, steps, spread = [f"c-{i}" for i in range(8)], 12, 48
     async with Publisher(s.kafka_bootstrap or "", s.lifecycle_topic) as pub:

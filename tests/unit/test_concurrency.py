@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 from hypothesis import given
@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from alma_core import errors
 from alma_core.storage.batches import Batch, BatchOutcome, Incoming
-from consumers.handler import Apply, StoreHandler, partition_groups
+from consumers import handler
+from consumers.handler import SPLIT_BYTES, Apply, StoreHandler, partition_groups
 from consumers.metrics import Metrics
 from schemas.decoder import decode
 from tests.unit.test_isolation import Offsets, Sent
@@ -57,6 +58,9 @@ def test_every_partition_lands_in_one_group_whole_and_no_run_in_two(
 ) -> None:
     batch = batch_of(layout)
     groups = partition_groups(batch, n)
+    if n == 1:
+        assert groups == [batch]  # one transaction: the batch as polled
+        return
     assert 1 <= len(groups) <= n
     busy = {tp for tp, records in batch.items() if records}
     placed = [tp for g in groups for tp in g]
@@ -140,7 +144,24 @@ class Split(StoreHandler[BatchOutcome]):
         self.post_committed.append(outcome.next_offsets)
 
 
-async def test_a_failed_transaction_is_raised_after_the_others_are_post_committed() -> None:
+def test_only_a_big_batch_is_split() -> None:
+    """A second transaction pays off only where each carries SPLIT_BYTES of records."""
+    h = Split(Offsets())
+    small = batch_of({0: ["r0"] * 3, 1: ["r1"] * 3})
+    assert h._transactions(small) == 1
+    big = {
+        tp: [replace(r, value=b"x" * (SPLIT_BYTES // 2)) for r in records]
+        for tp, records in small.items()
+    }  # 3 MB in all: as many transactions as allowed
+    assert h._transactions(big) == 2
+    h.concurrency = 1
+    assert h._transactions(big) == 1
+
+
+async def test_a_failed_transaction_is_raised_after_the_others_are_post_committed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(handler, "SPLIT_BYTES", 1)
     h = Split(Offsets())
     raw = {
         ("lifecycle", p): [
