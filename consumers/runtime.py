@@ -4,8 +4,9 @@ handler, retry while storage is down, commit to Kafka after the handler's own
 
 What the runtime guarantees the handler:
 * batches arrive in partition order, one at a time (no overlap);
-* Kafka offsets are committed after the handler's commit, batched in time (they
-  are a hint; the handler's stored offsets are the truth);
+* Kafka offsets are committed after the handler's commit, batched in time, and
+  what is pending when a poll comes back empty is committed then (they are a hint
+  for fallbacks and lag exporters; the handler's stored offsets are the truth);
 * on assignment, each partition starts where the handler says it stopped
   (offsets stored with the effects), falling back to Kafka's committed offset;
 * a retriable :class:`errors.StorageError` pauses consumption and retries the
@@ -264,6 +265,8 @@ class ConsumerRuntime:
             self.metrics.last_poll.labels(name).set(time.time())
             if not batch:
                 await self._periodic()
+                if self._pending:  # a burst's last offsets: commit them while idle too
+                    await self.commit_pending(consumer)
                 continue
             plain = {(tp.topic, tp.partition): records for tp, records in batch.items()}
             read_from = {

@@ -7,13 +7,17 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from functools import partial
 from typing import Any
 
+import pytest
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from alma_core.cli.offsets import cluster_id
 from alma_core.settings import Settings
+from consumers import worker as worker_module
+from consumers.runtime import RuntimeConfig
 from tests.integration.harness import Publisher, Worker, completed, count, fetch, wait_for
 from tests.integration.test_cli import alma
 from tests.integration.test_cli_runs import env_of
@@ -175,3 +179,45 @@ async def test_reset_to_a_time_an_offset_or_the_start_of_a_group_without_members
     )
     assert other.returncode == 2
     assert "no topic 'no-such-topic'" in other.stderr
+
+
+async def test_kafka_offsets_catch_up_while_the_worker_is_idle(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kafka's committed offsets (what lag exporters and fallbacks read) are committed
+    after batches at most every commit interval; a burst's last offsets are committed
+    once the worker finds nothing more to poll, not left for the next burst. With the
+    interval an hour, only the idle commit can bring them to the log's end."""
+    monkeypatch.setattr(
+        worker_module, "RuntimeConfig", partial(RuntimeConfig, commit_interval_s=3600)
+    )
+    dsn = settings.postgres_dsn or ""
+    bootstrap = settings.kafka_bootstrap or ""
+    group = f"{settings.group_prefix}-checkpointer"
+    async with Worker.start(settings), Publisher(bootstrap, settings.lifecycle_topic) as pub:
+        for burst in range(2):
+            for i in range(20):
+                await pub.send(completed(f"idle-{i % 4}", updates={"i": i, "burst": burst}))
+            await pub.flush()
+
+            async def applied(n: int = 20 * (burst + 1)) -> bool:
+                return await count(dsn, "SELECT count(*) FROM run_events") == n
+
+            await wait_for(applied, what=f"burst {burst} applied")
+        stored = {
+            r["partition"]: r["next_offset"]
+            for r in await fetch(dsn, "SELECT partition, next_offset FROM consumer_offsets")
+        }
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        await admin.start()
+        try:
+            tps = [TopicPartition(settings.lifecycle_topic, p) for p in stored]
+
+            async def caught_up() -> bool:
+                found = await admin.list_consumer_group_offsets(group, partitions=tps)
+                return all(found[tp].offset == stored[tp.partition] for tp in tps)
+
+            await wait_for(caught_up, limit_s=15, what="Kafka's committed offsets at the end")
+        finally:
+            await admin.close()
+    assert sum(stored.values()) == 40
