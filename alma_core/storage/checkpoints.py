@@ -185,8 +185,9 @@ class PostgresCheckpointStore(BatchStore):
         events = [
             r.decoded for rs in todo.values() for r in rs if not isinstance(r.decoded, Rejection)
         ]
-        runs = await self._load_runs(conn, {(e.tenant_id, e.run_id) for e in events})
-        loaded_heads, configs, known = await self._load_rest(conn, events)
+        batch_runs = {(e.tenant_id, e.run_id) for e in events}
+        runs = await self._load_runs(conn, batch_runs)
+        loaded_heads, configs, known = await self._load_rest(conn, events, batch_runs)
         sequencer = Sequencer(
             runs=runs,
             heads=loaded_heads,
@@ -246,7 +247,7 @@ class PostgresCheckpointStore(BatchStore):
         return {(r["tenant_id"], r["run_id"]): RunView(**dict(r)) for r in rows}
 
     async def _load_rest(
-        self, conn: asyncpg.Connection, events: list[Event]
+        self, conn: asyncpg.Connection, events: list[Event], runs: set[RunKey]
     ) -> tuple[
         dict[HeadKey, Head], dict[tuple[str, str], ReducerConfig], dict[tuple[str, str], str]
     ]:
@@ -255,9 +256,10 @@ class PostgresCheckpointStore(BatchStore):
         first checkpoint takes the main line as its parent), the reducer configs of
         their workflows, and (tenant, event id) -> run for the batch's events the
         tenant used before."""
-        tenants, run_ids = _pairs({(e.tenant_id, e.run_id) for e in events})
-        folding = {(e.tenant_id, e.run_id) for e in events if _needs_head_state(e)}
-        workflows = sorted({(e.tenant_id, e.workflow_id) for e in events if _needs_head_state(e)})
+        tenants, run_ids = _pairs(runs)
+        folds = [e for e in events if _needs_head_state(e)]
+        folding = {(e.tenant_id, e.run_id) for e in folds}
+        workflows = sorted({(e.tenant_id, e.workflow_id) for e in folds})
         ids = sorted({(e.tenant_id, e.event_id) for e in events})
         row = await conn.fetchrow(
             _LOAD,
