@@ -42,6 +42,10 @@ class ScopeFilter:
         """The same filter in Python (the tests' brute-force reference)."""
         return all(row.get(column) == value for column, value in self.conditions)
 
+    def columns(self) -> frozenset[str]:
+        """The columns the filter compares."""
+        return frozenset(c for c, _ in self.conditions)
+
     def sql(self, first_param: int, alias: str = "") -> tuple[str, list[str]]:
         """``col = $n AND ...`` (or ``TRUE``) and its arguments."""
         prefix = f"{alias}." if alias else ""

@@ -242,6 +242,11 @@ class Settings(BaseSettings):
     retrieval_exact_max_rows: int = Field(
         default=5000, ge=0, description="largest scope searched exactly; above, HNSW"
     )
+    retrieval_index_exact_max_rows: int = Field(
+        default=50000,
+        ge=0,
+        description="the same for tenant and agent scopes, searched exactly from an index alone",
+    )
     retrieval_ef_search: int = Field(default=100, ge=1, le=1000)
     scoring_weights: ScoringWeights = Field(default_factory=ScoringWeights)
 

@@ -197,7 +197,11 @@ async def test_embedding_dimension_mismatch_is_a_clear_start_up_error(
     assert dsn
     conn = await asyncpg.connect(dsn)
     try:
-        await conn.execute("ALTER TABLE memories ALTER COLUMN embedding TYPE vector(16)")
+        # a database made for another model (its half copy goes with it: 0009)
+        await conn.execute(
+            "ALTER TABLE memories DROP COLUMN embedding_half, "
+            "ALTER COLUMN embedding TYPE vector(16)"
+        )
     finally:
         await conn.close()
     services = Services(settings.kafka_bootstrap or "", dsn, settings.redis_url or "")

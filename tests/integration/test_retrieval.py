@@ -5,6 +5,7 @@ and row-level security holds even for a query without a tenant filter."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import uuid
@@ -209,3 +210,122 @@ async def test_global_scope_only_in_single_tenant_mode(
         )
     assert {m.tenant_id for m in found.items()} == set(TENANTS)
     assert 0 < estimate_tokens(found.to_prompt(max_tokens=50)) <= 50
+
+
+def cosine_distance(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    return 1 - dot / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+
+
+async def test_tenant_and_agent_scopes_rank_by_half_copies_as_by_full_vectors(
+    database: str,
+) -> None:
+    """The exact plan for a tenant or agent scope orders candidates by the embeddings'
+    half-precision copies: per kind it returns the nearest rows by the full vectors,
+    up to ties closer than half precision tells apart, with full-precision distances."""
+    rng = random.Random(11)
+    memories, _ = await seed(database, rng)
+    conn = await asyncpg.connect(database)
+    try:
+        stored = {
+            str(r["id"]): [float(x) for x in r["embedding"][1:-1].split(",")]
+            for r in await conn.fetch("SELECT id, embedding::text AS embedding FROM memories")
+        }
+        for tenant, agent in [("t0", None), ("t1", "a0"), ("t2", "a1")]:
+            scope = RetrievalScope.AGENT if agent else RetrievalScope.TENANT
+            f = scopes.memory_filter(WorkflowContext(tenant), scope, agent=agent)
+            query = unit_vector(rng)
+            sql, args = retrieval.nearest_query("memories", "exact", vector_literal(query), f, 4)
+            async with conn.transaction(readonly=True):
+                await retrieval._as_reader(conn, f)
+                rows = await conn.fetch(sql, *args)
+            for kind in KINDS:
+                admitted = [m["id"] for m in memories if f.admits(m) and m["kind"] == kind]
+                truth = sorted(cosine_distance(query, stored[i]) for i in admitted)
+                got = [r for r in rows if r["kind"] == kind]
+                assert len(got) == min(4, len(admitted)), (tenant, agent, kind)
+                for r in got:
+                    full = cosine_distance(query, stored[str(r["id"])])
+                    assert r["distance"] == pytest.approx(full, abs=1e-6), "full precision"
+                    assert full <= truth[len(got) - 1] + 2e-3, "one of the nearest"
+    finally:
+        await conn.close()
+
+
+async def test_tenant_and_agent_scopes_are_searched_from_the_index_alone(database: str) -> None:
+    """memories_vectors covers the broad scopes' exact search: an index-only scan,
+    no table page read for the rows in scope (the cost that grew with the tenant)."""
+    rng = random.Random(13)
+    await seed(database, rng)
+    conn = await asyncpg.connect(database)
+    try:
+        # What autovacuum does in time: pages all-visible (the test server commits
+        # asynchronously; VACUUM marks a page only once the inserts' WAL is flushed).
+        await conn.execute("CHECKPOINT")
+        await conn.execute("VACUUM memories")
+        for scope, agent in [(RetrievalScope.TENANT, None), (RetrievalScope.AGENT, "a1")]:
+            f = scopes.memory_filter(WorkflowContext("t1"), scope, agent=agent)
+            sql, args = retrieval.nearest_query(
+                "memories", "exact", vector_literal(unit_vector(rng)), f, 5
+            )
+            async with conn.transaction(readonly=True):
+                await retrieval._as_reader(conn, f)
+                await conn.execute("SET LOCAL enable_seqscan = off")  # 400 rows: tiny
+                plan = await conn.fetchval(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", *args)
+            nodes = list(plan_nodes(json.loads(plan)[0]["Plan"]))
+            scans = [n for n in nodes if n.get("Index Name") == "memories_vectors"]
+            assert scans, [(n["Node Type"], n.get("Index Name")) for n in nodes]
+            assert all(n["Node Type"] == "Index Only Scan" for n in scans)
+            assert sum(n.get("Heap Fetches", 0) for n in scans) == 0
+            assert "current_setting" not in json.dumps(scans), "row-level security read once"
+    finally:
+        await conn.close()
+
+
+def plan_nodes(node: dict[str, Any]) -> Any:
+    yield node
+    for child in node.get("Plans", []):
+        yield from plan_nodes(child)
+
+
+async def test_full_vectors_stay_in_the_row(database: str) -> None:
+    """The half copy goes out of line, the full vector stays in the row: with both in
+    line a row passes the toast threshold and PostgreSQL would move the full vector
+    out, adding a TOAST read to every plan that scores by it."""
+    await seed(database, random.Random(17))
+    conn = await asyncpg.connect(database)
+    try:
+        where = "pg_column_toast_chunk_id({}) IS NOT NULL"
+        full = await conn.fetchval(
+            f"SELECT count(*) FROM memories WHERE {where.format('embedding')}"
+        )
+        assert full == 0
+        assert await conn.fetchval("SELECT count(*) FROM memories") == 400
+    finally:
+        await conn.close()
+
+
+async def test_each_scope_is_planned_against_its_own_limit(
+    database: str, embedder: AsyncEmbedder
+) -> None:
+    """Scopes read from the table switch to HNSW past ``exact_max_rows``; tenant and
+    agent scopes, read from the covering index, past ``index_exact_max_rows``."""
+    memories, _ = await seed(database, random.Random(19))
+    tenant = [m for m in memories if m["tenant_id"] == "t0"]
+    workflow = [m for m in tenant if m["workflow_id"] == "w0"]
+    assert len(workflow) > 10
+    assert len(tenant) < 1000
+    ctx = WorkflowContext("t0", "w0")
+    async with connect(database) as pool:
+        retriever = Retriever(pool, embedder, exact_max_rows=10, index_exact_max_rows=1000)
+        plans = {
+            scope: (await retriever.retrieve("x", ctx, scope, agent="a0")).plan
+            for scope in (RetrievalScope.WORKFLOW, RetrievalScope.AGENT, RetrievalScope.TENANT)
+        }
+        assert plans == {
+            RetrievalScope.WORKFLOW: "approximate",
+            RetrievalScope.AGENT: "exact",
+            RetrievalScope.TENANT: "exact",
+        }
+        small = Retriever(pool, embedder, exact_max_rows=10, index_exact_max_rows=10)
+        assert (await small.retrieve("x", ctx, RetrievalScope.TENANT)).plan == "approximate"
