@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -22,7 +26,7 @@ import asyncpg
 from rich.progress import Progress, TaskID
 
 from alma_core import settings as settings_mod
-from alma_core.cli.embedded import EmbeddedStack
+from alma_core.cli.embedded import EmbeddedStack, free_port
 from alma_core.cli.topics import alma_topics, ensure_topics
 from alma_core.reducers import ReducerRegistry
 from alma_core.storage.batches import Incoming
@@ -177,6 +181,57 @@ async def checkpoint_worker(
     finally:
         stop.set()
         await task
+
+
+def worker_env(s: settings_mod.Settings) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
+    return env | s.to_env() | {"ALMA_LOG_LEVEL": "WARNING"}
+
+
+def assigned(port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in text.splitlines()
+        if line.startswith('alma_assigned_partitions{consumer="checkpointer"}')
+    )
+
+
+WORKER_ARGS = ("worker", "--consumers", "checkpointer")
+
+
+@asynccontextmanager
+async def checkpoint_process(s: settings_mod.Settings) -> AsyncIterator[None]:
+    """One checkpointer in a process of its own (``alma worker``), as deployed; ready
+    once it holds every partition of the topic."""
+    port = free_port()
+    logs = Path(tempfile.mkdtemp(prefix="alma-bench-worker-"))
+    with (logs / "worker.log").open("wb") as log:
+        proc = subprocess.Popen(  # noqa: ASYNC220 - a spawn, it does not wait
+            [sys.executable, "-m", "alma_core.cli", *WORKER_ARGS],
+            env=worker_env(s.model_copy(update={"metrics_port": port})),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    try:
+        deadline = time.monotonic() + 90
+        while assigned(port) != PARTITIONS:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"the checkpointer process did not start; see {logs}")
+            await asyncio.sleep(0.3)
+        await asyncio.sleep(1.0)
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 class Waiters:

@@ -26,13 +26,22 @@ from alma_core import errors
 from alma_core.sdk.client import AlmaClient
 from alma_core.storage.postgres import connect
 from alma_core.types import WorkflowContext
-from bench.env import AlmaRun, Env, Waiters, checkpoint_worker, node_completed
+from bench.env import (
+    AlmaRun,
+    Env,
+    Waiters,
+    checkpoint_process,
+    checkpoint_worker,
+    node_completed,
+)
 from bench.report import Section, Stat, pct, ratio
 
 # On a fresh, short topic the embedded broker stays fast with a short fetch wait;
 # it does not wake a waiting fetch when data arrives (Apache Kafka does), so each
 # hop costs about half of it on sparse traffic: the "Kafka hop alone" rows show it.
 FETCH_WAIT_MS = 20
+# ALMA with the checkpointer in a process of its own, writers waiting with applied()
+OWN_PROCESS = "ALMA, checkpointer in its own process"
 WORDS = (
     "plan",
     "search",
@@ -98,10 +107,12 @@ def figures(latencies: list[float], elapsed: float) -> dict[str, float]:
 
 
 async def alma_writes(
-    env: Env, state: dict[str, Any], writers: int, each: int
+    env: Env, state: dict[str, Any], writers: int, each: int, *, process: bool = False
 ) -> tuple[list[float], float]:
     """Closed loop, ``writers`` runs at once: publish one node.completed with the whole
-    state, wait until it is durable and cached, publish the next."""
+    state, wait until it is durable and cached, publish the next. ``process``: the
+    checkpointer runs in a process of its own (``alma worker``, as deployed) and each
+    writer waits with the SDK's ``applied()`` (durable; woken by the commit's notice)."""
     topic = await env.topic("w")
     s = env.settings_for(topic, fetch_max_wait_ms=FETCH_WAIT_MS)
     waiters = Waiters()
@@ -114,9 +125,11 @@ async def alma_writes(
     )
     await producer.start()
     tag = uuid.uuid4().hex[:8]
+    client = AlmaClient(s) if process else None
 
     async def writer(w: int, n: int, record: bool) -> None:
         run = f"{tag}-{w}"
+        ctx = WorkflowContext(tenant_id="bench", workflow_id="wf", run_id=run)
         for i in range(n):
             event_id, raw = node_completed(run, i, {**state, "step": i})
             fut = waiters.expect(event_id)
@@ -124,18 +137,26 @@ async def alma_writes(
             await producer.send_and_wait(
                 topic, raw, key=run.encode(), headers=[("eid", event_id.encode())]
             )
-            await asyncio.wait_for(fut, 60)
+            if client is not None:
+                await client.applied(ctx, event_id, timeout=60)
+            else:
+                await asyncio.wait_for(fut, 60)
             if record:
                 latencies.append(time.perf_counter() - started)
 
+    worker = (
+        checkpoint_process(s) if process else checkpoint_worker(s, env.services, waiters.on_done)
+    )
     try:
-        async with checkpoint_worker(s, env.services, waiters.on_done):
+        async with worker:
             await writer(-1, 5, record=False)  # warm: assignment, connections, cache
             started = time.perf_counter()
             await asyncio.gather(*(writer(w, each, record=True) for w in range(writers)))
             elapsed = time.perf_counter() - started
     finally:
         await producer.stop()
+        if client is not None:
+            await client.stop()
     return latencies, elapsed
 
 
@@ -289,9 +310,15 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
             else:
                 each = (2 if big else 4) if env.quick else (4 if big else 10)
             got: dict[str, list[dict[str, float]]] = {"ALMA": [], "LangGraph": [], "hop": []}
+            if writers > 1:
+                got[OWN_PROCESS] = []
             for _ in range(env.reps):
                 env.step(f"writes {size // 1000} KB × {writers} writers")
                 got["ALMA"].append(figures(*await alma_writes(env, state, writers, each)))
+                if writers > 1:
+                    got[OWN_PROCESS].append(
+                        figures(*await alma_writes(env, state, writers, each, process=True))
+                    )
                 got["LangGraph"].append(
                     figures(*await langgraph_writes(pool, state, writers, each))
                 )
@@ -315,10 +342,14 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
                         ),
                     ],
                 )
-            a = {k: Stat([r[k] for r in got["ALMA"]]) for k in ("per_s", "p50", "p99")}
             lg = {k: Stat([r[k] for r in got["LangGraph"]]) for k in ("per_s", "p50", "p99")}
-            ratios = [ratio(a[k], lg[k]) for k in ("per_s", "p50", "p99")]
-            section.add("write_ratio", [label, writers, *ratios])
+            for system in ("ALMA", OWN_PROCESS):
+                if system not in got:
+                    continue
+                a = {k: Stat([r[k] for r in got[system]]) for k in ("per_s", "p50", "p99")}
+                ratios = [ratio(a[k], lg[k]) for k in ("per_s", "p50", "p99")]
+                shape = "" if system == "ALMA" else " (checkpointer in its own process)"
+                section.add("write_ratio", [label, f"{writers}{shape}", *ratios])
         after_a = await table_bytes(env.services.postgres_dsn, ALMA_TABLES)
         after_l = await table_bytes(env.peer_dsn, LG_TABLES)
         n_a, n_l = after_a[2] - before_a[2], after_l[2] - before_l[2]

@@ -14,42 +14,19 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 import asyncpg
 from aiokafka import AIOKafkaProducer
 
-from alma_core import settings as settings_mod
 from alma_core.cli.embedded import free_port
 from bench.checkpointer import event
-from bench.env import PARTITIONS, Env
+from bench.env import PARTITIONS, WORKER_ARGS, Env, assigned, worker_env
 from bench.report import Section, Stat, ratio
 
 PROCESSES = (1, 2, 4)
 RUNS = 200
-
-
-def worker_env(s: settings_mod.Settings) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
-    return env | s.to_env() | {"ALMA_LOG_LEVEL": "WARNING"}
-
-
-def assigned(port: int) -> int:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-            text = r.read().decode()
-    except OSError:
-        return 0
-    return sum(
-        int(float(line.rsplit(" ", 1)[1]))
-        for line in text.splitlines()
-        if line.startswith('alma_assigned_partitions{consumer="checkpointer"}')
-    )
-
-
-WORKER_ARGS = ("worker", "--consumers", "checkpointer")
 
 
 async def drained(pool: asyncpg.Pool, runs: list[str]) -> int:
