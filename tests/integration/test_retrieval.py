@@ -262,7 +262,7 @@ async def test_tenant_and_agent_scopes_are_searched_from_the_index_alone(databas
         # What autovacuum does in time: pages all-visible (the test server commits
         # asynchronously; VACUUM marks a page only once the inserts' WAL is flushed).
         await conn.execute("CHECKPOINT")
-        await conn.execute("VACUUM memories")
+        await conn.execute("VACUUM ANALYZE memories")  # and statistics: one plan, every run
         for scope, agent in [(RetrievalScope.TENANT, None), (RetrievalScope.AGENT, "a1")]:
             f = scopes.memory_filter(WorkflowContext("t1"), scope, agent=agent)
             sql, args = retrieval.nearest_query(
