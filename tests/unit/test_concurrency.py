@@ -152,7 +152,7 @@ def test_only_a_big_batch_is_split() -> None:
     big = {
         tp: [replace(r, value=b"x" * (SPLIT_BYTES // 2)) for r in records]
         for tp, records in small.items()
-    }  # 3 MB in all: as many transactions as allowed
+    }  # 768 KB in all, 384 KB a partition: as many transactions as allowed
     assert h._transactions(big) == 2
     h.concurrency = 1
     assert h._transactions(big) == 1
