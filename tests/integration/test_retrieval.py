@@ -282,6 +282,52 @@ async def test_tenant_and_agent_scopes_are_searched_from_the_index_alone(databas
         await conn.close()
 
 
+async def analyze(dsn: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("ANALYZE memories, workflow_outcomes")
+    finally:
+        await conn.close()
+
+
+async def test_the_plan_follows_estimates_that_know_workflows_belong_to_tenants(
+    database: str, embedder: AsyncEmbedder
+) -> None:
+    """The plan is chosen from the planner's estimate, and the estimate of a workflow
+    scope knows a workflow id belongs to one tenant (0010's dependency statistics).
+    Without them the planner multiplies the two columns' selectivities: a third of
+    the table in tenant t0, a fifth in its big workflow, so 1/15 of 1,500 rows = 100
+    estimated for the 300 there are, and a limit of 200 would keep the exact plan."""
+    rng = random.Random(23)
+    rows = [("t0", "t0-big")] * 300 + [
+        (t, f"{t}-w{i}") for t in TENANTS for i in range(40) for _ in range(10)
+    ][:1200]
+    conn = await asyncpg.connect(database)
+    try:
+        await conn.executemany(
+            """INSERT INTO memories (id, tenant_id, kind, workflow_id, content, dedupe_key,
+                   confidence, embedding)
+               VALUES (gen_random_uuid(), $1, 'heuristic', $2, 'a memory',
+                       gen_random_uuid()::text, 0.5, $3::vector)""",
+            [(t, w, vector_literal(unit_vector(rng))) for t, w in rows],
+        )
+        await conn.execute("ANALYZE memories, workflow_outcomes")
+        independent = (
+            await conn.fetchval("SELECT count(*) FROM memories WHERE tenant_id = 't0'")
+            * await conn.fetchval("SELECT count(*) FROM memories WHERE workflow_id = 't0-big'")
+            / len(rows)
+        )
+    finally:
+        await conn.close()
+    assert independent < 200 < 300, "the product of selectivities would stay under the limit"
+    async with connect(database) as pool:
+        retriever = Retriever(pool, embedder, exact_max_rows=200, index_exact_max_rows=10_000)
+        big = await retriever.retrieve("x", WorkflowContext("t0", "t0-big"), top_k=3)
+        small = await retriever.retrieve("x", WorkflowContext("t0", "t0-w1"), top_k=3)
+        tenant = await retriever.retrieve("x", WorkflowContext("t1"), RetrievalScope.TENANT)
+    assert (big.plan, small.plan, tenant.plan) == ("approximate", "exact", "exact")
+
+
 def plan_nodes(node: dict[str, Any]) -> Any:
     yield node
     for child in node.get("Plans", []):
@@ -311,6 +357,7 @@ async def test_each_scope_is_planned_against_its_own_limit(
     """Scopes read from the table switch to HNSW past ``exact_max_rows``; tenant and
     agent scopes, read from the covering index, past ``index_exact_max_rows``."""
     memories, _ = await seed(database, random.Random(19))
+    await analyze(database)  # the plan follows the statistics (400 rows: all read)
     tenant = [m for m in memories if m["tenant_id"] == "t0"]
     workflow = [m for m in tenant if m["workflow_id"] == "w0"]
     assert len(workflow) > 10
