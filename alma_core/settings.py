@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     Field,
@@ -23,6 +23,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from alma_core import errors
 from alma_core.logs import redact
+from alma_core.pids import alive
 from alma_core.scoring import ScoringWeights
 
 KafkaSecurity = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
@@ -447,13 +448,24 @@ ENDPOINTS_FILE = "endpoints.json"  # what `alma up` writes into ALMA_DATA_DIR
 EMBEDDED_FETCH_MAX_WAIT_MS = 20
 
 
+def running_endpoints(data_dir: Path) -> dict[str, Any]:
+    """The services of the ``alma up`` running on ``data_dir`` (its endpoints file);
+    nothing when there is none, or the one that wrote the file is gone (killed
+    without its clean-up: its ports are closed, or taken by something else)."""
+    path = data_dir / ENDPOINTS_FILE
+    if not path.exists():
+        return {}
+    data: dict[str, Any] = json.loads(path.read_text())
+    pid = data.get("pid")
+    return {} if isinstance(pid, int) and not alive(pid) else data
+
+
 def load_running(**overrides: object) -> Settings:
     """The settings, with the services of a running ``alma up`` (its endpoints file in
     ``ALMA_DATA_DIR``) for those the ``ALMA_*`` variables leave unset: what an
     application next to ``alma up`` uses."""
     loaded = load(**overrides)
-    path = loaded.data_dir / ENDPOINTS_FILE
-    found = json.loads(path.read_text()) if path.exists() else {}
+    found = running_endpoints(loaded.data_dir)
     services = ("kafka_bootstrap", "postgres_dsn", "redis_url", "embed_url")
     missing: dict[str, object] = {
         k: found[k] for k in services if getattr(loaded, k) is None and found.get(k)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import tempfile
 import traceback
@@ -27,7 +26,6 @@ from rich.markup import escape
 from alma_core import errors
 from alma_core import settings as settings_mod
 from alma_core.cli.embedded import Endpoints
-from alma_core.cli.embedded_process import alive
 from alma_core.logs import configure as configure_logs
 from alma_core.logs import redact
 from alma_core.storage import embeddings
@@ -113,12 +111,7 @@ def tenant(
 def running_endpoints(s: settings_mod.Settings) -> dict[str, Any]:
     """The services of the `alma up` running on ``ALMA_DATA_DIR`` (its endpoints file);
     nothing when there is none, or the one that wrote the file is gone."""
-    path = s.data_dir / ENDPOINTS_FILE
-    if not path.exists():
-        return {}
-    data: dict[str, Any] = json.loads(path.read_text())
-    pid = data.get("pid")
-    return {} if isinstance(pid, int) and not alive(pid) else data
+    return settings_mod.running_endpoints(s.data_dir)
 
 
 def write_private(path: Path, text: str) -> None:

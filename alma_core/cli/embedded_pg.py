@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from alma_core import errors
-from alma_core.cli.embedded_process import Service, alive
+from alma_core.cli.embedded_process import Service
+from alma_core.pids import alive
 
 PG_USER = "embedded_postgres"
 

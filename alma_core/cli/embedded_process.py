@@ -53,24 +53,6 @@ def tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` runs: not gone, and not a zombie nobody reaped (read from
-    /proc where there is one)."""
-    stat_file = Path(f"/proc/{pid}/stat")
-    if Path("/proc/self/stat").exists():
-        try:
-            return stat_file.read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
-        except (OSError, IndexError):
-            return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def describe_status(returncode: int) -> str:
     """``returncode`` of a child in words: ``exit status 1``, ``killed by SIGKILL``."""
     if returncode < 0:

@@ -17,11 +17,12 @@ from rich.table import Table
 from alma_core import errors
 from alma_core.cli import common
 from alma_core.cli.embedded import EmbeddedStack, Endpoints
-from alma_core.cli.embedded_process import Notify, alive, describe_status, log_notice, tail
+from alma_core.cli.embedded_process import Notify, describe_status, log_notice, tail
 from alma_core.cli.topics import alma_topics, ensure_topics
 from alma_core.logs import configure as configure_logs
 from alma_core.logs import redact
 from alma_core.messaging import kafka
+from alma_core.pids import alive
 from alma_core.settings import Settings, for_broker
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.storage.migrations import Migrator

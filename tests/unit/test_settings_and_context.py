@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -176,6 +178,25 @@ def test_load_running_takes_the_unset_services_from_alma_up(
         "postgresql://u@127.0.0.1:5432/alma",
         "redis://10.0.0.9:6379/0",  # a variable wins over alma up's
     )
+
+
+def test_load_running_ignores_the_endpoints_of_an_alma_up_that_is_gone(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An ``alma up`` killed without its clean-up leaves its endpoints file: its ports
+    are closed (or another program's), so an application must not take them."""
+    for name in list(os.environ):
+        if name.startswith("ALMA_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("ALMA_DATA_DIR", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # exited and reaped: its pid names no process
+    endpoints = {"kafka_bootstrap": "127.0.0.1:9092", "fetch_max_wait_ms": 7}
+    (tmp_path / "endpoints.json").write_text(json.dumps({**endpoints, "pid": gone.pid}))
+    assert load_running().kafka_bootstrap is None
+    assert load_running().fetch_max_wait_ms == 100
+    (tmp_path / "endpoints.json").write_text(json.dumps({**endpoints, "pid": os.getpid()}))
+    assert load_running().kafka_bootstrap == "127.0.0.1:9092"  # a running one's are taken
 
 
 def test_a_topic_that_outlives_run_rows_is_a_replay_problem() -> None:
