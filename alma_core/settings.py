@@ -464,7 +464,12 @@ def load_running(**overrides: object) -> Settings:
     """The settings, with the services of a running ``alma up`` (its endpoints file in
     ``ALMA_DATA_DIR``) for those the ``ALMA_*`` variables leave unset: what an
     application next to ``alma up`` uses."""
-    loaded = load(**overrides)
+    return with_running(load(**overrides))
+
+
+def with_running(loaded: Settings) -> Settings:
+    """``loaded`` with the services of the ``alma up`` running on its data directory for
+    those it leaves unset; with that ``alma up``'s broker, its fetch wait too."""
     found = running_endpoints(loaded.data_dir)
     services = ("kafka_bootstrap", "postgres_dsn", "redis_url", "embed_url")
     missing: dict[str, object] = {

@@ -189,11 +189,9 @@ def resolved(s: settings_mod.Settings, endpoints: Endpoints | None = None) -> se
     else the running `alma up`'s."""
     served = s.embed_url
     if endpoints is None:
+        s = settings_mod.with_running(s)  # the running alma up's broker: its fetch wait too
         endpoints = Endpoints(bootstrap(s), dsn(s), redis_url(s))
-        served = embed_url(s)
-        if s.kafka_bootstrap is None:  # the running alma up's broker, and its fetch wait
-            running = running_endpoints(s)
-            s = settings_mod.for_broker(s, embedded=True, wait=running.get("fetch_max_wait_ms"))
+        served = s.embed_url
     return s.model_copy(
         update={
             "kafka_bootstrap": endpoints.kafka_bootstrap,

@@ -17,6 +17,7 @@ run, node or agent, as a :class:`~alma_core.memory.MemorySlice`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable, Iterable
@@ -128,70 +129,92 @@ class Retriever:
             context, scope, agent=agent, require_tenant=self.require_tenant
         )
         query = vector_literal((await self.embedder.embed([task]))[0])
-        searched = [("memories", mem_filter)]
-        if include_workflow_outcomes:
-            searched.append(("workflow_outcomes", scopes.outcome_filter(context, mem_filter)))
+        memories_found = self._search(
+            "memories",
+            mem_filter,
+            query,
+            top_k * 3,
+            plan,
+            _memory,
+            memory_signals,
+            lambda ranked: _best_per_kind(ranked, top_k),
+        )
+        outcomes: list[WorkflowOutcome] = []
         try:
-            async with self.pool.acquire() as conn, conn.transaction(readonly=True):
-                plans = [plan] * len(searched) if plan else await self._plans(conn, searched)
-                await _as_reader(conn, mem_filter)
-                chosen = plans[0]
-                rows = await self._nearest(conn, "memories", query, mem_filter, top_k * 3, chosen)
-                memories = self._rank(rows, _memory, memory_signals)
-                outcomes: list[Ranked[WorkflowOutcome]] = []
-                if include_workflow_outcomes:
-                    table, out_filter = searched[1]
-                    rows = await self._nearest(conn, table, query, out_filter, top_k * 3, plans[1])
-                    outcomes = self._rank(rows, _outcome, outcome_signals)
-                kept = {
-                    k: _best((m for m in memories if m[2].kind is k), top_k) for k in SLICE_KINDS
-                }
-                kept_outcomes = _best(outcomes, top_k)
-                owners = [x[2].id for best in kept.values() for x in best]
-                links = await _artifacts(conn, owners + [x[2].id for x in kept_outcomes])
+            if include_workflow_outcomes:
+                # each table on its own connection, at once: the outcomes' search
+                # (~2-3 ms for a large tenant) runs while PostgreSQL scans the memories
+                out_filter = scopes.outcome_filter(context, mem_filter)
+                outcomes_found = self._search(
+                    "workflow_outcomes",
+                    out_filter,
+                    query,
+                    top_k * 3,
+                    plan,
+                    _outcome,
+                    outcome_signals,
+                    lambda ranked: _best(ranked, top_k),
+                )
+                (chosen, memories), (_, outcomes) = await asyncio.gather(
+                    memories_found, outcomes_found
+                )
+            else:
+                chosen, memories = await memories_found
         except Exception as exc:
             if is_storage_failure(exc):
                 raise storage_error(exc, "retrieving memories") from exc
             raise
         result = MemorySlice(query=task, agent=agent, scope=scope, plan=chosen)
         for kind, attr in SLICE_KINDS.items():
-            setattr(result, attr, [_finished(x, links) for x in kept[kind]])
-        result.workflow_outcomes = [_finished(x, links) for x in kept_outcomes]
+            setattr(result, attr, [m for m in memories if m.kind is kind])
+        result.workflow_outcomes = outcomes
         elapsed = time.perf_counter() - started
         result.retrieval_time_ms = elapsed * 1000
         self.observer.retrieval(scope.value, chosen, elapsed)
         return result
 
-    async def _plans(
-        self, conn: asyncpg.Connection, searched: list[tuple[str, scopes.ScopeFilter]]
-    ) -> list[str]:
-        """Per table searched: exact up to the scope's limit, HNSW above.
+    async def _search(
+        self,
+        table: str,
+        f: scopes.ScopeFilter,
+        query: str,
+        candidates: int,
+        plan: str | None,
+        build: Callable[[asyncpg.Record], T],
+        signals: Callable[[T, float, datetime], Signals],
+        keep: Callable[[list[Ranked[T]]], list[Ranked[T]]],
+    ) -> tuple[str, list[T]]:
+        """The plan used and the items ``keep`` chose of the ``candidates`` nearest in
+        ``table``, with their scores and artifacts: one read-only transaction."""
+        async with self.pool.acquire() as conn, conn.transaction(readonly=True):
+            chosen = plan or await self._plan(conn, table, f)
+            await _as_reader(conn, f)
+            rows = await self._nearest(conn, table, query, f, candidates, chosen)
+            kept = keep(self._rank(rows, build, signals))
+            links = await _artifacts(conn, [x[2].id for x in kept])
+        return chosen, [_finished(x, links) for x in kept]
+
+    async def _plan(self, conn: asyncpg.Connection, table: str, f: scopes.ScopeFilter) -> str:
+        """Exact up to the scope's limit, HNSW above.
 
         The scope's size is the planner's estimate, from the statistics ANALYZE keeps
-        (with 0010's on tenant and workflow, tenant and agent), for every table in one
-        ``EXPLAIN``: no row is read. Counting the scope instead (up to the limit)
-        cost as much as a tenant's search itself (a 20,000-row tenant: ~4 ms warm,
-        more when its pages were not cached). An estimate can be off until the next
-        ANALYZE (autovacuum runs one after 10 % of a table changed): a scope that grew
-        past its limit is searched exactly a while longer (right, slower), one that
-        shrank below it approximately (fast, recall as HNSW gives it). Run as the
-        connection's own role, before row-level security applies: the policy's
-        condition would count in the estimate, not the scope's."""
-        parts: list[str] = []
-        args: list[str] = []
-        for table, f in searched:
-            where, more = f.sql(len(args) + 1)
-            parts.append(f"(SELECT 1 FROM {table} WHERE {where})")
-            args += more
-        explained = await conn.fetchval("EXPLAIN (FORMAT JSON) " + " UNION ALL ".join(parts), *args)
+        (with 0010's on tenant and workflow, tenant and agent): no row is read.
+        Counting the scope instead (up to the limit) cost as much as a tenant's search
+        itself (a 20,000-row tenant: ~4 ms warm, more when its pages were not cached).
+        An estimate can be off until the next ANALYZE (autovacuum runs one after 10 %
+        of a table changed): a scope that grew past its limit is searched exactly a
+        while longer (right, slower), one that shrank below it approximately (fast,
+        recall as HNSW gives it). Run as the connection's own role, before row-level
+        security applies: the policy's condition would count in the estimate, not the
+        scope's."""
+        where, args = f.sql(1)
+        explained = await conn.fetchval(
+            f"EXPLAIN (FORMAT JSON) SELECT 1 FROM {table} WHERE {where}", *args
+        )
         if isinstance(explained, str):  # a pool without this project's json codec
             explained = json.loads(explained)
-        top = explained[0]["Plan"]
-        nodes = top["Plans"] if len(parts) > 1 else [top]  # an Append of one scan per table
-        return [
-            "exact" if rows <= self._limit(table, f) else "approximate"
-            for (table, f), rows in zip(searched, (n["Plan Rows"] for n in nodes), strict=True)
-        ]
+        rows = explained[0]["Plan"]["Plan Rows"]
+        return "exact" if rows <= self._limit(table, f) else "approximate"
 
     def _limit(self, table: str, f: scopes.ScopeFilter) -> int:
         return self.index_exact_max_rows if covered(table, f) else self.exact_max_rows
@@ -231,6 +254,11 @@ class Retriever:
 def _best(ranked: Iterable[Ranked[T]], top_k: int) -> list[Ranked[T]]:
     """The ``top_k`` highest scores, in score order (ties keep the rows' order)."""
     return sorted(ranked, key=lambda x: -x[0])[:top_k]
+
+
+def _best_per_kind(ranked: list[Ranked[Memory]], top_k: int) -> list[Ranked[Memory]]:
+    """The ``top_k`` highest scores of each kind."""
+    return [x for k in SLICE_KINDS for x in _best((m for m in ranked if m[2].kind is k), top_k)]
 
 
 def _finished(ranked: Ranked[T], links: dict[str, list[ArtifactLink]]) -> T:
