@@ -13,6 +13,9 @@ run, node or agent, as a :class:`~alma_core.memory.MemorySlice`.
    ``index_exact_max_rows``; above, the HNSW index with pgvector's iterative scan
    (:func:`nearest_query`).
 5. Candidates are re-ranked by :mod:`alma_core.scoring`; ``top_k`` per kind.
+
+Memories and workflow outcomes are searched at once, each in its own transaction on
+its own connection (steps 3 to 5 for each): a retrieval costs the slower search.
 """
 
 from __future__ import annotations
