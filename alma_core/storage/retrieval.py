@@ -131,6 +131,7 @@ class Retriever:
         mem_filter = scopes.memory_filter(
             context, scope, agent=agent, require_tenant=self.require_tenant
         )
+        out_filter = scopes.outcome_filter(context, mem_filter)
         query = vector_literal((await self.embedder.embed([task]))[0])
         memories_found = self._search(
             "memories",
@@ -147,7 +148,6 @@ class Retriever:
             if include_workflow_outcomes:
                 # each table on its own connection, at once: the outcomes' search
                 # (~2-3 ms for a large tenant) runs while PostgreSQL scans the memories
-                out_filter = scopes.outcome_filter(context, mem_filter)
                 outcomes_found = self._search(
                     "workflow_outcomes",
                     out_filter,
@@ -216,11 +216,8 @@ class Retriever:
         )
         if isinstance(explained, str):  # a pool without this project's json codec
             explained = json.loads(explained)
-        rows = explained[0]["Plan"]["Plan Rows"]
-        return "exact" if rows <= self._limit(table, f) else "approximate"
-
-    def _limit(self, table: str, f: scopes.ScopeFilter) -> int:
-        return self.index_exact_max_rows if covered(table, f) else self.exact_max_rows
+        limit = self.index_exact_max_rows if covered(table, f) else self.exact_max_rows
+        return "exact" if explained[0]["Plan"]["Plan Rows"] <= limit else "approximate"
 
     async def _nearest(
         self,
