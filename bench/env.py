@@ -205,33 +205,45 @@ WORKER_ARGS = ("worker", "--consumers", "checkpointer")
 
 
 @asynccontextmanager
-async def checkpoint_process(s: settings_mod.Settings) -> AsyncIterator[None]:
-    """One checkpointer in a process of its own (``alma worker``), as deployed; ready
-    once it holds every partition of the topic."""
-    port = free_port()
-    logs = Path(tempfile.mkdtemp(prefix="alma-bench-worker-"))
-    with (logs / "worker.log").open("wb") as log:
-        proc = subprocess.Popen(  # noqa: ASYNC220 - a spawn, it does not wait
-            [sys.executable, "-m", "alma_core.cli", *WORKER_ARGS],
-            env=worker_env(s.model_copy(update={"metrics_port": port})),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
+async def checkpoint_processes(
+    settings: list[settings_mod.Settings], logs: Path | None = None
+) -> AsyncIterator[None]:
+    """Checkpointers in processes of their own (``alma worker``, as deployed), one per
+    settings (each given a metrics port of its own); ready once together they hold
+    every partition of the topic, each at least one. Their logs go to ``logs``."""
+    logs = logs or Path(tempfile.mkdtemp(prefix="alma-bench-worker-"))
+    tag = uuid.uuid4().hex[:6]
+    ports = [free_port() for _ in settings]
+    procs = []
     try:
+        for s, port in zip(settings, ports, strict=True):
+            with (logs / f"worker-{tag}-{port}.log").open("wb") as log:
+                procs.append(
+                    subprocess.Popen(  # noqa: ASYNC220 - a spawn, it does not wait
+                        [sys.executable, "-m", "alma_core.cli", *WORKER_ARGS],
+                        env=worker_env(s.model_copy(update={"metrics_port": port})),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                    )
+                )
         deadline = time.monotonic() + 90
-        while assigned(port) != PARTITIONS:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"the checkpointer process did not start; see {logs}")
+        while sum(assigned(p) for p in ports) != PARTITIONS or any(assigned(p) == 0 for p in ports):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError(
+                    f"the {len(procs)} checkpointer processes did not settle; see {logs}"
+                )
             await asyncio.sleep(0.3)
         await asyncio.sleep(1.0)
         yield
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 class Waiters:

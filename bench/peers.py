@@ -30,7 +30,7 @@ from bench.env import (
     AlmaRun,
     Env,
     Waiters,
-    checkpoint_process,
+    checkpoint_processes,
     checkpoint_worker,
     node_completed,
 )
@@ -145,7 +145,9 @@ async def alma_writes(
                 latencies.append(time.perf_counter() - started)
 
     worker = (
-        checkpoint_process(s) if process else checkpoint_worker(s, env.services, waiters.on_done)
+        checkpoint_processes([s])
+        if process
+        else checkpoint_worker(s, env.services, waiters.on_done)
     )
     try:
         async with worker:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -20,9 +18,8 @@ from pathlib import Path
 import asyncpg
 from aiokafka import AIOKafkaProducer
 
-from alma_core.cli.embedded import free_port
 from bench.checkpointer import event
-from bench.env import PARTITIONS, WORKER_ARGS, Env, assigned, worker_env
+from bench.env import Env, checkpoint_processes
 from bench.report import Section, Stat, ratio
 
 PROCESSES = (1, 2, 4)
@@ -40,28 +37,9 @@ async def drained(pool: asyncpg.Pool, runs: list[str]) -> int:
 async def one(env: Env, processes: int, backlog: int, logs: Path) -> float:
     topic = await env.topic("scale")
     tag = uuid.uuid4().hex[:6]
-    ports = [free_port() for _ in range(processes)]
-    procs = []
-    for port in ports:
-        s = env.settings_for(topic, group_prefix=f"scale-{tag}", metrics_port=port)
-        with (logs / f"worker-{tag}-{port}.log").open("wb") as log:
-            procs.append(
-                subprocess.Popen(  # noqa: ASYNC220 - a spawn, it does not wait
-                    [sys.executable, "-m", "alma_core.cli", *WORKER_ARGS],
-                    env=worker_env(s),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                )
-            )
+    s = env.settings_for(topic, group_prefix=f"scale-{tag}")
     runs = [f"{tag}-{r}" for r in range(RUNS)]
-    try:
-        deadline = time.monotonic() + 90
-        while sum(assigned(p) for p in ports) != PARTITIONS or any(assigned(p) == 0 for p in ports):
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                raise RuntimeError(f"the {processes} workers did not settle; see {logs}")
-            await asyncio.sleep(0.3)
-        await asyncio.sleep(1.0)
+    async with checkpoint_processes([s] * processes, logs):
         producer = AIOKafkaProducer(
             bootstrap_servers=env.services.kafka_bootstrap,
             acks="all",
@@ -89,14 +67,6 @@ async def one(env: Env, processes: int, backlog: int, logs: Path) -> float:
         if n1 <= n0 or t1 <= t0:
             raise RuntimeError(f"the backlog was not drained in a measurable window; see {logs}")
         return (n1 - n0) / (t1 - t0)
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 async def run(env: Env, section: Section) -> None:
