@@ -38,7 +38,11 @@ class Reducer:
 
     ``accepts`` says which values the reducer takes (checked on every value,
     the first one included, so ``sum`` over a string fails even alone);
-    ``associative`` is a promise the property tests hold the reducer to.
+    ``associative`` is a promise the property tests hold the reducer to;
+    ``fold_many``, where given, folds two or more values (no ``None`` among them) in
+    one pass and must give what the pairwise fold gives (a property test holds it to
+    that): ``append`` and ``merge_dict`` folded pairwise copy the growing result once
+    per branch.
     """
 
     name: str
@@ -47,6 +51,7 @@ class Reducer:
     expects: str = "any JSON value"
     associative: bool = False
     skips_none: bool = True
+    fold_many: Callable[[Sequence[Any]], Any] | None = None
 
 
 def _is_number(value: Any) -> bool:
@@ -67,6 +72,23 @@ def _as_list(value: Any) -> list[Any]:
 
 def _append(current: Any, update: Any) -> list[Any]:
     return _as_list(current) + _as_list(update)
+
+
+def _append_all(values: Sequence[Any]) -> list[Any]:
+    out: list[Any] = []
+    for value in values:
+        if isinstance(value, list):
+            out.extend(value)
+        else:
+            out.append(value)
+    return out
+
+
+def _merge_all(values: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for value in values:
+        out.update(value)
+    return out
 
 
 def _canonical(value: Any) -> str:
@@ -113,13 +135,20 @@ def _same_kind(name: str, a: Any, b: Any) -> None:
 BUILTINS: tuple[Reducer, ...] = (
     Reducer("last_value", lambda _c, u: u, associative=True, skips_none=False),
     Reducer("first_value", lambda c, _u: c, associative=True, skips_none=False),
-    Reducer("append", _append, associative=True, expects="a list or a single item"),
+    Reducer(
+        "append",
+        _append,
+        associative=True,
+        expects="a list or a single item",
+        fold_many=_append_all,
+    ),
     Reducer(
         "merge_dict",
         lambda c, u: {**c, **u},
         accepts=lambda v: isinstance(v, dict),
         expects="an object",
         associative=True,
+        fold_many=_merge_all,
     ),
     Reducer(
         "deep_merge",
@@ -207,6 +236,7 @@ def _renamed(reducer: Reducer, name: str) -> Reducer:
         expects=reducer.expects,
         associative=reducer.associative,
         skips_none=reducer.skips_none,
+        fold_many=reducer.fold_many,
     )
 
 
@@ -318,6 +348,10 @@ def fold_field(
                 f"field {key!r} received {len(distinct)} different values and has no reducer "
                 f"(strict mode); give it a reducer or turn strict off"
             )
+    if reducer.fold_many is not None and reducer.skips_none and len(values) > 2:
+        present = [v for v in values if v is not None]
+        if len(present) > 1:
+            return reducer.fold_many(present)
     acc = values[0]
     for value in values[1:]:
         acc = _combine(reducer, key, acc, value)

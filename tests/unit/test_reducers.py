@@ -99,6 +99,22 @@ def test_associative_reducers_are_associative(name: str, data: st.DataObject) ->
     assert left == right
 
 
+@pytest.mark.parametrize("name", [r.name for r in BUILTINS if r.fold_many is not None])
+@given(data=st.data())
+def test_one_pass_folds_give_what_the_pairwise_fold_gives(name: str, data: st.DataObject) -> None:
+    values = data.draw(st.lists(st.none() | VALUES_FOR[name], min_size=1, max_size=7))
+    reducer = ReducerRegistry().get(name)
+    pairwise = values[0]
+    for value in values[1:]:
+        if value is None:
+            continue
+        pairwise = value if pairwise is None else reducer.combine(pairwise, value)
+    folded = fold_field("f", values, ReducerConfig(field_reducers={"f": name}))
+    assert folded == pairwise
+    if isinstance(folded, dict):  # keys in the order they first appeared, as pairwise
+        assert list(folded) == list(pairwise)
+
+
 @given(st.lists(st.integers(-1000, 1000), min_size=1, max_size=10))
 def test_updates_fold_like_a_merge(increments: list[int]) -> None:
     config = ReducerConfig(field_reducers={"n": "sum", "log": "append"})
