@@ -127,12 +127,21 @@ async def bare_hop(bootstrap: str, rate: float, seconds: float, size: int) -> li
 
 async def alma_latency(
     s: settings_mod.Settings, services: Services, rate: float, seconds: float, size: int
-) -> tuple[list[float], float]:
+) -> tuple[list[float], list[float], float]:
+    """Publish → durable per event, the checkpointer's own part of it per event (its
+    batch received by the handler → durable), and the worker's RSS."""
     topic = f"bench-life-{uuid.uuid4().hex[:8]}"
     await ensure_topics(services.kafka_bootstrap, [topic], partitions=PARTITIONS)
     s = s.model_copy(update={"lifecycle_topic": topic})
     done: list[float] = []
-    async with checkpoint_worker(s, services, lambda r, now: done.append(now - sent_at(r))):
+    own: list[float] = []
+
+    def on_batch(events: int, received: float, durable: float) -> None:
+        own.extend([durable - received] * events)
+
+    async with checkpoint_worker(
+        s, services, lambda r, now: done.append(now - sent_at(r)), on_batch
+    ):
         load = start_load(services.kafka_bootstrap, topic, rate, seconds, size)
         total = int(rate * seconds)
         deadline = time.monotonic() + seconds + 120
@@ -140,7 +149,7 @@ async def alma_latency(
             await asyncio.sleep(0.05)
         rss = psutil.Process().memory_info().rss / 1e6
         await asyncio.to_thread(load.join)
-    return done, rss
+    return done, own, rss
 
 
 async def throughput(s: settings_mod.Settings, services: Services, n: int, size: int) -> float:
@@ -224,7 +233,7 @@ async def main(quick: bool, out: Path | None) -> None:
                 for rate in rate_list:
                     hop = await bare_hop(services.kafka_bootstrap, rate, seconds, size)
                     progress.advance(task)
-                    lat, rss = await alma_latency(s, services, rate, seconds, size)
+                    lat, own, rss = await alma_latency(s, services, rate, seconds, size)
                     progress.advance(task)
                     bench.add(
                         "latency",
@@ -238,6 +247,8 @@ async def main(quick: bool, out: Path | None) -> None:
                             ms(lat, 95),
                             ms(lat, 99),
                             f"{(pct(lat, 99) - pct(hop, 99)) * 1000:.1f}",
+                            ms(own, 50),
+                            ms(own, 99),
                             f"{rss:.0f}",
                         ],
                     )
@@ -273,6 +284,8 @@ HEADERS = {
         "ALMA p95 ms",
         "ALMA p99 ms",
         "added p99 ms",
+        "ALMA's own p50 ms",
+        "ALMA's own p99 ms",
         "worker RSS MB",
     ],
     "reads": [

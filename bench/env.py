@@ -143,9 +143,12 @@ def event_id_of(record: Any) -> str | None:
 
 class SignallingHandler(checkpointer.CheckpointHandler):
     """The checkpointer's handler, telling the benchmark when each event's batch is
-    durable, cached and handed on (when the handler returns, before the offset commit)."""
+    durable, cached and handed on (when the handler returns, before the offset commit),
+    and, per batch, when the handler got it: the time that is ALMA's own, the hop
+    before it left out."""
 
     on_done: ClassVar[Callable[[Any, float], None]]
+    on_batch: ClassVar[Callable[[int, float, float], None] | None] = None
 
     async def handle(
         self,
@@ -153,20 +156,28 @@ class SignallingHandler(checkpointer.CheckpointHandler):
         batch: dict[Any, list[Any]],
         read_from: dict[Any, int] | None = None,
     ) -> HandleResult:
+        started = time.perf_counter()
         result = await super().handle(cluster_id, batch, read_from)
         now = time.perf_counter()
         for records in batch.values():
             for record in records:
                 type(self).on_done(record, now)
+        if (on_batch := type(self).on_batch) is not None:
+            on_batch(sum(len(records) for records in batch.values()), started, now)
         return result
 
 
 @asynccontextmanager
 async def checkpoint_worker(
-    s: settings_mod.Settings, services: Services, on_done: Callable[[Any, float], None]
+    s: settings_mod.Settings,
+    services: Services,
+    on_done: Callable[[Any, float], None],
+    on_batch: Callable[[int, float, float], None] | None = None,
 ) -> AsyncIterator[None]:
-    """One checkpoint consumer in this process, calling ``on_done(record, time)``."""
+    """One checkpoint consumer in this process, calling ``on_done(record, time)`` for
+    each event and ``on_batch(events, received, done)`` for each batch."""
     SignallingHandler.on_done = staticmethod(on_done)  # type: ignore[assignment]
+    SignallingHandler.on_batch = staticmethod(on_batch) if on_batch else None
     stop, ready = asyncio.Event(), asyncio.Event()
     original = checkpointer.CheckpointHandler
     checkpointer.CheckpointHandler = SignallingHandler  # type: ignore[misc]
