@@ -58,7 +58,7 @@ SINGLE_MODULE_SUITES: dict[str, Callable[[Env, Section], Awaitable[None]]] = {
 def steps(env: Env, only: set[str]) -> int:
     n = 0
     if "peers" in only:
-        n += 4 * env.reps + 2 + 2 * env.reps + 1
+        n += 4 * env.reps + 3 * env.reps + 2 + 2 * env.reps + 1
     if "curves" in only:
         n += 2 + curves.steps(env)
     if "scaling" in only:

@@ -152,9 +152,17 @@ async def alma_latency(
     return done, own, rss
 
 
-async def throughput(s: settings_mod.Settings, services: Services, n: int, size: int) -> float:
-    """Drain a backlog of ``n`` events; checkpoints per second."""
-    topic = f"bench-tp-{uuid.uuid4().hex[:8]}"
+async def throughput(
+    s: settings_mod.Settings,
+    services: Services,
+    n: int,
+    size: int,
+    state: dict[str, Any] | None = None,
+) -> float:
+    """Drain a backlog of ``n`` events (each with ``state`` and its step, when given;
+    else ``size`` bytes of one string); checkpoints per second."""
+    tag = uuid.uuid4().hex[:8]
+    topic = f"bench-tp-{tag}"
     await ensure_topics(services.kafka_bootstrap, [topic], partitions=PARTITIONS)
     producer = AIOKafkaProducer(
         bootstrap_servers=services.kafka_bootstrap,
@@ -164,7 +172,9 @@ async def throughput(s: settings_mod.Settings, services: Services, n: int, size:
     )
     await producer.start()
     for i in range(n):
-        doc = event(f"tp-{i % 500}", i, size)
+        doc = event(f"tp-{tag}-{i % 500}", i, size)  # runs of this call only
+        if state is not None:
+            doc["payload"]["state"] = {**state, "step": i}
         await producer.send(topic, json.dumps(doc).encode(), key=doc["run_id"].encode())
     await producer.flush()
     await producer.stop()
@@ -183,7 +193,12 @@ async def throughput(s: settings_mod.Settings, services: Services, n: int, size:
             if now_count >= n:
                 break
             if time.perf_counter() - started > 300:
-                break
+                stop.set()
+                await task
+                raise RuntimeError(
+                    f"{now_count:,} of {n:,} checkpoints after 300 s: the worker stalled or "
+                    "skipped events; see its log above"
+                )
             await asyncio.sleep(0.05)
         elapsed = time.perf_counter() - (first or started)
         stop.set()

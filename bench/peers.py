@@ -26,6 +26,7 @@ from alma_core import errors
 from alma_core.sdk.client import AlmaClient
 from alma_core.storage.postgres import connect
 from alma_core.types import WorkflowContext
+from bench.checkpointer import throughput
 from bench.env import (
     AlmaRun,
     Env,
@@ -473,10 +474,37 @@ async def langgraph_saver_pool(dsn: str, size: int = 10) -> AsyncConnectionPool[
     return pool
 
 
+async def capacity(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> None:
+    """Checkpoints per second at saturation, where offered load exceeds what either
+    carries: ALMA draining a backlog (records always waiting: full batches) and
+    LangGraph's ``aput`` from 50 writers at once on its pool (more writers only queue
+    for its connections), paired in each repetition."""
+    section.table(
+        "capacity",
+        "Capacity at saturation: ALMA drains a backlog (one checkpointer) vs LangGraph "
+        "`aput` from 50 writers flat out",
+        ["state", "ALMA checkpoints/s", "LangGraph checkpoints/s", "ALMA ÷ LangGraph"],
+    )
+    for size in (1_000, 5_000, 100_000):
+        state = realistic_state(size, seed=size)
+        big = size > 50_000
+        backlog = (500 if big else 4_000) if env.quick else (1_000 if big else 10_000)
+        each = (4 if big else 10) if env.quick else (6 if big else 30)
+        alma, lg = [], []
+        for _ in range(env.reps):
+            env.step(f"capacity {size // 1000} KB")
+            alma.append(await throughput(env.s, env.services, backlog, size, state))
+            lg.append(figures(*await langgraph_writes(pool, state, 50, each))["per_s"])
+            env.done()
+        a, b = Stat(alma, 0), Stat(lg, 0)
+        section.add("capacity", [f"{size // 1000} KB", a, b, ratio(a, b)])
+
+
 async def run(env: Env, section: Section) -> None:
     pool = await langgraph_saver_pool(env.peer_dsn)
     try:
         await writes(env, section, pool)
+        await capacity(env, section, pool)
         await reads(env, section, pool)
     finally:
         await pool.close()

@@ -55,6 +55,7 @@ async def test_quick_side_by_side_run_writes_every_table(
     assert set(tables) == {
         "writes",
         "write_ratio",
+        "capacity",
         "storage",
         "reads",
         "run_state",
@@ -71,6 +72,11 @@ async def test_quick_side_by_side_run_writes_every_table(
     }
     assert {(r["state"], r["writers"], r["system"]) for r in writes} >= expected
     assert all(r["checkpoints/s"]["median"] > 0 for r in writes)
+    capacity = tables["capacity"]["rows"]
+    assert [r["state"] for r in capacity] == ["1 KB", "5 KB", "100 KB"]
+    for row in capacity:  # every backlog drained (a stalled drain fails the run)
+        assert row["ALMA checkpoints/s"]["median"] > 0
+        assert row["LangGraph checkpoints/s"]["median"] > 0
     assert [r["checkpoints in run"] for r in tables["reads"]["rows"]] == [10, 1000]
     alma = [r for r in tables["run_state"]["rows"] if r["system"].startswith("ALMA")]
     assert len(alma) == 2
