@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -86,6 +87,11 @@ async def stack(quick: bool, reps: int, full: bool, progress: Progress) -> Async
     )
     task = progress.add_task("starting the stack", total=None)
     endpoints = await embedded.start()
+    # stopped with SIGTERM (a timeout, a kill), the benchmark stops its stack on the way
+    # out rather than leaving a broker, PostgreSQL and Redis running for the next one
+    loop, running = asyncio.get_running_loop(), asyncio.current_task()
+    if running is not None:
+        loop.add_signal_handler(signal.SIGTERM, running.cancel)
     try:
         services = Services(endpoints.kafka_bootstrap, endpoints.postgres_dsn, endpoints.redis_url)
         conn = await asyncpg.connect(services.postgres_dsn)
@@ -110,6 +116,7 @@ async def stack(quick: bool, reps: int, full: bool, progress: Progress) -> Async
         await ensure_topics(services.kafka_bootstrap, alma_topics(s), partitions=PARTITIONS)
         yield Env(s, services, quick, reps, full, progress, task)
     finally:
+        loop.remove_signal_handler(signal.SIGTERM)
         await embedded.stop()
 
 

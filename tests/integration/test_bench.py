@@ -8,9 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from alma_core.settings import Settings
@@ -95,3 +98,42 @@ async def test_an_unknown_suite_is_refused_with_the_choices(settings: Settings) 
     assert "unknown suite(s) ['nonsense']" in log
     assert "peers" in log
     assert "scaling" in log
+
+
+@pytest.mark.timeout(120)
+async def test_a_benchmark_stopped_with_sigterm_stops_its_embedded_stack() -> None:
+    """Without services given, a benchmark starts its own broker, PostgreSQL and Redis;
+    killed with SIGTERM (a timeout, a kill), it stops them rather than leaving them
+    running beside the next benchmark."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "bench",
+        "--quick",
+        "--only",
+        "peers",
+        cwd=ROOT,
+        env=env | {"COLUMNS": "200"},
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    bench_process = psutil.Process(proc.pid)
+    services: list[psutil.Process] = []
+    deadline = time.monotonic() + 60
+    while len(services) < 3 and time.monotonic() < deadline:  # broker, PostgreSQL, Redis
+        await asyncio.sleep(0.5)
+        services = [
+            p
+            for p in bench_process.children(recursive=True)
+            if any(n in p.name() for n in ("tansu", "postgres", "redis"))
+        ]
+    assert len(services) >= 3, [p.name() for p in services]
+    await asyncio.sleep(5)  # past the stack's start, into the benchmark proper
+    proc.send_signal(signal.SIGTERM)
+    await asyncio.wait_for(proc.wait(), 60)
+    _, alive = await asyncio.to_thread(psutil.wait_procs, services, timeout=30)
+    left = [(p.pid, p.name()) for p in alive]
+    for p in alive:  # what a failure leaves is not left to the next test
+        p.kill()
+    assert not left, left
