@@ -21,24 +21,31 @@ from alma_core.settings import Settings
 ROOT = Path(__file__).resolve().parents[2]
 
 
-async def bench(settings: Settings, *args: str) -> tuple[int, str]:
+async def spawn(
+    services: dict[str, str], *args: str, output: int = asyncio.subprocess.PIPE
+) -> asyncio.subprocess.Process:
+    """``python -m bench ARGS`` with these ``ALMA_*`` services and no others (none:
+    it starts its own embedded stack)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
-    env |= {
-        "ALMA_KAFKA_BOOTSTRAP": settings.kafka_bootstrap or "",
-        "ALMA_POSTGRES_DSN": settings.postgres_dsn or "",
-        "ALMA_REDIS_URL": settings.redis_url or "",
-        "COLUMNS": "200",
-    }
-    proc = await asyncio.create_subprocess_exec(
+    return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "bench",
         *args,
         cwd=ROOT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
+        env=env | services | {"COLUMNS": "200"},
+        stdout=output,
         stderr=asyncio.subprocess.STDOUT,
     )
+
+
+async def bench(settings: Settings, *args: str) -> tuple[int, str]:
+    services = {
+        "ALMA_KAFKA_BOOTSTRAP": settings.kafka_bootstrap or "",
+        "ALMA_POSTGRES_DSN": settings.postgres_dsn or "",
+        "ALMA_REDIS_URL": settings.redis_url or "",
+    }
+    proc = await spawn(services, *args)
     out, _ = await asyncio.wait_for(proc.communicate(), 280)
     return proc.returncode or 0, out.decode(errors="replace")
 
@@ -105,19 +112,7 @@ async def test_a_benchmark_stopped_with_sigterm_stops_its_embedded_stack() -> No
     """Without services given, a benchmark starts its own broker, PostgreSQL and Redis;
     killed with SIGTERM (a timeout, a kill), it stops them rather than leaving them
     running beside the next benchmark."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "bench",
-        "--quick",
-        "--only",
-        "peers",
-        cwd=ROOT,
-        env=env | {"COLUMNS": "200"},
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
+    proc = await spawn({}, "--quick", "--only", "peers", output=asyncio.subprocess.DEVNULL)
     bench_process = psutil.Process(proc.pid)
     services: list[psutil.Process] = []
     deadline = time.monotonic() + 60
