@@ -152,6 +152,9 @@ async def alma_latency(
     return done, own, rss
 
 
+COUNT = "SELECT count(*) FROM checkpoints"
+
+
 async def throughput(
     s: settings_mod.Settings,
     services: Services,
@@ -180,29 +183,26 @@ async def throughput(
     await producer.stop()
     s = s.model_copy(update={"lifecycle_topic": topic})
     async with connect(services.postgres_dsn) as pool:
-        before = await pool.fetchval("SELECT count(*) FROM checkpoints")
+        before = await pool.fetchval(COUNT)
         stop, ready = asyncio.Event(), asyncio.Event()
         task = asyncio.create_task(run_worker(s, services, ["checkpoint"], stop, ready=ready))
-        await asyncio.wait_for(ready.wait(), 60)
-        started = time.perf_counter()
-        first = None
-        while True:
-            now_count = await pool.fetchval("SELECT count(*) FROM checkpoints") - before
-            if now_count > 0 and first is None:
-                first = time.perf_counter()
-            if now_count >= n:
-                break
-            if time.perf_counter() - started > 300:
-                stop.set()
-                await task
-                raise RuntimeError(
-                    f"{now_count:,} of {n:,} checkpoints after 300 s: the worker stalled or "
-                    "skipped events; see its log above"
-                )
-            await asyncio.sleep(0.05)
-        elapsed = time.perf_counter() - (first or started)
-        stop.set()
-        await task
+        try:
+            await asyncio.wait_for(ready.wait(), 60)
+            started = time.perf_counter()
+            first = None
+            while (now_count := await pool.fetchval(COUNT) - before) < n:
+                if now_count > 0 and first is None:
+                    first = time.perf_counter()
+                if time.perf_counter() - started > 300:
+                    raise RuntimeError(
+                        f"{now_count:,} of {n:,} checkpoints after 300 s: the worker stalled "
+                        "or skipped events; see its log above"
+                    )
+                await asyncio.sleep(0.05)
+            elapsed = time.perf_counter() - (first or started)
+        finally:
+            stop.set()
+            await task
     return n / elapsed
 
 
