@@ -14,14 +14,12 @@ benchmark.
 
 from __future__ import annotations
 
-import tempfile
 import time
 import uuid
-from pathlib import Path
 
 from alma_core.cli.embedded import RedisClusterStack
 from alma_core.storage.cache import CacheEntry, RedisCheckpointCache
-from bench.env import Env
+from bench.env import Env, scratch
 from bench.report import Section, Stat, pct
 
 STEPS_PER_REP = 2
@@ -67,18 +65,23 @@ async def _measure(url: str, cluster: bool, batches: int, reads: int) -> dict[st
 async def run(env: Env, section: Section) -> None:
     batches, reads = (100, 500) if env.quick else (400, 1000)
     got: dict[str, list[dict[str, list[float]]]] = {"one Redis": [], "Redis Cluster, 3 nodes": []}
-    cluster = RedisClusterStack(Path(tempfile.mkdtemp(prefix="alma-bench-cluster-")))
-    await cluster.start()
-    try:
-        for _ in range(env.reps):
-            env.step("cache: one Redis")
-            got["one Redis"].append(await _measure(env.services.redis_url, False, batches, reads))
-            env.done()
-            env.step("cache: Redis Cluster")
-            got["Redis Cluster, 3 nodes"].append(await _measure(cluster.url, True, batches, reads))
-            env.done()
-    finally:
-        await cluster.stop()
+    with scratch("alma-bench-cluster-") as root:
+        cluster = RedisClusterStack(root)
+        await cluster.start()
+        try:
+            for _ in range(env.reps):
+                env.step("cache: one Redis")
+                got["one Redis"].append(
+                    await _measure(env.services.redis_url, False, batches, reads)
+                )
+                env.done()
+                env.step("cache: Redis Cluster")
+                got["Redis Cluster, 3 nodes"].append(
+                    await _measure(cluster.url, True, batches, reads)
+                )
+                env.done()
+        finally:
+            await cluster.stop()
     section.table(
         "cache",
         "The checkpoint cache on one Redis and on a 3-node Redis Cluster",

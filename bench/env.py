@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,8 +17,8 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -75,11 +76,42 @@ class Env:
         return self.s.model_copy(update={"lifecycle_topic": topic, **changes})
 
 
+@contextmanager
+def scratch(prefix: str) -> Iterator[Path]:
+    """A directory for one benchmark's data and logs (an embedded stack's can reach
+    gigabytes): removed when the benchmark ends or is stopped, kept and named on stderr
+    when it fails, for its logs."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    failed = False
+    try:
+        yield path
+    except Exception:
+        failed = True
+        raise
+    finally:
+        if failed:
+            print(
+                f"the benchmark's data and logs are kept in {path}; remove it when done",
+                file=sys.stderr,
+            )
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 @asynccontextmanager
 async def stack(quick: bool, reps: int, full: bool, progress: Progress) -> AsyncIterator[Env]:
+    with scratch("alma-bench-") as root:
+        async with _stack(root, quick, reps, full, progress) as env:
+            yield env
+
+
+@asynccontextmanager
+async def _stack(
+    root: Path, quick: bool, reps: int, full: bool, progress: Progress
+) -> AsyncIterator[Env]:
     s = settings_mod.load()
     embedded = EmbeddedStack(
-        Path(tempfile.mkdtemp(prefix="alma-bench-")),
+        root,
         kafka_bootstrap=s.kafka_bootstrap,
         postgres_dsn=s.postgres_dsn,
         redis_url=s.redis_url,
@@ -229,7 +261,11 @@ async def checkpoint_processes(
     """Checkpointers in processes of their own (``alma worker``, as deployed), one per
     settings (each given a metrics port of its own); ready once together they hold
     every partition of the topic, each at least one. Their logs go to ``logs``."""
-    logs = logs or Path(tempfile.mkdtemp(prefix="alma-bench-worker-"))
+    if logs is None:
+        with scratch("alma-bench-worker-") as own:
+            async with checkpoint_processes(settings, own):
+                yield
+        return
     tag = uuid.uuid4().hex[:6]
     ports = [free_port() for _ in settings]
     procs = []

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -19,7 +18,7 @@ import asyncpg
 from aiokafka import AIOKafkaProducer
 
 from bench.checkpointer import event
-from bench.env import Env, checkpoint_processes
+from bench.env import Env, checkpoint_processes, scratch
 from bench.report import Section, Stat, ratio
 
 PROCESSES = (1, 2, 4)
@@ -77,15 +76,15 @@ async def run(env: Env, section: Section) -> None:
         ["processes", "checkpoints/s", "× one process"],
     )
     backlog = 20_000 if env.quick else 60_000
-    logs = Path(tempfile.mkdtemp(prefix="alma-bench-scaling-"))
     rates: dict[int, Stat] = {}
-    for processes in PROCESSES:
-        env.step(f"scaling: {processes} checkpointer process(es)")
-        rates[processes] = Stat(
-            [await one(env, processes, backlog, logs) for _ in range(env.reps)], 0
-        )
-        section.add("scaling", [processes, rates[processes], ratio(rates[processes], rates[1])])
-        env.done()
+    with scratch("alma-bench-scaling-") as logs:
+        for processes in PROCESSES:
+            env.step(f"scaling: {processes} checkpointer process(es)")
+            rates[processes] = Stat(
+                [await one(env, processes, backlog, logs) for _ in range(env.reps)], 0
+            )
+            section.add("scaling", [processes, rates[processes], ratio(rates[processes], rates[1])])
+            env.done()
     section.note(
         "scaling",
         f"{os.cpu_count()} cores shared by the workers, PostgreSQL, Redis, "

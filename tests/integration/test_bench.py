@@ -22,10 +22,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 async def spawn(
-    services: dict[str, str], *args: str, output: int = asyncio.subprocess.PIPE
+    services: dict[str, str],
+    scratch: Path,
+    *args: str,
+    output: int = asyncio.subprocess.PIPE,
 ) -> asyncio.subprocess.Process:
     """``python -m bench ARGS`` with these ``ALMA_*`` services and no others (none:
-    it starts its own embedded stack)."""
+    it starts its own embedded stack), its temporary files under ``scratch``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
     return await asyncio.create_subprocess_exec(
         sys.executable,
@@ -33,19 +36,19 @@ async def spawn(
         "bench",
         *args,
         cwd=ROOT,
-        env=env | services | {"COLUMNS": "200"},
+        env=env | services | {"COLUMNS": "200", "TMPDIR": str(scratch)},
         stdout=output,
         stderr=asyncio.subprocess.STDOUT,
     )
 
 
-async def bench(settings: Settings, *args: str) -> tuple[int, str]:
+async def bench(settings: Settings, scratch: Path, *args: str) -> tuple[int, str]:
     services = {
         "ALMA_KAFKA_BOOTSTRAP": settings.kafka_bootstrap or "",
         "ALMA_POSTGRES_DSN": settings.postgres_dsn or "",
         "ALMA_REDIS_URL": settings.redis_url or "",
     }
-    proc = await spawn(services, *args)
+    proc = await spawn(services, scratch, *args)
     out, _ = await asyncio.wait_for(proc.communicate(), 280)
     return proc.returncode or 0, out.decode(errors="replace")
 
@@ -55,8 +58,13 @@ async def test_quick_side_by_side_run_writes_every_table(
     settings: Settings, tmp_path: Path
 ) -> None:
     out = tmp_path / "benchmarks.md"
-    rc, log = await bench(settings, "--quick", "--reps", "1", "--only", "peers", "--out", str(out))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    rc, log = await bench(
+        settings, scratch, "--quick", "--reps", "1", "--only", "peers", "--out", str(out)
+    )
     assert rc == 0, log[-3000:]
+    assert not list(scratch.iterdir())  # the worker processes' logs went with them
     text = out.read_text()
     assert "<!-- bench:peers:start -->" in text
     assert "<!-- bench:peers:end -->" in text
@@ -99,8 +107,10 @@ async def test_quick_side_by_side_run_writes_every_table(
         assert min(per_checkpoint) > 0
 
 
-async def test_an_unknown_suite_is_refused_with_the_choices(settings: Settings) -> None:
-    rc, log = await bench(settings, "--only", "nonsense")
+async def test_an_unknown_suite_is_refused_with_the_choices(
+    settings: Settings, tmp_path: Path
+) -> None:
+    rc, log = await bench(settings, tmp_path, "--only", "nonsense")
     assert rc == 2
     assert "unknown suite(s) ['nonsense']" in log
     assert "peers" in log
@@ -108,11 +118,14 @@ async def test_an_unknown_suite_is_refused_with_the_choices(settings: Settings) 
 
 
 @pytest.mark.timeout(120)
-async def test_a_benchmark_stopped_with_sigterm_stops_its_embedded_stack() -> None:
+async def test_a_benchmark_stopped_with_sigterm_stops_its_embedded_stack(tmp_path: Path) -> None:
     """Without services given, a benchmark starts its own broker, PostgreSQL and Redis;
     killed with SIGTERM (a timeout, a kill), it stops them rather than leaving them
-    running beside the next benchmark."""
-    proc = await spawn({}, "--quick", "--only", "peers", output=asyncio.subprocess.DEVNULL)
+    running beside the next benchmark, and removes their data (gigabytes, once a
+    learner benchmark has filled it)."""
+    proc = await spawn(
+        {}, tmp_path, "--quick", "--only", "peers", output=asyncio.subprocess.DEVNULL
+    )
     bench_process = psutil.Process(proc.pid)
     services: list[psutil.Process] = []
     deadline = time.monotonic() + 60
@@ -132,3 +145,4 @@ async def test_a_benchmark_stopped_with_sigterm_stops_its_embedded_stack() -> No
     for p in alive:  # what a failure leaves is not left to the next test
         p.kill()
     assert not left, left
+    assert not os.listdir(tmp_path)
