@@ -46,7 +46,7 @@ from alma_core.storage.batches import (
     headers_json,
 )
 from alma_core.storage.cache import CacheEntry, cache_entries
-from alma_core.storage.effects import announce
+from alma_core.storage.effects import CHANNEL, NOTIFY, announce, tokens
 from alma_core.storage.outbox import OutboxRow
 from alma_core.types import Checkpoint
 from schemas import jsoncodec
@@ -129,6 +129,8 @@ SELECT
 # A batch's writes, one statement: each table's rows from parallel arrays. Sibling
 # data-modifying CTEs run on one snapshot; the foreign keys (a new run's checkpoints,
 # heads and events) are checked at the end of the statement, when its run row is there.
+# A data-modifying CTE runs to completion whether or not the main query reads it; the
+# main query names the batch's runs to the effect listeners (delivered on commit).
 _WRITE = """
 WITH new_runs AS (
     INSERT INTO runs (run_id, tenant_id, workflow_id, workflow_version, status,
@@ -153,15 +155,17 @@ WITH new_runs AS (
     SELECT * FROM unnest($22::text[], $23::text[], $24::text[], $25::bigint[], $26::text[])
     ON CONFLICT (tenant_id, run_id, branch_key) DO UPDATE
     SET seq = EXCLUDED.seq, state_hash = EXCLUDED.state_hash
+), new_events AS (
+    INSERT INTO run_events (event_id, run_id, tenant_id, type, node_id, branch_id,
+                            emitted_at, checkpoint_seq, effect, payload, source_topic,
+                            source_partition, source_offset)
+    SELECT u.i, u.r, u.t, u.y, u.n, u.b, u.at, u.s, u.x, u.p::jsonb, u.st, u.sp, u.so
+    FROM unnest($27::text[], $28::text[], $29::text[], $30::text[], $31::text[],
+                $32::text[], $33::timestamptz[], $34::bigint[], $35::text[], $36::text[],
+                $37::text[], $38::int[], $39::bigint[]) AS u(i, r, t, y, n, b, at, s, x, p,
+                                                             st, sp, so)
 )
-INSERT INTO run_events (event_id, run_id, tenant_id, type, node_id, branch_id, emitted_at,
-                        checkpoint_seq, effect, payload, source_topic, source_partition,
-                        source_offset)
-SELECT u.i, u.r, u.t, u.y, u.n, u.b, u.at, u.s, u.x, u.p::jsonb, u.st, u.sp, u.so
-FROM unnest($27::text[], $28::text[], $29::text[], $30::text[], $31::text[], $32::text[],
-            $33::timestamptz[], $34::bigint[], $35::text[], $36::text[], $37::text[],
-            $38::int[], $39::bigint[]) AS u(i, r, t, y, n, b, at, s, x, p, st, sp, so)
-"""
+""" + NOTIFY.format(channel="$40", tokens="$41")
 
 
 class PostgresCheckpointStore(BatchStore):
@@ -214,17 +218,12 @@ class PostgresCheckpointStore(BatchStore):
         for row in effects.checkpoints:
             heads[(row.tenant_id, row.run_id, branch_key(row.branch_id))] = row
         outcome.cache_writes = _cache_entries(heads.values(), outcome.created_at)
-        await self._write(conn, sequencer, outcome, heads)
-        if self.config.notify_effects:
-            await announce(
-                conn,
-                [(e.tenant_id, e.run_id) for e in events]
-                + [
-                    (d.tenant_id, d.run_id)
-                    for d in outcome.dead_letters
-                    if d.tenant_id and d.run_id
-                ],
-            )
+        touched = [(e.tenant_id, e.run_id) for e in events] + [
+            (d.tenant_id, d.run_id) for d in outcome.dead_letters if d.tenant_id and d.run_id
+        ]
+        notify = tokens(touched) if self.config.notify_effects else []
+        if not await self._write(conn, sequencer, outcome, heads, notify) and notify:
+            await announce(conn, touched)  # dead letters only: nothing written
         return self._handoffs(sequencer)
 
     # -- loads ----------------------------------------------------------------
@@ -288,14 +287,17 @@ class PostgresCheckpointStore(BatchStore):
         seq: Sequencer,
         result: CheckpointOutcome,
         heads: dict[HeadKey, CheckpointRow],
-    ) -> None:
-        """The batch's runs, checkpoints, heads and audit rows in one statement (one
-        round trip, one execution per table rather than one per row), then its
-        LangGraph rows."""
+        notify: list[str],
+    ) -> bool:
+        """The batch's runs, checkpoints, heads and audit rows and the notifications of
+        ``notify`` in one statement (one round trip, one execution per table rather than
+        one per row), then its LangGraph rows. False when there was nothing to write
+        (nor so anyone notified)."""
         runs = [r for r in seq.runs.values() if r.changed]
         cps = result.checkpoints
         events = seq.effects.events
-        if runs or cps or events:
+        written = bool(runs or cps or events)
+        if written:
             await conn.execute(
                 _WRITE,
                 [r.run_id for r in runs],
@@ -337,8 +339,11 @@ class PostgresCheckpointStore(BatchStore):
                 [e.coords.topic for e in events],
                 [e.coords.partition for e in events],
                 [e.coords.offset for e in events],
+                CHANNEL,
+                notify,
             )
         await graphs.apply(conn, seq.effects.graph)
+        return written
 
     def _handoffs(self, seq: Sequencer) -> list[OutboxRow]:
         """Joins and completions for the joiner and the learner, once durable."""

@@ -29,11 +29,21 @@ def token(tenant_id: str, run_id: str) -> str:
     return hashlib.sha256(f"{tenant_id}\x00{run_id}".encode()).hexdigest()[:32]
 
 
+def tokens(runs: Iterable[tuple[str, str]]) -> list[str]:
+    """The notifications for these (tenant, run id) pairs, each once, in a fixed order."""
+    return sorted({token(t, r) for t, r in runs})
+
+
+# One notification per token, as a statement's main query (the checkpointer's batch
+# write ends with it: no round trip of its own).
+NOTIFY = "SELECT pg_notify({channel}, t) FROM unnest({tokens}::text[]) AS t"
+
+
 async def announce(conn: asyncpg.Connection, runs: Iterable[tuple[str, str]]) -> None:
     """Inside the batch transaction: name each run to the listeners on commit."""
-    tokens = sorted({token(t, r) for t, r in runs})
-    if tokens:
-        await conn.execute("SELECT pg_notify($1, t) FROM unnest($2::text[]) AS t", CHANNEL, tokens)
+    named = tokens(runs)
+    if named:
+        await conn.execute(NOTIFY.format(channel="$1", tokens="$2"), CHANNEL, named)
 
 
 class EffectListener:
