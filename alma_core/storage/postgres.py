@@ -75,6 +75,18 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
         )
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """What a connection goes back to the pool with: nothing to undo.
+
+    Nothing this project sends on a pooled connection outlives its transaction
+    (``SET LOCAL``, ``set_config(..., true)``, transaction-level advisory locks; the
+    effect listeners hold connections of their own), and the pool still rolls back a
+    transaction left open. asyncpg's default reset (``pg_advisory_unlock_all(); CLOSE
+    ALL; UNLISTEN *; RESET ALL``) would cost a round trip on every release: one per
+    checkpointer batch, per retrieval search, per ``applied()`` read.
+    ``tests/unit/test_pooled_sessions.py`` keeps session-level state out of the code."""
+
+
 async def create_pool(
     dsn: str,
     *,
@@ -96,6 +108,7 @@ async def create_pool(
             min_size=min_size,
             max_size=max_size,
             init=_init_connection,
+            reset=_keep_session,
             timeout=10,
             command_timeout=60,  # nothing waits forever on a server that went away
             server_settings={

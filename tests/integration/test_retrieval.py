@@ -197,6 +197,34 @@ async def test_retrieval_transactions_read_as_the_reader_role_of_one_tenant(
         await conn.close()
 
 
+async def test_a_pooled_connection_comes_back_as_it_went(
+    database: str, embedder: AsyncEmbedder
+) -> None:
+    """The pool sends no reset query on release (a round trip saved per use): what a
+    retrieval sets (the reader role, the tenant, the HNSW and plan settings) ends with
+    its transaction, and so does one left mid-transaction (the pool rolls it back)."""
+    await seed(database, random.Random(6))
+    session = """SELECT current_user, coalesce(current_setting('alma.tenant_id', true), ''),
+                        current_setting('plan_cache_mode'), current_setting('hnsw.ef_search'),
+                        pg_current_xact_id_if_assigned() IS NULL"""
+    async with connect(database, min_size=1, max_size=1) as pool:
+        await pool.fetchval("SELECT '[1]'::vector IS NOT NULL")  # defines hnsw.*
+        before = tuple(await pool.fetchrow(session))
+        retriever = Retriever(pool, embedder, require_tenant=True, ef_search=77)
+        ctx = WorkflowContext("t1")
+        for plan in ("approximate", "exact"):
+            found = await retriever.retrieve("anything", ctx, RetrievalScope.TENANT, plan=plan)
+            assert found.items(), plan
+            assert tuple(await pool.fetchrow(session)) == before, plan
+        f = scopes.memory_filter(ctx, RetrievalScope.TENANT, require_tenant=True)
+        async with pool.acquire() as conn:  # a search left mid-transaction (cancelled)
+            await conn.transaction(readonly=True).start()
+            await retrieval._as_reader(conn, f)
+            await retrieval._approximate(conn, 77)
+        assert tuple(await pool.fetchrow(session)) == before, "after a search left open"
+        assert await pool.fetchval("SELECT count(*) FROM memories") == 400, "the owner's view"
+
+
 async def test_global_scope_only_in_single_tenant_mode(
     database: str, embedder: AsyncEmbedder
 ) -> None:
