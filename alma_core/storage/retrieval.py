@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import asyncpg
 
@@ -193,9 +193,9 @@ class Retriever:
             chosen = plan or await self._plan(conn, table, f)
             await _as_reader(conn, f)
             rows = await self._nearest(conn, table, query, f, candidates, chosen)
-            kept = keep(self._rank(rows, build, signals))
-            links = await _artifacts(conn, [x[2].id for x in kept])
-        return chosen, [_finished(x, links) for x in kept]
+        kept = keep(self._rank(rows, build, signals))
+        links = {str(r["id"]): r["artifacts"] for r in rows}
+        return chosen, [_finished(x, _links(links[x[2].id])) for x in kept]
 
     async def _plan(self, conn: asyncpg.Connection, table: str, f: scopes.ScopeFilter) -> str:
         """Exact up to the scope's limit, HNSW above.
@@ -261,10 +261,9 @@ def _best_per_kind(ranked: list[Ranked[Memory]], top_k: int) -> list[Ranked[Memo
     return [x for k in SLICE_KINDS for x in _best((m for m in ranked if m[2].kind is k), top_k)]
 
 
-def _finished(ranked: Ranked[T], links: dict[str, list[ArtifactLink]]) -> T:
+def _finished(ranked: Ranked[T], artifacts: tuple[ArtifactLink, ...]) -> T:
     """A kept item with its score, similarity and artifacts."""
     value, similarity, item = ranked
-    artifacts = tuple(links.get(item.id, ()))
     return replace(item, score=value, similarity=similarity, artifacts=artifacts)
 
 
@@ -292,30 +291,15 @@ async def _approximate(conn: asyncpg.Connection, ef_search: int) -> None:
     await conn.execute(f"SET LOCAL hnsw.ef_search = {int(ef_search)}")
 
 
-async def _artifacts(
-    conn: asyncpg.Connection, owner_ids: list[str]
-) -> dict[str, list[ArtifactLink]]:
-    if not owner_ids:
-        return {}
-    rows = await conn.fetch(
-        """SELECT owner_id::text AS owner, artifact_id, artifact_type, storage_path,
-                  content_hash, size_bytes, metadata
-           FROM artifact_links WHERE owner_id = ANY($1::uuid[]) ORDER BY id""",
-        owner_ids,
+def _links(rows: str | list[list[Any]] | None) -> tuple[ArtifactLink, ...]:
+    """An item's artifact links as its row carried them (see :func:`with_artifacts`)."""
+    links: list[list[Any]] = (
+        json.loads(rows) if isinstance(rows, str) else rows or []  # str: no json codec
     )
-    out: dict[str, list[ArtifactLink]] = {}
-    for r in rows:
-        out.setdefault(r["owner"], []).append(
-            ArtifactLink(
-                r["artifact_id"],
-                r["artifact_type"],
-                r["storage_path"],
-                r["content_hash"],
-                r["size_bytes"],
-                r["metadata"] or {},
-            )
-        )
-    return out
+    return tuple(
+        ArtifactLink(artifact_id, kind, path, content_hash, size, metadata or {})
+        for artifact_id, kind, path, content_hash, size, metadata in links
+    )
 
 
 def _memory(r: asyncpg.Record) -> Memory:
@@ -383,6 +367,29 @@ def nearest_query(
     columns are read after.
     approximate: the HNSW index with iterative scan; for memories one scan per kind,
     so no kind crowds the others out."""
+    sql, args = _nearest_rows(table, plan, query, f, limit)
+    return with_artifacts(sql, "memory" if table == "memories" else "outcome"), args
+
+
+def with_artifacts(sql: str, owner_type: str) -> str:
+    """``sql``'s rows, each with its artifact links (``artifacts``: a JSON array of
+    [id, type, path, hash, size, metadata], or null) read in the same statement, from
+    the links' unique index (owner type, owner id). A search returns a few dozen
+    candidates per kind; reading their links here costs less than a round trip after."""
+    if owner_type not in ("memory", "outcome"):
+        raise ValueError(f"unknown owner type {owner_type!r}")
+    return f"""SELECT n.*, (
+                   SELECT json_agg(json_build_array(a.artifact_id, a.artifact_type,
+                                   a.storage_path, a.content_hash, a.size_bytes, a.metadata)
+                                   ORDER BY a.id)
+                   FROM artifact_links a
+                   WHERE a.owner_type = '{owner_type}' AND a.owner_id = n.id) AS artifacts
+               FROM ({sql}) n"""
+
+
+def _nearest_rows(
+    table: str, plan: str, query: str, f: scopes.ScopeFilter, limit: int
+) -> tuple[str, list[object]]:
     columns = _MEMORY_COLUMNS if table == "memories" else _OUTCOME_COLUMNS
     kinds = [k.value for k in MemoryKind]
     if plan == "exact" and covered(table, f):

@@ -14,6 +14,7 @@ import asyncpg
 import pytest
 
 from alma_core import errors
+from alma_core.memory import ArtifactLink
 from alma_core.settings import RetentionPolicy, Settings
 from alma_core.storage import retention
 from alma_core.storage.embeddings import AsyncEmbedder
@@ -148,6 +149,17 @@ async def test_learns_outcomes_heuristics_and_anti_patterns(
         assert found.heuristics
         assert found.workflow_outcomes
         assert any(a.artifact_id.startswith("log-") for m in found.outcomes for a in m.artifacts)
+        # read with the search itself: every field, each link on its own item only
+        by_run = {o.run_id: o.artifacts for o in found.workflow_outcomes if o.artifacts}
+        assert by_run == {
+            "ok-0": (
+                ArtifactLink("report-1", "report", "s3://b/report-1.pdf", "sha256:ab12", 2048, {}),
+            ),
+            "bad-0": (ArtifactLink("log-0", "report", "s3://b/report-1.pdf", "sha256:ab12", 2048),),
+            "bad-1": (ArtifactLink("log-1", "report", "s3://b/report-1.pdf", "sha256:ab12", 2048),),
+        }
+        for m in found.outcomes:
+            assert [a.artifact_id for a in m.artifacts] == [f"log-{m.run_id[-1]}"]
         prompt = found.to_prompt(max_tokens=400)
         assert "Mistakes to avoid" in prompt
         assert "parse" in prompt
