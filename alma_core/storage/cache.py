@@ -50,6 +50,12 @@ from alma_core.settings import Settings
 from alma_core.types import Checkpoint
 from schemas import jsoncodec
 
+# What the Redis client raises when a server goes away under a command: its own errors,
+# the socket's, and the AttributeError or TypeError of a connection torn down while a
+# command was being sent (redis-py races: redis/redis-py#3546, #3835; seen here with a
+# cluster node stopped). Each is a cache failure: counted, never the pipeline's.
+CLIENT_FAILURES: tuple[type[Exception], ...] = (RedisError, OSError, AttributeError, TypeError)
+
 MAIN_FIELD = "@"
 LATEST_FIELD = "latest"
 COMPLETE_FIELD = "complete"
@@ -374,7 +380,7 @@ class RedisCheckpointCache:
                     raise result
                 out.append(result)
             return out
-        except RedisError as exc:
+        except CLIENT_FAILURES as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
 
     async def delete(self, runs: Iterable[tuple[str, str]]) -> int:
@@ -393,7 +399,7 @@ class RedisCheckpointCache:
         try:
             await self._ready()
             return list(await asyncio.gather(*commands))
-        except RedisError as exc:
+        except CLIENT_FAILURES as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
 
     async def _read(self, tenant_id: str, run_id: str, fields: list[str]) -> list[Any]:
@@ -402,7 +408,7 @@ class RedisCheckpointCache:
         try:
             await self._ready()
             return list(await self._get(keys=[self._epoch_key(p), key], args=fields))
-        except RedisError as exc:
+        except CLIENT_FAILURES as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
 
     async def get(
