@@ -404,3 +404,29 @@ async def test_each_scope_is_planned_against_its_own_limit(
         }
         small = Retriever(pool, embedder, exact_max_rows=10, index_exact_max_rows=10)
         assert (await small.retrieve("x", ctx, RetrievalScope.TENANT)).plan == "approximate"
+
+
+async def test_a_scope_plan_is_reused_for_a_while(database: str, embedder: AsyncEmbedder) -> None:
+    """A retriever probes a scope's estimate once per ``plan_ttl_s``: asked again
+    within it, the scope keeps its plan even after it grew and ANALYZE ran; past it
+    (here 0 s), the new estimate decides."""
+    rng = random.Random(19)
+    memories, _ = await seed(database, rng)
+    await analyze(database)
+    ctx = WorkflowContext("t0", "w0")
+    assert len([m for m in memories if m["tenant_id"] == "t0" and m["workflow_id"] == "w0"]) < 100
+    async with connect(database) as pool:
+        kept = Retriever(pool, embedder, exact_max_rows=100)
+        probing = Retriever(pool, embedder, exact_max_rows=100, plan_ttl_s=0)
+        assert (await kept.retrieve("x", ctx)).plan == "exact"
+        assert (await probing.retrieve("x", ctx)).plan == "exact"
+        await pool.executemany(
+            """INSERT INTO memories (id, tenant_id, kind, workflow_id, content, dedupe_key,
+                   confidence, embedding)
+               VALUES (gen_random_uuid(), 't0', 'heuristic', 'w0', 'a memory',
+                       gen_random_uuid()::text, 0.5, $1::vector)""",
+            [(vector_literal(unit_vector(rng)),) for _ in range(400)],
+        )
+        await analyze(database)
+        assert (await kept.retrieve("x", ctx)).plan == "exact", "reused"
+        assert (await probing.retrieve("x", ctx)).plan == "approximate", "probed again"
