@@ -1,7 +1,12 @@
-"""Shared test settings: hypothesis profile for a small, shared 2-core machine."""
+"""Shared test settings: hypothesis profile for a small, shared 2-core machine, and a
+check that the temporary directory has room for a run."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -11,3 +16,21 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile("alma")
+
+
+# What a whole run writes under the temporary directory (embedded PostgreSQL, broker
+# and Redis data, benchmarks' stacks): ~3 GB measured, of which pytest keeps the last
+# three runs' directories. Below this, refuse at the start rather than fail at 90 %.
+MIN_FREE_BYTES = 2 * 1024**3
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    tmp = tempfile.gettempdir()
+    free = shutil.disk_usage(tmp).free
+    if free < MIN_FREE_BYTES:
+        pytest.exit(
+            f"only {free / 1024**3:.1f} GiB free under {tmp}; the suite needs about "
+            f"{MIN_FREE_BYTES / 1024**3:.0f} GiB there: free space (old alma-bench-* and "
+            "pytest-of-* directories there are safe to remove) or point TMPDIR elsewhere",
+            returncode=3,
+        )
