@@ -292,7 +292,7 @@ class PostgresCheckpointStore(BatchStore):
         """The batch's runs, checkpoints, heads and audit rows and the notifications of
         ``notify`` in one statement (one round trip, one execution per table rather than
         one per row), then its LangGraph rows. False when there was nothing to write
-        (nor so anyone notified)."""
+        (and so nobody was notified)."""
         runs = [r for r in seq.runs.values() if r.changed]
         cps = result.checkpoints
         events = seq.effects.events
