@@ -134,6 +134,8 @@ class BatchOutcome:
     cache_writes: list[CacheEntry] = field(default_factory=list)
     # (tenant, run id) of runs whose checkpoints are gone
     cache_forgets: list[tuple[str, str]] = field(default_factory=list)
+    # the store's own write advanced the offsets (offsets.ADVANCE in its statement)
+    advanced: bool = False
 
 
 OutcomeT = TypeVar("OutcomeT", bound=BatchOutcome)
@@ -180,9 +182,12 @@ class BatchStore:
                     await record_dead_letter(conn, self.consumer, cluster_id, self.dlq_topic, dl)
                 )
             outcome.outbox_ids = await outbox.insert(conn, rows)
-            outcome.next_offsets.update(
-                await offsets.advance(conn, self.group_id, cluster_id, fenced.todo)
-            )
+            if outcome.advanced:
+                outcome.next_offsets.update(offsets.ends(fenced.todo))
+            else:
+                outcome.next_offsets.update(
+                    await offsets.advance(conn, self.group_id, cluster_id, fenced.todo)
+                )
             return outcome
 
         return await self.in_transaction(doing, run)

@@ -47,6 +47,7 @@ from alma_core.storage.batches import (
 )
 from alma_core.storage.cache import CacheEntry, cache_entries
 from alma_core.storage.effects import CHANNEL, NOTIFY, announce, tokens
+from alma_core.storage.offsets import ADVANCE, advance_args, ends
 from alma_core.storage.outbox import OutboxRow
 from alma_core.types import Checkpoint
 from schemas import jsoncodec
@@ -130,8 +131,10 @@ SELECT
 # data-modifying CTEs run on one snapshot; the foreign keys (a new run's checkpoints,
 # heads and events) are checked at the end of the statement, when its run row is there.
 # A data-modifying CTE runs to completion whether or not the main query reads it; the
-# main query names the batch's runs to the effect listeners (delivered on commit).
-_WRITE = """
+# main query names the batch's runs to the effect listeners (delivered on commit), and
+# the batch's offsets advance in it too (the batch transaction's last write otherwise).
+_WRITE = (
+    """
 WITH new_runs AS (
     INSERT INTO runs (run_id, tenant_id, workflow_id, workflow_version, status,
                       last_seq, event_count, completed_at)
@@ -164,8 +167,14 @@ WITH new_runs AS (
                 $32::text[], $33::timestamptz[], $34::bigint[], $35::text[], $36::text[],
                 $37::text[], $38::int[], $39::bigint[]) AS u(i, r, t, y, n, b, at, s, x, p,
                                                              st, sp, so)
+), advanced AS (
+"""
+    + ADVANCE.format(topics="$42", partitions="$43", nexts="$44", group="$45", cluster="$46")
+    + """
 )
-""" + NOTIFY.format(channel="$40", tokens="$41")
+"""
+    + NOTIFY.format(channel="$40", tokens="$41")
+)
 
 
 class PostgresCheckpointStore(BatchStore):
@@ -178,12 +187,16 @@ class PostgresCheckpointStore(BatchStore):
 
     async def apply(self, cluster_id: str, batch: Batch) -> CheckpointOutcome:
         """Apply a polled batch in one transaction; see the module docstring."""
-        return await self.in_batch(
-            "applying a batch", cluster_id, batch, CheckpointOutcome(), self._apply
-        )
+
+        async def work(
+            conn: asyncpg.Connection, todo: Batch, outcome: CheckpointOutcome
+        ) -> list[OutboxRow]:
+            return await self._apply(conn, cluster_id, todo, outcome)
+
+        return await self.in_batch("applying a batch", cluster_id, batch, CheckpointOutcome(), work)
 
     async def _apply(
-        self, conn: asyncpg.Connection, todo: Batch, outcome: CheckpointOutcome
+        self, conn: asyncpg.Connection, cluster_id: str, todo: Batch, outcome: CheckpointOutcome
     ) -> list[OutboxRow]:
         """Load what the batch needs, fold it in pure code (:class:`Sequencer`), write."""
         events = [
@@ -222,7 +235,9 @@ class PostgresCheckpointStore(BatchStore):
             (d.tenant_id, d.run_id) for d in outcome.dead_letters if d.tenant_id and d.run_id
         ]
         notify = tokens(touched) if self.config.notify_effects else []
-        if not await self._write(conn, sequencer, outcome, heads, notify) and notify:
+        advance = advance_args(self.group_id, cluster_id, ends(todo))
+        outcome.advanced = await self._write(conn, sequencer, outcome, heads, notify, advance)
+        if not outcome.advanced and notify:
             await announce(conn, touched)  # dead letters only: nothing written
         return self._handoffs(sequencer)
 
@@ -288,11 +303,13 @@ class PostgresCheckpointStore(BatchStore):
         result: CheckpointOutcome,
         heads: dict[HeadKey, CheckpointRow],
         notify: list[str],
+        advance: tuple[list[str], list[int], list[int], str, str],
     ) -> bool:
-        """The batch's runs, checkpoints, heads and audit rows and the notifications of
-        ``notify`` in one statement (one round trip, one execution per table rather than
-        one per row), then its LangGraph rows. False when there was nothing to write
-        (and so nobody was notified)."""
+        """The batch's runs, checkpoints, heads and audit rows, the notifications of
+        ``notify`` and the offsets' ``advance`` (:func:`offsets.advance_args`) in one
+        statement (one round trip, one execution per table rather than one per row),
+        then its LangGraph rows. False when there was nothing to write (and so nobody
+        was notified, and the offsets are still to advance)."""
         runs = [r for r in seq.runs.values() if r.changed]
         cps = result.checkpoints
         events = seq.effects.events
@@ -341,6 +358,7 @@ class PostgresCheckpointStore(BatchStore):
                 [e.coords.offset for e in events],
                 CHANNEL,
                 notify,
+                *advance,
             )
         await graphs.apply(conn, seq.effects.graph)
         return written

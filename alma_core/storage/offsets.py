@@ -113,6 +113,26 @@ async def fence(
     return out
 
 
+def ends(todo: dict[PartitionKey, list[R]]) -> dict[PartitionKey, int]:
+    """Each partition's next offset once everything in ``todo`` is applied."""
+    return {tp: max(r.offset for r in records) + 1 for tp, records in todo.items() if records}
+
+
+# The advance with its placeholders named, so a store can run it as a CTE of its own
+# write statement (one round trip fewer); :func:`advance_args` gives its values.
+ADVANCE = """UPDATE consumer_offsets o SET next_offset = u.n, updated_at = now()
+   FROM unnest({topics}::text[], {partitions}::int[], {nexts}::bigint[]) AS u(t, p, n)
+   WHERE o.group_id = {group} AND o.cluster_id = {cluster} AND o.topic = u.t
+     AND o.partition = u.p"""
+
+
+def advance_args(
+    group_id: str, cluster_id: str, nexts: dict[PartitionKey, int]
+) -> tuple[list[str], list[int], list[int], str, str]:
+    """ADVANCE's values: topics, partitions, next offsets, group, broker cluster."""
+    return [t for t, _ in nexts], [p for _, p in nexts], list(nexts.values()), group_id, cluster_id
+
+
 async def advance(
     conn: asyncpg.Connection,
     group_id: str,
@@ -120,20 +140,13 @@ async def advance(
     todo: dict[PartitionKey, list[R]],
 ) -> dict[PartitionKey, int]:
     """Store, in the batch's transaction, that everything in ``todo`` is applied."""
-    ends = {tp: max(r.offset for r in records) + 1 for tp, records in todo.items() if records}
-    if ends:
+    nexts = ends(todo)
+    if nexts:
         await conn.execute(
-            """UPDATE consumer_offsets o SET next_offset = u.n, updated_at = now()
-               FROM unnest($3::text[], $4::int[], $5::bigint[]) AS u(t, p, n)
-               WHERE o.group_id = $1 AND o.cluster_id = $2 AND o.topic = u.t
-                 AND o.partition = u.p""",
-            group_id,
-            cluster_id,
-            [t for t, _ in ends],
-            [p for _, p in ends],
-            list(ends.values()),
+            ADVANCE.format(topics="$1", partitions="$2", nexts="$3", group="$4", cluster="$5"),
+            *advance_args(group_id, cluster_id, nexts),
         )
-    return ends
+    return nexts
 
 
 async def listing(conn: asyncpg.Connection) -> list[asyncpg.Record]:
