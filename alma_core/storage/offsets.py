@@ -1,7 +1,8 @@
 """Consumer offsets stored in PostgreSQL with the effects, fenced by a row lock.
 
 Every consumer group that writes to PostgreSQL applies a polled batch the same
-way: :func:`fence` at the start of its transaction, :func:`advance` at the end.
+way: :func:`fence` at the start of its transaction, :func:`advance` at the end (the
+checkpointer runs :data:`ADVANCE` inside its write statement instead).
 
 * Records below a partition's stored ``next_offset`` were already applied (by
   this member before a crash, or by another member): they are dropped.
