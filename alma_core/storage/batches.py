@@ -182,12 +182,10 @@ class BatchStore:
                     await record_dead_letter(conn, self.consumer, cluster_id, self.dlq_topic, dl)
                 )
             outcome.outbox_ids = await outbox.insert(conn, rows)
-            if outcome.advanced:
-                outcome.next_offsets.update(offsets.ends(fenced.todo))
-            else:
-                outcome.next_offsets.update(
-                    await offsets.advance(conn, self.group_id, cluster_id, fenced.todo)
-                )
+            nexts = offsets.ends(fenced.todo)
+            if not outcome.advanced:
+                await offsets.advance(conn, self.group_id, cluster_id, nexts)
+            outcome.next_offsets.update(nexts)
             return outcome
 
         return await self.in_transaction(doing, run)

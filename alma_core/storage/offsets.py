@@ -135,19 +135,14 @@ def advance_args(
 
 
 async def advance(
-    conn: asyncpg.Connection,
-    group_id: str,
-    cluster_id: str,
-    todo: dict[PartitionKey, list[R]],
-) -> dict[PartitionKey, int]:
-    """Store, in the batch's transaction, that everything in ``todo`` is applied."""
-    nexts = ends(todo)
+    conn: asyncpg.Connection, group_id: str, cluster_id: str, nexts: dict[PartitionKey, int]
+) -> None:
+    """Store, in the batch's transaction, each partition's next offset (:func:`ends`)."""
     if nexts:
         await conn.execute(
             ADVANCE.format(topics="$1", partitions="$2", nexts="$3", group="$4", cluster="$5"),
             *advance_args(group_id, cluster_id, nexts),
         )
-    return nexts
 
 
 async def listing(conn: asyncpg.Connection) -> list[asyncpg.Record]:

@@ -225,7 +225,7 @@ class Retriever:
         ANALYZE, and the probe is a round trip on the search's path (~0.5 ms)."""
         where, args = f.sql(1)
         limit = self.index_exact_max_rows if covered(table, f) else self.exact_max_rows
-        key = (table, where, *[str(a) for a in args], str(limit))
+        key = (table, where, *args, str(limit))
         now = time.monotonic()
         kept = self._plans.get(key)
         if kept is not None and now - kept[0] < self.plan_ttl_s:
