@@ -77,21 +77,6 @@ async def of_run(conn: asyncpg.Connection, run_id: str, tenant_id: str) -> list[
     return rows
 
 
-async def of_event(
-    conn: asyncpg.Connection | asyncpg.Pool, event_id: str, tenant_id: str, run_id: str
-) -> asyncpg.Record | None:
-    """The latest dead letter of an event of this run (its reason and detail), if any."""
-    row: asyncpg.Record | None = await conn.fetchrow(
-        """SELECT reason, detail FROM dead_letters
-           WHERE event_id = $1 AND tenant_id = $2 AND run_id = $3
-           ORDER BY id DESC LIMIT 1""",
-        event_id,
-        tenant_id,
-        run_id,
-    )
-    return row
-
-
 async def original(conn: asyncpg.Connection, letter_id: int) -> asyncpg.Record | None:
     """A dead letter's key and value as they came, and when it was last replayed."""
     row: asyncpg.Record | None = await conn.fetchrow(

@@ -28,21 +28,29 @@ class EventEffect:
     rejected: tuple[str, str] | None = None
 
 
+# What became of one event of a run, in one round trip: its effect when recorded, else
+# its latest dead letter (an event dead-lettered, then replayed and applied, is applied).
+_EFFECT_OF = """
+SELECT e.effect, e.checkpoint_seq, e.event_id IS NOT NULL AS recorded, d.reason, d.detail
+FROM (SELECT 1) AS one
+LEFT JOIN run_events e ON e.tenant_id = $2 AND e.event_id = $1 AND e.run_id = $3
+LEFT JOIN LATERAL (
+    SELECT reason, detail FROM dead_letters
+    WHERE e.event_id IS NULL AND event_id = $1 AND tenant_id = $2 AND run_id = $3
+    ORDER BY id DESC LIMIT 1
+) AS d ON true
+"""
+
+
 async def effect_of(conn: Conn, event_id: str, tenant_id: str, run_id: str) -> EventEffect | None:
     """The event's effect in this run, its rejection, or None while it has had neither
     (an event of another run with the same id is not this one's)."""
-    row = await conn.fetchrow(
-        """SELECT effect, checkpoint_seq FROM run_events
-           WHERE event_id = $1 AND tenant_id = $2 AND run_id = $3""",
-        event_id,
-        tenant_id,
-        run_id,
-    )
-    if row is not None:
+    row = await conn.fetchrow(_EFFECT_OF, event_id, tenant_id, run_id)
+    assert row is not None  # one row, always
+    if row["recorded"]:
         return EventEffect(row["effect"], row["checkpoint_seq"])
-    dead = await dead_letters.of_event(conn, event_id, tenant_id, run_id)
-    if dead is not None:
-        return EventEffect(rejected=(dead["reason"], dead["detail"]))
+    if row["reason"] is not None:
+        return EventEffect(rejected=(row["reason"], row["detail"]))
     return None
 
 
