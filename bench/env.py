@@ -7,7 +7,6 @@ a checkpoint worker that tells the benchmark when each event is durable."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import signal
@@ -38,6 +37,7 @@ from alma_core.storage.reader import CheckpointReader
 from consumers import checkpointer
 from consumers.runtime import HandleResult
 from consumers.worker import Services, run_worker
+from schemas import jsoncodec
 from schemas.decoder import decode
 
 PARTITIONS = 12
@@ -330,7 +330,7 @@ def node_completed(run: str, i: int, state: dict[str, Any]) -> tuple[str, bytes]
         "node_id": f"n{i}",
         "payload": {"state": state},
     }
-    return event_id, json.dumps(doc).encode()
+    return event_id, jsoncodec.compact(doc)  # as the SDK's encoder would (orjson: C)
 
 
 class AlmaRun:

@@ -13,6 +13,7 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import asyncpg
@@ -27,6 +28,7 @@ from alma_core.sdk.client import AlmaClient
 from alma_core.storage.postgres import connect
 from alma_core.types import WorkflowContext
 from bench.checkpointer import throughput
+from bench.cpu import GROUPS, CpuMeter, service_ports
 from bench.env import (
     AlmaRun,
     Env,
@@ -108,12 +110,19 @@ def figures(latencies: list[float], elapsed: float) -> dict[str, float]:
 
 
 async def alma_writes(
-    env: Env, state: dict[str, Any], writers: int, each: int, *, process: bool = False
+    env: Env,
+    state: dict[str, Any],
+    writers: int,
+    each: int,
+    *,
+    process: bool = False,
+    meter: CpuMeter | None = None,
 ) -> tuple[list[float], float]:
     """Closed loop, ``writers`` runs at once: publish one node.completed with the whole
-    state, wait until it is durable and cached, publish the next. ``process``: the
-    checkpointer runs in a process of its own (``alma worker``, as deployed) and each
-    writer waits with the SDK's ``applied()`` (durable; woken by the commit's notice)."""
+    state, wait until it is durable and cached, publish the next. ``process``: as
+    deployed, the checkpointer runs in a process of its own (``alma worker``) and each
+    writer is the SDK's user: it publishes with ``node_completed`` and waits with
+    ``applied()`` (durable; woken by the commit's notice)."""
     topic = await env.topic("w")
     s = env.settings_for(topic, fetch_max_wait_ms=FETCH_WAIT_MS)
     waiters = Waiters()
@@ -127,20 +136,27 @@ async def alma_writes(
     await producer.start()
     tag = uuid.uuid4().hex[:8]
     client = AlmaClient(s) if process else None
+    if client is not None:
+        await client.start()
 
     async def writer(w: int, n: int, record: bool) -> None:
         run = f"{tag}-{w}"
-        ctx = WorkflowContext(tenant_id="bench", workflow_id="wf", run_id=run)
         for i in range(n):
-            event_id, raw = node_completed(run, i, {**state, "step": i})
-            fut = waiters.expect(event_id)
-            started = time.perf_counter()
-            await producer.send_and_wait(
-                topic, raw, key=run.encode(), headers=[("eid", event_id.encode())]
-            )
+            step = {**state, "step": i}
             if client is not None:
+                ctx = WorkflowContext(
+                    tenant_id="bench", workflow_id="wf", run_id=run, node_id=f"n{i}"
+                )
+                started = time.perf_counter()
+                event_id = await client.node_completed(ctx, state=step)
                 await client.applied(ctx, event_id, timeout=60)
             else:
+                event_id, raw = node_completed(run, i, step)
+                fut = waiters.expect(event_id)
+                started = time.perf_counter()
+                await producer.send_and_wait(
+                    topic, raw, key=run.encode(), headers=[("eid", event_id.encode())]
+                )
                 await asyncio.wait_for(fut, 60)
             if record:
                 latencies.append(time.perf_counter() - started)
@@ -153,9 +169,7 @@ async def alma_writes(
     try:
         async with worker:
             await writer(-1, 5, record=False)  # warm: assignment, connections, cache
-            started = time.perf_counter()
-            await asyncio.gather(*(writer(w, each, record=True) for w in range(writers)))
-            elapsed = time.perf_counter() - started
+            elapsed = await _timed(meter, *(writer(w, each, True) for w in range(writers)))
     finally:
         await producer.stop()
         if client is not None:
@@ -163,8 +177,11 @@ async def alma_writes(
     return latencies, elapsed
 
 
-async def bare_hop(env: Env, state: dict[str, Any], each: int) -> tuple[list[float], float]:
-    """The same sequential publishes through a plain consumer with the same fetch wait."""
+async def bare_hop(
+    env: Env, state: dict[str, Any], writers: int, each: int, meter: CpuMeter | None = None
+) -> tuple[list[float], float]:
+    """The same closed loop through a plain consumer with the same fetch wait: what the
+    broker alone gives, and so the most ALMA's loop could carry on it."""
     topic = await env.topic("hop")
     waiters = Waiters()
     consumer = AIOKafkaConsumer(
@@ -192,30 +209,45 @@ async def bare_hop(env: Env, state: dict[str, Any], each: int) -> tuple[list[flo
                 for r in records:
                     waiters.on_done(r, now)
 
-    reader = asyncio.create_task(consume())
     latencies: list[float] = []
-    try:
-        await asyncio.sleep(1.5)  # assignment
-        started_all = time.perf_counter()
-        for i in range(each + 3):
-            event_id, raw = node_completed("hop", i, {**state, "step": i})
+    tag = uuid.uuid4().hex[:8]
+
+    async def writer(w: int, n: int, record: bool) -> None:
+        run = f"hop-{tag}-{w}"
+        for i in range(n):
+            event_id, raw = node_completed(run, i, {**state, "step": i})
             fut = waiters.expect(event_id)
             started = time.perf_counter()
             await producer.send_and_wait(
-                topic, raw, key=b"hop", headers=[("eid", event_id.encode())]
+                topic, raw, key=run.encode(), headers=[("eid", event_id.encode())]
             )
             await asyncio.wait_for(fut, 30)
-            if i >= 3:
+            if record:
                 latencies.append(time.perf_counter() - started)
-            else:
-                started_all = time.perf_counter()
-        elapsed = time.perf_counter() - started_all
+
+    reader = asyncio.create_task(consume())
+    try:
+        await asyncio.sleep(1.5)  # assignment
+        await writer(-1, 3, record=False)  # warm: connections, the first fetches
+        elapsed = await _timed(meter, *(writer(w, each, True) for w in range(writers)))
     finally:
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
         await producer.stop()
         await consumer.stop()
     return latencies, elapsed
+
+
+async def _timed(meter: CpuMeter | None, *writers: Awaitable[None]) -> float:
+    """Run the writers at once; their wall time (and CPU, on ``meter``)."""
+    if meter is not None:
+        meter.start()
+    started = time.perf_counter()
+    await asyncio.gather(*writers)
+    elapsed = time.perf_counter() - started
+    if meter is not None:
+        meter.stop()
+    return elapsed
 
 
 def lg_config(thread: str) -> dict[str, Any]:
@@ -239,7 +271,11 @@ async def lg_put(
 
 
 async def langgraph_writes(
-    pool: AsyncConnectionPool[Any], state: dict[str, Any], writers: int, each: int
+    pool: AsyncConnectionPool[Any],
+    state: dict[str, Any],
+    writers: int,
+    each: int,
+    meter: CpuMeter | None = None,
 ) -> tuple[list[float], float]:
     """The same closed loop on ``aput``: a saver per writer (one saver serialises its
     calls behind a lock), one pool of connections shared."""
@@ -256,9 +292,7 @@ async def langgraph_writes(
                 latencies.append(time.perf_counter() - started)
 
     await writer(-1, 5, record=False)
-    started = time.perf_counter()
-    await asyncio.gather(*(writer(w, each, record=True) for w in range(writers)))
-    return latencies, time.perf_counter() - started
+    return latencies, await _timed(meter, *(writer(w, each, True) for w in range(writers)))
 
 
 ALMA_TABLES = ("checkpoints", "run_events", "run_heads", "runs")
@@ -279,6 +313,10 @@ async def table_bytes(dsn: str, tables: tuple[str, ...]) -> tuple[int, int, int]
     return sizes[0], sum(sizes), rows
 
 
+def _system_name(system: str) -> str:
+    return "Kafka hop alone (same settings)" if system == "hop" else system
+
+
 async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> None:
     section.table(
         "writes",
@@ -292,6 +330,12 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
         ["state", "writers", "throughput ×", "p50 ×", "p99 ×"],
     )
     section.table(
+        "cpu",
+        "Where a checkpoint's CPU goes, 50 writers: ms of CPU per checkpoint by process, "
+        "and the machine's busy share (both cores) over the loop",
+        ["state", "system", *(f"{g} ms" for g in GROUPS), "total ms", "machine busy %"],
+    )
+    section.table(
         "storage",
         "Storage per checkpoint (bytes, indexes and TOAST included)",
         [
@@ -302,6 +346,7 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
             "LangGraph with blobs and writes",
         ],
     )
+    unseen: set[str] = set()  # services not on this machine: their CPU is not measured
     for size in (5_000, 100_000):
         state = realistic_state(size, seed=size)
         before_a = await table_bytes(env.services.postgres_dsn, ALMA_TABLES)
@@ -311,34 +356,41 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
             if writers == 1:
                 each = (20 if big else 40) if env.quick else (50 if big else 150)
             else:
-                each = (2 if big else 4) if env.quick else (4 if big else 10)
+                each = (2 if big else 4) if env.quick else (8 if big else 20)
             got: dict[str, list[dict[str, float]]] = {"ALMA": [], "LangGraph": [], "hop": []}
             if writers > 1:
                 got[OWN_PROCESS] = []
+            cpu: dict[str, list[dict[str, float]]] = {k: [] for k in got}
             for _ in range(env.reps):
                 env.step(f"writes {size // 1000} KB × {writers} writers")
-                got["ALMA"].append(figures(*await alma_writes(env, state, writers, each)))
+                meter = CpuMeter(service_ports(env.services)) if writers > 1 else None
+                loops: list[tuple[str, Callable[[], Awaitable[tuple[list[float], float]]]]] = [
+                    ("ALMA", partial(alma_writes, env, state, writers, each, meter=meter)),
+                    ("LangGraph", partial(langgraph_writes, pool, state, writers, each, meter)),
+                    ("hop", partial(bare_hop, env, state, writers, each, meter)),
+                ]
                 if writers > 1:
-                    got[OWN_PROCESS].append(
-                        figures(*await alma_writes(env, state, writers, each, process=True))
-                    )
-                got["LangGraph"].append(
-                    figures(*await langgraph_writes(pool, state, writers, each))
-                )
-                if writers == 1:
-                    got["hop"].append(figures(*await bare_hop(env, state, each)))
+                    own = partial(alma_writes, env, state, writers, each, process=True, meter=meter)
+                    loops.insert(1, (OWN_PROCESS, own))
+                for system, loop in loops:
+                    latencies, elapsed = await loop()
+                    got[system].append(figures(latencies, elapsed))
+                    if meter is not None and meter.last is not None:
+                        share = meter.last
+                        cpu[system].append({**share.per(len(latencies)), "busy": share.busy})
                 env.done()
+                if meter is not None and meter.unseen:
+                    unseen.update(meter.unseen)
             label = f"{size // 1000} KB"
             for system, runs in got.items():
                 if not runs:
                     continue
-                name = "Kafka hop alone (same settings)" if system == "hop" else system
                 section.add(
                     "writes",
                     [
                         label,
                         writers,
-                        name,
+                        _system_name(system),
                         *(
                             Stat([r[k] for r in runs], 0 if k == "per_s" else 1)
                             for k in ("per_s", "p50", "p95", "p99")
@@ -353,6 +405,17 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
                 ratios = [ratio(a[k], lg[k]) for k in ("per_s", "p50", "p99")]
                 shape = "" if system == "ALMA" else " (checkpointer in its own process)"
                 section.add("write_ratio", [label, f"{writers}{shape}", *ratios])
+            for system, shares in cpu.items():
+                if shares:
+                    section.add(
+                        "cpu",
+                        [
+                            label,
+                            _system_name(system),
+                            *(Stat([c[k] for c in shares], 2) for k in (*GROUPS, "total")),
+                            Stat([c["busy"] * 100 for c in shares], 0),
+                        ],
+                    )
         after_a = await table_bytes(env.services.postgres_dsn, ALMA_TABLES)
         after_l = await table_bytes(env.peer_dsn, LG_TABLES)
         n_a, n_l = after_a[2] - before_a[2], after_l[2] - before_l[2]
@@ -366,6 +429,8 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
                 f"{(after_l[1] - before_l[1]) / n_l:,.0f}",
             ],
         )
+    if unseen:
+        section.note("cpu", f"Not measured (not on this machine): {', '.join(sorted(unseen))}.")
 
 
 # --- latest-checkpoint reads --------------------------------------------------------

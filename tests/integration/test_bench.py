@@ -73,6 +73,7 @@ async def test_quick_side_by_side_run_writes_every_table(
     assert set(tables) == {
         "writes",
         "write_ratio",
+        "cpu",
         "capacity",
         "storage",
         "reads",
@@ -90,6 +91,26 @@ async def test_quick_side_by_side_run_writes_every_table(
     }
     assert {(r["state"], r["writers"], r["system"]) for r in writes} >= expected
     assert all(r["checkpoints/s"]["median"] > 0 for r in writes)
+    hop = "Kafka hop alone (same settings)"
+    assert {r["writers"] for r in writes if r["system"] == hop} == {1, 50}
+    # where the CPU goes, measured from the processes themselves: each system's own parts
+    cpu = {(r["state"], r["system"]): r for r in tables["cpu"]["rows"]}
+    assert set(cpu) == {
+        (s, system)
+        for s in ("5 KB", "100 KB")
+        for system in ("ALMA", "ALMA, checkpointer in its own process", "LangGraph", hop)
+    }
+    for (_, system), row in cpu.items():
+        used = {k.removesuffix(" ms"): v["median"] for k, v in row.items() if k.endswith(" ms")}
+        assert used["benchmark process"] > 0
+        assert used["total"] >= used["benchmark process"]
+        assert 0 < row["machine busy %"]["median"] <= 100
+        if system != "LangGraph":  # every other loop goes through the broker
+            assert used["broker"] > 0, row
+        if system != hop:  # every other loop writes to PostgreSQL
+            assert used["PostgreSQL"] > 0, row
+        if system == "ALMA, checkpointer in its own process":
+            assert used["worker processes"] > 0, row
     capacity = tables["capacity"]["rows"]
     assert [r["state"] for r in capacity] == ["1 KB", "5 KB", "100 KB"]
     for row in capacity:  # every backlog drained (a stalled drain fails the run)
