@@ -191,20 +191,25 @@ class AlmaClient:
         pause = 0.005
         # watching before the first read: a commit in between still wakes it
         watching = (
-            listener.watch(ctx.tenant_id, ctx.run_id)
+            listener.watch(ctx.tenant_id, ctx.run_id, event_id)
             if listener is not None
-            else contextlib.nullcontext(None)
+            else contextlib.nullcontext((None, False))
         )
-        async with watching as woke:
+        async with watching as (woke, early):
+            # watched since before its publish (publish() expected it): its commit cannot
+            # have been missed, so the first read waits for the notification
+            read = not early
             while True:
-                if woke is not None:
-                    woke.clear()  # before the read: a commit during it wakes the wait below
-                found = await runs.effect_of(pool, event_id, ctx.tenant_id, ctx.run_id)
-                if found is not None and found.rejected is not None:
-                    reason, detail = found.rejected
-                    raise errors.rejection(reason, f"event {event_id}: {detail}")
-                if found is not None:
-                    return Applied(event_id, found.effect or "", found.checkpoint_seq)
+                if read:
+                    if woke is not None:
+                        woke.clear()  # before the read: a commit during it wakes the wait
+                    found = await runs.effect_of(pool, event_id, ctx.tenant_id, ctx.run_id)
+                    if found is not None and found.rejected is not None:
+                        reason, detail = found.rejected
+                        raise errors.rejection(reason, f"event {event_id}: {detail}")
+                    if found is not None:
+                        return Applied(event_id, found.effect or "", found.checkpoint_seq)
+                read = True
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise errors.EffectTimeout(
@@ -297,9 +302,19 @@ class AlmaClient:
                 "large values out of the state (an artifact reference), or raise the limit "
                 "on the broker's topic and in ALMA_MAX_RECORD_BYTES alike"
             )
-        await self._producer.send_and_wait(
-            self.settings.lifecycle_topic, record, key=event.run_id.encode()
-        )
+        # watch the run from before the send, so applied() needs no read before its wait
+        # (only on a listener already open: a client that never waits opens none)
+        listener = self._effects if self._effects is not None and self._effects.alive else None
+        if listener is not None and event.tenant_id:
+            listener.expect(event.event_id, event.tenant_id, event.run_id)
+        try:
+            await self._producer.send_and_wait(
+                self.settings.lifecycle_topic, record, key=event.run_id.encode()
+            )
+        except BaseException:
+            if listener is not None:
+                listener.forget(event.event_id)
+            raise
         return event.event_id
 
     def event(

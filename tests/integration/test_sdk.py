@@ -230,7 +230,7 @@ async def test_applied_wakes_on_the_commit_not_on_a_poll(
         listener = client._effects
         assert listener is not None
         assert listener.alive
-        before = listener.wakeups
+        before, early = listener.wakeups, listener.early
         for i in range(1, 6):
             event_id = await client.node_completed(run, state={"a": i})
             applied = await client.applied(run, event_id, timeout=10)
@@ -240,12 +240,25 @@ async def test_applied_wakes_on_the_commit_not_on_a_poll(
             await client.applied(run, stale, timeout=10)
         # one wake-up per write at least (none if the commit did not notify)
         assert listener.wakeups - before >= 6
+        # each run watched from before its publish: no read before the first wait
+        assert listener.early - early == 6
+        # an event applied before applied() is called: its notification was kept
+        event_id = await client.node_completed(run, state={"a": 10})
+        await wait_for(lambda: _recorded(dsn, event_id), limit_s=10, what="the event applied")
+        applied = await client.applied(run, event_id, timeout=10)
+        assert (applied.effect, applied.seq) == ("checkpointed", 7)
+        assert listener.early - early == 7
         assert (await fetch(dsn, listening))[0]["n"] >= 1
     await wait_for(
         lambda: _none_listening(dsn, listening),
         limit_s=10,
         what="the client's LISTEN connection to close with the client",
     )
+
+
+async def _recorded(dsn: str, event_id: str) -> bool:
+    sql = "SELECT count(*) AS n FROM run_events WHERE event_id = $1"
+    return (await fetch(dsn, sql, event_id))[0]["n"] == 1
 
 
 async def _none_listening(dsn: str, sql: str) -> bool:
