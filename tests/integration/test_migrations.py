@@ -27,6 +27,10 @@ CATALOG = {
                        ORDER BY 1""",
     "vector_dims": """SELECT attrelid::regclass::text, attname, atttypmod FROM pg_attribute
                       WHERE atttypid = 'vector'::regtype AND attnum > 0 ORDER BY 1, 2""",
+    "compression": """SELECT a.attrelid::regclass::text, a.attname, a.attcompression::text
+                      FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+                      WHERE c.relnamespace = 'public'::regnamespace
+                        AND a.attcompression <> '' ORDER BY 1, 2""",
 }
 
 
@@ -66,6 +70,42 @@ async def test_upgrade_downgrade_upgrade_equals_fresh(empty_database: str, datab
     finally:
         await conn.close()
         await fresh.close()
+
+
+async def lz4_available(conn: asyncpg.Connection) -> bool:
+    """Whether this server was built with lz4 (the probe is rolled back)."""
+    probe = conn.transaction()
+    await probe.start()
+    try:
+        await conn.execute("CREATE TEMP TABLE lz4_probe (x text COMPRESSION lz4)")
+        return True
+    except asyncpg.exceptions.FeatureNotSupportedError:
+        return False
+    finally:
+        await probe.rollback()
+
+
+async def test_states_are_compressed_with_lz4_where_the_server_has_it(database: str) -> None:
+    """Migration 0011: a checkpoint's state and a LangGraph blob take lz4 (cheaper than
+    pglz to write) on a server built with it; on one without, they keep the default
+    and the migration still applies."""
+    conn = await asyncpg.connect(database)
+    try:
+        rows = await conn.fetch(
+            """SELECT attrelid::regclass::text AS tbl, attname, attcompression::text AS c
+               FROM pg_attribute
+               WHERE (attrelid, attname) IN (('checkpoints'::regclass, 'state'),
+                                             ('graph_blobs'::regclass, 'blob'))
+               ORDER BY 1"""
+        )
+        expected = "l" if await lz4_available(conn) else ""
+        assert [(r["tbl"], r["attname"], r["c"]) for r in rows] == [
+            ("checkpoints", "state", expected),
+            ("graph_blobs", "blob", expected),
+        ]
+        assert 11 in {s.version for s in await Migrator(conn).status() if s.applied_at}
+    finally:
+        await conn.close()
 
 
 async def test_status_and_idempotent_upgrade(database: str) -> None:
