@@ -8,8 +8,9 @@
 -- 100 KB ~40 % larger. A server built without lz4 refuses it
 -- (feature_not_supported): the columns then stay as they were, and the migration
 -- still applies; `ALTER TABLE ... SET COMPRESSION` on a later server with lz4
--- does the same by hand. Only rows written afterwards change; no rewrite, no
--- lock beyond the catalogue update.
+-- does the same by hand. Only rows written afterwards change: no rewrite, only a
+-- brief ACCESS EXCLUSIVE lock on each table for the catalogue update (it waits for
+-- the transactions using the table, as every ALTER TABLE does).
 DO $$
 BEGIN
     ALTER TABLE checkpoints ALTER COLUMN state SET COMPRESSION lz4;
