@@ -66,7 +66,6 @@ class CpuMeter:
         self.me = psutil.Process()
         self._before: dict[int, tuple[str, float]] = {}
         self._machine: tuple[float, float] | None = None  # idle, all: seconds of every core
-        self.unseen: list[str] = []
         self._listeners_now: dict[int, str] = {}
         self.last: CpuShare | None = None  # what the latest stop() measured
 
@@ -76,7 +75,6 @@ class CpuMeter:
         for conn in psutil.net_connections(kind="tcp"):
             if conn.status == psutil.CONN_LISTEN and conn.pid and conn.laddr.port in wanted:
                 found[conn.pid] = wanted[conn.laddr.port]
-        self.unseen = sorted(set(self.ports) - set(found.values()))
         return found
 
     def _read(self, listeners: dict[int, str]) -> dict[int, tuple[str, float]]:
@@ -112,5 +110,6 @@ class CpuMeter:
         for pid, (group, t) in after.items():
             seconds[group] = seconds.get(group, 0.0) + t - self._before.get(pid, (group, 0.0))[1]
         idle, total = idle - self._machine[0], total - self._machine[1]
-        self.last = CpuShare(seconds, 1 - idle / total if total > 0 else 0.0, self.unseen)
+        unseen = sorted(set(self.ports) - set(self._listeners_now.values()))
+        self.last = CpuShare(seconds, 1 - idle / total if total > 0 else 0.0, unseen)
         return self.last

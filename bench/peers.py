@@ -378,9 +378,8 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
                     if meter is not None and meter.last is not None:
                         share = meter.last
                         cpu[system].append({**share.per(len(latencies)), "busy": share.busy})
+                        unseen.update(share.unseen)
                 env.done()
-                if meter is not None and meter.unseen:
-                    unseen.update(meter.unseen)
             label = f"{size // 1000} KB"
             for system, runs in got.items():
                 if not runs:

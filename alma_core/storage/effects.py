@@ -104,11 +104,13 @@ class EffectListener:
         key = token(tenant_id, run_id)
         expected = self._expected.pop(event_id, None) if event_id is not None else None
         early = expected is not None and expected[0] == key and self.alive
-        if expected is not None and not early:
-            self._discard(*expected)
-        woke = expected[1] if expected is not None and early else self._add(key)
-        if early:
+        if expected is not None and early:
+            woke = expected[1]
             self.early += 1
+        else:
+            if expected is not None:
+                self._discard(*expected)  # another run's, or watched on a lost connection
+            woke = self._add(key)
         try:
             yield woke, early
         finally:
