@@ -249,6 +249,13 @@ class Settings(BaseSettings):
         description="the same for tenant and agent scopes, searched exactly from an index alone",
     )
     retrieval_ef_search: int = Field(default=100, ge=1, le=1000)
+    retrieval_fanout: int = Field(
+        default=2,
+        ge=1,
+        le=5,
+        description="connections a tenant, agent or HNSW memory search is split over, by "
+        "kind (a retrieval holds this many plus one for workflow outcomes)",
+    )
     scoring_weights: ScoringWeights = Field(default_factory=ScoringWeights)
 
     # Process.

@@ -57,7 +57,7 @@ def retrieve(
         ):
             embedder = embedder_for(where, on_fallback=fallback)
         try:
-            async with connect(common.dsn(s), max_size=2) as pool:
+            async with connect(common.dsn(s), max_size=s.retrieval_fanout + 1) as pool:
                 retriever = Retriever.configured(pool, embedder, s)
                 return await retriever.retrieve(task, ctx, scope, agent=agent, top_k=top_k)
         finally:

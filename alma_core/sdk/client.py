@@ -114,6 +114,7 @@ class AlmaClient:
         self._effects: EffectListener | None = None
         self._embedder = embedder
         self._own_embedder = False
+        self._retriever: Retriever | None = None
         self.observer = observer or ReadMetrics.shared()
 
     async def __aenter__(self) -> AlmaClient:
@@ -262,8 +263,11 @@ class AlmaClient:
             # a worker's model when ALMA_EMBED_URL names one, else loaded here (seconds)
             self._embedder = await asyncio.to_thread(embedder_for, self.settings, _fallback)
             self._own_embedder = True
-        retriever = Retriever.configured(pool, self._embedder, self.settings, self.observer)
-        return await retriever.retrieve(
+        if self._retriever is None:  # one for the client: it keeps the scopes' plans
+            self._retriever = Retriever.configured(
+                pool, self._embedder, self.settings, self.observer
+            )
+        return await self._retriever.retrieve(
             task,
             ctx,
             scope,

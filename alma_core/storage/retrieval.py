@@ -15,7 +15,11 @@ run, node or agent, as a :class:`~alma_core.memory.MemorySlice`.
 5. Candidates are re-ranked by :mod:`alma_core.scoring`; ``top_k`` per kind.
 
 Memories and workflow outcomes are searched at once, each in its own transaction on
-its own connection (steps 3 to 5 for each): a retrieval costs the slower search.
+its own connection (steps 3 to 5 for each): a retrieval costs the slower search. A
+memory search made one scan per kind (tenant and agent scopes, and HNSW) is split over
+``fanout`` connections by kind (:func:`kind_groups`), so that PostgreSQL scans a large
+tenant's kinds on more than one core. No search holds a connection while it waits for
+another: a retrieval cannot deadlock a small pool.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import asyncio
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -68,6 +72,8 @@ _COVERED = frozenset({"tenant_id", "agent"})
 # scopes' plans are kept (the least recently used go first).
 PLAN_TTL_S = 60.0
 PLANS_KEPT = 4096
+# The memory kinds, in the order a slice and its searches list them.
+KINDS = tuple(k.value for k in MemoryKind)
 
 T = TypeVar("T", Memory, WorkflowOutcome)
 # (score, similarity, item): an item as ranked, before its score is set on it
@@ -85,9 +91,12 @@ class Retriever:
         exact_max_rows: int = 5000,
         index_exact_max_rows: int = 50000,
         ef_search: int = 100,
+        fanout: int = 2,
         observer: ReadObserver | None = None,
         plan_ttl_s: float = PLAN_TTL_S,
     ) -> None:
+        if fanout < 1:
+            raise ValueError(f"fanout must be at least 1, not {fanout}")
         self.pool = pool
         self.embedder = embedder
         self.weights = weights or ScoringWeights()
@@ -95,6 +104,7 @@ class Retriever:
         self.exact_max_rows = exact_max_rows
         self.index_exact_max_rows = index_exact_max_rows
         self.ef_search = ef_search
+        self.fanout = fanout
         self.observer = observer or ReadMetrics.shared()
         self.plan_ttl_s = plan_ttl_s
         # (table, filter, its values, limit) -> (chosen at, plan)
@@ -117,6 +127,7 @@ class Retriever:
             exact_max_rows=settings.retrieval_exact_max_rows,
             index_exact_max_rows=settings.retrieval_index_exact_max_rows,
             ef_search=settings.retrieval_ef_search,
+            fanout=settings.retrieval_fanout,
             observer=observer,
         )
 
@@ -143,40 +154,49 @@ class Retriever:
         )
         out_filter = scopes.outcome_filter(context, mem_filter)
         query = vector_literal((await self.embedder.embed([task]))[0])
-        memories_found = self._search(
-            "memories",
-            mem_filter,
-            query,
-            top_k * 3,
-            plan,
-            _memory,
-            memory_signals,
-            lambda ranked: _best_per_kind(ranked, top_k),
-        )
-        outcomes: list[WorkflowOutcome] = []
         try:
+            plans = [self._plan("memories", mem_filter, plan)]
             if include_workflow_outcomes:
-                # each table on its own connection, at once: the outcomes' search
-                # (~2-3 ms for a large tenant) runs while PostgreSQL scans the memories
-                outcomes_found = self._search(
+                plans.append(self._plan("workflow_outcomes", out_filter, plan))
+            chosen, *out_plan = await asyncio.gather(*plans)
+            # each search on its own connection, at once: the outcomes' (~2-3 ms for a
+            # large tenant) and a large scope's kinds run while PostgreSQL scans the rest
+            memories_found = asyncio.gather(
+                *(
+                    self._search(
+                        "memories",
+                        mem_filter,
+                        query,
+                        top_k * 3,
+                        chosen,
+                        _memory,
+                        memory_signals,
+                        lambda ranked: _best_per_kind(ranked, top_k),
+                        kinds,
+                    )
+                    for kinds in kind_groups(chosen, mem_filter, self.fanout)
+                )
+            )
+            outcomes_found = (
+                self._search(
                     "workflow_outcomes",
                     out_filter,
                     query,
                     top_k * 3,
-                    plan,
+                    out_plan[0],
                     _outcome,
                     outcome_signals,
                     lambda ranked: _best(ranked, top_k),
                 )
-                (chosen, memories), (_, outcomes) = await asyncio.gather(
-                    memories_found, outcomes_found
-                )
-            else:
-                chosen, memories = await memories_found
+                if include_workflow_outcomes
+                else _nothing()
+            )
+            groups, outcomes = await asyncio.gather(memories_found, outcomes_found)
         except Exception as exc:
             if is_storage_failure(exc):
                 raise storage_error(exc, "retrieving memories") from exc
             raise
+        memories = [m for group in groups for m in group]
         result = MemorySlice(query=task, agent=agent, scope=scope, plan=chosen)
         for kind, attr in SLICE_KINDS.items():
             setattr(result, attr, [m for m in memories if m.kind is kind])
@@ -192,23 +212,27 @@ class Retriever:
         f: scopes.ScopeFilter,
         query: str,
         candidates: int,
-        plan: str | None,
+        plan: str,
         build: Callable[[asyncpg.Record], T],
         signals: Callable[[T, float, datetime], Signals],
         keep: Callable[[list[Ranked[T]]], list[Ranked[T]]],
-    ) -> tuple[str, list[T]]:
-        """The plan used and the items ``keep`` chose of the ``candidates`` nearest in
-        ``table``, with their scores and artifacts: one read-only transaction."""
+        kinds: Sequence[str] | None = None,
+    ) -> list[T]:
+        """The items ``keep`` chose of the ``candidates`` nearest in ``table`` (of
+        ``kinds`` only, where given), with their scores and artifacts: one read-only
+        transaction on one connection."""
         async with self.pool.acquire() as conn, conn.transaction(readonly=True):
-            chosen = plan or await self._plan(conn, table, f)
             await _as_reader(conn, f)
-            rows = await self._nearest(conn, table, query, f, candidates, chosen)
+            if plan != "exact":
+                await _approximate(conn, self.ef_search)
+            sql, args = nearest_query(table, plan, query, f, candidates, kinds)
+            rows = await conn.fetch(sql, *args)
         kept = keep(self._rank(rows, build, signals))
         links = {str(r["id"]): r["artifacts"] for r in rows}
-        return chosen, [_finished(x, _links(links[x[2].id])) for x in kept]
+        return [_finished(x, _links(links[x[2].id])) for x in kept]
 
-    async def _plan(self, conn: asyncpg.Connection, table: str, f: scopes.ScopeFilter) -> str:
-        """Exact up to the scope's limit, HNSW above.
+    async def _plan(self, table: str, f: scopes.ScopeFilter, forced: str | None) -> str:
+        """``forced`` if given; else exact up to the scope's limit, HNSW above.
 
         The scope's size is the planner's estimate, from the statistics ANALYZE keeps
         (with 0010's on tenant and workflow, tenant and agent): no row is read.
@@ -222,7 +246,11 @@ class Retriever:
         scope's.
 
         A scope's plan is reused for ``plan_ttl_s`` (60 s): the estimate moves only with
-        ANALYZE, and the probe is a round trip on the search's path (~0.5 ms)."""
+        ANALYZE, and the probe is a round trip on the search's path (~0.5 ms). The probe
+        takes a pooled connection of its own and gives it back before any search
+        starts."""
+        if forced is not None:
+            return forced
         where, args = f.sql(1)
         limit = self.index_exact_max_rows if covered(table, f) else self.exact_max_rows
         key = (table, where, *args, str(limit))
@@ -231,7 +259,7 @@ class Retriever:
         if kept is not None and now - kept[0] < self.plan_ttl_s:
             self._plans.move_to_end(key)
             return kept[1]
-        explained = await conn.fetchval(
+        explained = await self.pool.fetchval(
             f"EXPLAIN (FORMAT JSON) SELECT 1 FROM {table} WHERE {where}", *args
         )
         if isinstance(explained, str):  # a pool without this project's json codec
@@ -242,21 +270,6 @@ class Retriever:
         while len(self._plans) > PLANS_KEPT:
             self._plans.popitem(last=False)
         return chosen
-
-    async def _nearest(
-        self,
-        conn: asyncpg.Connection,
-        table: str,
-        query: str,
-        f: scopes.ScopeFilter,
-        limit: int,
-        plan: str,
-    ) -> list[asyncpg.Record]:
-        """The ``limit`` rows nearest to ``query`` in the scope (per kind for memories)."""
-        if plan != "exact":
-            await _approximate(conn, self.ef_search)
-        sql, args = nearest_query(table, plan, query, f, limit)
-        return list(await conn.fetch(sql, *args))
 
     def _rank(
         self,
@@ -273,6 +286,10 @@ class Retriever:
             sig = signals(item, r["distance"], now)
             out.append((score(sig, self.weights), sig.similarity, item))
         return out
+
+
+async def _nothing() -> list[WorkflowOutcome]:
+    return []
 
 
 def _best(ranked: Iterable[Ranked[T]], top_k: int) -> list[Ranked[T]]:
@@ -368,16 +385,40 @@ def _outcome(r: asyncpg.Record) -> WorkflowOutcome:
     )
 
 
+def kind_groups(plan: str, f: scopes.ScopeFilter, fanout: int) -> list[tuple[str, ...] | None]:
+    """The memory kinds each of a memory search's connections scans: ``fanout`` groups
+    of neighbouring kinds (as even as five kinds allow) where the plan scans each kind
+    apart (HNSW, or exact from the covering index), else one search of every kind
+    (``None``: the exact scan of a small scope reads its rows once for all kinds)."""
+    if plan == "exact" and not covered("memories", f):
+        return [None]
+    n = max(1, min(fanout, len(KINDS)))
+    size, extra = divmod(len(KINDS), n)
+    groups: list[tuple[str, ...] | None] = []
+    start = 0
+    for i in range(n):
+        end = start + size + (1 if i < extra else 0)
+        groups.append(KINDS[start:end])
+        start = end
+    return groups
+
+
 def covered(table: str, f: scopes.ScopeFilter) -> bool:
     """Whether ``memories_vectors`` alone answers the scope's exact search."""
     return table == "memories" and f.columns() <= _COVERED
 
 
 def nearest_query(
-    table: str, plan: str, query: str, f: scopes.ScopeFilter, limit: int
+    table: str,
+    plan: str,
+    query: str,
+    f: scopes.ScopeFilter,
+    limit: int,
+    kinds: Sequence[str] | None = None,
 ) -> tuple[str, list[object]]:
     """The statement (and its arguments) for the ``limit`` rows of ``table`` nearest to
-    ``query`` in the scope, per kind for memories.
+    ``query`` in the scope, per kind for memories (of ``kinds`` only, where given: the
+    plans that scan each kind apart).
 
     exact, a tenant or agent scope of memories: ranked from ``memories_vectors``
     alone (0009), one bounded scan per kind; its half-precision copies of the
@@ -391,7 +432,7 @@ def nearest_query(
     columns are read after.
     approximate: the HNSW index with iterative scan; for memories one scan per kind,
     so no kind crowds the others out."""
-    sql, args = _nearest_rows(table, plan, query, f, limit)
+    sql, args = _nearest_rows(table, plan, query, f, limit, kinds)
     return with_artifacts(sql, "memory" if table == "memories" else "outcome"), args
 
 
@@ -412,10 +453,17 @@ def with_artifacts(sql: str, owner_type: str) -> str:
 
 
 def _nearest_rows(
-    table: str, plan: str, query: str, f: scopes.ScopeFilter, limit: int
+    table: str,
+    plan: str,
+    query: str,
+    f: scopes.ScopeFilter,
+    limit: int,
+    only: Sequence[str] | None,
 ) -> tuple[str, list[object]]:
     columns = _MEMORY_COLUMNS if table == "memories" else _OUTCOME_COLUMNS
-    kinds = [k.value for k in MemoryKind]
+    kinds = list(KINDS if only is None else only)
+    if only is not None and (table != "memories" or kind_groups(plan, f, 1) == [None]):
+        raise ValueError(f"a {plan} search of {table} in this scope reads every kind at once")
     if plan == "exact" and covered(table, f):
         where, args = f.sql(5)
         sql = f"""SELECT {columns}, m.embedding <=> $1::vector AS distance

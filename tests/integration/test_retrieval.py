@@ -5,6 +5,7 @@ and row-level security holds even for a query without a tenant filter."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
@@ -430,3 +431,60 @@ async def test_a_scope_plan_is_reused_for_a_while(database: str, embedder: Async
         await analyze(database)
         assert (await kept.retrieve("x", ctx)).plan == "exact", "reused"
         assert (await probing.retrieve("x", ctx)).plan == "approximate", "probed again"
+
+
+def as_found(found: Any) -> list[tuple[str, str, Any]]:
+    """A slice as (section, id, score), in the order it lists them (the score up to
+    its recency, which moves with the clock between two searches)."""
+    return [
+        (section, x.id, pytest.approx(x.score, abs=1e-6))
+        for section in (*retrieval.SLICE_KINDS.values(), "workflow_outcomes")
+        for x in getattr(found, section)
+    ]
+
+
+async def test_a_search_split_over_connections_finds_what_one_finds(
+    database: str, embedder: AsyncEmbedder
+) -> None:
+    """Tenant and agent scopes (exact, from the covering index) and HNSW searches are
+    split by kind over ``fanout`` connections: the slice is the one a single search
+    gives, item for item and score for score, at every fan-out."""
+    await seed(database, random.Random(23))
+    await analyze(database)
+    cases = [
+        (WorkflowContext("t0"), RetrievalScope.TENANT, None, None),
+        (WorkflowContext("t1"), RetrievalScope.AGENT, "a0", None),
+        (WorkflowContext("t2"), RetrievalScope.TENANT, None, "approximate"),
+        (WorkflowContext("t0", "w1"), RetrievalScope.WORKFLOW, None, "approximate"),
+        (WorkflowContext("t1", "w2"), RetrievalScope.WORKFLOW, None, "exact"),
+    ]
+    async with connect(database) as pool:
+        by_fanout = {n: Retriever(pool, embedder, fanout=n) for n in (1, 2, 3, 5)}
+        for ctx, scope, agent, plan in cases:
+            found = {
+                n: await r.retrieve("a task", ctx, scope, agent=agent, top_k=4, plan=plan)
+                for n, r in by_fanout.items()
+            }
+            one = as_found(found[1])
+            assert len({m.kind for m in found[1].items() if isinstance(m, Memory)}) == 5
+            for n, slice_ in found.items():
+                assert as_found(slice_) == one, (scope, plan, n)
+                assert slice_.plan == found[1].plan
+
+
+async def test_retrievals_split_over_connections_share_a_small_pool(
+    database: str, embedder: AsyncEmbedder
+) -> None:
+    """A retrieval never holds a connection while it waits for another: many at once,
+    each wanting six connections, finish on a pool of two (bounded: 60 s)."""
+    await seed(database, random.Random(29))
+    await analyze(database)
+    async with connect(database, max_size=2) as pool:
+        retriever = Retriever(pool, embedder, fanout=5, plan_ttl_s=0)  # and a probe each
+        tenant = WorkflowContext("t1"), RetrievalScope.TENANT
+        alone = as_found(await retriever.retrieve("a task", *tenant))
+        at_once = await asyncio.wait_for(
+            asyncio.gather(*(retriever.retrieve("a task", *tenant) for _ in range(12))),
+            timeout=60,
+        )
+    assert [as_found(x) for x in at_once] == [alone] * 12

@@ -177,3 +177,21 @@ def test_global_and_outcome_filters() -> None:
     assert dict(of.conditions) == {"tenant_id": "acme", "workflow_id": "wf"}
     assert of.admits({"tenant_id": "acme", "workflow_id": "wf", "run_id": "other"})
     assert not of.admits({"tenant_id": "globex", "workflow_id": "wf"})
+
+
+@given(st.integers(min_value=1, max_value=9), st.sampled_from(["exact", "approximate"]))
+def test_kind_groups_split_every_kind_once(fanout: int, plan: str) -> None:
+    """A broad search's kinds, split over at most one connection per kind, each kind
+    in one group, the groups as even as they can be; a small scope's exact scan reads
+    every kind at once."""
+    from alma_core.storage.retrieval import KINDS, kind_groups
+
+    tenant = scopes.memory_filter(WorkflowContext("t"), RetrievalScope.TENANT)
+    groups = kind_groups(plan, tenant, fanout)
+    assert len(groups) == min(fanout, len(KINDS))
+    assert [k for g in groups for k in g or ()] == list(KINDS)
+    sizes = [len(g or ()) for g in groups]
+    assert min(sizes) >= 1
+    assert max(sizes) - min(sizes) <= 1
+    run = scopes.memory_filter(WorkflowContext("t", "w", None, "r"), RetrievalScope.RUN)
+    assert kind_groups(plan, run, fanout) == ([None] if plan == "exact" else groups)
