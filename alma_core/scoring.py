@@ -105,22 +105,49 @@ def _age_days(when: datetime | None, now: datetime) -> float:
 
 
 def memory_signals(memory: Memory, distance: float, now: datetime) -> Signals:
-    if memory.kind is MemoryKind.HEURISTIC and memory.occurrences > 0:
-        success = memory.successes / memory.occurrences
+    return kind_signals(
+        memory.kind,
+        memory.occurrences,
+        memory.successes,
+        memory.confidence,
+        memory.updated_at or memory.created_at,
+        distance,
+        now,
+    )
+
+
+def kind_signals(
+    kind: str,
+    occurrences: int,
+    successes: int,
+    confidence: float,
+    updated: datetime | None,
+    distance: float,
+    now: datetime,
+) -> Signals:
+    """A memory's signals from its fields (retrieval ranks rows before it builds the
+    items it keeps)."""
+    if kind == MemoryKind.HEURISTIC and occurrences > 0:
+        success = successes / occurrences
     else:
         success = NEUTRAL
     return Signals(
         similarity=similarity_from_distance(distance),
-        age_days=_age_days(memory.updated_at or memory.created_at, now),
+        age_days=_age_days(updated, now),
         success_rate=success,
-        confidence=min(1.0, max(0.0, memory.confidence)),
+        confidence=min(1.0, max(0.0, confidence)),
     )
 
 
 def outcome_signals(outcome: WorkflowOutcome, distance: float, now: datetime) -> Signals:
+    return run_signals(outcome.success, outcome.created_at, distance, now)
+
+
+def run_signals(success: bool, created: datetime | None, distance: float, now: datetime) -> Signals:
+    """A workflow outcome's signals from its fields."""
     return Signals(
         similarity=similarity_from_distance(distance),
-        age_days=_age_days(outcome.created_at, now),
-        success_rate=1.0 if outcome.success else 0.0,
+        age_days=_age_days(created, now),
+        success_rate=1.0 if success else 0.0,
         confidence=1.0,
     )

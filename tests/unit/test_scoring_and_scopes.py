@@ -195,3 +195,70 @@ def test_kind_groups_split_every_kind_once(fanout: int, plan: str) -> None:
     assert max(sizes) - min(sizes) <= 1
     run = scopes.memory_filter(WorkflowContext("t", "w", None, "r"), RetrievalScope.RUN)
     assert kind_groups(plan, run, fanout) == ([None] if plan == "exact" else groups)
+
+
+moments = st.one_of(st.none(), st.datetimes(timezones=st.just(UTC), max_value=datetime(2030, 1, 1)))
+
+
+@given(
+    st.sampled_from(list(MemoryKind)),
+    st.integers(min_value=0, max_value=50),
+    st.integers(min_value=0, max_value=50),
+    st.floats(min_value=-1, max_value=2),
+    moments,
+    moments,
+    st.floats(min_value=0, max_value=2),
+    st.booleans(),
+)
+def test_a_row_is_scored_as_the_item_built_from_it(
+    kind: MemoryKind,
+    occurrences: int,
+    successes: int,
+    confidence: float,
+    created: datetime | None,
+    updated: datetime | None,
+    distance: float,
+    success: bool,
+) -> None:
+    """Retrieval scores candidate rows and builds items for the kept ones only: a row's
+    signals are the signals of the item built from it, for memories and outcomes."""
+    from alma_core.storage import retrieval
+
+    now = datetime(2026, 6, 1, tzinfo=UTC)
+    row = {
+        "id": "m",
+        "tenant_id": "t",
+        "kind": kind.value,
+        "content": "c",
+        "agent": None,
+        "workflow_id": "w",
+        "run_id": None,
+        "node_id": None,
+        "condition": None,
+        "strategy": None,
+        "occurrences": occurrences,
+        "successes": successes,
+        "confidence": confidence,
+        "created_at": created,
+        "updated_at": updated,
+        "metadata": None,
+        "distance": distance,
+    }
+    memory = retrieval._memory(row, 0.0, 0.0, ())
+    assert retrieval._memory_signals(row, now) == memory_signals(memory, distance, now)
+    run = {
+        **row,
+        "workflow_version": None,
+        "success": success,
+        "duration_ms": 1,
+        "node_count": 1,
+        "nodes_succeeded": 1,
+        "nodes_failed": 0,
+        "error_message": None,
+        "failing_node": None,
+        "task": None,
+        "description": "d",
+        "learnings_extracted": 0,
+    }
+    outcome = retrieval._outcome(run, 0.0, 0.0, ())
+    assert retrieval._outcome_signals(run, now) == outcome_signals(outcome, distance, now)
