@@ -284,8 +284,13 @@ async def checkpoint_processes(
         deadline = time.monotonic() + 90
         while sum(assigned(p) for p in ports) != PARTITIONS or any(assigned(p) == 0 for p in ports):
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                held = [assigned(p) for p in ports]
+                ended = [p.returncode for p in procs]
                 raise RuntimeError(
-                    f"the {len(procs)} checkpointer processes did not settle; see {logs}"
+                    f"the {len(procs)} checkpointer processes did not settle in 90 s: they "
+                    f"held {held} of the topic's {PARTITIONS} partitions (exit codes "
+                    f"{ended}, None: running); their warnings are in {logs}. A group that "
+                    "keeps rebalancing points at the broker: run the benchmark again"
                 )
             await asyncio.sleep(0.3)
         await asyncio.sleep(1.0)
