@@ -253,8 +253,9 @@ class Settings(BaseSettings):
         default=2,
         ge=1,
         le=5,
-        description="connections a tenant, agent or HNSW memory search is split over, by "
-        "kind (a retrieval holds this many plus one for workflow outcomes)",
+        description="connections a tenant, agent or HNSW memory search of 10,000 memories "
+        "or more is split over, by kind (a retrieval holds this many plus one for workflow "
+        "outcomes)",
     )
     scoring_weights: ScoringWeights = Field(default_factory=ScoringWeights)
 

@@ -459,7 +459,9 @@ async def test_a_search_split_over_connections_finds_what_one_finds(
         (WorkflowContext("t1", "w2"), RetrievalScope.WORKFLOW, None, "exact"),
     ]
     async with connect(database) as pool:
-        by_fanout = {n: Retriever(pool, embedder, fanout=n) for n in (1, 2, 3, 5)}
+        by_fanout = {
+            n: Retriever(pool, embedder, fanout=n, fanout_min_rows=0) for n in (1, 2, 3, 5)
+        }
         for ctx, scope, agent, plan in cases:
             found = {
                 n: await r.retrieve("a task", ctx, scope, agent=agent, top_k=4, plan=plan)
@@ -476,11 +478,12 @@ async def test_retrievals_split_over_connections_share_a_small_pool(
     database: str, embedder: AsyncEmbedder
 ) -> None:
     """A retrieval never holds a connection while it waits for another: many at once,
-    each wanting six connections, finish on a pool of two (bounded: 60 s)."""
+    each wanting six connections (and a probe of the scope's size each), finish on a
+    pool of two (bounded: 60 s)."""
     await seed(database, random.Random(29))
     await analyze(database)
     async with connect(database, max_size=2) as pool:
-        retriever = Retriever(pool, embedder, fanout=5, plan_ttl_s=0)  # and a probe each
+        retriever = Retriever(pool, embedder, fanout=5, fanout_min_rows=0, plan_ttl_s=0)
         tenant = WorkflowContext("t1"), RetrievalScope.TENANT
         alone = as_found(await retriever.retrieve("a task", *tenant))
         at_once = await asyncio.wait_for(
@@ -488,3 +491,22 @@ async def test_retrievals_split_over_connections_share_a_small_pool(
             timeout=60,
         )
     assert [as_found(x) for x in at_once] == [alone] * 12
+
+
+async def test_only_a_large_scope_is_split_over_connections(
+    database: str, embedder: AsyncEmbedder
+) -> None:
+    """A scope the planner estimates under ``fanout_min_rows`` is searched on one
+    connection (its scans cost what more round trips would save), a larger one on
+    ``fanout``: the connections a fresh pool had to open for the retrieval tell (its
+    searches start at once, each on a connection of its own, and one more searches
+    the outcomes)."""
+    await seed(database, random.Random(31))
+    await analyze(database)
+    tenant = WorkflowContext("t0"), RetrievalScope.TENANT
+    for min_rows, searches in ((1_000_000, 1), (0, 5)):
+        async with connect(database, max_size=8) as pool:
+            retriever = Retriever(pool, embedder, fanout=5, fanout_min_rows=min_rows)
+            found = await retriever.retrieve("a task", *tenant, top_k=2)
+            assert pool.get_size() == searches + 1, (min_rows, pool.get_size())
+        assert len({m.kind for m in found.items() if isinstance(m, Memory)}) == 5
