@@ -282,15 +282,17 @@ async def checkpoint_processes(
                     )
                 )
         deadline = time.monotonic() + 90
-        while sum(assigned(p) for p in ports) != PARTITIONS or any(assigned(p) == 0 for p in ports):
+        while True:
+            held = [assigned(p) for p in ports]  # one read of each process's metrics
+            if sum(held) == PARTITIONS and all(held):
+                break
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                held = [assigned(p) for p in ports]
                 ended = [p.returncode for p in procs]
                 raise RuntimeError(
-                    f"the {len(procs)} checkpointer processes did not settle in 90 s: they "
-                    f"held {held} of the topic's {PARTITIONS} partitions (exit codes "
-                    f"{ended}, None: running); their warnings are in {logs}. A group that "
-                    "keeps rebalancing points at the broker: run the benchmark again"
+                    f"the {len(procs)} checkpointer processes did not settle: they held "
+                    f"{held} of the topic's {PARTITIONS} partitions (exit codes {ended}, "
+                    f"None: running; 90 s allowed); their warnings are in {logs}. A group "
+                    "that keeps rebalancing points at the broker: run the benchmark again"
                 )
             await asyncio.sleep(0.3)
         await asyncio.sleep(1.0)

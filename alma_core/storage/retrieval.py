@@ -409,7 +409,7 @@ def kind_groups(plan: str, f: scopes.ScopeFilter, fanout: int) -> list[tuple[str
     of neighbouring kinds (as even as five kinds allow) where the plan scans each kind
     apart (HNSW, or exact from the covering index), else one search of every kind
     (``None``: the exact scan of a small scope reads its rows once for all kinds)."""
-    if plan == "exact" and not covered("memories", f):
+    if not scans_each_kind(plan, f):
         return [None]
     n = max(1, min(fanout, len(KINDS)))
     size, extra = divmod(len(KINDS), n)
@@ -420,6 +420,12 @@ def kind_groups(plan: str, f: scopes.ScopeFilter, fanout: int) -> list[tuple[str
         groups.append(KINDS[start:end])
         start = end
     return groups
+
+
+def scans_each_kind(plan: str, f: scopes.ScopeFilter) -> bool:
+    """Whether a memory search on ``plan`` scans each kind apart (HNSW, or exact from
+    the covering index), so that it can be split by kind."""
+    return plan != "exact" or covered("memories", f)
 
 
 def covered(table: str, f: scopes.ScopeFilter) -> bool:
@@ -481,7 +487,7 @@ def _nearest_rows(
 ) -> tuple[str, list[object]]:
     columns = _MEMORY_COLUMNS if table == "memories" else _OUTCOME_COLUMNS
     kinds = list(KINDS if only is None else only)
-    if only is not None and (table != "memories" or kind_groups(plan, f, 1) == [None]):
+    if only is not None and (table != "memories" or not scans_each_kind(plan, f)):
         raise ValueError(f"a {plan} search of {table} in this scope reads every kind at once")
     if plan == "exact" and covered(table, f):
         where, args = f.sql(5)
