@@ -203,6 +203,11 @@ class Settings(BaseSettings):
         default=50, ge=0, le=10_000, description="how long the learner gathers events for a batch"
     )
     embed_threads: int = Field(default=1, ge=1, le=64, description="torch threads for encoding")
+    embed_precision: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto",
+        description="the model's arithmetic: auto is bfloat16 where the CPU has it natively "
+        "(AVX-512 BF16, AMX) and its vectors agree with float32's, else float32",
+    )
     embed_cache_size: int = Field(default=10_000, ge=0, description="vectors remembered by text")
     learn_min_occurrences: int = Field(
         default=3, ge=1, description="successes of a strategy before it becomes a heuristic"

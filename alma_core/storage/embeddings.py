@@ -7,6 +7,10 @@ front the learner and retrieval use.
   Kafka heartbeats and other partitions never starve), encodes in batches of
   texts of similar length (less padding), and remembers vectors by the SHA-256
   of their text (LRU), so a text seen before is never encoded again.
+* The model computes in bfloat16 where the CPU multiplies bfloat16 natively
+  (AVX-512 BF16 or AMX; ``ALMA_EMBED_PRECISION=auto``): ~2.8× the texts per second of
+  float32 on one core here. It is used only if its vectors agree with float32's on a
+  set of probe texts (cosine ≥ :data:`MIN_AGREEMENT` each), checked at every load.
 * A deployment plugs another model by passing any object with ``name``,
   ``dimension`` and ``encode``; the database column is checked against
   ``dimension`` at start-up (:func:`alma_core.storage.memories.check_dimension`).
@@ -16,21 +20,41 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
+import math
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from alma_core import errors
 
 if TYPE_CHECKING:
     from alma_core.settings import Settings
 
+log = logging.getLogger("alma.embeddings")
+
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 
 Vector = list[float]
+Precision = Literal["auto", "float32", "bfloat16"]
+
+# The reduced-precision model is used only if every probe's vector has at least this
+# cosine similarity to float32's (bfloat16 gives ≥ 0.9999 for all-MiniLM-L6-v2 here).
+MIN_AGREEMENT = 0.99
+# Texts like the ones the learner and retrieval embed: short and long, numbers, ids,
+# error messages, non-ASCII; the agreement check encodes them in both precisions.
+PROBES = (
+    "classify the invoice",
+    "Workflow research (version 3). task: summarise the papers. failed: 1 of 3 nodes "
+    "succeeded, 1 failed, in 1.5 s. failing node parse: ValueError: unexpected tag at line 41",
+    "Strategy fetch → parse → summarise succeeded 12 of 14 times for workflow billing",
+    "the exchange-rate service returned 503 Service Unavailable after 30s (run 7f3a9c)",
+    "Übersetze das Support-Ticket ins Deutsche; 日本語の請求書を分類する; résumé",
+    "x",
+)
 
 
 class Embedder(Protocol):
@@ -60,7 +84,14 @@ class SentenceTransformerEmbedder:
     local folder only (``local_files_only``: nothing is fetched at run time). It
     changes nothing process-wide unless :func:`configure_process` was called."""
 
-    def __init__(self, model_path: str | None = None, *, device: str = "cpu"):
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        device: str = "cpu",
+        precision: Precision = "auto",
+        min_agreement: float = MIN_AGREEMENT,
+    ):
         try:
             import torch
             from sentence_transformers import SentenceTransformer
@@ -85,16 +116,72 @@ class SentenceTransformerEmbedder:
             raise errors.ConfigError(f"the model at {path} does not say its dimension")
         self.dimension = dim
         self.name = DEFAULT_MODEL if model_path is None else os.path.basename(path)
+        self.precision: str = "float32"
+        self.agreement = 1.0  # the reduced-precision model's worst probe cosine, if used
+        if precision == "bfloat16" or (precision == "auto" and native_bfloat16()):
+            self._reduce(min_agreement, explicit=precision == "bfloat16")
+
+    def _reduce(self, min_agreement: float, *, explicit: bool) -> None:
+        """Switch to a bfloat16 copy of the model if its vectors agree with float32's
+        on :data:`PROBES`; otherwise keep float32 (``auto``) or refuse to start."""
+        import copy
+
+        import torch
+
+        reference = self.encode(list(PROBES))
+        fp32 = self._model
+        self._model = copy.deepcopy(fp32).to(torch.bfloat16)
+        worst = agreement(reference, self.encode(list(PROBES)))
+        if worst >= min_agreement:
+            self.precision, self.agreement = "bfloat16", worst
+            return
+        self._model = fp32
+        message = (
+            f"the model {self.name} in bfloat16 gives vectors with cosine {worst:.4f} to "
+            f"float32's (at least {min_agreement} is needed)"
+        )
+        if explicit:
+            raise errors.ConfigError(f"{message}; set ALMA_EMBED_PRECISION=float32 (or auto)")
+        log.warning(
+            "bfloat16 vectors disagree with float32's: using float32",
+            extra={"action": "embedder_precision", "detail": message},
+        )
 
     def encode(self, texts: list[str]) -> list[Vector]:
+        import torch
+
         vectors = self._model.encode(
             texts,
             batch_size=max(1, len(texts)),
-            normalize_embeddings=True,
-            convert_to_numpy=True,
+            convert_to_tensor=True,
             show_progress_bar=False,
         )
-        return [[float(x) for x in row] for row in vectors]
+        # normalised in float32 whatever the model computed in (as sentence-transformers
+        # does for float32: the same vectors bit for bit)
+        unit = torch.nn.functional.normalize(vectors.float(), p=2, dim=1)
+        out: list[Vector] = unit.tolist()
+        return out
+
+
+def native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX); without,
+    torch emulates it and bfloat16 is slower than float32."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+def agreement(reference: Sequence[Vector], candidate: Sequence[Vector]) -> float:
+    """The lowest cosine similarity between two lists of vectors, pair by pair."""
+    worst = 1.0
+    for a, b in zip(reference, candidate, strict=True):
+        dot = sum(x * y for x, y in zip(a, b, strict=True))
+        norms = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+        worst = min(worst, dot / norms if norms else 0.0)
+    return worst
 
 
 def _bundled_model_path() -> str:
@@ -179,7 +266,16 @@ def load_embedder(settings: Settings) -> AsyncEmbedder:
     """The model the settings name, behind the async front (blocking: seconds, so
     callers on an event loop run it in a thread)."""
     path = str(settings.embedding_model_path) if settings.embedding_model_path else None
-    model = SentenceTransformerEmbedder(path)
+    model = SentenceTransformerEmbedder(path, precision=settings.embed_precision)
+    log.info(
+        "embedding model loaded",
+        extra={
+            "action": "embedder_loaded",
+            "model": model.name,
+            "precision": model.precision,
+            "agreement": round(model.agreement, 6),
+        },
+    )
     return AsyncEmbedder(
         model, batch_size=settings.embed_batch_size, cache_size=settings.embed_cache_size
     )

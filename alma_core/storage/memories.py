@@ -175,7 +175,7 @@ class PostgresLearnStore(BatchStore):
         """Store the outcomes (one per run), then load the counts they change, decide
         what they teach (:func:`alma_core.learning.plan_memories`) and write it."""
         now = datetime.now(UTC)
-        stored: list[Prepared] = []
+        offered: list[Prepared] = []
         for records in todo.values():
             for record in records:
                 decoded = record.decoded
@@ -185,10 +185,12 @@ class PostgresLearnStore(BatchStore):
                 if not isinstance(decoded, WorkflowCompleted):
                     continue  # joins are the joiner's
                 item = prepared.get(record.coords)
-                if item is None or not await self._insert_outcome(conn, item, now):
+                if item is None:
                     outcome.duplicates += 1
                     continue
-                stored.append(item)
+                offered.append(item)
+        stored = await self._insert_outcomes(conn, offered, now)
+        outcome.duplicates += len(offered) - len(stored)
         if not stored:
             return
         outcome.outcomes = len(stored)
@@ -208,42 +210,65 @@ class PostgresLearnStore(BatchStore):
         )
         await self._cleanup(conn, [i for i in stored if i.cleanup], outcome)
 
-    async def _insert_outcome(
-        self, conn: asyncpg.Connection, item: Prepared, now: datetime
-    ) -> bool:
-        d, run = item.draft, item.draft.run
-        inserted = await conn.fetchval(
+    async def _insert_outcomes(
+        self, conn: asyncpg.Connection, items: list[Prepared], now: datetime
+    ) -> list[Prepared]:
+        """Insert the outcomes in one statement (one round trip, not one per run); what
+        it returns is those inserted, in order: a run or event stored before, or twice
+        in the batch, is inserted once."""
+        if not items:
+            return []
+        rows = [
+            (
+                d.id,
+                d.run.tenant_id,
+                d.run.workflow_id,
+                d.run.workflow_version,
+                d.run.run_id,
+                d.run.event_id,
+                d.run.success,
+                d.run.duration_ms,
+                d.run.node_count,
+                d.run.nodes_succeeded,
+                d.run.nodes_failed,
+                d.run.error_message,
+                d.failing_node,
+                d.run.task,
+                d.description,
+                vector_literal(item.vectors[d.description]),
+                d.strategy,
+                d.error_signature,
+            )
+            for item in items
+            for d in [item.draft]
+        ]
+        inserted = await conn.fetch(
             """INSERT INTO workflow_outcomes (id, tenant_id, workflow_id, workflow_version, run_id,
                    event_id, success, duration_ms, node_count, nodes_succeeded, nodes_failed,
                    error_message, failing_node, task, description, embedding, strategy,
                    error_signature, created_at)
-               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
-                       $16::vector, $17, $18, $19)
+               SELECT u.id, u.t, u.w, u.v, u.r, u.e, u.ok, u.ms, u.n, u.s, u.f, u.err, u.fn,
+                      u.task, u.d, u.emb::vector, u.st, u.sig, $19
+               FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
+                           $6::text[], $7::boolean[], $8::bigint[], $9::integer[],
+                           $10::integer[], $11::integer[], $12::text[], $13::text[],
+                           $14::text[], $15::text[], $16::text[], $17::text[], $18::text[])
+                    WITH ORDINALITY
+                    AS u(id, t, w, v, r, e, ok, ms, n, s, f, err, fn, task, d, emb, st, sig, i)
+               ORDER BY u.i
                ON CONFLICT DO NOTHING RETURNING id""",
-            d.id,
-            run.tenant_id,
-            run.workflow_id,
-            run.workflow_version,
-            run.run_id,
-            run.event_id,
-            run.success,
-            run.duration_ms,
-            run.node_count,
-            run.nodes_succeeded,
-            run.nodes_failed,
-            run.error_message,
-            d.failing_node,
-            run.task,
-            d.description,
-            vector_literal(item.vectors[d.description]),
-            d.strategy,
-            d.error_signature,
+            *(list(column) for column in zip(*rows, strict=True)),
             now,
         )
-        if inserted is None:
-            return False
-        await self._link(conn, run.tenant_id, "outcome", d.id, item.artifacts)
-        return True
+        ids = {str(r["id"]) for r in inserted}
+        stored: list[Prepared] = []
+        for item in items:
+            if item.draft.id in ids:
+                ids.remove(item.draft.id)  # a run twice in the batch: its first is inserted
+                stored.append(item)
+                run = item.draft.run
+                await self._link(conn, run.tenant_id, "outcome", item.draft.id, item.artifacts)
+        return stored
 
     async def _write_memories(
         self,

@@ -359,3 +359,65 @@ async def test_cli_retrieve_and_prune(settings: Settings, embedder: AsyncEmbedde
     assert await count(dsn, "SELECT count(*) FROM checkpoints") == 0
     assert await count(dsn, "SELECT count(*) FROM run_events") == 0
     assert await count(dsn, "SELECT count(*) FROM runs") == 3, "run rows stay 90 days"
+
+
+def _learner_batch(docs: list[dict[str, Any]], start: int) -> Any:
+    """Completions as the learner's records at consecutive offsets, and each one
+    drafted and embedded (vectors made up, one per text: the store writes what it is
+    given)."""
+    from alma_core import learning
+    from alma_core.storage.batches import Incoming
+    from alma_core.storage.memories import Prepared
+    from schemas.decoder import decode
+
+    records, prepared = [], {}
+    for i, doc in enumerate(docs):
+        raw, key = json.dumps(doc).encode(), doc["run_id"].encode()
+        record = Incoming("sequenced", 0, start + i, key, raw, decode(raw, key=key), (), start + i)
+        p = doc["payload"]
+        run = learning.FinishedRun(
+            doc["tenant_id"], doc["workflow_id"], doc["run_id"], doc["event_id"],
+            p["outcome"] == "success", p["duration_ms"], p["node_count"],
+            p["nodes_succeeded"], p["nodes_failed"], task=p.get("task"),
+        )  # fmt: skip
+        d = learning.draft(run, [])
+        vectors = {t: [(n + 1) / 1024] + [0.0] * 383 for n, t in enumerate(d.texts())}
+        prepared[record.coords] = Prepared(d, vectors, [], cleanup=False)
+        records.append(record)
+    return {("sequenced", 0): records}, prepared
+
+
+async def test_outcomes_of_one_batch_are_inserted_at_once_each_run_once(database: str) -> None:
+    """The outcomes of a batch go in as one statement: a run completed twice in the
+    batch (a new event id), a run stored by an earlier batch and a redelivered
+    completion are each one outcome, counted as duplicates, with its own vector."""
+    from alma_core.storage.memories import LearnConfig, PostgresLearnStore
+
+    def done(run: str, event_id: str | None = None) -> dict[str, Any]:
+        return event(
+            "workflow.completed", run, workflow=WF, node=None, event_id=event_id,
+            outcome="success", duration_ms=10, node_count=1, nodes_succeeded=1,
+            nodes_failed=0, task=f"task of {run}",
+        )  # fmt: skip
+
+    a, b, c = done("a"), done("b"), done("c")
+    async with connect(database) as pool:
+        store = PostgresLearnStore(pool, LearnConfig("alma-learner", "learner", "dlq"))
+        batch, prepared = _learner_batch([a, done("a"), b], 0)
+        first = await store.apply("cluster", batch, prepared)
+        assert (first.outcomes, first.duplicates) == (2, 1)
+        # the next batch: b again (a redelivery, another offset), then a new run c
+        batch, prepared = _learner_batch([done("b", b["event_id"]), c], 3)
+        second = await store.apply("cluster", batch, prepared)
+        assert (second.outcomes, second.duplicates) == (1, 1)
+    rows = await fetch(
+        database,
+        "SELECT run_id, event_id, task, description, embedding::text AS v "
+        "FROM workflow_outcomes ORDER BY run_id",
+    )
+    assert [(r["run_id"], r["event_id"], r["task"]) for r in rows] == [
+        ("a", a["event_id"], "task of a"),
+        ("b", b["event_id"], "task of b"),
+        ("c", c["event_id"], "task of c"),
+    ]
+    assert all(r["v"].startswith(f"[{1 / 1024},") for r in rows), "each its description's vector"
