@@ -170,22 +170,29 @@ async def outcomes(
     embedder: AsyncEmbedder,
     runs: int,
     rate: float | None,
+    learner_alone: bool = False,
 ) -> dict[str, Any]:
     """``runs`` runs through checkpointer and learner; offered at ``rate`` runs/s, or
-    all at once (a backlog) when ``rate`` is None."""
+    all at once (a backlog) when ``rate`` is None. ``learner_alone``: the checkpointer
+    hands every completion on first, then the learner starts on them (a learner that
+    was down, or scaled apart: its backlog without the checkpointer beside it)."""
     topic = f"bench-learn-{uuid.uuid4().hex[:8]}"
     await ensure_topics(services.kafka_bootstrap, [topic], partitions=PARTITIONS)
     s = s.model_copy(update={"lifecycle_topic": topic})
     TimedLearnHandler.done, TimedLearnHandler.batches = [], []
     async with connect(services.postgres_dsn) as pool:
         before = await pool.fetchval("SELECT count(*) FROM workflow_outcomes")
+        consumers = ["checkpoint", "learn"]
         if rate is None:
             await publish(services.kafka_bootstrap, topic, runs, None, topic)
+        if learner_alone:
+            await checkpointed_first(s, services, pool, topic, runs)
+            consumers = ["learn"]
         original = learner.LearnHandler
         learner.LearnHandler = TimedLearnHandler  # type: ignore[misc]
         stop, ready = asyncio.Event(), asyncio.Event()
         task = asyncio.create_task(
-            run_worker(s, services, ["checkpoint", "learn"], stop, ready=ready, embedder=embedder)
+            run_worker(s, services, consumers, stop, ready=ready, embedder=embedder)
         )
         try:
             await asyncio.wait_for(ready.wait(), 120)
@@ -225,6 +232,30 @@ async def outcomes(
         "encoded": embedder.encoded - encoded_before,
         "memories": memories,
     }
+
+
+async def checkpointed_first(
+    s: settings_mod.Settings, services: Services, pool: asyncpg.Pool, topic: str, runs: int
+) -> None:
+    """Run the checkpointer alone until every run's completion is handed on."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_worker(s, services, ["checkpoint"], stop))
+    try:
+        started = time.perf_counter()
+        while time.perf_counter() - started < 300:
+            completed = await pool.fetchval(
+                "SELECT count(*) FROM run_events WHERE type = 'workflow.completed' "
+                "AND run_id LIKE $1",
+                f"{topic}-%",
+            )
+            pending = await pool.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            if completed >= runs and not pending:
+                return
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"the checkpointer handed on {completed} of {runs} completions in 300 s")
+    finally:
+        stop.set()
+        await task
 
 
 # -- scoped retrieval at scale (synthetic clustered vectors, bulk-loaded) -------------
@@ -516,17 +547,18 @@ async def main(quick: bool, sizes: list[int], out: Path | None) -> None:
     with Progress(console=console) as progress:
         async with stack(quick, 1, False, progress) as env:
             s, services, task = env.s, env.services, env.task
-            progress.update(task, description="loading the embedding model", total=3 + len(sizes))
+            progress.update(task, description="loading the embedding model", total=4 + len(sizes))
             embedder = await asyncio.to_thread(load_embedder, s)
             progress.update(task, description="benchmarks")
             try:
                 backlog = 60 if quick else 400
-                for label, runs, rate in (
-                    ("backlog", backlog, None),
-                    ("5 runs/s", 30 if quick else 100, 5.0),
-                    ("20 runs/s", 60 if quick else 300, 20.0),
+                for label, runs, rate, alone in (
+                    ("backlog", backlog, None, False),
+                    ("backlog, learner alone", backlog, None, True),
+                    ("5 runs/s", 30 if quick else 100, 5.0, False),
+                    ("20 runs/s", 60 if quick else 300, 20.0, False),
                 ):
-                    r = await outcomes(s, services, embedder, runs, rate)
+                    r = await outcomes(s, services, embedder, runs, rate, alone)
                     e2e = [ms(r["e2e"], 50), ms(r["e2e"], 95)] if rate else ["—", "—"]
                     rows["outcomes"].append(
                         [
