@@ -8,7 +8,8 @@ services). PostgreSQL's backends come and go with their connections; a backend t
 ended in between is counted through its postmaster's reaped-children times. The
 machine's busy share over the same stretch says whether the 2 cores were the limit
 (near 100 %) or something else was (waits, round trips). A service on another machine
-is not measured (:attr:`CpuShare.unseen`)."""
+is not measured (:attr:`CpuShare.unseen`). Times come in clock ticks (10 ms on Linux):
+a part that did little over a short stretch reads 0."""
 
 from __future__ import annotations
 

@@ -100,17 +100,23 @@ async def test_quick_side_by_side_run_writes_every_table(
         for s in ("5 KB", "100 KB")
         for system in ("ALMA", "ALMA, checkpointer in its own process", "LangGraph", hop)
     }
+    # CPU times come in clock ticks (10 ms): a part that did little in a quick 5 KB loop
+    # can read 0 on a fast machine, so each part is checked over both state sizes.
+    used: dict[str, dict[str, float]] = {}
     for (_, system), row in cpu.items():
-        used = {k.removesuffix(" ms"): v["median"] for k, v in row.items() if k.endswith(" ms")}
-        assert used["benchmark process"] > 0
-        assert used["total"] >= used["benchmark process"]
         assert 0 < row["machine busy %"]["median"] <= 100
+        this = {k.removesuffix(" ms"): v["median"] for k, v in row.items() if k.endswith(" ms")}
+        assert this["total"] >= this["benchmark process"]
+        for part, ms in this.items():
+            used.setdefault(system, {})[part] = used.get(system, {}).get(part, 0.0) + ms
+    for system, parts in used.items():
+        assert parts["benchmark process"] > 0, (system, parts)
         if system != "LangGraph":  # every other loop goes through the broker
-            assert used["broker"] > 0, row
+            assert parts["broker"] > 0, (system, parts)
         if system != hop:  # every other loop writes to PostgreSQL
-            assert used["PostgreSQL"] > 0, row
+            assert parts["PostgreSQL"] > 0, (system, parts)
         if system == "ALMA, checkpointer in its own process":
-            assert used["worker processes"] > 0, row
+            assert parts["worker processes"] > 0, (system, parts)
     capacity = tables["capacity"]["rows"]
     assert [r["state"] for r in capacity] == ["1 KB", "5 KB", "100 KB"]
     for row in capacity:  # every backlog drained (a stalled drain fails the run)
@@ -138,6 +144,15 @@ async def test_an_unknown_suite_is_refused_with_the_choices(
     assert "scaling" in log
 
 
+def _name(p: psutil.Process) -> str:
+    """A process's name, or "" for one that ended since it was listed (a short-lived
+    child of the stack's start-up, such as initdb's)."""
+    try:
+        return p.name()
+    except psutil.NoSuchProcess:
+        return ""
+
+
 @pytest.mark.timeout(120)
 async def test_a_benchmark_stopped_with_sigterm_stops_its_embedded_stack(tmp_path: Path) -> None:
     """Without services given, a benchmark starts its own broker, PostgreSQL and Redis;
@@ -155,7 +170,7 @@ async def test_a_benchmark_stopped_with_sigterm_stops_its_embedded_stack(tmp_pat
         services = [
             p
             for p in bench_process.children(recursive=True)
-            if any(n in p.name() for n in ("tansu", "postgres", "redis"))
+            if any(n in _name(p) for n in ("tansu", "postgres", "redis"))
         ]
     assert len(services) >= 3, [p.name() for p in services]
     await asyncio.sleep(5)  # past the stack's start, into the benchmark proper

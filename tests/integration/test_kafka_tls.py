@@ -18,6 +18,7 @@ import datetime
 import ipaddress
 import ssl
 import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -146,6 +147,7 @@ async def tls_broker(pki: Pki, run_dir: Path) -> AsyncIterator[str]:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
+    await _listening(inner, proc, run_dir / "broker.log")
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(pki.ca))
     context.load_cert_chain(pki.server_cert, pki.server_key)
     context.verify_mode = ssl.CERT_REQUIRED  # mutual TLS: no certificate, no connection
@@ -165,6 +167,25 @@ async def tls_broker(pki: Pki, run_dir: Path) -> AsyncIterator[str]:
         server.close()
         proc.terminate()
         await asyncio.to_thread(proc.wait, 10)
+
+
+async def _listening(port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Wait (10 s at most) until the broker accepts connections on ``port``: the relay
+    closes a client's connection while nothing listens behind it, and a loaded machine
+    can take longer than the client's first try to start the broker."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the broker exited ({proc.returncode}); its log: {log}")
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        writer.close()
+        await writer.wait_closed()
+        return
+    raise AssertionError(f"the broker did not listen on {port} within 10 s; its log: {log}")
 
 
 @pytest.fixture
