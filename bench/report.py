@@ -144,12 +144,37 @@ def versions() -> dict[str, str]:
     return out
 
 
+# Vector extensions that change the numbers (the model's bfloat16 path, numpy, pgvector's
+# distances), widest first: a machine line names the first its CPU has.
+_EXTENSIONS = (("amx_tile", "AMX"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"))
+
+
+def cpu(cpuinfo: str | None = None) -> str:
+    """The CPU's model and its widest vector extension (``AVX2`` when none above it):
+    the same code measured ~2× apart on two such machines of the same size."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return platform.processor() or "unknown CPU"
+    fields = {
+        key.strip(): value.strip()
+        for key, _, value in (line.partition(":") for line in cpuinfo.splitlines())
+        if value
+    }
+    flags = set(fields.get("flags", "").split())
+    widest = next((name for flag, name in _EXTENSIONS if flag in flags), None)
+    widest = widest or ("AVX2" if "avx2" in flags else "no AVX2")
+    return f"{fields.get('model name', 'unknown CPU')}, {widest}"
+
+
 def machine(services: dict[str, str] | None = None) -> dict[str, Any]:
-    """Where the numbers come from: cores, memory, OS, Python, library and server
+    """Where the numbers come from: cores, CPU, memory, OS, Python, library and server
     versions, and the date."""
     return {
         "date": f"{datetime.now(UTC):%Y-%m-%d}",
         "cores": os.cpu_count(),
+        "cpu": cpu(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -161,7 +186,8 @@ def machine(services: dict[str, str] | None = None) -> dict[str, Any]:
 def machine_line(m: dict[str, Any]) -> str:
     services = ", ".join(f"{k} {v}" for k, v in m["services"].items())
     return (
-        f"{m['cores']} cores, {m['memory_gib']} GiB, {m['platform']}, "
+        f"{m['cores']} cores ({m.get('cpu', 'CPU not recorded')}), {m['memory_gib']} GiB, "
+        f"{m['platform']}, "
         f"Python {m['python']}{', ' + services if services else ''}, {m['date']}"
     )
 

@@ -11,7 +11,7 @@ import pytest
 
 from bench import plots
 from bench.peers import realistic_state
-from bench.report import Section, Stat, machine, ratio, write
+from bench.report import Section, Stat, cpu, machine, ratio, write
 
 
 def test_stat_is_the_median_with_the_lowest_and_highest_run() -> None:
@@ -95,3 +95,15 @@ def test_realistic_states_have_about_the_size_asked_for(size: int) -> None:
     length = len(json.dumps(state))
     assert 0.8 * size <= length <= 1.3 * size
     assert len({m["content"] for m in state["messages"]}) > len(state["messages"]) // 2
+
+
+def test_the_machine_line_names_the_cpu_and_its_widest_vector_extension() -> None:
+    def info(flags: str) -> str:
+        return f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 {flags}\n"
+
+    assert cpu(info("avx2 avx512f avx512_bf16 avx512_vnni")) == "AMD EPYC, AVX-512 BF16"
+    assert cpu(info("avx2 avx512f")) == "AMD EPYC, AVX-512"
+    assert cpu(info("avx2 amx_tile avx512_bf16")) == "AMD EPYC, AMX"
+    assert cpu(info("avx2")) == "AMD EPYC, AVX2"
+    assert cpu(info("")) == "AMD EPYC, no AVX2"
+    assert cpu("") == "unknown CPU, no AVX2"
