@@ -107,8 +107,9 @@ async def test_quick_side_by_side_run_writes_every_table(
         assert 0 < row["machine busy %"]["median"] <= 100
         this = {k.removesuffix(" ms"): v["median"] for k, v in row.items() if k.endswith(" ms")}
         assert this["total"] >= this["benchmark process"]
+        summed = used.setdefault(system, {})
         for part, ms in this.items():
-            used.setdefault(system, {})[part] = used.get(system, {}).get(part, 0.0) + ms
+            summed[part] = summed.get(part, 0.0) + ms
     for system, parts in used.items():
         assert parts["benchmark process"] > 0, (system, parts)
         if system != "LangGraph":  # every other loop goes through the broker
