@@ -16,7 +16,7 @@ import json
 import multiprocessing
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.observer import Tally
 from alma_core.storage.postgres import connect
 from alma_core.storage.reader import CheckpointReader
-from bench.env import PARTITIONS, AlmaRun, checkpoint_worker, stack
+from bench.env import PARTITIONS, AlmaRun, checkpoint_worker, durable_floor, stack
 from bench.report import console, ms, pct, report
 from consumers.worker import Services, run_worker
 
@@ -100,7 +100,17 @@ def sent_at(record: Any) -> float:
     return float(dict(record.headers)["sent"])
 
 
-async def bare_hop(bootstrap: str, rate: float, seconds: float, size: int) -> list[float]:
+async def bare_hop(
+    bootstrap: str,
+    rate: float,
+    seconds: float,
+    size: int,
+    write: Callable[[list[bytes]], Awaitable[float]] | None = None,
+) -> list[float]:
+    """Publish → consumed per event through a plain consumer with the same settings;
+    with ``write`` (:func:`bench.env.durable_floor`), each polled batch is also made
+    durable, and what is returned is that write's time per event instead: the floor
+    under ALMA's own time, at the same offered load on the same cores."""
     topic = f"bench-hop-{uuid.uuid4().hex[:8]}"
     await ensure_topics(bootstrap, [topic], partitions=PARTITIONS)
     got: list[float] = []
@@ -119,7 +129,12 @@ async def bare_hop(bootstrap: str, rate: float, seconds: float, size: int) -> li
     while len(got) < total and time.monotonic() < deadline:
         batch = await consumer.getmany(timeout_ms=200)
         now = time.perf_counter()
-        got.extend(now - sent_at(r) for records in batch.values() for r in records)
+        records = [r for rs in batch.values() for r in rs]
+        if write is None:
+            got.extend(now - sent_at(r) for r in records)
+        elif records:
+            took = await write([r.value for r in records])
+            got.extend([took] * len(records))
     await consumer.stop()
     load.join()
     return got
@@ -247,6 +262,8 @@ async def main(quick: bool, out: Path | None) -> None:
                 rate_list = loads if size < 50_000 else [200]
                 for rate in rate_list:
                     hop = await bare_hop(services.kafka_bootstrap, rate, seconds, size)
+                    async with durable_floor(env.peer_dsn) as write:
+                        floor = await bare_hop(services.kafka_bootstrap, rate, seconds, size, write)
                     progress.advance(task)
                     lat, own, rss = await alma_latency(s, services, rate, seconds, size)
                     progress.advance(task)
@@ -262,6 +279,8 @@ async def main(quick: bool, out: Path | None) -> None:
                             ms(lat, 95),
                             ms(lat, 99),
                             f"{(pct(lat, 99) - pct(hop, 99)) * 1000:.1f}",
+                            ms(floor, 50),
+                            ms(floor, 99),
                             ms(own, 50),
                             ms(own, 99),
                             f"{rss:.0f}",
@@ -299,6 +318,8 @@ HEADERS = {
         "ALMA p95 ms",
         "ALMA p99 ms",
         "added p99 ms",
+        "durable floor p50 ms",
+        "durable floor p99 ms",
         "ALMA's own p50 ms",
         "ALMA's own p99 ms",
         "worker RSS MB",

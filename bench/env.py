@@ -16,7 +16,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import asyncpg
+import orjson
 from rich.progress import Progress, TaskID
 
 from alma_core import settings as settings_mod
@@ -305,6 +306,38 @@ async def checkpoint_processes(
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+FLOOR_TABLE = "durable_floor"
+
+
+@asynccontextmanager
+async def durable_floor(dsn: str) -> AsyncIterator[Callable[[list[bytes]], Awaitable[float]]]:
+    """The least any consumer must do to make a polled batch durable in PostgreSQL,
+    nothing of ALMA's in it: read each record's state (orjson, C), then one transaction
+    with one ``INSERT`` of the batch's states as ``jsonb`` (a table with a primary key
+    and no other index; committed with fsync, as ALMA's are). Yields ``write(values)``,
+    which returns the seconds that took. ``dsn``: the peers' database, so nothing is
+    added to ALMA's."""
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2)
+    try:
+        await pool.execute(
+            f"CREATE TABLE IF NOT EXISTS {FLOOR_TABLE} (id bigserial PRIMARY KEY, state jsonb)"
+        )
+
+        async def write(values: list[bytes]) -> float:
+            started = time.perf_counter()
+            states = [jsoncodec.compact(orjson.loads(v)["payload"]["state"]) for v in values]
+            async with pool.acquire() as conn, conn.transaction():
+                await conn.execute(
+                    f"INSERT INTO {FLOOR_TABLE} (state) SELECT s::jsonb FROM unnest($1::text[]) s",
+                    [s.decode() for s in states],
+                )
+            return time.perf_counter() - started
+
+        yield write
+    finally:
+        await pool.close()
 
 
 class Waiters:

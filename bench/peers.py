@@ -35,6 +35,7 @@ from bench.env import (
     Waiters,
     checkpoint_processes,
     checkpoint_worker,
+    durable_floor,
     node_completed,
 )
 from bench.report import Section, Stat, pct, ratio
@@ -178,10 +179,31 @@ async def alma_writes(
 
 
 async def bare_hop(
-    env: Env, state: dict[str, Any], writers: int, each: int, meter: CpuMeter | None = None
+    env: Env,
+    state: dict[str, Any],
+    writers: int,
+    each: int,
+    meter: CpuMeter | None = None,
+    *,
+    durable: bool = False,
 ) -> tuple[list[float], float]:
     """The same closed loop through a plain consumer with the same fetch wait: what the
-    broker alone gives, and so the most ALMA's loop could carry on it."""
+    broker alone gives, and so the most ALMA's loop could carry on it. ``durable``: the
+    consumer also makes each polled batch durable before the writers go on, in the least
+    way there is (:func:`bench.env.durable_floor`): the most any consumer that writes
+    to PostgreSQL could carry here."""
+    async with durable_floor(env.peer_dsn) as write:
+        return await _hop(env, state, writers, each, meter, write if durable else None)
+
+
+async def _hop(
+    env: Env,
+    state: dict[str, Any],
+    writers: int,
+    each: int,
+    meter: CpuMeter | None,
+    write: Callable[[list[bytes]], Awaitable[float]] | None,
+) -> tuple[list[float], float]:
     topic = await env.topic("hop")
     waiters = Waiters()
     consumer = AIOKafkaConsumer(
@@ -204,6 +226,8 @@ async def bare_hop(
     async def consume() -> None:
         while True:
             batch = await consumer.getmany(timeout_ms=200)
+            if batch and write is not None:
+                await write([r.value for records in batch.values() for r in records])
             now = time.perf_counter()
             for records in batch.values():
                 for r in records:
@@ -313,8 +337,12 @@ async def table_bytes(dsn: str, tables: tuple[str, ...]) -> tuple[int, int, int]
     return sizes[0], sum(sizes), rows
 
 
+HOP = "Kafka hop alone (same settings)"
+DURABLE_HOP = "Kafka hop + one INSERT per batch (same settings)"
+
+
 def _system_name(system: str) -> str:
-    return "Kafka hop alone (same settings)" if system == "hop" else system
+    return {"hop": HOP, "durable hop": DURABLE_HOP}.get(system, system)
 
 
 async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> None:
@@ -328,6 +356,18 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
         "write_ratio",
         "Checkpoint writes, ALMA ÷ LangGraph (paired repetitions)",
         ["state", "writers", "throughput ×", "p50 ×", "p99 ×"],
+    )
+    section.table(
+        "ceiling",
+        "What this broker and PostgreSQL allow on these cores: the least durable consumer "
+        "(hop + one INSERT per batch) ÷ LangGraph, and ALMA ÷ it (checkpoints/s, paired)",
+        [
+            "state",
+            "writers",
+            "durable hop ÷ LangGraph",
+            "ALMA ÷ durable hop",
+            "ALMA, own process ÷ durable hop",
+        ],
     )
     section.table(
         "cpu",
@@ -357,7 +397,12 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
                 each = (20 if big else 40) if env.quick else (50 if big else 150)
             else:
                 each = (2 if big else 4) if env.quick else (8 if big else 20)
-            got: dict[str, list[dict[str, float]]] = {"ALMA": [], "LangGraph": [], "hop": []}
+            got: dict[str, list[dict[str, float]]] = {
+                "ALMA": [],
+                "LangGraph": [],
+                "hop": [],
+                "durable hop": [],
+            }
             if writers > 1:
                 got[OWN_PROCESS] = []
             cpu: dict[str, list[dict[str, float]]] = {k: [] for k in got}
@@ -368,6 +413,10 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
                     ("ALMA", partial(alma_writes, env, state, writers, each, meter=meter)),
                     ("LangGraph", partial(langgraph_writes, pool, state, writers, each, meter)),
                     ("hop", partial(bare_hop, env, state, writers, each, meter)),
+                    (
+                        "durable hop",
+                        partial(bare_hop, env, state, writers, each, meter, durable=True),
+                    ),
                 ]
                 if writers > 1:
                     own = partial(alma_writes, env, state, writers, each, process=True, meter=meter)
@@ -404,6 +453,12 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
                 ratios = [ratio(a[k], lg[k]) for k in ("per_s", "p50", "p99")]
                 shape = "" if system == "ALMA" else " (checkpointer in its own process)"
                 section.add("write_ratio", [label, f"{writers}{shape}", *ratios])
+            durable = Stat([r["per_s"] for r in got["durable hop"]])
+            ceiling = [ratio(durable, lg["per_s"])]
+            for system in ("ALMA", OWN_PROCESS):
+                if system in got:
+                    ceiling.append(ratio(Stat([r["per_s"] for r in got[system]]), durable))
+            section.add("ceiling", [label, writers, *ceiling, *(["—"] * (3 - len(ceiling)))])
             for system, shares in cpu.items():
                 if shares:
                     section.add(

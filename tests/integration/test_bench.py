@@ -73,6 +73,7 @@ async def test_quick_side_by_side_run_writes_every_table(
     assert set(tables) == {
         "writes",
         "write_ratio",
+        "ceiling",
         "cpu",
         "capacity",
         "storage",
@@ -92,13 +93,29 @@ async def test_quick_side_by_side_run_writes_every_table(
     assert {(r["state"], r["writers"], r["system"]) for r in writes} >= expected
     assert all(r["checkpoints/s"]["median"] > 0 for r in writes)
     hop = "Kafka hop alone (same settings)"
-    assert {r["writers"] for r in writes if r["system"] == hop} == {1, 50}
+    durable = "Kafka hop + one INSERT per batch (same settings)"
+    for system in (hop, durable):
+        assert {r["writers"] for r in writes if r["system"] == system} == {1, 50}
+    # the ceiling: the least durable consumer against LangGraph, and ALMA against it
+    ceiling = {(r["state"], r["writers"]): r for r in tables["ceiling"]["rows"]}
+    assert set(ceiling) == {(s, w) for s in ("5 KB", "100 KB") for w in (1, 50)}
+    for (_, writers), row in ceiling.items():
+        assert row["durable hop ÷ LangGraph"]["median"] > 0
+        assert row["ALMA ÷ durable hop"]["median"] > 0
+        own = row["ALMA, own process ÷ durable hop"]
+        assert own == "—" if writers == 1 else own["median"] > 0
     # where the CPU goes, measured from the processes themselves: each system's own parts
     cpu = {(r["state"], r["system"]): r for r in tables["cpu"]["rows"]}
     assert set(cpu) == {
         (s, system)
         for s in ("5 KB", "100 KB")
-        for system in ("ALMA", "ALMA, checkpointer in its own process", "LangGraph", hop)
+        for system in (
+            "ALMA",
+            "ALMA, checkpointer in its own process",
+            "LangGraph",
+            hop,
+            durable,
+        )
     }
     # CPU times come in clock ticks (10 ms): a part that did little in a quick 5 KB loop
     # can read 0 on a fast machine, so each part is checked over both state sizes.
