@@ -266,6 +266,12 @@ class Settings(BaseSettings):
 
     # Process.
     metrics_port: int = Field(default=9464, ge=0, le=65535)
+    gc_freeze: bool = Field(
+        default=True,
+        description="`alma worker` and `alma up` freeze the objects alive once their "
+        "workers are ready out of Python's garbage collector's sight (a full collection "
+        "of a worker with the embedding model loaded stalls it ~250 ms otherwise)",
+    )
     log_format: Literal["json", "console"] = "console"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 

@@ -7,6 +7,10 @@ tenant or node id). Meanings are in ``docs/metrics.md``.
 from __future__ import annotations
 
 import contextlib
+import gc
+import time
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import (
     REGISTRY,
@@ -129,6 +133,14 @@ class Metrics:
             "Records this group applied beyond the end of the broker's log (the broker "
             "lost or replaced it): the partition is paused until `alma offsets reset`",
             ["consumer", "topic", "partition"],
+            registry=r,
+        )
+        self.gc_pause_seconds = Histogram(
+            "alma_gc_pause_seconds",
+            "Pauses of Python's cyclic garbage collector, by generation: the worker's event "
+            "loop (every consumer in the process) stands still meanwhile",
+            ["generation"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
             registry=r,
         )
         self.assigned_partitions = Gauge(
@@ -281,3 +293,24 @@ class ExporterMetrics:
             "Time to read the groups' offsets and the partitions' ends",
             registry=r,
         )
+
+
+@contextlib.contextmanager
+def gc_pauses(metrics: Metrics) -> Iterator[None]:
+    """Time every collection of Python's cyclic garbage collector into
+    ``alma_gc_pause_seconds`` while the block runs (a callback of the ``gc`` module:
+    process-wide, one clock read at each start and stop)."""
+    started = [0.0]
+
+    def on_collection(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pause = time.perf_counter() - started[0]
+            metrics.gc_pause_seconds.labels(str(info["generation"])).observe(pause)
+
+    gc.callbacks.append(on_collection)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(on_collection)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from alma_core.storage.joins import JoinConfig, PostgresJoinStore
 from alma_core.storage.memories import LearnConfig, PostgresLearnStore, check_dimension
 from alma_core.storage.migrations import Migrator, compatibility, load_migrations
 from consumers import checkpointer, http, joiner, learner
-from consumers.metrics import Metrics
+from consumers.metrics import Metrics, gc_pauses
 from consumers.outbox import OutboxRelay
 from consumers.runtime import (
     BatchHandler,
@@ -233,7 +234,40 @@ async def run_worker(
     async with http.serve(settings.metrics_port, metrics.registry, health) as port:
         if status is not None:
             status.http_port = port
-        await _run(settings, services, consumers, stop, metrics, health, ready, embedder)
+        with gc_pauses(metrics):
+            await _run(settings, services, consumers, stop, metrics, health, ready, embedder)
+
+
+def freeze_heap() -> int:
+    """Put everything alive after start-up (modules, pools, clients and, with the
+    learner, the embedding model: ~480,000 objects) out of the cyclic garbage
+    collector's sight, so a full collection walks only what was made since. Unfrozen, one
+    full collection of a worker with the model loaded took ~250 ms here, the event loop
+    (every consumer) standing still; a checkpointer-only worker's, ~25 ms. Garbage is
+    collected first, so none is kept. Process-wide: the CLI's long-running commands call
+    it once their workers are ready (``ALMA_GC_FREEZE``); a library never should. What
+    was frozen and dies later in a reference cycle is not reclaimed: start-up objects
+    live as long as the process. Returns how many objects are frozen."""
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    log.info(
+        "start-up objects frozen out of the garbage collector's sight",
+        extra={"action": "heap_frozen", "objects": frozen},
+    )
+    return frozen
+
+
+async def freeze_when_ready(ready: asyncio.Event, stop: asyncio.Event) -> None:
+    """:func:`freeze_heap` once ``ready`` is set (nothing if ``stop`` comes first)."""
+    waiters = [asyncio.ensure_future(ready.wait()), asyncio.ensure_future(stop.wait())]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+    if ready.is_set() and not stop.is_set():
+        freeze_heap()
 
 
 async def _run(

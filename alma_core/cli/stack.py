@@ -27,7 +27,13 @@ from alma_core.settings import Settings, for_broker
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.storage.migrations import Migrator
 from consumers.lag import run_lag_exporter
-from consumers.worker import KNOWN_CONSUMERS, WorkerStatus, run_worker
+from consumers.worker import (
+    KNOWN_CONSUMERS,
+    WorkerStatus,
+    freeze_heap,
+    freeze_when_ready,
+    run_worker,
+)
 from consumers.worker import Services as WorkerServices
 
 WORKERS_DRAIN_S = 30.0  # how long the workers get to stop after a service died
@@ -81,6 +87,8 @@ def up(
             common.out.print(f"endpoints written to {endpoints_file} (readable by its owner only)")
             stop = _stop_on_signals()
             workers, status = await start_workers(ws, endpoints, stop)
+            if ws.gc_freeze:
+                freeze_heap()
             common.out.print(f"workers running: {', '.join(KNOWN_CONSUMERS)}")
             base = f"http://127.0.0.1:{status.http_port}"
             common.out.print(
@@ -179,8 +187,13 @@ def worker(
 
     async def main() -> None:
         services = WorkerServices(common.bootstrap(s), common.dsn(s), common.redis_url(s))
-        stop = _stop_on_signals()
-        await run_worker(s, services, names, stop)
+        stop, ready = _stop_on_signals(), asyncio.Event()
+        freezing = asyncio.create_task(freeze_when_ready(ready, stop)) if s.gc_freeze else None
+        try:
+            await run_worker(s, services, names, stop, ready=ready)
+        finally:
+            if freezing is not None:
+                freezing.cancel()
 
     common.run(main)
 
