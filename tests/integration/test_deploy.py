@@ -86,6 +86,7 @@ def test_every_metric_in_rules_and_dashboard_exists() -> None:
         "resident memory",
         "cpu",
         "file descriptors",
+        "garbage-collector pauses",
     ):
         assert panel in titles
     ids = [p["id"] for p in dashboard["panels"]]
