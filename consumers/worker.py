@@ -244,7 +244,8 @@ def freeze_heap() -> int:
     collector's sight, so a full collection walks only what was made since. Unfrozen, one
     full collection of a worker with the model loaded took ~250 ms here, the event loop
     (every consumer) standing still; a checkpointer-only worker's, ~25 ms. Garbage is
-    collected first, so none is kept. Process-wide: the CLI's long-running commands call
+    collected first, so none is kept: that collection is the last full walk of the
+    start-up objects, one such pause at start. Process-wide: the CLI's long-running commands call
     it once their workers are ready (``ALMA_GC_FREEZE``); a library never should. What
     was frozen and dies later in a reference cycle is not reclaimed: start-up objects
     live as long as the process. Returns how many objects are frozen."""
