@@ -192,8 +192,10 @@ async def bare_hop(
     consumer also makes each polled batch durable before the writers go on, in the least
     way there is (:func:`bench.env.durable_floor`): the most any consumer that writes
     to PostgreSQL could carry here."""
+    if not durable:
+        return await _hop(env, state, writers, each, meter, None)
     async with durable_floor(env.peer_dsn) as write:
-        return await _hop(env, state, writers, each, meter, write if durable else None)
+        return await _hop(env, state, writers, each, meter, write)
 
 
 async def _hop(
