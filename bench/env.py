@@ -327,11 +327,13 @@ async def durable_floor(dsn: str) -> AsyncIterator[Callable[[list[bytes]], Await
 
         async def write(values: list[bytes]) -> float:
             started = time.perf_counter()
-            states = [jsoncodec.compact(orjson.loads(v)["payload"]["state"]) for v in values]
+            states = [
+                jsoncodec.compact(orjson.loads(v)["payload"]["state"]).decode() for v in values
+            ]
             async with pool.acquire() as conn, conn.transaction():
                 await conn.execute(
                     f"INSERT INTO {FLOOR_TABLE} (state) SELECT s::jsonb FROM unnest($1::text[]) s",
-                    [s.decode() for s in states],
+                    states,
                 )
             return time.perf_counter() - started
 

@@ -245,10 +245,10 @@ def freeze_heap() -> int:
     full collection of a worker with the model loaded took ~250 ms here, the event loop
     (every consumer) standing still; a checkpointer-only worker's, ~25 ms. Garbage is
     collected first, so none is kept: that collection is the last full walk of the
-    start-up objects, one such pause at start. Process-wide: the CLI's long-running commands call
-    it once their workers are ready (``ALMA_GC_FREEZE``); a library never should. What
-    was frozen and dies later in a reference cycle is not reclaimed: start-up objects
-    live as long as the process. Returns how many objects are frozen."""
+    start-up objects, one such pause at start. Process-wide: the CLI's long-running
+    commands call it once their workers are ready (``ALMA_GC_FREEZE``); a library never
+    should. What was frozen and dies later in a reference cycle is not reclaimed:
+    start-up objects live as long as the process. Returns how many objects are frozen."""
     gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()
@@ -259,16 +259,11 @@ def freeze_heap() -> int:
     return frozen
 
 
-async def freeze_when_ready(ready: asyncio.Event, stop: asyncio.Event) -> None:
-    """:func:`freeze_heap` once ``ready`` is set (nothing if ``stop`` comes first)."""
-    waiters = [asyncio.ensure_future(ready.wait()), asyncio.ensure_future(stop.wait())]
-    try:
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waiters:
-            w.cancel()
-    if ready.is_set() and not stop.is_set():
-        freeze_heap()
+async def freeze_when_ready(ready: asyncio.Event) -> None:
+    """:func:`freeze_heap` once ``ready`` is set (the caller cancels it if the worker
+    ends first)."""
+    await ready.wait()
+    freeze_heap()
 
 
 async def _run(

@@ -188,7 +188,7 @@ def worker(
     async def main() -> None:
         services = WorkerServices(common.bootstrap(s), common.dsn(s), common.redis_url(s))
         stop, ready = _stop_on_signals(), asyncio.Event()
-        freezing = asyncio.create_task(freeze_when_ready(ready, stop)) if s.gc_freeze else None
+        freezing = asyncio.create_task(freeze_when_ready(ready)) if s.gc_freeze else None
         try:
             await run_worker(s, services, names, stop, ready=ready)
         finally:
