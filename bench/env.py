@@ -31,12 +31,12 @@ from alma_core import settings as settings_mod
 from alma_core.cli.embedded import EmbeddedStack, free_port
 from alma_core.cli.topics import alma_topics, ensure_topics
 from alma_core.reducers import ReducerRegistry
+from alma_core.storage import offsets
 from alma_core.storage.batches import Incoming
 from alma_core.storage.checkpoints import PostgresCheckpointStore, StoreConfig
 from alma_core.storage.migrations import Migrator
 from alma_core.storage.reader import CheckpointReader
 from consumers import checkpointer
-from consumers.runtime import HandleResult
 from consumers.worker import Services, run_worker
 from schemas import jsoncodec
 from schemas.decoder import decode
@@ -195,7 +195,7 @@ class SignallingHandler(checkpointer.CheckpointHandler):
         cluster_id: str,
         batch: dict[Any, list[Any]],
         read_from: dict[Any, int] | None = None,
-    ) -> HandleResult:
+    ) -> offsets.Progress:
         started = time.perf_counter()
         result = await super().handle(cluster_id, batch, read_from)
         now = time.perf_counter()
@@ -393,7 +393,7 @@ class AlmaRun:
             records.append(Incoming("bench", 0, self.offset, self.run.encode(), raw, decode(raw)))
             self.offset += 1
         for lo in range(0, count, 250):
-            await self.store.apply(f"c-{self.run}", {("bench", 0): records[lo : lo + 250]})
+            await self.store.apply(f"c-{self.run}", {("bench", 0): records[lo : lo + 250]}, None)
 
     async def latest(self) -> None:
         await self.reader.branch_heads(self.run)  # what resume() reads

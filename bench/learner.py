@@ -34,6 +34,7 @@ from rich.progress import Progress
 from alma_core import scopes
 from alma_core import settings as settings_mod
 from alma_core.cli.topics import ensure_topics
+from alma_core.storage import offsets
 from alma_core.storage.embeddings import AsyncEmbedder, Vector, load_embedder
 from alma_core.storage.postgres import connect
 from alma_core.storage.retrieval import Retriever
@@ -41,7 +42,6 @@ from alma_core.types import RetrievalScope, WorkflowContext
 from bench.env import PARTITIONS, stack
 from bench.report import console, ms, report
 from consumers import learner
-from consumers.runtime import HandleResult
 from consumers.worker import Services, run_worker
 
 DIM = 384
@@ -89,7 +89,7 @@ class TimedLearnHandler(learner.LearnHandler):
         cluster_id: str,
         batch: dict[Any, list[Any]],
         read_from: dict[Any, int] | None = None,
-    ) -> HandleResult:
+    ) -> offsets.Progress:
         started = time.perf_counter()
         result = await super().handle(cluster_id, batch, read_from)
         now = datetime.now(UTC)

@@ -110,7 +110,9 @@ class Writer:
         times = []
         for lo in range(0, len(records), BATCH):
             started = time.perf_counter()
-            await self.store.apply(f"c-{self.name}", {(self.name, 0): records[lo : lo + BATCH]})
+            await self.store.apply(
+                f"c-{self.name}", {(self.name, 0): records[lo : lo + BATCH]}, None
+            )
             times.append(time.perf_counter() - started)
         return times
 

@@ -1,8 +1,16 @@
-"""What every consumer group's batch handler shares: decode a polled batch, apply it
-through a store that keeps its offsets in PostgreSQL (isolating a record that fails),
-then the one post-commit step: metrics and logs of dead letters, the cache, the
-outbox, the offsets for Kafka. A handler adds its own metrics (``observe``) and, for
-the learner, the work before the transaction (``prepare``)."""
+"""What every consumer group's batch handler shares, top to bottom:
+
+1. decode the polled batch (:meth:`StoreHandler.decode_batch`);
+2. prepare what the store needs before its transaction (:meth:`StoreHandler.prepare`:
+   the learner's drafts and embeddings; nothing for the others);
+3. apply it through the store, one transaction per group of partitions
+   (:meth:`~alma_core.storage.batches.BatchStore.apply`), record by record if the batch
+   fails, so one record never stops a partition (:meth:`StoreHandler.apply`);
+4. the one post-commit step: metrics and logs, the cache, the outbox
+   (:meth:`StoreHandler.after_commit`);
+5. hand the runtime the batch's :class:`~alma_core.storage.offsets.Progress`.
+
+A handler adds its own metrics (``observe``) and, for the learner, ``prepare``."""
 
 from __future__ import annotations
 
@@ -10,48 +18,31 @@ import asyncio
 import base64
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol
 
 from alma_core import errors
 from alma_core.storage.batches import (
+    Applied,
     Batch,
-    BatchOutcome,
+    BatchStore,
+    EffectsT,
     Incoming,
+    PreparedT,
     dead_letter_for,
     dead_letter_headers,
 )
 from alma_core.storage.cache import CacheWriter
-from alma_core.storage.offsets import PartitionKey
+from alma_core.storage.offsets import PartitionKey, Progress
 from consumers.metrics import Metrics
-from consumers.runtime import HandleResult
 from schemas.decoder import Rejection, RejectReason, decode
 
 log = logging.getLogger("alma.consumers")
 
-OutcomeT = TypeVar("OutcomeT", bound=BatchOutcome)
-
 # A batch is split into concurrent transactions only where each carries this much
 # record data: below it a second transaction's fixed cost (its round trips and their
-# Python) outweighs the PostgreSQL work it takes off the first. Measured on 2 cores:
-# 100 KB states, 50 writers, +30 % checkpoints/s split in two; 1 KB states at 1,000
-# events/s, ~4 ms more p50 latency split (batches of ~100 KB).
+# Python) outweighs the PostgreSQL work it takes off the first (docs/checkpointer.md).
 SPLIT_BYTES = 256 * 1024
-Apply = Callable[[str, Batch], Awaitable[OutcomeT]]
-
-
-class OffsetStore(Protocol):
-    """What the handler itself asks of its store (the batch goes through ``Apply``):
-    :class:`~alma_core.storage.batches.BatchStore` in a worker."""
-
-    dlq_topic: str
-
-    async def stored_offsets(
-        self, cluster_id: str, partitions: list[PartitionKey]
-    ) -> dict[PartitionKey, int]: ...
-
-    async def skip(self, cluster_id: str, batch: Batch) -> tuple[BatchOutcome, bool]: ...
 
 
 class Relay(Protocol):
@@ -66,14 +57,12 @@ class Relay(Protocol):
     async def sweep(self, *, force: bool = False) -> int: ...
 
 
-class StoreHandler(Generic[OutcomeT]):
+class StoreHandler(Generic[PreparedT, EffectsT]):
     name = "handler"
-    # The store's outcome type: built empty (offsets only) when a record is skipped.
-    result_type: type[OutcomeT]
 
     def __init__(
         self,
-        store: OffsetStore,
+        store: BatchStore[PreparedT, EffectsT],
         cache: CacheWriter | None,
         relay: Relay,
         metrics: Metrics,
@@ -113,39 +102,36 @@ class StoreHandler(Generic[OutcomeT]):
         cluster_id: str,
         batch: dict[PartitionKey, list[Any]],
         read_from: dict[PartitionKey, int] | None = None,
-    ) -> HandleResult:
-        """Decode, prepare, apply (record by record if the batch fails), then the
-        post-commit step for every outcome. ``read_from``: where the consumer read each
-        partition's records from, when it knows."""
+    ) -> Progress:
+        """Decode, prepare, apply, post-commit; the batch's progress. ``read_from``: where
+        the consumer read each partition's records from, when it knows. A retriable
+        :class:`errors.StorageError` goes up (the runtime retries the batch)."""
         started = time.perf_counter()
-        incoming = self.decode_batch(batch, read_from or {})
-        apply = await self.prepare(incoming)
-        out = HandleResult()
+        incoming, prepared = await self.prepare(self.decode_batch(batch, read_from or {}))
         groups = partition_groups(incoming, self._transactions(incoming))
         if len(groups) == 1:
-            done: list[list[OutcomeT] | BaseException] = [
-                await self.apply_all(cluster_id, incoming, apply)
+            done: list[list[Applied[EffectsT]] | BaseException] = [
+                await self.apply(cluster_id, incoming, prepared)
             ]
         else:
             # every group to its end, then the post-commit step of those that committed;
             # a failure is raised after it (the retry finds their records applied)
             done = await asyncio.gather(
-                *(self.apply_all(cluster_id, g, apply) for g in groups), return_exceptions=True
+                *(self.apply(cluster_id, g, prepared) for g in groups), return_exceptions=True
             )
-        for outcomes in done:
-            if isinstance(outcomes, BaseException):
+        parts: list[Progress] = []
+        for applied in done:
+            if isinstance(applied, BaseException):
                 continue
-            for outcome in outcomes:
-                self.observe(outcome)
-                await self.after_commit(outcome)
-                out.next_offsets.update(outcome.next_offsets)
-                out.seeks.update(outcome.seeks)
-        for outcomes in done:
-            if isinstance(outcomes, BaseException):
-                raise outcomes
+            for part in applied:
+                await self.after_commit(part)
+                parts.append(part.progress)
+        for applied in done:
+            if isinstance(applied, BaseException):
+                raise applied
         self.metrics.batch_seconds.labels(self.name).observe(time.perf_counter() - started)
         self.metrics.batch_size.labels(self.name).observe(sum(len(rs) for rs in incoming.values()))
-        return out
+        return Progress.of(parts)
 
     def _transactions(self, incoming: Batch) -> int:
         """How many transactions this batch is worth (see SPLIT_BYTES)."""
@@ -154,22 +140,23 @@ class StoreHandler(Generic[OutcomeT]):
         size = sum(len(r.value or b"") for records in incoming.values() for r in records)
         return max(1, min(self.concurrency, size // SPLIT_BYTES))
 
-    async def prepare(self, incoming: Batch) -> Apply[OutcomeT]:
-        """Work before the transaction (reads, embeddings); returns how to apply a batch
-        or a part of it."""
+    async def prepare(self, incoming: Batch) -> tuple[Batch, PreparedT]:
+        """Work before the transaction (reads, embeddings): the batch to apply (a record
+        that cannot be prepared becomes a rejection) and what the store needs of it."""
         raise NotImplementedError
 
-    def observe(self, outcome: OutcomeT) -> None:
-        """The handler's own metrics of a committed batch."""
+    def observe(self, effects: EffectsT) -> None:
+        """The handler's own metrics of a committed batch's effects."""
 
-    async def after_commit(self, outcome: BatchOutcome) -> None:
+    async def after_commit(self, applied: Applied[EffectsT]) -> None:
         """The same for every group, once the batch is durable: count and log its dead
         letters and redeliveries, write the cache (never back: guarantee 4), publish
         the outbox."""
         m = self.metrics
-        if outcome.already_applied:
-            m.duplicates.labels(self.name).inc(outcome.already_applied)
-        for (topic, partition), (start, end) in outcome.holes.items():
+        progress, effects = applied.progress, applied.effects
+        if progress.already_applied:
+            m.duplicates.labels(self.name).inc(progress.already_applied)
+        for (topic, partition), (start, end) in progress.holes.items():
             m.offsets_skipped.labels(self.name).inc(end - start)
             log.log(
                 logging.INFO if end - start == 1 else logging.WARNING,
@@ -184,7 +171,10 @@ class StoreHandler(Generic[OutcomeT]):
                     "to_offset": end,
                 },
             )
-        for dl in outcome.dead_letters:
+        if effects is None:
+            return
+        self.observe(effects)
+        for dl in effects.dead_letters:
             m.dead_letters.labels(self.name, dl.reason).inc()
             log.warning(
                 "dead letter",
@@ -200,12 +190,12 @@ class StoreHandler(Generic[OutcomeT]):
                 },
             )
         if self.cache is not None:
-            if outcome.cache_writes:
-                ok = await self.cache.write(outcome.cache_writes)
-                m.cache.labels("write" if ok else "write_error").inc(len(outcome.cache_writes))
-            if outcome.cache_forgets:
-                await self.cache.forget(outcome.cache_forgets)
-        await self.relay.publish(outcome.outbox_ids)
+            if effects.cache_writes:
+                ok = await self.cache.write(effects.cache_writes)
+                m.cache.labels("write" if ok else "write_error").inc(len(effects.cache_writes))
+            if effects.cache_forgets:
+                await self.cache.forget(effects.cache_forgets)
+        await self.relay.publish(applied.outbox_ids)
 
     def decode_batch(
         self, batch: dict[PartitionKey, list[Any]], read_from: dict[PartitionKey, int]
@@ -234,15 +224,15 @@ class StoreHandler(Generic[OutcomeT]):
             out[tp] = decoded
         return out
 
-    async def apply_all(
-        self, cluster_id: str, batch: Batch, apply: Apply[OutcomeT]
-    ) -> list[OutcomeT]:
+    async def apply(
+        self, cluster_id: str, batch: Batch, prepared: PreparedT
+    ) -> list[Applied[EffectsT]]:
         """Apply a batch. Unless the failure is the server's (a retriable StorageError:
         the runtime pauses and retries), apply its records one by one and dead-letter
         the one that fails alone — refused by PostgreSQL (``storage_rejected``) or any
         other error (``internal_error``) — so no record can stop a partition."""
         try:
-            return [await apply(cluster_id, batch)]
+            return [await self._transaction(cluster_id, batch, prepared)]
         except Exception as exc:  # noqa: BLE001 - isolated below, retriable ones re-raised
             reraise_retriable(exc)
             log.warning(
@@ -254,16 +244,24 @@ class StoreHandler(Generic[OutcomeT]):
                 },
             )
         return [
-            await self._apply_alone(cluster_id, tp, record, apply)
+            await self._apply_alone(cluster_id, tp, record, prepared)
             for tp, records in batch.items()
             for record in records
         ]
 
+    async def _transaction(
+        self, cluster_id: str, batch: Batch, prepared: PreparedT
+    ) -> Applied[EffectsT]:
+        started = time.perf_counter()
+        applied = await self.store.apply(cluster_id, batch, prepared)
+        self.metrics.transaction_seconds.labels(self.name).observe(time.perf_counter() - started)
+        return applied
+
     async def _apply_alone(
-        self, cluster_id: str, tp: PartitionKey, record: Incoming, apply: Apply[OutcomeT]
-    ) -> OutcomeT:
+        self, cluster_id: str, tp: PartitionKey, record: Incoming, prepared: PreparedT
+    ) -> Applied[EffectsT]:
         try:
-            return await apply(cluster_id, {tp: [record]})
+            return await self._transaction(cluster_id, {tp: [record]}, prepared)
         except Exception as exc:  # noqa: BLE001 - dead-lettered below
             reraise_retriable(exc)
             if isinstance(record.decoded, Rejection):  # its dead letter is what failed
@@ -276,23 +274,22 @@ class StoreHandler(Generic[OutcomeT]):
             failure = failure_text(exc)
         rejected = as_rejected(record, reason, failure)
         try:
-            return await apply(cluster_id, {tp: [rejected]})
+            return await self._transaction(cluster_id, {tp: [rejected]}, prepared)
         except Exception as exc:  # noqa: BLE001 - the last resort below
             reraise_retriable(exc)
             return await self._last_resort(cluster_id, tp, rejected, failure_text(exc))
 
     async def _last_resort(
         self, cluster_id: str, tp: PartitionKey, record: Incoming, failure: str
-    ) -> OutcomeT:
+    ) -> Applied[EffectsT]:
         """Even the dead-letter row was refused: move the partition past the record, send
         the record to the dead-letter topic directly, log it whole and count it
         (``alma_dead_letter_failures_total`` raises an alert). Nothing is lost: the
         bytes are in the dead-letter topic (or, if that fails too, in the log), and the
         record stays at its offset in the source topic."""
-        skipped, any_left = await self.store.skip(cluster_id, {tp: [record]})
-        result = self.result_type(next_offsets=skipped.next_offsets, seeks=skipped.seeks)
+        progress, any_left = await self.store.skip(cluster_id, {tp: [record]})
         if not any_left:
-            return result  # already past it (a redelivery): nothing to do
+            return Applied(progress)  # already past it (a redelivery): nothing to do
         assert isinstance(record.decoded, Rejection)
         letter = dead_letter_for(record, record.decoded)
         headers = {**dead_letter_headers(self.name, letter), "alma.dead_letter_stored": "false"}
@@ -319,7 +316,7 @@ class StoreHandler(Generic[OutcomeT]):
                 "value_base64": base64.b64encode(record.value or b"").decode(),
             },
         )
-        return result
+        return Applied(progress)
 
 
 def partition_groups(batch: Batch, n: int) -> list[Batch]:

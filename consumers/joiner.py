@@ -6,27 +6,25 @@ its offsets past them."""
 from __future__ import annotations
 
 from alma_core.storage.batches import Batch
-from alma_core.storage.joins import JoinOutcome, PostgresJoinStore
-from consumers.handler import Apply, StoreHandler
+from alma_core.storage.joins import JoinEffects
+from consumers.handler import StoreHandler
 
 NAME = "joiner"
 GROUP = "joiner"
 
 
-class JoinHandler(StoreHandler[JoinOutcome]):
+class JoinHandler(StoreHandler[None, JoinEffects]):
     name = NAME
-    result_type = JoinOutcome
-    store: PostgresJoinStore
 
-    async def prepare(self, incoming: Batch) -> Apply[JoinOutcome]:
-        return self.store.apply
+    async def prepare(self, incoming: Batch) -> tuple[Batch, None]:
+        return incoming, None  # everything a merge needs is read in its transaction
 
-    def observe(self, outcome: JoinOutcome) -> None:
+    def observe(self, effects: JoinEffects) -> None:
         m = self.metrics
-        for result, n in outcome.outcomes.items():
+        for result, n in effects.outcomes.items():
             m.merges.labels(result).inc(n)
             m.events.labels(NAME, "branch.join", result).inc(n)
-        for seconds in outcome.merge_seconds:
+        for seconds in effects.merge_seconds:
             m.merge_seconds.observe(seconds)
-        for cp in outcome.checkpoints:
+        for cp in effects.checkpoints:
             m.checkpoints.labels(NAME, cp.kind).inc()

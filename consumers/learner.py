@@ -21,8 +21,8 @@ from alma_core.storage import retention
 from alma_core.storage.batches import Batch
 from alma_core.storage.cache import CacheWriter
 from alma_core.storage.embeddings import AsyncEmbedder
-from alma_core.storage.memories import LearnOutcome, PostgresLearnStore, Prepared
-from consumers.handler import Apply, StoreHandler, as_rejected, failure_text, reraise_retriable
+from alma_core.storage.memories import LearnEffects, PostgresLearnStore, Prepared
+from consumers.handler import StoreHandler, as_rejected, failure_text, reraise_retriable
 from consumers.metrics import Metrics
 from consumers.outbox import OutboxRelay
 from schemas.decoder import RejectReason
@@ -34,9 +34,8 @@ NAME = "learner"
 GROUP = "learner"
 
 
-class LearnHandler(StoreHandler[LearnOutcome]):
+class LearnHandler(StoreHandler[dict[Coordinates, Prepared], LearnEffects]):
     name = NAME
-    result_type = LearnOutcome
     store: PostgresLearnStore
 
     def __init__(
@@ -66,34 +65,27 @@ class LearnHandler(StoreHandler[LearnOutcome]):
         self._last_prune = 0.0
         self._behind = False  # the last round stopped at its limit: prune again next round
 
-    async def prepare(self, incoming: Batch) -> Apply[LearnOutcome]:
-        """Draft and embed the completions first (no transaction open meanwhile)."""
-        prepared = await self._prepare_isolated(incoming)
-
-        async def apply(cluster_id: str, part: Batch) -> LearnOutcome:
-            return await self.store.apply(cluster_id, part, prepared)
-
-        return apply
-
-    async def _prepare_isolated(self, incoming: Batch) -> dict[Coordinates, Prepared]:
-        """Prepare the batch; if that fails for a reason other than the server's, prepare
-        record by record, and a record that fails alone becomes an ``internal_error``
-        rejection (dead-lettered, replayable) instead of stopping the partition."""
+    async def prepare(self, incoming: Batch) -> tuple[Batch, dict[Coordinates, Prepared]]:
+        """Draft and embed the completions first (no transaction open meanwhile). If
+        that fails for a reason other than the server's, prepare record by record, and a
+        record that fails alone becomes an ``internal_error`` rejection (dead-lettered,
+        replayable) instead of stopping the partition."""
         try:
-            return await self._draft_and_embed(incoming)
+            return incoming, await self._draft_and_embed(incoming)
         except Exception as exc:  # noqa: BLE001 - isolated below, retriable ones re-raised
             reraise_retriable(exc)
         prepared: dict[Coordinates, Prepared] = {}
+        batch: Batch = {}
         for tp, records in incoming.items():
-            for i, record in enumerate(records):
+            for record in records:
                 try:
                     prepared.update(await self._draft_and_embed({tp: [record]}))
                 except Exception as exc:  # noqa: BLE001 - dead-lettered as internal_error
                     reraise_retriable(exc)
-                    records[i] = as_rejected(
-                        record, RejectReason.INTERNAL_ERROR, f"preparing: {failure_text(exc)}"
-                    )
-        return prepared
+                    failure = f"preparing: {failure_text(exc)}"
+                    record = as_rejected(record, RejectReason.INTERNAL_ERROR, failure)
+                batch.setdefault(tp, []).append(record)
+        return batch, prepared
 
     async def _draft_and_embed(self, incoming: Batch) -> dict[Coordinates, Prepared]:
         """Draft and embed every completion not learned yet (reads only, no transaction)."""
@@ -159,18 +151,18 @@ class LearnHandler(StoreHandler[LearnOutcome]):
                 extra={"action": "prune", "rows": rows, "runs": pruned.runs, "more": pruned.more},
             )
 
-    def observe(self, outcome: LearnOutcome) -> None:
+    def observe(self, effects: LearnEffects) -> None:
         m = self.metrics
-        if outcome.outcomes:
-            m.outcomes.labels("stored").inc(outcome.outcomes)
-            m.events.labels(NAME, "workflow.completed", "stored").inc(outcome.outcomes)
-        if outcome.duplicates:
-            m.outcomes.labels("duplicate").inc(outcome.duplicates)
-            m.duplicates.labels(NAME).inc(outcome.duplicates)
-        for kind, n in outcome.memories.items():
+        if effects.outcomes:
+            m.outcomes.labels("stored").inc(effects.outcomes)
+            m.events.labels(NAME, "workflow.completed", "stored").inc(effects.outcomes)
+        if effects.duplicates:
+            m.outcomes.labels("duplicate").inc(effects.duplicates)
+            m.duplicates.labels(NAME).inc(effects.duplicates)
+        for kind, n in effects.memories.items():
             m.memories.labels(kind).inc(n)
-        if outcome.checkpoints_removed:
-            m.checkpoints_pruned.labels("cleanup").inc(outcome.checkpoints_removed)
+        if effects.checkpoints_removed:
+            m.checkpoints_pruned.labels("cleanup").inc(effects.checkpoints_removed)
 
 
 def _finished(e: WorkflowCompleted) -> learning.FinishedRun:

@@ -8,10 +8,20 @@ What the runtime guarantees the handler:
   what is pending when a poll comes back empty is committed then (they are a hint
   for fallbacks and lag exporters; the handler's stored offsets are the truth);
 * on assignment, each partition starts where the handler says it stopped
-  (offsets stored with the effects), falling back to Kafka's committed offset;
+  (offsets stored with the effects; Kafka's committed offset where none is stored),
+  placed by the main loop, never by aiokafka's rebalance listener: the listener runs
+  in the coordinator's task while the main loop may be inside a batch, so it only
+  pauses the partitions it was given and notes them; the loop invalidates their cache
+  and seeks them before any of their records is fetched, retrying while storage is
+  unavailable (they stay paused meanwhile);
 * a retriable :class:`errors.StorageError` pauses consumption and retries the
   same batch with backoff until it succeeds or the worker stops; nothing is
-  skipped, and the heartbeat and poll keep the membership alive meanwhile;
+  skipped, and the heartbeat and poll keep the membership alive meanwhile. Those
+  keep-alive polls consume nothing (whatever they return is put back), and a
+  rebalance during the retry drops the batch in hand: every partition of the new
+  assignment starts again from its stored offset once placed;
+* what is paused, and why, is decided in one place (:mod:`consumers.assignment`):
+  a partition paused for one reason is never resumed for another;
 * a partition whose log ends before the offset the handler already applied (the
   broker lost or replaced its log: a restart without its data, a new cluster with
   the same id) is paused and reported, never skipped silently: its records would
@@ -24,9 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,16 +43,12 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from alma_core import errors
-from alma_core.storage.offsets import PartitionKey
+from alma_core.storage.offsets import PartitionKey, Progress
+from consumers.assignment import Assignment, key
 from consumers.metrics import Metrics
+from consumers.retry import backoff_delay, retry_start, wait
 
 log = logging.getLogger("alma.consumers")
-
-
-@dataclass
-class HandleResult:
-    next_offsets: dict[PartitionKey, int] = field(default_factory=dict)
-    seeks: dict[PartitionKey, int] = field(default_factory=dict)
 
 
 class BatchHandler(Protocol):
@@ -60,7 +64,7 @@ class BatchHandler(Protocol):
         cluster_id: str,
         batch: dict[PartitionKey, list[Any]],
         read_from: dict[PartitionKey, int] | None = None,
-    ) -> HandleResult:
+    ) -> Progress:
         """Apply a batch durably; raise a retriable StorageError to have it retried.
         ``read_from``: the consumer's position when it read each partition's records
         (where it is known), so the store can tell a hole in the log from a gap."""
@@ -96,13 +100,11 @@ class RuntimeConfig:
     client_options: dict[str, Any] = field(default_factory=dict)
 
 
-def backoff_delay(attempt: int, initial: float, maximum: float, jitter: float = 0.2) -> float:
-    """Exponential backoff with jitter: the pure decision the retry loop acts on."""
-    base = min(maximum, initial * (2 ** max(0, attempt - 1)))
-    return float(base * (1 + random.uniform(-jitter, jitter)))
-
-
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Runs in aiokafka's coordinator task: notes and pauses, nothing more (the main
+    loop places the partitions). Committing what is already durable before the
+    partitions go is Kafka's own pattern, and only a hint."""
+
     def __init__(self, runtime: ConsumerRuntime) -> None:
         self.runtime = runtime
 
@@ -115,7 +117,10 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
             self.runtime.metrics.forget_partition(self.runtime.handler.name, tp.topic, tp.partition)
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        await self.runtime.on_assigned(assigned)
+        self.runtime.assignment.noted(self.runtime.consumer, set(assigned))
+        self.runtime.metrics.assigned_partitions.labels(self.runtime.handler.name).set(
+            len(assigned)
+        )
 
 
 class ConsumerRuntime:
@@ -126,17 +131,12 @@ class ConsumerRuntime:
         self.consumer: AIOKafkaConsumer | None = None
         self.cluster_id = ""
         self.last_poll = 0.0
-        self.assigned: set[TopicPartition] = set()
         self.started = asyncio.Event()
+        self.assignment = Assignment()
         self._admin: AIOKafkaAdminClient | None = None
         self._pending: dict[TopicPartition, int] = {}
         self._last_commit = 0.0
         self._last_periodic = 0.0
-        self._applied_to: dict[TopicPartition, int] = {}  # next offset the store expects
-        self._log_behind: set[TopicPartition] = set()
-        # Where the consumer reads each partition from: the offset it was sent to, then
-        # the offset after the last record it returned. Unknown after a fallback start.
-        self._position: dict[TopicPartition, int] = {}
 
     async def _refresh_cluster_id(self) -> str:
         assert self._admin is not None
@@ -144,42 +144,37 @@ class ConsumerRuntime:
         self.cluster_id = str(cluster["cluster_id"])
         return self.cluster_id
 
-    async def on_assigned(self, assigned: set[TopicPartition]) -> None:
-        moved_here = set(assigned) - self.assigned
-        self.assigned = set(assigned)
-        if moved_here:
-            await self.handler.assigned([(tp.topic, tp.partition) for tp in moved_here])
-        self._applied_to.clear()
-        self._log_behind.clear()
-        self._position.clear()
+    async def _place(self, consumer: AIOKafkaConsumer) -> bool:
+        """Place a new assignment: invalidate the cache of the partitions that moved
+        here, then seek each partition to where the handler says it stopped, and let
+        them be fetched. False when storage (or the broker's admin API) did not answer:
+        they stay paused and the loop tries again."""
+        a = self.assignment
+        generation, partitions = a.generation, sorted(a.unplaced)
         name = self.handler.name
-        self.metrics.assigned_partitions.labels(name).set(len(assigned))
-        if not assigned or self.consumer is None:
-            return
         try:
+            if moved := [key(tp) for tp in partitions if tp in a.moved_here]:
+                await self.handler.assigned(moved)
             async with asyncio.timeout(10):
                 cluster_id = await self._refresh_cluster_id()
-                stored = await self.handler.positions(
-                    cluster_id, [(tp.topic, tp.partition) for tp in assigned]
-                )
+                stored = await self.handler.positions(cluster_id, [key(tp) for tp in partitions])
         except (errors.StorageError, KafkaError, TimeoutError) as exc:
-            # Kafka's committed offset is never ahead of the stored one, and the
-            # store drops what it has already applied: a safe fallback.
+            if isinstance(exc, errors.StorageError) and not exc.retriable:
+                raise
+            self.metrics.storage_retries.labels(name).inc()
             log.warning(
-                "stored offsets unavailable, starting from Kafka's committed offsets",
-                extra={"action": "assign_fallback", "consumer": name, "error": repr(exc)},
+                "stored offsets unavailable; the new partitions stay paused until they are read",
+                extra={"action": "assign_postponed", "consumer": name, "error": repr(exc)},
             )
-            return
-        for tp in assigned:
-            offset = stored.get((tp.topic, tp.partition))
-            if offset is not None:
-                self.consumer.seek(tp, offset)
-                self._applied_to[tp] = offset
-                self._position[tp] = offset
+            return False
+        if generation != a.generation:
+            return False  # assigned again meanwhile: place that assignment instead
+        a.placed(consumer, partitions, stored)
         log.info(
             "partitions assigned",
-            extra={"action": "assigned", "consumer": name, "partitions": len(assigned)},
+            extra={"action": "assigned", "consumer": name, "partitions": len(partitions)},
         )
+        return True
 
     async def run(self, stop: asyncio.Event) -> None:
         cfg = self.config
@@ -254,32 +249,42 @@ class ConsumerRuntime:
 
     async def _loop(self, consumer: AIOKafkaConsumer, stop: asyncio.Event) -> None:
         name = self.handler.name
+        placing = 0  # failed placements in a row
+        a = self.assignment
         while not stop.is_set():
+            if a.unplaced:
+                placing = 0 if await self._place(consumer) else placing + 1
+                if placing:
+                    await wait(stop, self._backoff(placing))  # then poll: stay a member
+            generation = a.generation
             batch = await consumer.getmany(
                 timeout_ms=self.config.poll_timeout_ms, max_records=self.config.max_records
             )
             if batch and self.config.linger_ms > 0:
                 batch = await self._linger(consumer, batch)
-            batch = self._check_log_ends(consumer, batch)
             self.last_poll = time.monotonic()
             self.metrics.last_poll.labels(name).set(time.time())
+            if generation != a.generation:
+                continue  # polled across a rebalance: read again once placed
+            batch = self._check_log_ends(consumer, batch)
             if not batch:
                 await self._periodic()
                 if self._pending:  # a burst's last offsets: commit them while idle too
                     await self.commit_pending(consumer)
                 continue
-            plain = {(tp.topic, tp.partition): records for tp, records in batch.items()}
-            read_from = {
-                (tp.topic, tp.partition): self._position[tp] for tp in batch if tp in self._position
-            }
-            for tp, records in batch.items():
-                self._position[tp] = records[-1].offset + 1
-            result = await self._handle_with_retry(consumer, plain, read_from, stop)
-            if result is None:
+            plain = {key(tp): records for tp, records in batch.items()}
+            read_from = a.read(batch)
+            progress = await self._handle_with_retry(consumer, plain, read_from, stop)
+            if progress is None:
                 return  # stopping during an outage: the batch is redelivered later
-            await self._after(consumer, result)
+            self._after(consumer, progress)
+            if time.monotonic() - self._last_commit >= self.config.commit_interval_s:
+                await self.commit_pending(consumer)
             if time.monotonic() - self._last_periodic >= self.config.periodic_every_s:
                 await self._periodic()
+
+    def _backoff(self, attempt: int) -> float:
+        return backoff_delay(attempt, self.config.backoff_initial_s, self.config.backoff_max_s)
 
     async def _periodic(self) -> None:
         """The handler's periodic work; PostgreSQL being away postpones it (the next
@@ -303,38 +308,29 @@ class ConsumerRuntime:
     def _check_log_ends(
         self, consumer: AIOKafkaConsumer, batch: dict[TopicPartition, list[Any]]
     ) -> dict[TopicPartition, list[Any]]:
-        """Pause (and leave out of the batch) every partition whose log, as the broker's
-        high watermark says, ends before what the store already applied. A paused
-        partition fetches nothing, so it stays paused until the next assignment (a
-        restart or a rebalance), which reads the stored offsets again."""
+        """Leave out, pause and report the partitions whose log ends before what the
+        store already applied (:meth:`Assignment.behind`)."""
         name = self.handler.name
-        for tp in consumer.assignment():
-            applied, high = self._applied_to.get(tp), consumer.highwater(tp)
-            if applied is None or high is None:
-                continue
-            if applied > high:
-                batch.pop(tp, None)
-                self.metrics.offsets_ahead_of_log.labels(name, tp.topic, str(tp.partition)).set(
-                    applied - high
+        for tp, applied, high, new in self.assignment.behind(consumer, batch):
+            self.metrics.offsets_ahead_of_log.labels(name, tp.topic, str(tp.partition)).set(
+                applied - high
+            )
+            if new:
+                log.error(
+                    "the broker's log ends before what this group already applied; the "
+                    "partition is paused, nothing is skipped. If the broker lost its log "
+                    "and those records are gone, run `alma offsets reset` for it, then "
+                    "restart the workers",
+                    extra={
+                        "action": "log_behind_stored_offset",
+                        "consumer": name,
+                        "topic": tp.topic,
+                        "partition": tp.partition,
+                        "applied_to": applied,
+                        "high_watermark": high,
+                        "cluster_id": self.cluster_id,
+                    },
                 )
-                if tp not in self._log_behind:
-                    self._log_behind.add(tp)
-                    consumer.pause(tp)
-                    log.error(
-                        "the broker's log ends before what this group already applied; the "
-                        "partition is paused, nothing is skipped. If the broker lost its log "
-                        "and those records are gone, run `alma offsets reset` for it, then "
-                        "restart the workers",
-                        extra={
-                            "action": "log_behind_stored_offset",
-                            "consumer": name,
-                            "topic": tp.topic,
-                            "partition": tp.partition,
-                            "applied_to": applied,
-                            "high_watermark": high,
-                            "cluster_id": self.cluster_id,
-                        },
-                    )
         return batch
 
     async def _linger(
@@ -360,10 +356,15 @@ class ConsumerRuntime:
         batch: dict[PartitionKey, list[Any]],
         read_from: dict[PartitionKey, int],
         stop: asyncio.Event,
-    ) -> HandleResult | None:
+    ) -> Progress | None:
+        """The batch handled, retried with backoff while storage is unavailable (nothing
+        fetched meanwhile); None when stopped first. A rebalance during the retry drops
+        the batch (no progress): the new assignment is placed at the stored offsets and
+        its records read again, so nothing is skipped whoever owns them now."""
         name = self.handler.name
+        a = self.assignment
+        generation = a.generation
         attempt = 0
-        paused = False
         try:
             while True:
                 try:
@@ -373,9 +374,7 @@ class ConsumerRuntime:
                         raise
                     attempt += 1
                     self.metrics.storage_retries.labels(name).inc()
-                    delay = backoff_delay(
-                        attempt, self.config.backoff_initial_s, self.config.backoff_max_s
-                    )
+                    delay = self._backoff(attempt)
                     log.warning(
                         "storage unavailable; pausing and retrying the batch",
                         extra={
@@ -386,44 +385,37 @@ class ConsumerRuntime:
                             "error": exc.message,
                         },
                     )
-                    if not paused:
-                        consumer.pause(*consumer.assignment())
-                        paused = True
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), delay)
-                    if stop.is_set():
+                    if not a.retrying:
+                        a.retrying = True
+                        a.sync_pauses(consumer)
+                    if await wait(stop, delay):
                         return None
-                    await consumer.getmany(timeout_ms=0)  # keep the membership alive
+                    # poll for the group's liveness; all is paused: put back what comes
+                    a.put_back(consumer, await consumer.getmany(timeout_ms=0))
                     self.last_poll = time.monotonic()
-                    owned = {(tp.topic, tp.partition) for tp in consumer.assignment()}
-                    batch = {tp: rs for tp, rs in batch.items() if tp in owned}
-                    if not batch:
-                        return HandleResult()
+                    if generation != a.generation:
+                        log.info(
+                            "the assignment changed during the retry; the batch is read again "
+                            "from the stored offsets",
+                            extra={"action": "retry_rebalanced", "consumer": name},
+                        )
+                        return Progress()
         finally:
-            if paused:
-                consumer.resume(*consumer.assignment())
+            if a.retrying:
+                a.retrying = False
+                a.sync_pauses(consumer)
 
-    async def _after(self, consumer: AIOKafkaConsumer, result: HandleResult) -> None:
+    def _after(self, consumer: AIOKafkaConsumer, progress: Progress) -> None:
+        """Follow a handled batch's progress: the offsets to commit, the lag."""
         name = self.handler.name
-        owned = {(tp.topic, tp.partition): tp for tp in consumer.assignment()}
-        for key, offset in result.seeks.items():
-            if key in owned:
-                consumer.seek(owned[key], offset)
-                self._position[owned[key]] = offset
-        for key, offset in result.next_offsets.items():
-            if key in owned:
-                tp = owned[key]
-                self._applied_to[tp] = offset
-                high = consumer.highwater(tp)
-                if high is not None and offset > high:
-                    continue  # the log ends before it: never commit that; the next poll reports
-                self._pending[tp] = offset
-                if high is not None:
-                    self.metrics.lag.labels(name, tp.topic, str(tp.partition)).set(
-                        max(0, high - offset)
-                    )
-        if time.monotonic() - self._last_commit >= self.config.commit_interval_s:
-            await self.commit_pending(consumer)
+        for tp, (offset, high) in self.assignment.follow(consumer, progress).items():
+            if high is not None and offset > high:
+                continue  # the log ends before it: never commit that; the next poll reports
+            self._pending[tp] = offset
+            if high is not None:
+                self.metrics.lag.labels(name, tp.topic, str(tp.partition)).set(
+                    max(0, high - offset)
+                )
 
     async def commit_pending(self, consumer: AIOKafkaConsumer) -> None:
         """Commit to Kafka what the store has already made durable. Only a hint for
@@ -449,28 +441,3 @@ class ConsumerRuntime:
                 extra={"action": "commit_failed", "consumer": name, "error": repr(exc)},
             )
         self.metrics.commit_seconds.labels(name).observe(time.perf_counter() - started)
-
-
-async def retry_start(start: Callable[[], Awaitable[Any]], stop: asyncio.Event, what: str) -> bool:
-    """Start a Kafka client, retrying with backoff while the broker is unreachable.
-    False when ``stop`` was set first (the caller leaves quietly)."""
-    attempt = 0
-    while not stop.is_set():
-        try:
-            await start()
-            return True
-        except KafkaError as exc:
-            attempt += 1
-            delay = backoff_delay(attempt, 0.5, 10.0)
-            log.warning(
-                "Kafka unreachable; retrying",
-                extra={
-                    "action": "kafka_retry",
-                    "what": what,
-                    "attempt": attempt,
-                    "error": repr(exc),
-                },
-            )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
-    return False

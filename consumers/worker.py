@@ -39,13 +39,8 @@ from alma_core.storage.migrations import Migrator, compatibility, load_migration
 from consumers import checkpointer, http, joiner, learner
 from consumers.metrics import Metrics, gc_pauses
 from consumers.outbox import OutboxRelay
-from consumers.runtime import (
-    BatchHandler,
-    ConsumerRuntime,
-    RuntimeConfig,
-    backoff_delay,
-    retry_start,
-)
+from consumers.retry import backoff_delay, retry_start, wait
+from consumers.runtime import BatchHandler, ConsumerRuntime, RuntimeConfig
 
 log = logging.getLogger("alma.worker")
 
@@ -72,8 +67,7 @@ class Services:
 
 
 async def _pause(stop: asyncio.Event, attempt: int) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), backoff_delay(attempt, 0.5, 10.0))
+    await wait(stop, backoff_delay(attempt, 0.5, 10.0))
 
 
 async def _wait_for_pool(

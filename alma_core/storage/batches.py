@@ -1,22 +1,24 @@
 """What every store that applies polled batches to PostgreSQL shares: the consumed
-record, dead letters, outbox rows, stored offsets, the batch transaction and what it
-hands the worker afterwards.
+record, dead letters, outbox rows, and the one shape of a batch's transaction.
 
 Every store (:mod:`~alma_core.storage.checkpoints`, :mod:`~alma_core.storage.joins`,
-:mod:`~alma_core.storage.memories`) has one shape, :meth:`BatchStore.in_batch`: one
-transaction that fences the offsets (:mod:`alma_core.storage.offsets`), loads what the
-batch needs, decides in pure code, writes its effects, dead letters and outbox rows,
-and advances the offsets. It returns a :class:`BatchOutcome` (a subclass per store);
-the worker's one post-commit step writes the cache, publishes the outbox and
-commits to Kafka from the fields every outcome has.
+:mod:`~alma_core.storage.memories`) is a :class:`BatchStore` and writes only its own
+effects (:meth:`BatchStore.write`). :meth:`BatchStore.apply` is the transaction around
+it, top to bottom: fence the offsets (:mod:`alma_core.storage.offsets`), let the store
+write what the new records make (returned as its :class:`Effects`), store the dead
+letters and the outbox rows, advance the offsets. It returns an :class:`Applied`: the
+batch's :class:`~alma_core.storage.offsets.Progress` and the store's effects, from which
+the worker's one post-commit step writes the cache, publishes the outbox and commits to
+Kafka.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import asyncpg
 
@@ -25,7 +27,7 @@ from alma_core.sequencing import Coordinates
 from alma_core.storage import dead_letters, offsets, outbox
 from alma_core.storage.cache import CacheEntry
 from alma_core.storage.dead_letters import storable
-from alma_core.storage.offsets import PartitionKey
+from alma_core.storage.offsets import PartitionKey, Progress
 from alma_core.storage.outbox import OutboxRow
 from alma_core.storage.postgres import is_storage_failure, storage_error
 from schemas.decoder import Decoded, Rejection
@@ -94,14 +96,6 @@ def headers_json(pairs: dict[str, str | int | None]) -> str:
     return json.dumps([[k, storable(str(v))] for k, v in pairs.items() if v is not None])
 
 
-async def record_dead_letter(
-    conn: asyncpg.Connection, consumer: str, cluster_id: str, dlq_topic: str, dl: DeadLetter
-) -> OutboxRow:
-    """Keep the dead letter (for `alma dlq`) and return its dead-letter-topic record."""
-    await dead_letters.insert(conn, consumer, cluster_id, dl)
-    return dead_letter_record(consumer, dlq_topic, dl)
-
-
 def dead_letter_headers(consumer: str, dl: DeadLetter) -> dict[str, str | int | None]:
     """What a dead-letter record says in its headers: the reason and where it came from."""
     rec = dl.record
@@ -122,30 +116,49 @@ def dead_letter_record(consumer: str, dlq_topic: str, dl: DeadLetter) -> OutboxR
 
 
 @dataclass
-class BatchOutcome:
-    """What every store's batch transaction hands the post-commit step."""
+class Effects:
+    """What a store's write made of a batch's new records, for the post-commit step.
+    A store returns its own subclass (what its metrics count)."""
 
-    next_offsets: dict[PartitionKey, int] = field(default_factory=dict)
-    seeks: dict[PartitionKey, int] = field(default_factory=dict)
-    already_applied: int = 0  # records at offsets this group had applied before
-    holes: dict[PartitionKey, tuple[int, int]] = field(default_factory=dict)  # no records
     dead_letters: list[DeadLetter] = field(default_factory=list)
-    outbox_ids: list[int] = field(default_factory=list)
+    outbox: list[OutboxRow] = field(default_factory=list)  # hand-offs, replies
     cache_writes: list[CacheEntry] = field(default_factory=list)
     # (tenant, run id) of runs whose checkpoints are gone
     cache_forgets: list[tuple[str, str]] = field(default_factory=list)
-    # the store's own write advanced the offsets (offsets.ADVANCE in its statement)
-    advanced: bool = False
+    # the write advanced the offsets itself (offsets.ADVANCE in its statement)
+    offsets_stored: bool = False
 
 
-OutcomeT = TypeVar("OutcomeT", bound=BatchOutcome)
-# A store's own work inside the batch transaction: the records that are new, the outcome
-# to fill in; returns the outbox rows it wants published after commit.
-Work = Callable[[asyncpg.Connection, Batch, OutcomeT], Awaitable[list[OutboxRow]]]
+EffectsT = TypeVar("EffectsT", bound=Effects)
+PreparedT = TypeVar("PreparedT")
 
 
-class BatchStore:
-    """Base of the stores: the pool, the group's stored offsets, the batch transaction."""
+@dataclass(frozen=True)
+class Applied(Generic[EffectsT]):
+    """A committed batch: where it leaves each partition, what its new records made
+    (None: there were none), and the outbox rows it wrote, to publish now."""
+
+    progress: Progress
+    effects: EffectsT | None = None
+    outbox_ids: list[int] = field(default_factory=list)
+
+
+async def guarded(doing: str, work: Awaitable[T]) -> T:
+    """``work``, its PostgreSQL failures as our :class:`errors.StorageError`."""
+    try:
+        return await work
+    except Exception as exc:
+        if is_storage_failure(exc):
+            raise storage_error(exc, doing) from exc
+        raise
+
+
+class BatchStore(Generic[PreparedT, EffectsT]):
+    """Base of the stores: the pool, the group's stored offsets, the batch transaction.
+    ``PreparedT``: what the worker prepared for a batch before the transaction (the
+    learner's drafts and vectors; None for the others)."""
+
+    doing = "applying a batch"  # what a failure message says the store was doing
 
     def __init__(self, pool: asyncpg.Pool, group_id: str, *, consumer: str, dlq_topic: str) -> None:
         self.pool = pool
@@ -157,68 +170,54 @@ class BatchStore:
         self, cluster_id: str, partitions: list[PartitionKey]
     ) -> dict[PartitionKey, int]:
         """Where each partition resumes, for this group on this broker cluster."""
-        return await self._guarded(
+        return await guarded(
             "reading stored offsets",
             offsets.stored_offsets(self.pool, self.group_id, cluster_id, partitions),
         )
 
-    async def in_batch(
-        self, doing: str, cluster_id: str, batch: Batch, outcome: OutcomeT, work: Work[OutcomeT]
-    ) -> OutcomeT:
-        """The one shape of every store's batch: in one transaction, fence the offsets,
-        let ``work`` apply the new records, store the dead letters, write the outbox
-        and advance the offsets."""
+    async def apply(self, cluster_id: str, batch: Batch, prepared: PreparedT) -> Applied[EffectsT]:
+        """The one shape of every store's batch, in one transaction: fence the offsets,
+        write what the new records make, store their dead letters and outbox rows,
+        advance the offsets."""
+        async with self.transaction(self.doing) as conn:
+            fence = await offsets.fence(conn, self.group_id, cluster_id, batch)
+            if not fence.todo:
+                return Applied(fence.progress)
+            effects = await self.write(conn, cluster_id, fence.todo, prepared)
+            rows = list(effects.outbox)
+            for dl in effects.dead_letters:
+                await dead_letters.insert(conn, self.consumer, cluster_id, dl)
+                rows.append(dead_letter_record(self.consumer, self.dlq_topic, dl))
+            ids = await outbox.insert(conn, rows)
+            if not effects.offsets_stored:
+                await offsets.advance(conn, self.group_id, cluster_id, offsets.ends(fence.todo))
+        return Applied(fence.done(), effects, ids)
 
-        async def run(conn: asyncpg.Connection) -> OutcomeT:
-            fenced = await offsets.fence(conn, self.group_id, cluster_id, batch)
-            outcome.seeks, outcome.next_offsets = fenced.seeks, fenced.next_offsets
-            outcome.already_applied = fenced.already_applied
-            outcome.holes = fenced.holes
-            if not fenced.todo:
-                return outcome
-            rows = await work(conn, fenced.todo, outcome)
-            for dl in outcome.dead_letters:
-                rows.append(
-                    await record_dead_letter(conn, self.consumer, cluster_id, self.dlq_topic, dl)
-                )
-            outcome.outbox_ids = await outbox.insert(conn, rows)
-            nexts = offsets.ends(fenced.todo)
-            if not outcome.advanced:
-                await offsets.advance(conn, self.group_id, cluster_id, nexts)
-            outcome.next_offsets.update(nexts)
-            return outcome
+    async def write(
+        self, conn: asyncpg.Connection, cluster_id: str, todo: Batch, prepared: PreparedT
+    ) -> EffectsT:
+        """The store's own effects of the records in ``todo`` (none applied before), in
+        the batch's transaction."""
+        raise NotImplementedError
 
-        return await self.in_transaction(doing, run)
-
-    async def in_transaction(
-        self, doing: str, work: Callable[[asyncpg.Connection], Awaitable[T]]
-    ) -> T:
-        async def run() -> T:
-            async with self.pool.acquire() as conn, conn.transaction():
-                return await work(conn)
-
-        return await self._guarded(doing, run())
-
-    async def skip(self, cluster_id: str, batch: Batch) -> tuple[BatchOutcome, bool]:
+    async def skip(self, cluster_id: str, batch: Batch) -> tuple[Progress, bool]:
         """The last resort: store that these records are done without any effect (their
         dead-letter row could not be written). Fenced like every batch, so a zombie
         member cannot skip what the partition's owner has not seen. Also returns
         whether there was anything left to skip (False: a redelivery)."""
-        skipped: list[Incoming] = []
+        async with self.transaction("skipping an unstorable record") as conn:
+            fence = await offsets.fence(conn, self.group_id, cluster_id, batch)
+            await offsets.advance(conn, self.group_id, cluster_id, offsets.ends(fence.todo))
+        return fence.done(), bool(fence.todo)
 
-        async def work(conn: asyncpg.Connection, todo: Batch, _: BatchOutcome) -> list[OutboxRow]:
-            skipped.extend(r for records in todo.values() for r in records)
-            return []
-
-        outcome = await self.in_batch(
-            "skipping an unstorable record", cluster_id, batch, BatchOutcome(), work
-        )
-        return outcome, bool(skipped)
-
-    @staticmethod
-    async def _guarded(doing: str, work: Awaitable[T]) -> T:
+    @contextlib.asynccontextmanager
+    async def transaction(self, doing: str) -> AsyncIterator[asyncpg.Connection]:
+        """A pooled connection in a transaction; PostgreSQL's failures (not those of code
+        run inside it: :func:`~alma_core.storage.postgres.is_storage_failure`) come out
+        as our :class:`errors.StorageError`."""
         try:
-            return await work
+            async with self.pool.acquire() as conn, conn.transaction():
+                yield conn
         except Exception as exc:
             if is_storage_failure(exc):
                 raise storage_error(exc, doing) from exc

@@ -40,8 +40,9 @@ from alma_core.storage import graphs
 from alma_core.storage.batches import (
     RUN_SEQ_HEADER,
     Batch,
-    BatchOutcome,
     BatchStore,
+    DeadLetter,
+    Effects,
     dead_letter_for,
     headers_json,
 )
@@ -56,7 +57,7 @@ from schemas.events import Event, GraphCheckpoint, GraphWrites, NodeCompleted, N
 
 
 @dataclass
-class CheckpointOutcome(BatchOutcome):
+class CheckpointEffects(Effects):
     """A checkpointer batch: the checkpoints written and the events applied, for the
     metrics (the cache entries of the new heads are in ``cache_writes``)."""
 
@@ -177,7 +178,7 @@ WITH new_runs AS (
 )
 
 
-class PostgresCheckpointStore(BatchStore):
+class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
     def __init__(self, pool: asyncpg.Pool, config: StoreConfig, registry: ReducerRegistry) -> None:
         super().__init__(
             pool, config.group_id, consumer=config.consumer, dlq_topic=config.dlq_topic
@@ -185,20 +186,11 @@ class PostgresCheckpointStore(BatchStore):
         self.config = config
         self.registry = registry
 
-    async def apply(self, cluster_id: str, batch: Batch) -> CheckpointOutcome:
-        """Apply a polled batch in one transaction; see the module docstring."""
-
-        async def work(
-            conn: asyncpg.Connection, todo: Batch, outcome: CheckpointOutcome
-        ) -> list[OutboxRow]:
-            return await self._apply(conn, cluster_id, todo, outcome)
-
-        return await self.in_batch("applying a batch", cluster_id, batch, CheckpointOutcome(), work)
-
-    async def _apply(
-        self, conn: asyncpg.Connection, cluster_id: str, todo: Batch, outcome: CheckpointOutcome
-    ) -> list[OutboxRow]:
-        """Load what the batch needs, fold it in pure code (:class:`Sequencer`), write."""
+    async def write(
+        self, conn: asyncpg.Connection, cluster_id: str, todo: Batch, prepared: None
+    ) -> CheckpointEffects:
+        """Load what the batch needs, fold it in pure code (:class:`Sequencer`), write
+        (advancing the offsets in the same statement); see the module docstring."""
         events = [
             r.decoded for rs in todo.values() for r in rs if not isinstance(r.decoded, Rejection)
         ]
@@ -213,33 +205,40 @@ class PostgresCheckpointStore(BatchStore):
             registry=self.registry,
             max_state_bytes=self.config.max_state_bytes,
         )
+        letters: list[DeadLetter] = []
         for records in todo.values():
             for record in records:
                 decoded = record.decoded
                 if isinstance(decoded, Rejection):
-                    outcome.dead_letters.append(dead_letter_for(record, decoded))
+                    letters.append(dead_letter_for(record, decoded))
                     continue
                 try:
                     sequencer.apply(decoded, record.coords)
                 except errors.RejectedEvent as exc:
-                    outcome.dead_letters.append(dead_letter_for(record, exc))
+                    letters.append(dead_letter_for(record, exc))
         effects = sequencer.effects
-        outcome.applied = [(e.event.type, e.effect, e.event.emitted_at) for e in effects.events]
-        outcome.duplicates = effects.duplicates
-        outcome.checkpoints = effects.checkpoints
+        created_at = datetime.now(UTC)
         heads: dict[HeadKey, CheckpointRow] = {}
         for row in effects.checkpoints:
             heads[(row.tenant_id, row.run_id, branch_key(row.branch_id))] = row
-        outcome.cache_writes = _cache_entries(heads.values(), outcome.created_at)
         touched = [(e.tenant_id, e.run_id) for e in events] + [
-            (d.tenant_id, d.run_id) for d in outcome.dead_letters if d.tenant_id and d.run_id
+            (d.tenant_id, d.run_id) for d in letters if d.tenant_id and d.run_id
         ]
         notify = tokens(touched) if self.config.notify_effects else []
         advance = advance_args(self.group_id, cluster_id, ends(todo))
-        outcome.advanced = await self._write(conn, sequencer, outcome, heads, notify, advance)
-        if not outcome.advanced and notify:
+        written = await self._write(conn, sequencer, created_at, heads, notify, advance)
+        if not written and notify:
             await announce(conn, touched)  # dead letters only: nothing written
-        return self._handoffs(sequencer)
+        return CheckpointEffects(
+            dead_letters=letters,
+            outbox=self._handoffs(sequencer),
+            cache_writes=_cache_entries(heads.values(), created_at),
+            offsets_stored=written,
+            checkpoints=effects.checkpoints,
+            applied=[(e.event.type, e.effect, e.event.emitted_at) for e in effects.events],
+            duplicates=effects.duplicates,
+            created_at=created_at,
+        )
 
     # -- loads ----------------------------------------------------------------
 
@@ -300,7 +299,7 @@ class PostgresCheckpointStore(BatchStore):
         self,
         conn: asyncpg.Connection,
         seq: Sequencer,
-        result: CheckpointOutcome,
+        created_at: datetime,
         heads: dict[HeadKey, CheckpointRow],
         notify: list[str],
         advance: tuple[list[str], list[int], list[int], str, str],
@@ -311,7 +310,7 @@ class PostgresCheckpointStore(BatchStore):
         then its LangGraph rows. False when there was nothing to write (and so nobody
         was notified, and the offsets are still to advance)."""
         runs = [r for r in seq.runs.values() if r.changed]
-        cps = result.checkpoints
+        cps = seq.effects.checkpoints
         events = seq.effects.events
         written = bool(runs or cps or events)
         if written:
@@ -337,7 +336,7 @@ class PostgresCheckpointStore(BatchStore):
                 [c.state_hash for c in cps],
                 [c.size_bytes for c in cps],
                 [jsoncodec.compact(c.metadata).decode() for c in cps],
-                result.created_at,
+                created_at,
                 [t for t, _, _ in heads],
                 [r for _, r, _ in heads],
                 [k for _, _, k in heads],

@@ -30,8 +30,8 @@ from alma_core.sequencing import MAIN, Head, canonical_json
 from alma_core.storage.batches import (
     RUN_SEQ_HEADER,
     Batch,
-    BatchOutcome,
     BatchStore,
+    Effects,
     Incoming,
     dead_letter_for,
 )
@@ -52,7 +52,7 @@ class JoinConfig:
 
 
 @dataclass
-class JoinOutcome(BatchOutcome):
+class JoinEffects(Effects):
     """A joiner batch: merges by outcome (ok, error, duplicate), their times, and the
     merged checkpoints (cached as the runs' new main-line heads)."""
 
@@ -66,7 +66,9 @@ def reply_bytes(reply: dict[str, Any]) -> bytes:
     return canonical_json(reply).encode()
 
 
-class PostgresJoinStore(BatchStore):
+class PostgresJoinStore(BatchStore[None, JoinEffects]):
+    doing = "applying joins"
+
     def __init__(self, pool: asyncpg.Pool, config: JoinConfig, registry: ReducerRegistry) -> None:
         super().__init__(
             pool, config.group_id, consumer=config.consumer, dlq_topic=config.dlq_topic
@@ -74,40 +76,39 @@ class PostgresJoinStore(BatchStore):
         self.config = config
         self.registry = registry
 
-    async def apply(self, cluster_id: str, batch: Batch) -> JoinOutcome:
-        return await self.in_batch("applying joins", cluster_id, batch, JoinOutcome(), self._apply)
-
-    async def _apply(
-        self, conn: asyncpg.Connection, todo: Batch, outcome: JoinOutcome
-    ) -> list[OutboxRow]:
+    async def write(
+        self, conn: asyncpg.Connection, cluster_id: str, todo: Batch, prepared: None
+    ) -> JoinEffects:
+        """Decide each join in partition order (:class:`JoinPlanner`), write the merged
+        checkpoints and the answers; the replies go out through the outbox."""
+        effects = JoinEffects()
         records = [r for rs in todo.values() for r in rs]
         joins = [(r, r.decoded) for r in records if isinstance(r.decoded, BranchJoin)]
         planner = await self._load(conn, joins)
         now = datetime.now(UTC)
         decisions: list[JoinDecision] = []
         merged: list[tuple[str, Checkpoint]] = []  # the state's canonical JSON, the checkpoint
-        outbox: list[OutboxRow] = []
         for record in records:  # completions on this topic are the learner's
             if isinstance(record.decoded, Rejection):
-                outcome.dead_letters.append(dead_letter_for(record, record.decoded))
+                effects.dead_letters.append(dead_letter_for(record, record.decoded))
             elif isinstance(record.decoded, BranchJoin):
                 started = time.perf_counter()
                 decision = planner.decide(record.decoded, record.header_int(RUN_SEQ_HEADER))
                 if not decision.duplicate:
-                    outcome.merge_seconds.append(time.perf_counter() - started)
+                    effects.merge_seconds.append(time.perf_counter() - started)
                     decisions.append(decision)
-                outcome.outcomes[_outcome(decision)] += 1
+                effects.outcomes[_outcome(decision)] += 1
                 if decision.rejection is not None:
-                    outcome.dead_letters.append(dead_letter_for(record, decision.rejection))
+                    effects.dead_letters.append(dead_letter_for(record, decision.rejection))
                 if decision.checkpoint is not None:
                     checkpoint = _checkpoint(decision, now)
                     merged.append((decision.checkpoint.merge.state_json, checkpoint))
-                    outcome.checkpoints.append(checkpoint)
-                    outcome.cache_writes += cache_entries({None: checkpoint})
-                    outcome.cache_writes += consumed_entries(checkpoint, decision.consumed)
-                outbox.append(self._reply(decision))
+                    effects.checkpoints.append(checkpoint)
+                    effects.cache_writes += cache_entries({None: checkpoint})
+                    effects.cache_writes += consumed_entries(checkpoint, decision.consumed)
+                effects.outbox.append(self._reply(decision))
         await self._write(conn, decisions, planner, merged)
-        return outbox
+        return effects
 
     # -- loads ----------------------------------------------------------------
 

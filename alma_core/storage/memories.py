@@ -27,9 +27,8 @@ from alma_core import errors, learning
 from alma_core.learning import LearningPolicy, OutcomeDraft
 from alma_core.sequencing import Coordinates
 from alma_core.storage import retention
-from alma_core.storage.batches import Batch, BatchOutcome, BatchStore, dead_letter_for
+from alma_core.storage.batches import Batch, BatchStore, Effects, dead_letter_for, guarded
 from alma_core.storage.embeddings import Vector, vector_literal
-from alma_core.storage.outbox import OutboxRow
 from schemas.decoder import Rejection
 from schemas.events import ArtifactRef, WorkflowCompleted
 
@@ -54,7 +53,7 @@ class Prepared:
 
 
 @dataclass
-class LearnOutcome(BatchOutcome):
+class LearnEffects(Effects):
     """A learner batch: outcomes stored and skipped, memories written by kind, and the
     checkpoints removed by cleanup (their runs are in ``cache_forgets``)."""
 
@@ -82,7 +81,9 @@ async def check_dimension(pool: asyncpg.Pool, dimension: int, model: str) -> Non
         )
 
 
-class PostgresLearnStore(BatchStore):
+class PostgresLearnStore(BatchStore[dict[Coordinates, Prepared], LearnEffects]):
+    doing = "storing outcomes"
+
     def __init__(self, pool: asyncpg.Pool, config: LearnConfig) -> None:
         super().__init__(
             pool, config.group_id, consumer=config.consumer, dlq_topic=config.dlq_topic
@@ -120,7 +121,7 @@ class PostgresLearnStore(BatchStore):
             return rows
 
         out: dict[tuple[str, str], list[learning.HistoryEvent]] = {run: [] for run in runs}
-        for row in await self._guarded("reading run histories", read()):
+        for row in await guarded("reading run histories", read()):
             out[(row["tenant_id"], row["run_id"])].append(
                 learning.HistoryEvent(
                     row["type"],
@@ -150,50 +151,40 @@ class PostgresLearnStore(BatchStore):
             )
             return rows
 
-        return {(r["t"], r["e"]) for r in await self._guarded("reading known outcomes", read())}
+        return {(r["t"], r["e"]) for r in await guarded("reading known outcomes", read())}
 
     # -- the transaction ----------------------------------------------------------
 
-    async def apply(
-        self, cluster_id: str, batch: Batch, prepared: dict[Coordinates, Prepared]
-    ) -> LearnOutcome:
-        async def work(
-            conn: asyncpg.Connection, todo: Batch, outcome: LearnOutcome
-        ) -> list[OutboxRow]:
-            await self._apply(conn, todo, prepared, outcome)
-            return []
-
-        return await self.in_batch("storing outcomes", cluster_id, batch, LearnOutcome(), work)
-
-    async def _apply(
+    async def write(
         self,
         conn: asyncpg.Connection,
+        cluster_id: str,
         todo: Batch,
         prepared: dict[Coordinates, Prepared],
-        outcome: LearnOutcome,
-    ) -> None:
+    ) -> LearnEffects:
         """Store the outcomes (one per run), then load the counts they change, decide
         what they teach (:func:`alma_core.learning.plan_memories`) and write it."""
+        effects = LearnEffects()
         now = datetime.now(UTC)
         offered: list[Prepared] = []
         for records in todo.values():
             for record in records:
                 decoded = record.decoded
                 if isinstance(decoded, Rejection):
-                    outcome.dead_letters.append(dead_letter_for(record, decoded))
+                    effects.dead_letters.append(dead_letter_for(record, decoded))
                     continue
                 if not isinstance(decoded, WorkflowCompleted):
                     continue  # joins are the joiner's
                 item = prepared.get(record.coords)
                 if item is None:
-                    outcome.duplicates += 1
+                    effects.duplicates += 1
                     continue
                 offered.append(item)
         stored = await self._insert_outcomes(conn, offered, now)
-        outcome.duplicates += len(offered) - len(stored)
+        effects.duplicates += len(offered) - len(stored)
         if not stored:
-            return
-        outcome.outcomes = len(stored)
+            return effects
+        effects.outcomes = len(stored)
         drafts = [item.draft for item in stored]
         plan = learning.plan_memories(
             drafts,
@@ -203,12 +194,13 @@ class PostgresLearnStore(BatchStore):
             ),
             policy=self.config.policy,
         )
-        await self._write_memories(conn, stored, plan, now, outcome)
+        await self._write_memories(conn, stored, plan, now, effects)
         await conn.executemany(
             "UPDATE workflow_outcomes SET learnings_extracted = $2 WHERE id = $1",
             list(plan.learned.items()),
         )
-        await self._cleanup(conn, [i for i in stored if i.cleanup], outcome)
+        await self._cleanup(conn, [i for i in stored if i.cleanup], effects)
+        return effects
 
     async def _insert_outcomes(
         self, conn: asyncpg.Connection, items: list[Prepared], now: datetime
@@ -276,7 +268,7 @@ class PostgresLearnStore(BatchStore):
         stored: list[Prepared],
         plan: learning.MemoryPlan,
         now: datetime,
-        outcome: LearnOutcome,
+        effects: LearnEffects,
     ) -> None:
         vectors = {text: v for item in stored for text, v in item.vectors.items()}
         await conn.executemany(
@@ -331,7 +323,7 @@ class PostgresLearnStore(BatchStore):
             ],
         )
         for row in plan.upserts.values():
-            outcome.memories[row.draft.kind.value] += 1
+            effects.memories[row.draft.kind.value] += 1
         for item in stored:  # the run's artifacts belong to what was learned from it
             owned = list(item.draft.node_outcomes)
             if item.draft.anti_pattern is not None and item.draft.anti_pattern.id in plan.upserts:
@@ -392,10 +384,10 @@ class PostgresLearnStore(BatchStore):
         )
 
     async def _cleanup(
-        self, conn: asyncpg.Connection, items: list[Prepared], outcome: LearnOutcome
+        self, conn: asyncpg.Connection, items: list[Prepared], effects: LearnEffects
     ) -> None:
         if not items:
             return
         runs = [(i.draft.run.tenant_id, i.draft.run.run_id) for i in items]
-        outcome.checkpoints_removed = await retention.delete_checkpoints(conn, runs)
-        outcome.cache_forgets = runs
+        effects.checkpoints_removed = await retention.delete_checkpoints(conn, runs)
+        effects.cache_forgets = runs

@@ -22,7 +22,7 @@ checkpointer runs :data:`ADVANCE` inside its write statement instead).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Generic, Protocol, TypeVar
 
 import asyncpg
@@ -42,13 +42,44 @@ class HasOffset(Protocol):
 R = TypeVar("R", bound=HasOffset)
 
 
-@dataclass
-class Fenced(Generic[R]):
-    todo: dict[PartitionKey, list[R]] = field(default_factory=dict)
-    seeks: dict[PartitionKey, int] = field(default_factory=dict)
+@dataclass(frozen=True)
+class Progress:
+    """Where a batch leaves each partition: the one result a consumer acts on. Next
+    offsets to store and commit, partitions to send back (``seeks``: records of them
+    were not read yet), records dropped as applied before, holes of the log moved past
+    (``[from, to)``: offsets that hold no record)."""
+
     next_offsets: dict[PartitionKey, int] = field(default_factory=dict)
+    seeks: dict[PartitionKey, int] = field(default_factory=dict)
     already_applied: int = 0
-    holes: dict[PartitionKey, tuple[int, int]] = field(default_factory=dict)  # [from, to)
+    holes: dict[PartitionKey, tuple[int, int]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, parts: Sequence[Progress]) -> Progress:
+        """The progress of a batch applied in parts (disjoint partitions)."""
+        if len(parts) == 1:
+            return parts[0]
+        out = cls()
+        for part in parts:
+            out.next_offsets.update(part.next_offsets)
+            out.seeks.update(part.seeks)
+            out.holes.update(part.holes)
+        return replace(out, already_applied=sum(p.already_applied for p in parts))
+
+
+@dataclass(frozen=True)
+class Fence(Generic[R]):
+    """A batch once its partitions' offset rows are locked: the records that are new
+    (``todo``), and the progress of the rest."""
+
+    todo: dict[PartitionKey, list[R]]
+    progress: Progress
+
+    def done(self) -> Progress:
+        """The progress once every record in ``todo`` is applied."""
+        return replace(
+            self.progress, next_offsets={**self.progress.next_offsets, **ends(self.todo)}
+        )
 
 
 async def stored_offsets(
@@ -74,14 +105,15 @@ async def fence(
     group_id: str,
     cluster_id: str,
     batch: dict[PartitionKey, list[R]],
-) -> Fenced[R]:
+) -> Fence[R]:
     """Lock every partition's offset row, creating it at the batch's first offset if
     new (one round trip: the no-op update takes the row lock, as ``FOR UPDATE``
     would, and returns the committed value); keep what is new."""
-    out: Fenced[R] = Fenced()
+    todo: dict[PartitionKey, list[R]] = {}
+    out = Progress()
     tps = sorted(tp for tp, records in batch.items() if records)
     if not tps:
-        return out
+        return Fence(todo, out)
     firsts = [min(r.offset for r in batch[tp]) for tp in tps]
     rows = await conn.fetch(
         """INSERT INTO consumer_offsets (group_id, cluster_id, topic, partition, next_offset)
@@ -96,6 +128,7 @@ async def fence(
         firsts,
     )
     stored = {(r["topic"], r["partition"]): r["next_offset"] for r in rows}
+    already_applied = 0
     for tp in tps:
         records = sorted(batch[tp], key=lambda r: r.offset)
         next_offset = stored[tp]
@@ -106,12 +139,12 @@ async def fence(
                 continue
             out.holes[tp] = (next_offset, first.offset)  # read, and nothing there
         fresh = [r for r in records if r.offset >= next_offset]
-        out.already_applied += len(records) - len(fresh)
+        already_applied += len(records) - len(fresh)
         if fresh:
-            out.todo[tp] = fresh
+            todo[tp] = fresh
         else:
             out.next_offsets[tp] = next_offset
-    return out
+    return Fence(todo, replace(out, already_applied=already_applied))
 
 
 def ends(todo: dict[PartitionKey, list[R]]) -> dict[PartitionKey, int]:

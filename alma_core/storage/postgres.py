@@ -1,5 +1,12 @@
 """The PostgreSQL edge: a pool with JSON codecs, and asyncpg errors mapped to ours.
 
+What counts as PostgreSQL's failure: an error asyncpg raises, and an OS-level error
+(a reset connection, a timeout) raised while talking to PostgreSQL, i.e. from asyncpg's
+own code. The same ``ConnectionResetError`` raised by other code that runs while a
+transaction is open (an application's reducer with a socket of its own) is that code's
+failure: it is isolated to its record like any other defect, not waited out as an
+outage with every partition paused.
+
 Retriable: anything about the server's state rather than the data — the connection
 or the server went away, a deadlock or serialization failure, too many connections,
 a full disk or out of memory (SQLSTATE class 53), an operator's shutdown (57), an
@@ -33,6 +40,9 @@ _RETRIABLE_PG = (
     pgx.ConnectionDoesNotExistError,
 )
 _RETRIABLE_OS = (OSError, TimeoutError, asyncpg.InterfaceError, ConnectionError)
+# the driver's own state machine gave up on a connection (a server killed while it read
+# an error): the pool replaces the connection, a retry goes on
+_DRIVER = (asyncpg.InterfaceError, asyncpg.InternalClientError)
 _RETRIABLE_SQLSTATE_CLASSES = ("08", "40", "53", "57", "58", "XX")
 _RETRIABLE_SQLSTATES = ("25006", "55P03", "55006")
 
@@ -47,16 +57,38 @@ def _server_state(exc: BaseException) -> bool:
 
 def storage_error(exc: BaseException, doing: str) -> errors.StorageError:
     """Our error for an asyncpg/OS failure while ``doing`` something."""
-    if isinstance(exc, (*_RETRIABLE_PG, *_RETRIABLE_OS)) or _server_state(exc):
+    if isinstance(exc, (*_RETRIABLE_PG, *_RETRIABLE_OS, *_DRIVER)) or _server_state(exc):
         return errors.StorageError(f"PostgreSQL unavailable while {doing}: {exc!r}")
     return errors.StorageRejected(f"PostgreSQL refused {doing}: {exc!r}")
 
 
-STORAGE_FAILURES: tuple[type[BaseException], ...] = (asyncpg.PostgresError, *_RETRIABLE_OS)
+STORAGE_FAILURES: tuple[type[BaseException], ...] = (
+    asyncpg.PostgresError,
+    *_DRIVER,
+    *_RETRIABLE_OS,
+)
 
 
 def is_storage_failure(exc: BaseException) -> bool:
-    return isinstance(exc, STORAGE_FAILURES)
+    """True when ``exc`` is PostgreSQL's failure (see the module docstring)."""
+    if isinstance(exc, (asyncpg.PostgresError, *_DRIVER)):
+        return True
+    return isinstance(exc, _RETRIABLE_OS) and _raised_by_driver(exc)
+
+
+def _raised_by_driver(exc: BaseException | None) -> bool:
+    """Whether ``exc``, or an error it came from, passed through asyncpg's code."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            module = str(tb.tb_frame.f_globals.get("__name__", ""))
+            if module == "asyncpg" or module.startswith("asyncpg."):
+                return True
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _encode_json(value: Any) -> str:

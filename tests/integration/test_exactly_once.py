@@ -43,14 +43,15 @@ async def test_redelivered_batch_has_no_second_effect(database: str) -> None:
     docs = [completed("r", updates={"i": i}) for i in range(5)]
     async with connect(database) as pool:
         store = store_for(pool)
-        first = await store.apply("cluster-a", {(TOPIC, 0): records(docs)})
-        assert first.next_offsets == {(TOPIC, 0): 5}
+        first = await store.apply("cluster-a", {(TOPIC, 0): records(docs)}, None)
+        assert first.progress.next_offsets == {(TOPIC, 0): 5}
         # The worker died before committing to Kafka: the same records come again,
         # and with them two new ones.
         more = [*docs, completed("r", updates={"i": 5}), completed("r", updates={"i": 6})]
-        again = await store.apply("cluster-a", {(TOPIC, 0): records(more)})
-        assert again.already_applied == 5
-        assert len(again.checkpoints) == 2
+        again = await store.apply("cluster-a", {(TOPIC, 0): records(more)}, None)
+        assert again.progress.already_applied == 5
+        assert again.effects is not None
+        assert len(again.effects.checkpoints) == 2
         assert await store.stored_offsets("cluster-a", [(TOPIC, 0)]) == {(TOPIC, 0): 7}
     rows = await fetch(database, "SELECT seq FROM checkpoints WHERE run_id = 'r' ORDER BY seq")
     assert [r["seq"] for r in rows] == list(range(1, 8))
@@ -62,10 +63,10 @@ async def test_zombie_and_new_owner_apply_once(database: str) -> None:
         zombie, owner = store_for(pool), store_for(pool)
         # Both believe they own partition 0; they race on overlapping batches.
         results = await asyncio.gather(
-            zombie.apply("c", {(TOPIC, 0): records(docs[:40])}),
-            owner.apply("c", {(TOPIC, 0): records(docs)}),
+            zombie.apply("c", {(TOPIC, 0): records(docs[:40])}, None),
+            owner.apply("c", {(TOPIC, 0): records(docs)}, None),
         )
-    assert sum(len(r.checkpoints) for r in results) == 60
+    assert sum(len(r.effects.checkpoints) for r in results if r.effects) == 60
     assert await count(database, "SELECT count(*) FROM checkpoints") == 60
     for run in ("run-0", "run-1", "run-2"):
         rows = await fetch(
@@ -79,20 +80,23 @@ async def test_republished_event_id_is_applied_once(database: str) -> None:
     doc = completed("r", state={"a": 1})
     async with connect(database) as pool:
         store = store_for(pool)
-        await store.apply("c", {(TOPIC, 0): records([doc])})
+        await store.apply("c", {(TOPIC, 0): records([doc])}, None)
         # The producer retried: the same event at a new offset, on another partition.
-        result = await store.apply("c", {(TOPIC, 1): records([doc], partition=1)})
-    assert result.duplicates == 1
+        result = await store.apply("c", {(TOPIC, 1): records([doc], partition=1)}, None)
+    assert result.effects is not None
+    assert result.effects.duplicates == 1
     assert await count(database, "SELECT count(*) FROM checkpoints") == 1
 
 
 async def test_a_gap_sends_the_partition_back(database: str) -> None:
     async with connect(database) as pool:
         store = store_for(pool)
-        await store.apply("c", {(TOPIC, 0): records([completed("r", state={"a": 1})])})
-        later = await store.apply("c", {(TOPIC, 0): records([completed("r", state={"a": 2})], 5)})
-    assert later.seeks == {(TOPIC, 0): 1}
-    assert later.checkpoints == []
+        await store.apply("c", {(TOPIC, 0): records([completed("r", state={"a": 1})])}, None)
+        later = await store.apply(
+            "c", {(TOPIC, 0): records([completed("r", state={"a": 2})], 5)}, None
+        )
+    assert later.progress.seeks == {(TOPIC, 0): 1}
+    assert later.effects is None  # nothing applied: the partition goes back
 
 
 async def test_a_hole_the_consumer_read_across_is_moved_past(database: str) -> None:
@@ -100,29 +104,33 @@ async def test_a_hole_the_consumer_read_across_is_moved_past(database: str) -> N
     marker, removed records): nothing exists to go back for."""
     async with connect(database) as pool:
         store = store_for(pool)
-        await store.apply("c", {(TOPIC, 0): records([completed("r", state={"a": 1})])})
+        await store.apply("c", {(TOPIC, 0): records([completed("r", state={"a": 1})])}, None)
         docs = [completed("r", state={"a": 2}), completed("r", state={"a": 3})]
-        later = await store.apply("c", {(TOPIC, 0): records(docs, 3, read_from=1)})
-        assert later.holes == {(TOPIC, 0): (1, 3)}
-        assert later.seeks == {}
-        assert [c.seq for c in later.checkpoints] == [2, 3]
+        later = await store.apply("c", {(TOPIC, 0): records(docs, 3, read_from=1)}, None)
+        assert later.progress.holes == {(TOPIC, 0): (1, 3)}
+        assert later.progress.seeks == {}
+        assert later.effects is not None
+        assert [c.seq for c in later.effects.checkpoints] == [2, 3]
         assert await store.stored_offsets("c", [(TOPIC, 0)]) == {(TOPIC, 0): 5}
         # read from beyond the stored offset: not a hole, a gap to go back for
         gap = await store.apply(
-            "c", {(TOPIC, 0): records([completed("r", state={"a": 4})], 9, read_from=7)}
+            "c", {(TOPIC, 0): records([completed("r", state={"a": 4})], 9, read_from=7)}, None
         )
-        assert gap.seeks == {(TOPIC, 0): 5}
-        assert gap.holes == {}
+        assert gap.progress.seeks == {(TOPIC, 0): 5}
+        assert gap.progress.holes == {}
 
 
 async def test_offsets_of_another_broker_cluster_are_kept_apart(database: str) -> None:
     async with connect(database) as pool:
         store = store_for(pool)
-        await store.apply("old-cluster", {(TOPIC, 0): records([completed("r", state={"a": 1})])})
-        fresh = await store.apply(
-            "new-cluster", {(TOPIC, 0): records([completed("r", state={"a": 2})])}
+        await store.apply(
+            "old-cluster", {(TOPIC, 0): records([completed("r", state={"a": 1})])}, None
         )
-        assert len(fresh.checkpoints) == 1
+        fresh = await store.apply(
+            "new-cluster", {(TOPIC, 0): records([completed("r", state={"a": 2})])}, None
+        )
+        assert fresh.effects is not None
+        assert len(fresh.effects.checkpoints) == 1
         assert await store.stored_offsets("new-cluster", [(TOPIC, 0)]) == {(TOPIC, 0): 1}
 
 
@@ -133,8 +141,9 @@ async def test_dead_letters_of_another_broker_cluster_are_kept_apart(database: s
         store = store_for(pool)
         for cluster, junk in (("old-cluster", b"{not json"), ("new-cluster", b"[]")):
             bad = Incoming(TOPIC, 0, 0, b"r", junk, decode(junk, key=b"r"))
-            result = await store.apply(cluster, {(TOPIC, 0): [bad]})
-            assert len(result.dead_letters) == 1
+            result = await store.apply(cluster, {(TOPIC, 0): [bad]}, None)
+            assert result.effects is not None
+            assert len(result.effects.dead_letters) == 1
     rows = await fetch(database, "SELECT reason, value FROM dead_letters ORDER BY id")
     assert [(r["reason"], bytes(r["value"])) for r in rows] == [
         ("malformed_json", b"{not json"),

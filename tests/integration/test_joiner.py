@@ -234,8 +234,9 @@ async def test_reply_lost_to_a_crash_is_sent_on_recovery(settings: Settings) -> 
             ReducerRegistry(),
         )
         record = Incoming(settings.sequenced_topic, 0, 0, b"lost", raw, decode(raw))
-        result = await store.apply("crashed", {(settings.sequenced_topic, 0): [record]})
-    assert result.outcomes["ok"] == 1  # durable, but never published: the crash
+        result = await store.apply("crashed", {(settings.sequenced_topic, 0): [record]}, None)
+    assert result.effects is not None
+    assert result.effects.outcomes["ok"] == 1  # durable, but never published: the crash
     async with Worker.start(settings, ("joiner",)):
         records = await read_topic(settings.kafka_bootstrap or "", settings.merged_topic, 1)
     reply = json.loads(records[0].value)

@@ -405,11 +405,13 @@ async def test_outcomes_of_one_batch_are_inserted_at_once_each_run_once(database
         store = PostgresLearnStore(pool, LearnConfig("alma-learner", "learner", "dlq"))
         batch, prepared = _learner_batch([a, done("a"), b], 0)
         first = await store.apply("cluster", batch, prepared)
-        assert (first.outcomes, first.duplicates) == (2, 1)
+        assert first.effects is not None
+        assert (first.effects.outcomes, first.effects.duplicates) == (2, 1)
         # the next batch: b again (a redelivery, another offset), then a new run c
         batch, prepared = _learner_batch([done("b", b["event_id"]), c], 3)
         second = await store.apply("cluster", batch, prepared)
-        assert (second.outcomes, second.duplicates) == (1, 1)
+        assert second.effects is not None
+        assert (second.effects.outcomes, second.effects.duplicates) == (1, 1)
     rows = await fetch(
         database,
         "SELECT run_id, event_id, task, description, embedding::text AS v "

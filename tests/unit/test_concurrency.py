@@ -14,9 +14,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from alma_core import errors
-from alma_core.storage.batches import Batch, BatchOutcome, Incoming
+from alma_core.storage.batches import Applied, Batch, Effects, Incoming
+from alma_core.storage.offsets import Progress
 from consumers import handler
-from consumers.handler import SPLIT_BYTES, Apply, StoreHandler, partition_groups
+from consumers.handler import SPLIT_BYTES, StoreHandler, partition_groups
 from consumers.metrics import Metrics
 from schemas.decoder import decode
 from tests.unit.test_isolation import Offsets, Sent
@@ -107,12 +108,28 @@ class Raw:
     headers: tuple[tuple[str, bytes], ...] = ()
 
 
-class Split(StoreHandler[BatchOutcome]):
-    """A handler whose transaction refuses partition 1 as an outage would, after
+class Outage(Offsets):
+    """A store whose transaction refuses partition 1 as an outage would, after
     partition 0's has committed."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.committed: list[int] = []
+
+    async def apply(self, cluster_id: str, batch: Batch, prepared: None) -> Applied[Effects]:
+        (tp,) = batch
+        if tp[1] == 1:
+            await asyncio.sleep(0)  # partition 0's transaction is under way
+            raise errors.StorageError("the server went away")
+        self.next_offset[tp] = batch[tp][-1].offset + 1
+        self.committed.append(tp[1])
+        return Applied(Progress(next_offsets={tp: self.next_offset[tp]}), Effects())
+
+
+class Split(StoreHandler[None, Effects]):
+    """Two transactions a batch; what the post-commit step saw."""
+
     name = "test"
-    result_type = BatchOutcome
 
     def __init__(self, store: Offsets) -> None:
         super().__init__(
@@ -124,24 +141,13 @@ class Split(StoreHandler[BatchOutcome]):
             max_record_bytes=100_000,
             concurrency=2,
         )
-        self.offsets = store
-        self.committed: list[int] = []
         self.post_committed: list[dict[tuple[str, int], int]] = []
 
-    async def prepare(self, incoming: Batch) -> Apply[BatchOutcome]:
-        return self._apply
+    async def prepare(self, incoming: Batch) -> tuple[Batch, None]:
+        return incoming, None
 
-    async def _apply(self, cluster_id: str, batch: Batch) -> BatchOutcome:
-        (tp,) = batch
-        if tp[1] == 1:
-            await asyncio.sleep(0)  # partition 0's transaction is under way
-            raise errors.StorageError("the server went away")
-        self.offsets.next_offset[tp] = batch[tp][-1].offset + 1
-        self.committed.append(tp[1])
-        return BatchOutcome(next_offsets={tp: self.offsets.next_offset[tp]})
-
-    async def after_commit(self, outcome: BatchOutcome) -> None:
-        self.post_committed.append(outcome.next_offsets)
+    async def after_commit(self, applied: Applied[Effects]) -> None:
+        self.post_committed.append(applied.progress.next_offsets)
 
 
 def test_only_a_big_batch_is_split() -> None:
@@ -162,7 +168,8 @@ async def test_a_failed_transaction_is_raised_after_the_others_are_post_committe
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(handler, "SPLIT_BYTES", 1)
-    h = Split(Offsets())
+    store = Outage()
+    h = Split(store)
     raw = {
         ("lifecycle", p): [
             Raw("lifecycle", p, o, None, incoming(p, o, f"r{p}").value or b"") for o in range(3)
@@ -171,5 +178,5 @@ async def test_a_failed_transaction_is_raised_after_the_others_are_post_committe
     }
     with pytest.raises(errors.StorageError):
         await h.handle("c", raw)  # the runtime retries the batch: partition 0 is fenced
-    assert h.committed == [0]
+    assert store.committed == [0]
     assert h.post_committed == [{("lifecycle", 0): 3}]  # cache, outbox: not left for later

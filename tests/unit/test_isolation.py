@@ -5,8 +5,8 @@ that fails alone is dead-lettered (``storage_rejected`` when PostgreSQL refused 
 moves past it and the record goes to the dead-letter topic directly. An outage
 (a retriable error) is never isolated: it goes up for the runtime to retry.
 
-Pure logic with small stand-ins: a store that keeps its offsets in a dict and an
-``apply`` that refuses chosen offsets. The same paths run against PostgreSQL in
+Pure logic with small stand-ins: a store that keeps its offsets in a dict and
+refuses chosen offsets. The same paths run against PostgreSQL in
 tests/integration/test_hostile.py.
 """
 
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from alma_core import errors
-from alma_core.storage.batches import Batch, BatchOutcome, Incoming, dead_letter_for
-from alma_core.storage.offsets import PartitionKey
-from consumers.handler import Apply, StoreHandler
+from alma_core.storage.batches import Applied, Batch, BatchStore, Effects, Incoming, dead_letter_for
+from alma_core.storage.offsets import PartitionKey, Progress
+from consumers.handler import StoreHandler
 from consumers.metrics import Metrics
 from schemas.decoder import Rejection, decode
 
@@ -42,26 +42,58 @@ def record(offset: int) -> Incoming:
     return Incoming(TP[0], TP[1], offset, b"r", raw, decode(raw, key=b"r"))
 
 
-@dataclass
-class Offsets:
-    """The two things the handler asks of a store itself."""
+class Offsets(BatchStore[None, Effects]):
+    """A store that keeps its offsets in a dict and applies what it is given, except
+    batches holding ``data`` offsets (StorageRejected) or ``defect`` offsets (a bug),
+    and, unless ``dead_letters``, any dead letter; every call's offsets in ``calls``."""
 
-    dlq_topic: str = "dlq"
-    next_offset: dict[PartitionKey, int] = field(default_factory=dict)
+    def __init__(
+        self,
+        *,
+        data: tuple[int, ...] = (),
+        defect: tuple[int, ...] = (),
+        dead_letters: bool = True,
+        outage: bool = False,
+    ) -> None:
+        super().__init__(None, "group", consumer="test", dlq_topic="dlq")  # type: ignore[arg-type]
+        self.next_offset: dict[PartitionKey, int] = {}
+        self.calls: list[list[int]] = []
+        self.data, self.defect = data, defect
+        self.dead_letters, self.outage = dead_letters, outage
 
     async def stored_offsets(
         self, cluster_id: str, partitions: list[PartitionKey]
     ) -> dict[PartitionKey, int]:
         return {tp: self.next_offset[tp] for tp in partitions if tp in self.next_offset}
 
-    async def skip(self, cluster_id: str, batch: Batch) -> tuple[BatchOutcome, bool]:
-        outcome, left = BatchOutcome(), False
+    async def apply(self, cluster_id: str, batch: Batch, prepared: None) -> Applied[Effects]:
+        records = [r for rs in batch.values() for r in rs]
+        self.calls.append([r.offset for r in records])
+        if self.outage:
+            raise errors.StorageError("the server is gone")
+        for r in records:
+            rejected = isinstance(r.decoded, Rejection)
+            if rejected and not self.dead_letters:
+                raise errors.StorageRejected("the dead-letter row was refused")
+            if not rejected and r.offset in self.data:
+                raise errors.StorageRejected("PostgreSQL refused the value")
+            if not rejected and r.offset in self.defect:
+                raise KeyError("a bug")
+        letters = [
+            dead_letter_for(r, r.decoded) for r in records if isinstance(r.decoded, Rejection)
+        ]
+        for tp, rs in batch.items():
+            self.next_offset[tp] = max(r.offset for r in rs) + 1
+        return Applied(Progress(next_offsets=dict(self.next_offset)), Effects(letters))
+
+    async def skip(self, cluster_id: str, batch: Batch) -> tuple[Progress, bool]:
+        progress, left = Progress(), False
         for tp, records in batch.items():
             fresh = [r for r in records if r.offset >= self.next_offset.get(tp, 0)]
             left = left or bool(fresh)
             self.next_offset[tp] = max(r.offset for r in records) + 1
-            outcome.next_offsets[tp] = self.next_offset[tp]
-        return outcome, left
+            progress.next_offsets[tp] = self.next_offset[tp]
+        return progress, left
 
 
 @dataclass
@@ -83,49 +115,11 @@ class Sent:
         return 0
 
 
-class Handler(StoreHandler[BatchOutcome]):
+class Handler(StoreHandler[None, Effects]):
     name = "test"
-    result_type = BatchOutcome
 
-    async def prepare(self, incoming: Batch) -> Apply[BatchOutcome]:
-        raise AssertionError("these tests call apply_all directly")
-
-
-def refusing(
-    store: Offsets,
-    *,
-    data: tuple[int, ...] = (),
-    defect: tuple[int, ...] = (),
-    dead_letters: bool = True,
-    outage: bool = False,
-) -> tuple[Apply[BatchOutcome], list[list[int]]]:
-    """An apply that refuses batches holding ``data`` offsets (StorageRejected) or
-    ``defect`` offsets (a bug), and, unless ``dead_letters``, any dead letter."""
-    calls: list[list[int]] = []
-
-    async def apply(cluster_id: str, batch: Batch) -> BatchOutcome:
-        records = [r for rs in batch.values() for r in rs]
-        calls.append([r.offset for r in records])
-        if outage:
-            raise errors.StorageError("the server is gone")
-        for r in records:
-            rejected = isinstance(r.decoded, Rejection)
-            if rejected and not dead_letters:
-                raise errors.StorageRejected("the dead-letter row was refused")
-            if not rejected and r.offset in data:
-                raise errors.StorageRejected("PostgreSQL refused the value")
-            if not rejected and r.offset in defect:
-                raise KeyError("a bug")
-        outcome = BatchOutcome()
-        outcome.dead_letters = [
-            dead_letter_for(r, r.decoded) for r in records if isinstance(r.decoded, Rejection)
-        ]
-        for tp, rs in batch.items():
-            store.next_offset[tp] = max(r.offset for r in rs) + 1
-            outcome.next_offsets[tp] = store.next_offset[tp]
-        return outcome
-
-    return apply, calls
+    async def prepare(self, incoming: Batch) -> tuple[Batch, None]:
+        return incoming, None
 
 
 def handler(store: Offsets, relay: Sent | None = None) -> Handler:
@@ -135,14 +129,14 @@ def handler(store: Offsets, relay: Sent | None = None) -> Handler:
 
 
 async def test_a_refused_record_is_dead_lettered_alone_and_the_rest_applied() -> None:
-    store = Offsets()
-    apply, calls = refusing(store, data=(1,), defect=(3,))
-    outcomes = await handler(store).apply_all("c", {TP: [record(i) for i in range(5)]}, apply)
+    store = Offsets(data=(1,), defect=(3,))
+    outcomes = await handler(store).apply("c", {TP: [record(i) for i in range(5)]}, None)
+    calls = store.calls
     assert calls[0] == [0, 1, 2, 3, 4]  # the batch, refused
     assert [0] in calls
     assert [2] in calls
     assert [4] in calls  # the others, one by one, applied
-    letters = [d for o in outcomes for d in o.dead_letters]
+    letters = [d for o in outcomes if o.effects for d in o.effects.dead_letters]
     assert [(d.record.offset, d.reason) for d in letters] == [
         (1, "storage_rejected"),
         (3, "internal_error"),
@@ -152,12 +146,11 @@ async def test_a_refused_record_is_dead_lettered_alone_and_the_rest_applied() ->
 
 
 async def test_a_refused_dead_letter_moves_the_partition_past_it_and_out_to_the_topic() -> None:
-    store, relay = Offsets(), Sent()
-    apply, _ = refusing(store, data=(2,), dead_letters=False)
+    store, relay = Offsets(data=(2,), dead_letters=False), Sent()
     h = handler(store, relay)
-    outcomes = await h.apply_all("c", {TP: [record(i) for i in range(3)]}, apply)
+    outcomes = await h.apply("c", {TP: [record(i) for i in range(3)]}, None)
     assert store.next_offset[TP] == 3
-    assert outcomes[-1].next_offsets == {TP: 3}
+    assert outcomes[-1].progress.next_offsets == {TP: 3}
     [(topic, key, value, headers)] = relay.records
     assert (topic, key) == ("dlq", b"r")
     assert json.loads(value)["event_id"] == "e2"  # the original bytes
@@ -170,9 +163,8 @@ async def test_a_refused_dead_letter_moves_the_partition_past_it_and_out_to_the_
 
 
 async def test_an_outage_is_never_isolated() -> None:
-    store = Offsets()
-    apply, calls = refusing(store, outage=True)
+    store = Offsets(outage=True)
     with pytest.raises(errors.StorageError):
-        await handler(store).apply_all("c", {TP: [record(i) for i in range(3)]}, apply)
-    assert calls == [[0, 1, 2]]  # no record tried alone, nothing dead-lettered
+        await handler(store).apply("c", {TP: [record(i) for i in range(3)]}, None)
+    assert store.calls == [[0, 1, 2]]  # no record tried alone, nothing dead-lettered
     assert store.next_offset == {}
