@@ -3,18 +3,23 @@
 Right after a batch commits, the worker publishes that batch's outbox rows; a
 sweep, every ``sweep_every_s`` whether or not records flow, picks up rows left
 behind by a crash or a failed send (older than ``sweep_age_s``) and prunes rows
-published long ago. Publishing twice is possible (a crash between send and mark)
-and harmless: every reader de-duplicates (by event_id, join_id or source
-coordinates).
+published long ago. Every publish first claims its rows (:mod:`alma_core.storage.outbox`):
+two relays never publish one row at the same time. Publishing twice is still possible
+(a crash between send and mark) and harmless: every reader de-duplicates (by
+event_id, join_id or source coordinates).
 
-Each row succeeds or fails on its own: the rows sent are marked published; a row
-Kafka refuses keeps its place with ``attempts``, ``last_error`` and a
-``next_attempt_at`` that doubles up to ``retry_max_s``, so one bad row (a reply
-topic that does not exist) never holds back the others.
+A run's rows of one topic (its hand-offs, its replies: one topic and key) leave in
+the order they were written: the relay sends them one after the other and stops at
+the first Kafka refuses; that row keeps its place with ``attempts``, ``last_error``
+and a ``next_attempt_at`` that doubles up to ``retry_max_s``, and the rows after it
+wait for it. Other runs' rows, and dead letters (each complete in itself, sent on its
+own), never wait for it: one bad row (a reply topic that does not exist) holds back
+only what must come after it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -42,21 +47,25 @@ class OutboxRelay:
         sweep_age_s: float = 10.0,
         sweep_every_s: float = 5.0,
         retry_max_s: float = 300.0,
+        lease_s: float = 60.0,
     ) -> None:
         self.pool = pool
         self.producer = producer
         self.metrics = metrics
         self.kinds = kinds  # topic -> metric label (handoff, dlq, reply)
+        # dead letters go on their own; every other topic keeps each key's order
+        self.unordered = [topic for topic, kind in kinds.items() if kind == "dlq"]
         self.sweep_age_s = sweep_age_s
         self.sweep_every_s = sweep_every_s
         self.retry_max_s = retry_max_s
+        self.lease_s = lease_s  # longer than any publish takes: the producer's timeouts
         self._last_sweep = 0.0
 
     async def publish(self, ids: list[int]) -> int:
-        """Publish these rows (those not yet published), in id order."""
+        """Publish these rows (a batch's, just committed), those this relay can claim."""
         if not ids:
             return 0
-        return await self._publish(outbox.unpublished(self.pool, ids))
+        return await self._publish(outbox.claim(self.pool, ids, self.unordered, self.lease_s))
 
     async def send_now(
         self, topic: str, key: bytes | None, value: bytes, headers: list[tuple[str, str]]
@@ -83,46 +92,35 @@ class OutboxRelay:
             return 0
         self._last_sweep = now
         sent = await self._publish(
-            outbox.left_behind(self.pool, 0.0 if force else self.sweep_age_s)
+            outbox.claim_left_behind(
+                self.pool, 0.0 if force else self.sweep_age_s, self.unordered, self.lease_s
+            )
         )
         with contextlib.suppress(*STORAGE_FAILURES):
             await outbox.prune(self.pool)
         return sent
 
-    async def _publish(self, reading: Awaitable[list[asyncpg.Record]]) -> int:
+    async def _publish(self, claiming: Awaitable[list[asyncpg.Record]]) -> int:
+        """Send the claimed rows: each key's rows of an ordered topic one after the
+        other, up to the first refused; everything else at once. Then mark them."""
         try:
-            rows = await reading
+            rows = await claiming
         except STORAGE_FAILURES as exc:
-            return self._failed(exc, "reading the outbox")
+            return self._failed(exc, "claiming outbox rows")
         if not rows:
             return 0
-        sent: list[asyncpg.Record] = []
-        failed: list[tuple[asyncpg.Record, str]] = []
-        pending = []
-        for r in rows:  # queue every row; one refused never holds back the others
-            try:
-                pending.append(
-                    (
-                        r,
-                        await self.producer.send(
-                            r["topic"],
-                            r["value"],
-                            key=r["key"],
-                            headers=[(k, v.encode()) for k, v in outbox.header_pairs(r["headers"])],
-                        ),
-                    )
-                )
-            except KafkaError as exc:
-                failed.append((r, repr(exc)))
-        for r, future in pending:
-            try:
-                await future
-                sent.append(r)
-            except KafkaError as exc:
-                failed.append((r, repr(exc)))
+        chains: dict[tuple[str, object], list[asyncpg.Record]] = {}
+        for r in rows:  # in id order; a dead letter is a chain of its own
+            alone = r["topic"] in self.unordered
+            chains.setdefault((r["topic"], r["id"] if alone else r["key"]), []).append(r)
+        outcomes = await asyncio.gather(*(self._send_chain(chain) for chain in chains.values()))
+        sent = [r for chain_sent, _, _ in outcomes for r in chain_sent]
+        failed = [f for _, chain_failed, _ in outcomes for f in chain_failed]
+        held = [r["id"] for _, _, chain_held in outcomes for r in chain_held]
         try:
             await outbox.mark_published(self.pool, [r["id"] for r in sent])
             await outbox.mark_failed(self.pool, [(r["id"], e) for r, e in failed], self.retry_max_s)
+            await outbox.release(self.pool, held)
         except STORAGE_FAILURES as exc:
             self._failed(exc, "marking outbox rows")  # sent again later: readers de-duplicate
         for r in sent:
@@ -130,15 +128,34 @@ class OutboxRelay:
         for r, error in failed:
             self.metrics.outbox_failures.inc()
             log.warning(
-                "outbox row not published; it is retried later",
+                "outbox row not published; it is retried later, and the rows of its run on "
+                "this topic wait for it",
                 extra={
                     "action": "outbox_failed",
                     "outbox_id": r["id"],
                     "topic": r["topic"],
+                    "held_back": sum(1 for h in held if h > r["id"]),
                     "error": error[:300],
                 },
             )
         return len(sent)
+
+    async def _send_chain(
+        self, chain: list[asyncpg.Record]
+    ) -> tuple[list[asyncpg.Record], list[tuple[asyncpg.Record, str]], list[asyncpg.Record]]:
+        """Send rows in order, each once the one before it is acknowledged; at the first
+        refused, stop: (sent, [(refused, error)], held back)."""
+        for i, r in enumerate(chain):
+            try:
+                await self.producer.send_and_wait(
+                    r["topic"],
+                    r["value"],
+                    key=r["key"],
+                    headers=[(k, v.encode()) for k, v in outbox.header_pairs(r["headers"])],
+                )
+            except KafkaError as exc:
+                return chain[:i], [(r, repr(exc))], chain[i + 1 :]
+        return chain, [], []
 
     def _failed(self, exc: BaseException, doing: str) -> int:
         self.metrics.outbox_failures.inc()
