@@ -291,3 +291,95 @@ async def test_the_langgraph_example_runs(
     assert "failed (search 'heat pump patents in " in text  # the patents thread
     assert "what ALMA learned for the next thread" in text
     assert "research-agent run heat-pumps-" in text
+
+
+# --- a saver under load and faults -----------------------------------------------------
+
+_SEND = "~__pregel_push, 0, False"  # the task path of a Send's first task
+
+
+def _at(thread: str, checkpoint_id: str) -> Any:
+    return {
+        "configurable": {"thread_id": thread, "checkpoint_ns": "", "checkpoint_id": checkpoint_id}
+    }
+
+
+def _first(thread: str) -> Any:
+    """The config of a thread's first ``aput``: no checkpoint before it."""
+    return {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+
+
+def _checkpoint(checkpoint_id: str) -> Any:
+    return {
+        "v": 1,
+        "id": checkpoint_id,
+        "ts": "2026-11-26T00:00:00+00:00",
+        "channel_values": {},
+        "channel_versions": {},
+        "versions_seen": {},
+    }
+
+
+async def test_send_tasks_waiting_for_checkpoints_are_never_cancelled_or_stalled(
+    settings: Settings, worker: AlmaWorker
+) -> None:
+    """A Send task learns its node from its checkpoint's ``aput``, which with
+    ``durability="async"`` may begin after the task finished. A task whose checkpoint's
+    ``aput`` is not coming (nothing of the thread in flight in this saver: the save
+    chain broke) writes at once, not after a fixed wait. More tasks wait than the saver
+    remembers checkpoints for, while a save is held up (its partition's offset row
+    locked by another session): the oldest wait is let go with no node, never cancelled
+    (the graph's task would die of a CancelledError nobody asked for)."""
+    from alma_core.integrations.langgraph.saver import _SENDS_KEPT
+    from tests.integration.test_overlapping_faults import offset_rows_locked
+
+    thread = f"t-{uuid.uuid4().hex[:8]}"
+    dsn = settings.postgres_dsn or ""
+    async with AlmaClient(settings) as client:
+        saver = AlmaSaver(client, tenant_id=app.TENANT, workflow_id="sends")
+        write = saver.aput_writes(_at(thread, "never-put"), [("found", ["a"])], "task", _SEND)
+        await asyncio.wait_for(write, 2.0)  # applied, in well under the old 5 s wait
+        group = f"{settings.group_prefix}-checkpointer"
+        async with offset_rows_locked(dsn, group, list(range(4))):
+            held = asyncio.create_task(saver.aput(_first(thread), _checkpoint("held"), {}, {}))
+            await asyncio.sleep(0)  # its aput has begun (the save in flight)
+            waiting = [
+                asyncio.create_task(
+                    saver.aput_writes(_at(thread, f"cp-{i}"), [("found", [i])], f"t{i}", _SEND)
+                )
+                for i in range(_SENDS_KEPT + 1)
+            ]
+
+            async def all_waiting() -> bool:
+                return len(saver._announced) == len(waiting)
+
+            await wait_for(all_waiting, what="every Send task waiting for its checkpoint")
+            evicting = asyncio.create_task(saver.aput(_first(thread), _checkpoint("new"), {}, {}))
+            await asyncio.sleep(0.2)
+            assert not any(w.done() and w.cancelled() for w in waiting)
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(held, evicting, *waiting, return_exceptions=True), 90
+        )
+        assert [o for o in outcomes if isinstance(o, BaseException)] == []
+
+
+async def test_a_thread_only_written_keeps_a_bounded_record_of_its_writes(
+    settings: Settings, worker: AlmaWorker
+) -> None:
+    """``wait="published"`` remembers each write of a thread until the saver sees it
+    applied, to make its own reads wait for them. A thread this saver only writes (a
+    producer of events, read elsewhere) must not make that memory grow without end."""
+    from alma_core.integrations.langgraph.saver import _PENDING_KEPT
+
+    thread = f"t-{uuid.uuid4().hex[:8]}"
+    dsn = settings.postgres_dsn or ""
+    writes = 3 * _PENDING_KEPT
+    async with AlmaClient(settings) as client:
+        saver = AlmaSaver(client, tenant_id=app.TENANT, workflow_id="writer", wait="published")
+        for i in range(writes):
+            await saver.aput_writes(_at(thread, "cp"), [("note", i)], f"task-{i}", "")
+            assert len(saver._pending.get(thread, ())) <= 2 * _PENDING_KEPT
+        assert await saver.aget_tuple(_at(thread, "cp")) is None  # reads wait for it all
+        assert thread not in saver._pending
+        sql = "SELECT count(*) FROM run_events WHERE run_id = $1"
+        assert await count(dsn, sql, thread) == writes

@@ -54,6 +54,8 @@ Wait = Literal["applied", "published"]
 _PULL, _PUSH = "~__pregel_pull, ", "~__pregel_push, "
 _SENDS_KEPT = 1024  # checkpoints whose Send targets are remembered (a Send task's node)
 _SEND_WAIT_S = 5.0  # the longest a Send task's writes wait for their checkpoint's aput
+_QUIET_S = 0.05  # nothing of the thread saving this long: its checkpoint's aput is not coming
+_PENDING_KEPT = 256  # a thread's writes remembered unconfirmed before the oldest are settled
 
 
 def _encoded(typed: tuple[str, bytes | None]) -> dict[str, str]:
@@ -92,10 +94,12 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         self.wait = wait
         self.timeout = timeout
         self._pending: dict[str, list[str]] = {}  # thread -> its events not seen applied
-        # the nodes of each checkpoint's Sends (a Send task's node), and the writes that
-        # wait for a checkpoint's aput to learn them
+        self._refused: dict[str, list[errors.RejectedEvent]] = {}  # found, not raised yet
+        # the nodes of each checkpoint's Sends (a Send task's node), the writes that wait
+        # for a checkpoint's aput to learn them, and each thread's saves in flight
         self._sends: OrderedDict[tuple[str, str, str], list[str]] = OrderedDict()
-        self._announced: dict[tuple[str, str, str], asyncio.Future[list[str]]] = {}
+        self._announced: dict[tuple[str, str, str], asyncio.Future[list[str] | None]] = {}
+        self._saving: dict[str, int] = {}
         try:
             self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -133,29 +137,39 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         event_id = await self.client.publish(self.client.event(type_, ctx, payload))
         if (wait or self.wait) == "applied":
             await self.client.applied(ctx, event_id, timeout=self.timeout)
-        else:
-            self._pending.setdefault(thread_id, []).append(event_id)
+            return
+        pending = self._pending.setdefault(thread_id, [])
+        pending.append(event_id)
+        if len(pending) > 2 * _PENDING_KEPT:  # a thread only written: settle the oldest
+            await self._settle(thread_id, pending[:-_PENDING_KEPT])
 
     async def _caught_up(self, thread_id: str | None = None) -> None:
         """Wait until this saver's writes of the thread (all threads: None) are applied.
-        Concurrent writes (a fan-out's tasks) may reach the partition in another order
-        than they returned: wait for the last, then for any the log does not hold yet.
         A refused write raises here once (its reason); a timeout leaves them owed."""
         for thread in list(self._pending) if thread_id is None else [thread_id]:
             ids = list(self._pending.get(thread, ()))
-            if not ids:
-                continue
-            refused = [await self._refusal(thread, ids[-1])]  # the last first, then the rest
-            pool = await self.client.read_pool()
-            for event_id in await runs.unrecorded(pool, self.tenant_id, thread, ids[:-1]):
-                refused.append(await self._refusal(thread, event_id))
-            owed = [e for e in self._pending.get(thread, ()) if e not in ids]
-            if owed:
-                self._pending[thread] = owed
-            else:
-                self._pending.pop(thread, None)
-            if first := next((r for r in refused if r is not None), None):
-                raise first
+            if ids:
+                await self._settle(thread, ids)
+            if refused := self._refused.pop(thread, None):
+                raise refused[0]
+
+    async def _settle(self, thread: str, ids: list[str]) -> None:
+        """Wait until these writes of the thread are applied or refused; forget them,
+        keeping their refusals for the thread's next read. Concurrent writes (a
+        fan-out's tasks) may reach the partition in another order than they returned:
+        wait for the last, then for any the log does not hold yet."""
+        refused = [await self._refusal(thread, ids[-1])]  # the last first, then the rest
+        pool = await self.client.read_pool()
+        for event_id in await runs.unrecorded(pool, self.tenant_id, thread, ids[:-1]):
+            refused.append(await self._refusal(thread, event_id))
+        if found := [r for r in refused if r is not None]:
+            self._refused.setdefault(thread, []).extend(found)
+        settled = set(ids)
+        owed = [e for e in self._pending.get(thread, ()) if e not in settled]
+        if owed:
+            self._pending[thread] = owed
+        else:
+            self._pending.pop(thread, None)
 
     async def _refusal(self, thread: str, event_id: str) -> errors.RejectedEvent | None:
         """Wait for the event's effect: None once applied, its rejection if refused."""
@@ -168,8 +182,11 @@ class AlmaSaver(BaseCheckpointSaver[str]):
     async def _node_of(self, thread: str, ns: str, checkpoint_id: str, path: str) -> str | None:
         """The node a task runs: a pull task's is in its path (LangGraph's own, such as
         ``__start__`` for the input, are no nodes of the graph's); a Send's is in the
-        checkpoint the task runs from: from this saver's ``aput`` of it (waited for a
-        moment: with ``durability="async"`` tasks start before it), else as stored."""
+        checkpoint the task runs from: from this saver's ``aput`` of it, else as stored.
+        With ``durability="async"`` a task may finish before that ``aput`` begins (after
+        the thread's earlier saves): the write waits for it while a save of the thread
+        is in flight here, and goes without a node once none has been for a moment (the
+        save chain broke: the ``aput`` is not coming), never longer than a few seconds."""
         if path.startswith(_PULL):
             node = path[len(_PULL) :].split(", ", 1)[0]
             return None if not node or node.startswith("__") else node
@@ -187,14 +204,34 @@ class AlmaSaver(BaseCheckpointSaver[str]):
             elif key in self._sends:  # its aput began while PostgreSQL was asked
                 sends = self._sends[key]
             else:
-                announced = self._announced.setdefault(
-                    key, asyncio.get_running_loop().create_future()
-                )
-                with contextlib.suppress(TimeoutError):
-                    sends = await asyncio.wait_for(asyncio.shield(announced), _SEND_WAIT_S)
-                if self._announced.get(key) is announced:  # it never came: forget it
-                    del self._announced[key]
+                sends = await self._announcement(thread, key)
         return sends[int(index)] if sends is not None and int(index) < len(sends) else None
+
+    async def _announcement(self, thread: str, key: tuple[str, str, str]) -> list[str] | None:
+        """The Send nodes of checkpoint ``key`` once its ``aput`` begins; None when it
+        is not coming (see :meth:`_node_of`) or was forgotten for newer ones."""
+        loop = asyncio.get_running_loop()
+        announced = self._announced.setdefault(key, loop.create_future())
+        deadline, quiet = loop.time() + _SEND_WAIT_S, 0
+        while not announced.done() and loop.time() < deadline and quiet < 2:
+            await asyncio.wait([announced], timeout=_QUIET_S)
+            quiet = 0 if self._saving.get(thread) else quiet + 1
+        if self._announced.get(key) is announced:  # it never came: forget it
+            del self._announced[key]
+        return announced.result() if announced.done() else None
+
+    @contextlib.asynccontextmanager
+    async def _save_of(self, thread: str) -> AsyncIterator[None]:
+        """A save of the thread in flight (an ``aput``, a task's writes on their way):
+        what a Send task's write may be waiting behind."""
+        self._saving[thread] = self._saving.get(thread, 0) + 1
+        try:
+            yield
+        finally:
+            if left := self._saving[thread] - 1:
+                self._saving[thread] = left
+            else:
+                del self._saving[thread]
 
     def _remember(self, key: tuple[str, str, str], checkpoint: Checkpoint) -> list[str]:
         """The nodes of the checkpoint's Sends, for its tasks' writes."""
@@ -206,8 +243,10 @@ class AlmaSaver(BaseCheckpointSaver[str]):
             announced.set_result(sends)
         while len(self._sends) > _SENDS_KEPT:
             self._sends.popitem(last=False)
-        while len(self._announced) > _SENDS_KEPT:
-            self._announced.pop(next(iter(self._announced))).cancel()
+        while len(self._announced) > _SENDS_KEPT:  # the oldest wait goes on without a node
+            oldest = self._announced.pop(next(iter(self._announced)))
+            if not oldest.done():
+                oldest.set_result(None)
         return sends
 
     def _tuple(self, stored: graphs.StoredCheckpoint) -> CheckpointTuple:
@@ -303,22 +342,23 @@ class AlmaSaver(BaseCheckpointSaver[str]):
             elif not (value is None or isinstance(value, str | int | float | bool)):
                 blobs[channel] = inline.pop(channel)
         changed = {c: v for c, v in new_versions.items() if c in blobs}
-        values = await asyncio.to_thread(
-            lambda: {c: _encoded(self.serde.dumps_typed(blobs[c])) for c in changed}
-        )
-        await self._send(
-            "graph.checkpoint",
-            thread,
-            {
-                "checkpoint_ns": ns,
-                "checkpoint_id": checkpoint["id"],
-                "parent_checkpoint_id": configurable.get("checkpoint_id"),
-                "checkpoint": {**checkpoint, "channel_values": inline},
-                "values": values,
-                "new_versions": dict(new_versions),
-                "metadata": get_serializable_checkpoint_metadata(config, metadata),
-            },
-        )
+        async with self._save_of(thread):
+            values = await asyncio.to_thread(
+                lambda: {c: _encoded(self.serde.dumps_typed(blobs[c])) for c in changed}
+            )
+            await self._send(
+                "graph.checkpoint",
+                thread,
+                {
+                    "checkpoint_ns": ns,
+                    "checkpoint_id": checkpoint["id"],
+                    "parent_checkpoint_id": configurable.get("checkpoint_id"),
+                    "checkpoint": {**checkpoint, "channel_values": inline},
+                    "values": values,
+                    "new_versions": dict(new_versions),
+                    "metadata": get_serializable_checkpoint_metadata(config, metadata),
+                },
+            )
         return {
             "configurable": {
                 "thread_id": configurable["thread_id"],
@@ -353,22 +393,24 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         error = next((v for c, v in writes if c == ERROR), None)
         # A task's outcome: its regular writes, or its error (not interrupts, resumes)
         finished = error is not None or any(c not in WRITES_IDX_MAP for c, _ in writes)
-        await self._send(
-            "graph.writes",
-            thread,
-            {
-                "checkpoint_ns": ns,
-                "checkpoint_id": checkpoint_id,
-                "task_id": task_id,
-                "task_path": task_path,
-                "writes": encoded,
-                "replace": all(c in WRITES_IDX_MAP for c, _ in writes),
-                "error": None
-                if error is None
-                else {"type": type(error).__name__[:256], "message": str(error)[:65536]},
-            },
-            node_id=await self._node_of(thread, ns, checkpoint_id, task_path) if finished else None,
-        )
+        node = await self._node_of(thread, ns, checkpoint_id, task_path) if finished else None
+        async with self._save_of(thread):
+            await self._send(
+                "graph.writes",
+                thread,
+                {
+                    "checkpoint_ns": ns,
+                    "checkpoint_id": checkpoint_id,
+                    "task_id": task_id,
+                    "task_path": task_path,
+                    "writes": encoded,
+                    "replace": all(c in WRITES_IDX_MAP for c, _ in writes),
+                    "error": None
+                    if error is None
+                    else {"type": type(error).__name__[:256], "message": str(error)[:65536]},
+                },
+                node_id=node,
+            )
 
     async def adelete_thread(self, thread_id: str) -> None:
         await self._send("graph.upkeep", str(thread_id), {"op": "delete_thread"})
