@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from alma_core.settings import Settings
+from tests.integration.conftest import PrivateStack
 from tests.integration.harness import (
     Publisher,
     Worker,
@@ -364,3 +365,187 @@ async def read_topic_ids(
     finally:
         await consumer.stop()
     return seen
+
+
+# --- faults inside faults ---------------------------------------------------------------
+
+POISON = [
+    b"{not json",  # malformed_json
+    json.dumps({"type": "node.exploded"}).encode(),  # unknown_type
+    b"[1, 2, 3]",  # not_an_object
+]
+
+
+def compound_run(run: str, steps: int) -> list[dict[str, Any]]:
+    """A run as an orchestrator publishes it without waiting: ``steps`` main-line nodes,
+    two branches, their join, the completion. Each node adds 1 to ``count`` and its
+    name to ``history`` (reducers sum and append): a node applied twice or lost shows."""
+    from tests.integration.harness import event
+
+    docs = [
+        completed(run, node=f"n{i}", updates={"count": 1, "history": [f"n{i}"]})
+        for i in range(steps)
+    ]
+    docs += [
+        completed(run, node=b, branch=b, updates={"count": 1, "history": [b]}) for b in ("a", "b")
+    ]
+    docs.append(
+        event(
+            "branch.join",
+            run,
+            node="join",
+            join_id=f"{run}-join",
+            branch_ids=["a", "b"],
+            reducers={"count": "sum", "history": "append"},
+        )
+    )
+    docs.append(
+        event(
+            "workflow.completed",
+            run,
+            node=None,
+            outcome="success",
+            duration_ms=10,
+            node_count=steps + 2,
+            nodes_succeeded=steps + 2,
+            nodes_failed=0,
+            task=f"compound chaos {run}",
+        )
+    )
+    return docs
+
+
+async def test_compound_faults_postgres_down_while_members_die(
+    private_stack: PrivateStack, tmp_path: Path
+) -> None:
+    """PostgreSQL (outside the workers, as in production) is SIGKILLed and left down
+    for 15 s while events keep coming; meanwhile a checkpointer member is SIGKILLed
+    every 1–2 s (the last one alive sees the group rebalance inside its storage retry;
+    the ones restarted wait for PostgreSQL and are killed in turn) and the
+    joiner/learner member once. Afterwards: every run's seqs are 1..n in event order,
+    every counter exact, one merge, join reply and outcome per run, every poison record
+    in the dead letters, the cache equal to PostgreSQL, and no offset was ever counted
+    as a hole in the log."""
+    settings = private_stack.settings
+    dsn, bootstrap = settings.postgres_dsn or "", settings.kafka_bootstrap or ""
+    pg = private_stack.postgres
+    await register_reducers(dsn, "wf", {"count": "sum", "history": "append"})
+    rng = random.Random()
+    seed = rng.randrange(10**6)
+    rng.seed(seed)
+    runs, steps = [f"cx-{i:02d}" for i in range(12)], 4
+    sent = {run: compound_run(run, steps) for run in runs}
+    checkpointers = [
+        WorkerProcess(settings, tmp_path / f"cp-{i}.log", consumers="checkpointer")
+        for i in range(4)
+    ]
+    others = WorkerProcess(settings, tmp_path / "jl.log", consumers="joiner,learner")
+    members = [*checkpointers, others]
+    kills = 0
+
+    async def publish(pub: Publisher, until: float) -> int:
+        """Every run's events in order, runs interleaved, spread until ``until``; a
+        tenth sent twice; the poison between them."""
+        queue = [sent[run][i] for i in range(steps + 4) for run in runs]
+        poison_at = {len(queue) * (k + 1) // (len(POISON) + 1): p for k, p in enumerate(POISON)}
+        pause = max(0.0, until - asyncio.get_running_loop().time()) / len(queue)
+        records = 0
+        for n, doc in enumerate(queue):
+            await pub.send(doc)
+            records += 1
+            if rng.random() < 0.1:
+                await pub.send(doc)  # a producer's retry: same event_id, another offset
+                records += 1
+            if n in poison_at:
+                await pub.send(poison_at[n], key="poison")
+                records += 1
+            await pub.flush()
+            await asyncio.sleep(pause)
+        return records
+
+    try:
+        for m in members:
+            m.start()
+        for m in members:
+            await m.wait_started(limit_s=120)
+        loop = asyncio.get_running_loop()
+        async with Publisher(bootstrap, settings.lifecycle_topic) as pub:
+            producing = asyncio.create_task(publish(pub, loop.time() + 25))
+            await asyncio.sleep(4)
+            port = pg.port
+            pg.kill()
+            outage_started = loop.time()
+            others_killed, live = False, set(checkpointers)  # members of the group
+            while loop.time() - outage_started < 15:
+                await asyncio.sleep(rng.uniform(1.0, 2.0))
+                # a live member while another is left to see the rebalance inside its
+                # retry; then the ones restarted, still waiting for PostgreSQL
+                pick = [m for m in checkpointers if (m in live) == (len(live) > 1)]
+                victim = rng.choice(pick)
+                victim.kill()
+                victim.start()
+                live.discard(victim)
+                kills += 1
+                if not others_killed and loop.time() - outage_started > 6:
+                    others.kill()
+                    others.start()
+                    others_killed = True
+                    kills += 1
+            await pg.start(port=port)
+            outage_s = loop.time() - outage_started
+            records = await producing
+
+        async def settled() -> bool:
+            merges = await count(dsn, "SELECT count(*) FROM checkpoints WHERE kind = 'merge'")
+            outcomes = await count(dsn, "SELECT count(*) FROM workflow_outcomes")
+            letters = await count(dsn, "SELECT count(*) FROM dead_letters")
+            return (merges, outcomes, letters) == (len(runs), len(runs), len(POISON))
+
+        await wait_for(settled, limit_s=90, what="every merge, outcome and dead letter")
+        # the cache against PostgreSQL first: nothing else is written now
+        await assert_cache_matches(settings, runs, require_all=False)
+        await assert_reads_fresh(settings, runs)
+        for run, docs in sent.items():
+            rows = await fetch(
+                dsn,
+                "SELECT seq, kind, event_id, state FROM checkpoints WHERE run_id = $1 ORDER BY seq",
+                run,
+            )
+            assert [r["event_id"] for r in rows] == [d["event_id"] for d in docs[:-1]], run
+            assert [r["seq"] for r in rows] == list(range(1, steps + 4)), run
+            merged = rows[-1]
+            assert merged["kind"] == "merge", run
+            history = [f"n{i}" for i in range(steps)] + ["a", "b"]
+            assert merged["state"] == {"count": steps + 2, "history": history}, run
+        joins = await fetch(dsn, "SELECT run_id, status, checkpoint_seq FROM joins")
+        assert sorted((j["run_id"], j["status"], j["checkpoint_seq"]) for j in joins) == [
+            (run, "ok", steps + 3) for run in runs
+        ]
+        outcomes = await fetch(dsn, "SELECT run_id, event_id FROM workflow_outcomes")
+        assert sorted((o["run_id"], o["event_id"]) for o in outcomes) == sorted(
+            (run, docs[-1]["event_id"]) for run, docs in sent.items()
+        )
+        letters = await fetch(dsn, "SELECT reason, value FROM dead_letters ORDER BY value")
+        assert sorted(bytes(r["value"]) for r in letters) == sorted(POISON)
+        events = await count(dsn, "SELECT count(*) FROM run_events")
+        assert events == sum(len(docs) for docs in sent.values())
+        replies = await read_topic_ids(
+            bootstrap, settings.merged_topic, len(runs), key=lambda v: json.loads(v)["run_id"]
+        )
+        assert replies == set(runs)
+        dlq = await read_topic_ids(bootstrap, settings.dlq_topic, len(POISON), key=bytes)
+        assert dlq == set(POISON)
+        logs = {m.log_path.name: m.log_path.read_text() for m in members}
+        assert [name for name, text in logs.items() if '"log_hole"' in text] == [], (
+            "an offset was counted as a hole in the log"
+        )
+        # the faults did overlap: a member saw the group rebalance inside its retry
+        assert any('"retry_rebalanced"' in text for text in logs.values())
+        print(
+            f"compound faults: seed {seed}, {len(runs)} runs, {records} records "
+            f"({sum(len(d) for d in sent.values())} events, {len(POISON)} poison), "
+            f"{kills} kills, PostgreSQL down {outage_s:.1f} s, problems 0"
+        )
+    finally:
+        codes = [m.terminate() for m in members]
+    assert all(code == 0 for code in codes), codes
