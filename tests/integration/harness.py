@@ -60,6 +60,22 @@ def completed(run_id: str, **kw: Any) -> dict[str, Any]:
     return event("node.completed", run_id, **kw)
 
 
+def finished(run_id: str, nodes: int, task: str, **kw: Any) -> dict[str, Any]:
+    """A run's ``workflow.completed``: ``nodes`` nodes, all succeeded."""
+    return event(
+        "workflow.completed",
+        run_id,
+        node=None,
+        outcome="success",
+        duration_ms=10,
+        node_count=nodes,
+        nodes_succeeded=nodes,
+        nodes_failed=0,
+        task=task,
+        **kw,
+    )
+
+
 class Publisher:
     def __init__(self, bootstrap: str, topic: str) -> None:
         self.topic = topic

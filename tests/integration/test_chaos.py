@@ -28,6 +28,7 @@ from tests.integration.harness import (
     completed,
     count,
     fetch,
+    finished,
     register_reducers,
     wait_for,
 )
@@ -260,17 +261,7 @@ async def test_every_group_killed_each_side_effect_once(settings: Settings, tmp_
                         branch_ids=["a", "b"],
                         reducers={"xs": "append"},
                     ),
-                    event(
-                        "workflow.completed",
-                        run,
-                        node=None,
-                        outcome="success",
-                        duration_ms=10,
-                        node_count=2,
-                        nodes_succeeded=2,
-                        nodes_failed=0,
-                        task=f"chaos run {run}",
-                    ),
+                    finished(run, 2, f"chaos run {run}"),
                 ]
                 sent[run] = docs
                 for doc in docs:
@@ -399,19 +390,7 @@ def compound_run(run: str, steps: int) -> list[dict[str, Any]]:
             reducers={"count": "sum", "history": "append"},
         )
     )
-    docs.append(
-        event(
-            "workflow.completed",
-            run,
-            node=None,
-            outcome="success",
-            duration_ms=10,
-            node_count=steps + 2,
-            nodes_succeeded=steps + 2,
-            nodes_failed=0,
-            task=f"compound chaos {run}",
-        )
-    )
+    docs.append(finished(run, steps + 2, f"compound chaos {run}"))
     return docs
 
 
