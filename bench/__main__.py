@@ -4,7 +4,8 @@ curves, and the scaling trend over checkpointer processes.
     python -m bench [--quick | --full] [--reps N] [--only SUITE,...] [--out docs/benchmarks.md]
 
 Suites: peers, curves, scaling, temporal, langgraph, retention, cache, quality (all by
-default).
+default), and soak (only when named: `--only soak`, 30 minutes; 5 with --quick;
+--soak-seconds and --window-seconds set its length).
 
 Brings up the embedded stack (PostgreSQL with fsync on) or uses the services
 named by ALMA_KAFKA_BOOTSTRAP, ALMA_POSTGRES_DSN and ALMA_REDIS_URL, shows one
@@ -37,12 +38,14 @@ from bench import (
     retention,
     run_state,
     scaling,
+    soak,
     temporal,
 )
 from bench.env import Env, services_versions, stack
 from bench.report import Section, console, machine, write
 
 SUITES = ("peers", "curves", "scaling", "temporal", "langgraph", "retention", "cache", "quality")
+ON_REQUEST = ("soak",)  # run only when named
 
 
 SINGLE_MODULE_SUITES: dict[str, Callable[[Env, Section], Awaitable[None]]] = {
@@ -55,8 +58,8 @@ SINGLE_MODULE_SUITES: dict[str, Callable[[Env, Section], Awaitable[None]]] = {
 }
 
 
-def steps(env: Env, only: set[str]) -> int:
-    n = 0
+def steps(env: Env, only: set[str], length: soak.Length) -> int:
+    n = length.steps if "soak" in only else 0
     if "peers" in only:
         n += 4 * env.reps + 3 * env.reps + 2 + 2 * env.reps + 1
     if "curves" in only:
@@ -78,9 +81,10 @@ def steps(env: Env, only: set[str]) -> int:
 
 async def main(args: argparse.Namespace) -> int:
     only = set(args.only.split(",")) if args.only else set(SUITES)
-    if unknown := only - set(SUITES):
-        console.print(f"[red]unknown suite(s) {sorted(unknown)}; choose from {SUITES}")
+    if unknown := only - set(SUITES) - set(ON_REQUEST):
+        console.print(f"[red]unknown suite(s) {sorted(unknown)}; choose from {SUITES + ON_REQUEST}")
         return 2
+    length = soak.Length.of(args.quick, args.soak_seconds, args.window_seconds)
     reps = args.reps or (2 if args.quick else 3)
     mode = "quick" if args.quick else "full" if args.full else "default"
     label = f"{mode}, {reps} repetitions"
@@ -93,7 +97,7 @@ async def main(args: argparse.Namespace) -> int:
     )
     with Progress(*columns, console=console) as progress:
         async with stack(args.quick, reps, args.full, progress) as env:
-            progress.update(env.task, total=steps(env, only))
+            progress.update(env.task, total=steps(env, only, length))
             m = machine(await services_versions(env))
             # Each suite is written as soon as it ends: a later failure keeps it.
             if "peers" in only:
@@ -113,6 +117,10 @@ async def main(args: argparse.Namespace) -> int:
                     section = Section(name)
                     await suite(env, section)
                     write([section], m, args.out, label)
+            if "soak" in only:
+                section = Section("soak")
+                await soak.run(env, section, length)
+                write([section], m, args.out, label)
     if args.out is not None:
         for png in plots.draw(args.out.with_suffix(".json"), args.out.parent / "img"):
             console.print(f"plotted {png}")
@@ -127,6 +135,10 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="fewer samples and points")
     parser.add_argument("--full", action="store_true", help="add the largest table sizes")
     parser.add_argument("--reps", type=int, default=0, help="repetitions per figure")
-    parser.add_argument("--only", default="", help=f"comma-separated subset of {SUITES}")
+    parser.add_argument(
+        "--only", default="", help=f"comma-separated subset of {SUITES + ON_REQUEST}"
+    )
+    parser.add_argument("--soak-seconds", type=float, default=0, help="the soak's length")
+    parser.add_argument("--window-seconds", type=float, default=0, help="the soak's window")
     parser.add_argument("--out", type=Path, help="markdown file (JSON and PNGs beside it)")
     sys.exit(asyncio.run(main(parser.parse_args())))

@@ -145,6 +145,8 @@ def draw(source: Path, out: Path) -> list[Path]:
             xscale="log",
         )
         made.append(save(fig, out / "bench-retrieval.png"))
+    if rows := doc.get("soak", {}).get("tables", {}).get("soak", {}).get("rows"):
+        made.append(soak(rows, out / "bench-soak.png"))
     scaling = doc.get("scaling", {}).get("tables", {}).get("scaling", {}).get("rows")
     if scaling:
         fig, ax = plt.subplots(figsize=(5, 4))
@@ -155,3 +157,20 @@ def draw(source: Path, out: Path) -> list[Path]:
         )
         made.append(save(fig, out / "bench-scaling.png"))
     return made
+
+
+def soak(rows: list[Row], path: Path) -> Path:
+    """The soak over time: latency percentiles, and each service's memory."""
+    minutes = [num(r["window (min)"]) for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for p in ("p50 ms", "p95 ms", "p99 ms"):
+        a.plot(minutes, [num(r[p]) for r in rows], marker="o", label=p.split()[0])
+    a.set(xlabel="minutes", ylabel="ms from emitted_at to checkpoint", yscale="log")
+    a.set_title("Latency per window")
+    for key in [k for k in rows[0] if k.endswith(" MB")]:
+        b.plot(minutes, [num(r[key]) for r in rows], marker="o", label=key[:-3])
+    b.set(xlabel="minutes", ylabel="MB", title="Memory at each window's end")
+    for ax in (a, b):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    return save(fig, path)

@@ -152,6 +152,44 @@ async def test_quick_side_by_side_run_writes_every_table(
         assert min(per_checkpoint) > 0
 
 
+@pytest.mark.timeout(300)
+async def test_a_short_soak_through_alma_up_writes_its_windows(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """`--only soak`, shortened: `alma up` of its own, a steady load from another Kafka
+    client, a row per window with latency and every service's memory, every event
+    applied exactly once, the verdicts noted, the plot drawn."""
+    out = tmp_path / "benchmarks.md"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    rc, log = await bench(
+        settings,
+        scratch,
+        "--only",
+        "soak",
+        "--soak-seconds",
+        "40",
+        "--window-seconds",
+        "20",
+        "--out",
+        str(out),
+    )
+    assert rc == 0, log[-3000:]
+    # alma up's data went with it (PyTorch keeps a compile cache of its own there)
+    assert not [p for p in scratch.iterdir() if p.name.startswith("alma-")]
+    table = json.loads(out.with_suffix(".json").read_text())["soak"]["tables"]["soak"]
+    assert [row["window (min)"] for row in table["rows"]] == ["0.333333", "0.666667"]
+    for row in table["rows"]:
+        assert float(row["events/s"]) > 100
+        assert float(row["p50 ms"].replace(",", "")) > 0
+        for service in ("broker", "workers", "redis", "postgres"):
+            assert float(row[f"{service} MB"].replace(",", "")) > 1, (service, row)
+        assert int(row["longest partition (records)"].replace(",", "")) > 0
+    assert "every event applied exactly once." in table["notes"][0]
+    assert "p50, last window against the first" in table["notes"][1]
+    assert (tmp_path / "img" / "bench-soak.png").exists()
+
+
 async def test_an_unknown_suite_is_refused_with_the_choices(
     settings: Settings, tmp_path: Path
 ) -> None:
@@ -160,6 +198,7 @@ async def test_an_unknown_suite_is_refused_with_the_choices(
     assert "unknown suite(s) ['nonsense']" in log
     assert "peers" in log
     assert "scaling" in log
+    assert "soak" in log
 
 
 def _name(p: psutil.Process) -> str:
