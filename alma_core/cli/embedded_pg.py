@@ -173,8 +173,10 @@ class Postgres(Service):
             "127.0.0.1",
             "-p",
             str(port),
+            # TCP only: every client connects to 127.0.0.1, and a Unix socket's path is
+            # limited to 107 bytes (a deep data directory would stop PostgreSQL starting)
             "-k",
-            str(self.run_dir),
+            "",
             "-c",
             "max_connections=200",
             "-c",

@@ -3,18 +3,22 @@ own log file, polled until ready (never slept), stopped gracefully, and watched.
 
 A port taken between choosing and binding is avoided: the process exits, and it is
 started again on another port. ``exit_status`` says how a process that went away
-ended, so ``alma up`` can stop loudly when one of its services dies.
+ended, so ``alma up`` can restart it or stop loudly. On Linux a child never outlives
+the process that started it, however that one ends (SIGKILL included): it is started
+with a parent-death signal (``prctl(PR_SET_PDEATHSIG)``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +36,26 @@ Notify = Callable[[str], None]  # how a service tells a person what it does to t
 def log_notice(message: str) -> None:
     """The default :data:`Notify`: a warning in the log (``alma up`` prints instead)."""
     log.warning(message, extra={"action": "embedded_notice"})
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def parent_death_hook() -> Callable[[], None] | None:
+    """What a child runs between fork and exec so that the kernel SIGKILLs it when the
+    thread that started it ends (Linux; None elsewhere). Runs after Popen's own user
+    change, which would clear it; a parent already gone by then is noticed too."""
+    if sys.platform != "linux":
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the child
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
 
 
 def free_port() -> int:
@@ -100,6 +124,7 @@ class Service:
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
+                    preexec_fn=parent_death_hook(),  # prctl and kill: async-signal-safe
                     **self._popen_kwargs(),
                 )
             if await self._wait_ready():
@@ -130,6 +155,10 @@ class Service:
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.running and self.proc is not None else None
 
     async def stop(self, sig: int = signal.SIGINT, grace_s: float = 15.0) -> None:
         """Stop gracefully (SIGINT by default), then kill if it does not exit in time."""

@@ -12,12 +12,20 @@ import time
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from alma_core import errors
 from alma_core.cli import common
 from alma_core.cli.embedded import EmbeddedStack, Endpoints
-from alma_core.cli.embedded_process import Notify, describe_status, log_notice, tail
+from alma_core.cli.embedded_process import Notify, log_notice
+from alma_core.cli.embedded_supervisor import (
+    Limits,
+    RestartPolicy,
+    ServiceLost,
+    Supervisor,
+    Watch,
+)
 from alma_core.cli.topics import alma_topics, ensure_topics
 from alma_core.logs import configure as configure_logs
 from alma_core.logs import redact
@@ -100,7 +108,7 @@ def up(
                 stop.set()
             else:
                 common.out.print("Press Ctrl-C to stop.")
-            await _supervise(stack, workers, stop)
+            await _supervise(ws, stack, workers, status, stop)
         finally:
             with common.out.status("stopping..."):
                 await stack.stop()
@@ -132,39 +140,77 @@ def _claim(endpoints_file: Path) -> None:
 
 
 async def _supervise(
-    stack: EmbeddedStack, workers: asyncio.Task[None], stop: asyncio.Event
+    s: Settings,
+    stack: EmbeddedStack,
+    workers: asyncio.Task[None],
+    status: WorkerStatus,
+    stop: asyncio.Event,
 ) -> None:
-    """Wait for the workers (they end when ``stop`` is set); if an embedded service's
-    process ends first, say which, how and where its log is, stop the workers and
-    exit 1 (the caller stops the other services)."""
-    watch = asyncio.ensure_future(stack.first_exit())
+    """Wait for the workers (they end when ``stop`` is set) while the supervisor keeps
+    the embedded services running and the watch samples them. When a service cannot be
+    kept (the broker died, or one died too often), say so, stop the workers and exit 1
+    (the caller stops the other services)."""
+    metrics = status.metrics
+    assert metrics is not None
+    embedded = metrics.embedded
+    supervisor = Supervisor(
+        stack,
+        notify=common.note,
+        policy=RestartPolicy(limit=s.embedded_restart_limit),
+        on_restart=lambda name: embedded.restarts.labels(name).inc(),
+        unapplied=lambda: _unapplied(status),
+    )
+    watch = Watch(
+        stack,
+        notify=common.note,
+        memory=lambda name, held: embedded.memory.labels(name).set(held),
+        logs=lambda: _log_ends(status),
+        log_length=lambda t, p, n: embedded.log_records.labels(t, str(p)).set(n),
+        limits=Limits(s.embedded_warn_broker_mb << 20, s.embedded_warn_partition_records),
+    )
+    supervising = asyncio.create_task(supervisor.run(stop))
+    watching = asyncio.create_task(watch.run(stop))
     try:
-        await asyncio.wait([workers, watch], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([workers, supervising], return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watch.cancel()
-    if workers.done() or watch.cancelled():
+        watching.cancel()
+    if workers.done() or not supervising.done() or supervising.exception() is None:
+        supervising.cancel()
         await workers  # the workers' error, if they failed
         return
-    service, status = watch.result()
-    common.err.print(
-        f"[red]error:[/red] the embedded {service.title} stopped while `alma up` was "
-        f"running ({describe_status(status)}; its log: {service.log_path}). Stopping the "
-        "workers and the other services.",
-        highlight=False,
-        soft_wrap=True,
-    )
-    common.err.print(redact(tail(service.log_path)), markup=False, highlight=False)
-    common.err.print(
-        "What to do: read the log above, then start `alma up` again (a stale pid file is "
-        "removed then, and PostgreSQL recovers its data as it starts)",
-        soft_wrap=True,
-    )
+    lost = supervising.exception()
+    assert isinstance(lost, ServiceLost)
+    common.err.print(f"[red]error:[/red] {escape(redact(lost.message))}", soft_wrap=True)
     stop.set()
     try:
         await asyncio.wait_for(workers, WORKERS_DRAIN_S)
     except Exception as exc:  # noqa: BLE001 - already failing: the service's death is the news
         common.note(f"the workers stopped with {exc!r}")
     raise typer.Exit(common.FAILED)
+
+
+def _log_ends(status: WorkerStatus) -> dict[tuple[str, int], int]:
+    """Each partition's log end, as this process's consumers last fetched it."""
+    ends: dict[tuple[str, int], int] = {}
+    for runtime in status.runtimes:
+        for partition, (end, _) in runtime.logs().items():
+            if end is not None:
+                ends[partition] = max(end, ends.get(partition, 0))
+    return ends
+
+
+def _unapplied(status: WorkerStatus) -> str:
+    """Per partition, how far the log went and how far each group had applied it."""
+    lines = []
+    for runtime in status.runtimes:
+        for (topic, partition), (end, applied) in sorted(runtime.logs().items()):
+            if end is not None and applied is not None and end > applied:
+                lines.append(
+                    f"  {topic} partition {partition}: the log reached offset {end:,}, the "
+                    f"{runtime.handler.name} had applied up to {applied:,}: at least "
+                    f"{end - applied:,} records lost"
+                )
+    return "\n".join(lines)
 
 
 def _stop_on_signals() -> asyncio.Event:

@@ -1,9 +1,12 @@
 """The embedded stack's own failure modes: a broken data directory, a taken port, a
-stale pid file, a service that dies under a running `alma up`."""
+stale pid file; under a running `alma up`, a PostgreSQL or Redis that dies (restarted
+in place), a broker that dies (the end, said plainly), and `alma up` itself killed
+(no child outlives it)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -11,12 +14,23 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from alma_core import errors
 from alma_core.cli.embedded import PG_USER, EmbeddedStack, Postgres, Redis
+from alma_core.settings import load
+from tests.integration.harness import (
+    Publisher,
+    WorkerProcess,
+    assert_exactly_once,
+    completed,
+    count,
+    wait_for,
+)
 
 
 async def test_broken_data_directory_says_how_to_reset(tmp_path: Path) -> None:
@@ -43,6 +57,20 @@ async def test_a_taken_port_is_avoided_when_none_was_asked_for(tmp_path: Path) -
             assert redis.running
         finally:
             await redis.stop()
+
+
+async def test_postgres_starts_in_a_deep_data_directory(tmp_path: Path) -> None:
+    """A Unix socket's path holds at most 107 bytes: the embedded PostgreSQL listens on
+    TCP alone, so a data directory nested deep (a CI workspace, a temporary directory of
+    a test) starts as any other."""
+    deep = tmp_path / ("a-directory-with-a-long-name-" * 3) / "and-deeper-still"
+    assert len(str(deep / "run" / "pg" / ".s.PGSQL.65535")) > 107
+    pg = Postgres(deep / "postgres", deep / "run" / "pg", durable=False)
+    await pg.start()
+    try:
+        assert pg.running
+    finally:
+        await pg.stop()
 
 
 def test_a_stale_pid_file_is_removed_and_a_running_postgres_is_not_started_beside(
@@ -73,70 +101,271 @@ def test_a_stale_pid_file_is_removed_and_a_running_postgres_is_not_started_besid
             running.kill()
 
 
-async def test_alma_up_stops_loudly_when_its_postgres_dies_and_starts_again(
-    tmp_path: Path,
-) -> None:
-    """The embedded PostgreSQL SIGKILLed under a running `alma up`: it says which service
-    died, how and where its log is, stops the rest and exits 1; the next `alma up`
-    removes the stale pid file and starts. Run as root, it said first which user it
-    adds and which directories it opens."""
+class AlmaUp:
+    """`alma up` as a user runs it, in a directory of its own, its output in files."""
+
+    def __init__(self, home: Path, **env: str) -> None:
+        self.home = home
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
+        self.env = {
+            **clean,
+            "ALMA_METRICS_PORT": "0",
+            "ALMA_PARTITIONS": "4",
+            "COLUMNS": "200",
+            **env,
+        }
+        self.out, self.err = home / "up.out", home / "up.err"
+        self.endpoints_file = home / ".alma" / "endpoints.json"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    async def start(self) -> dict[str, Any]:
+        with self.out.open("ab") as out, self.err.open("ab") as err:
+            self.proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once
+                [sys.executable, "-m", "alma_core.cli", "up"],
+                env=self.env,
+                cwd=self.home,
+                stdout=out,
+                stderr=err,
+            )
+
+        async def up() -> bool:
+            assert self.running, f"alma up exited:\n{self.stderr()[-3000:]}"
+            text = self.endpoints_file.read_text() if self.endpoints_file.exists() else ""
+            return "metrics_url" in text
+
+        await wait_for(up, limit_s=150, what="alma up to be up")
+        endpoints: dict[str, Any] = json.loads(self.endpoints_file.read_text())
+        return endpoints
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stderr(self) -> str:
+        return self.err.read_text(errors="replace")
+
+    def children(self) -> dict[str, int]:
+        recorded = json.loads((self.home / ".alma" / "run" / "children.json").read_text())
+        return {child["service"]: int(child["pid"]) for child in recorded}
+
+    async def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(self.proc.wait, 60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The largest sample of ``name`` with these labels on a Prometheus text page (0 when
+    there is none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=5) as page:
+        text = page.read().decode()
+    return max(
+        (
+            float(sample.value)
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+        ),
+        default=0.0,
+    )
+
+
+def in_group(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (a service and what it started)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                found.append(int(entry.name))
+    return found
+
+
+async def test_alma_up_restarts_its_postgres_and_redis_mid_stream(tmp_path: Path) -> None:
+    """Under a running `alma up`, with a worker of its own beside it killed and started
+    again and producers sending duplicates: the embedded PostgreSQL is SIGKILLed, and
+    later Redis. Each is restarted in place; nothing published is lost or applied
+    twice; `alma up` still serves afterwards, its restarts counted and its services'
+    memory watched. As root, it said first which user it adds and which directories it
+    opens."""
     home = tmp_path / "closed"
     home.mkdir(mode=0o700)
     home.chmod(0o700)  # whatever the umask
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
-    env = {**clean, "ALMA_METRICS_PORT": "0", "ALMA_PARTITIONS": "2", "COLUMNS": "200"}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "alma_core.cli",
-        "up",
-        env=env,
-        cwd=home,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    endpoints = home / ".alma" / "endpoints.json"
+    up = AlmaUp(home)
     try:
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline and proc.returncode is None:
-            if endpoints.exists() and "metrics_url" in endpoints.read_text():
-                break
-            await asyncio.sleep(0.2)
-        assert proc.returncode is None, "alma up exited before it was up"
-        assert stat.S_IMODE(endpoints.stat().st_mode) == 0o600
-        postmaster = int((home / ".alma" / "postgres" / "postmaster.pid").read_text().split()[0])
-        os.kill(postmaster, signal.SIGKILL)
-        raw_out, raw_err = await asyncio.wait_for(proc.communicate(), 90)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    out, err = raw_out.decode(), raw_err.decode()
-    assert proc.returncode == 1, err[-3000:]
-    assert "the embedded PostgreSQL stopped while `alma up` was running (killed by SIGKILL" in err
-    assert str(home / ".alma" / "run" / "pg" / "postgres.log") in err
-    assert "What to do: read the log above, then start `alma up` again" in err
-    assert "stopped" in out
-    assert not endpoints.exists()
-    if os.geteuid() == 0:
-        assert f"runs as the system user {PG_USER}" in err
-        assert "lets it traverse /" in err
-        assert f"{home} (chmod o+x: nothing in them becomes readable)" in err
-        assert home.stat().st_mode & stat.S_IXOTH
-    else:
-        assert "running as root" not in err
-        assert not home.stat().st_mode & stat.S_IXOTH
+        endpoints = await up.start()
+        settings = load(
+            kafka_bootstrap=endpoints["kafka_bootstrap"],
+            postgres_dsn=endpoints["postgres_dsn"],
+            redis_url=endpoints["redis_url"],
+            partitions=4,
+            session_timeout_ms=2000,
+            heartbeat_interval_ms=200,
+            metrics_port=0,
+        )
+        dsn = endpoints["postgres_dsn"]
+        beside = WorkerProcess(settings, tmp_path / "beside.log").start()
+        await beside.wait_started(limit_s=120)
+        published: dict[str, list[dict[str, Any]]] = {}
+        runs = [f"sup-{i}" for i in range(8)]
+        async with Publisher(endpoints["kafka_bootstrap"], settings.lifecycle_topic) as pub:
 
+            async def send(step: int) -> None:
+                for run in runs:
+                    doc = completed(run, node=f"n{step}", updates={"step": step})
+                    published.setdefault(run, []).append(doc)
+                    await pub.send(doc)
+                    if step % 3 == 0:
+                        await pub.send(doc)  # a producer's retry: same event_id
+                await pub.flush()
+
+            for step in range(4):
+                await send(step)
+            postmaster = int(
+                (home / ".alma" / "postgres" / "postmaster.pid").read_text().split()[0]
+            )
+            os.kill(postmaster, signal.SIGKILL)
+            for step in range(4, 8):
+                await send(step)
+                await asyncio.sleep(0.5)
+            beside.kill()
+            beside.start()
+
+            async def restarted(service: str) -> bool:
+                return f"the embedded {service} is back on port" in up.stderr()
+
+            await wait_for(lambda: restarted("PostgreSQL"), what="PostgreSQL back")
+            await beside.wait_started(limit_s=120)
+            os.kill(up.children()["redis"], signal.SIGKILL)
+            for step in range(8, 12):
+                await send(step)
+                await asyncio.sleep(0.3)
+            await wait_for(lambda: restarted("Redis"), what="Redis back")
+            for step in range(12, 14):
+                await send(step)
+
+        async def all_applied() -> bool:
+            total = sum(len(docs) for docs in published.values())
+            return await count(dsn, "SELECT count(*) FROM checkpoints") == total
+
+        await wait_for(all_applied, limit_s=90, what="every event applied")
+        await assert_exactly_once(dsn, published)
+        assert up.running, up.stderr()[-3000:]
+        metrics_url = json.loads(up.endpoints_file.read_text())["metrics_url"]
+        assert metric(metrics_url, "alma_embedded_restarts_total", service="postgres") == 1
+        assert metric(metrics_url, "alma_embedded_restarts_total", service="redis") == 1
+
+        async def watched() -> bool:
+            return metric(metrics_url, "alma_embedded_memory_bytes", service="broker") > 0
+
+        await wait_for(watched, limit_s=30, what="the broker's memory watched")
+        records = metric(metrics_url, "alma_embedded_log_records", topic=settings.lifecycle_topic)
+        assert records > 0
+        assert beside.terminate() == 0
+        err = up.stderr()
+        assert "the embedded PostgreSQL stopped (killed by SIGKILL" in err
+        assert str(home / ".alma" / "run" / "pg" / "postgres.log") in err
+        if os.geteuid() == 0:
+            assert f"runs as the system user {PG_USER}" in err
+            assert "lets it traverse /" in err
+            assert f"{home} (chmod o+x: nothing in them becomes readable)" in err
+            assert home.stat().st_mode & stat.S_IXOTH
+        else:
+            assert "running as root" not in err
+            assert not home.stat().st_mode & stat.S_IXOTH
+    finally:
+        code = await up.stop()
+    assert code == 0, up.stderr()[-3000:]
+    assert not up.endpoints_file.exists()
+
+
+async def test_no_child_outlives_alma_up(tmp_path: Path) -> None:
+    """SIGKILL of `alma up` (nothing of its own runs after it): its broker, PostgreSQL
+    (with its backends) and Redis end with it; the next `alma up` starts at once."""
+    up = AlmaUp(tmp_path)
+    await up.start()
+    children = up.children()
+    assert set(children) == {"broker", "postgres", "redis"}
+    assert all(in_group(pid) for pid in children.values())
+    assert up.proc is not None
+    up.proc.kill()
+    up.proc.wait()
+
+    async def all_gone() -> bool:
+        return not any(in_group(pid) for pid in children.values())
+
+    await wait_for(all_gone, limit_s=10, what="every child of the killed `alma up` to end")
     again = await asyncio.to_thread(
         subprocess.run,
         [sys.executable, "-m", "alma_core.cli", "up", "--check"],
-        env=env,
-        cwd=home,
+        env=up.env,
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=180,
     )
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "removed the stale" in again.stderr
-    assert f"(pid {postmaster} is gone" in again.stderr
     assert "ALMA Stream is up" in again.stdout
+
+
+def test_leftovers_of_an_earlier_stack_are_ended_and_named(tmp_path: Path) -> None:
+    """Where no parent-death signal ended them (another system, an older release), the
+    children an earlier stack left are ended at the next start, each named; a recorded
+    pid that another program took since is left alone."""
+    stack = EmbeddedStack(tmp_path, kafka_bootstrap="127.0.0.1:9", redis_url="redis://x:1/0")
+    heard: list[str] = []
+    stack.notify = heard.append
+    left = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    reused = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        stack.children_file.parent.mkdir(parents=True)
+        stack.children_file.write_text(
+            json.dumps(
+                [
+                    {"service": "postgres", "pid": left.pid, "cmd": ["sleep", "60"]},
+                    {"service": "redis", "pid": reused.pid, "cmd": ["/usr/bin/redis-server"]},
+                ]
+            )
+        )
+        assert stack.end_leftovers() == [left.pid]
+        assert left.wait(5) == -signal.SIGKILL
+        assert reused.poll() is None
+        assert heard == [
+            f"ended the postgres (pid {left.pid}) that an earlier `alma up` on "
+            f"{tmp_path.resolve()} left running when it was killed"
+        ]
+        assert not stack.children_file.exists()
+    finally:
+        for proc in (left, reused):
+            proc.kill()
+            proc.wait()
+
+
+async def test_alma_up_stops_saying_what_was_lost_when_its_broker_dies(tmp_path: Path) -> None:
+    """The broker keeps its log in memory: its death is the end of the stack, and
+    `alma up` says so with the remedy and exits 1, stopping the rest."""
+    up = AlmaUp(tmp_path)
+    await up.start()
+    children = up.children()
+    os.kill(children["broker"], signal.SIGKILL)
+    assert up.proc is not None
+    code = await asyncio.to_thread(up.proc.wait, 90)
+    err = up.stderr()
+    assert code == 1, err[-3000:]
+    assert "the embedded Kafka broker stopped while `alma up` was running (killed by SIGKILL" in err
+    assert "what was published and not yet applied is gone" in err
+    assert "ALMA_KAFKA_BOOTSTRAP" in err
+    assert not any(in_group(pid) for pid in children.values())
+    assert not up.endpoints_file.exists()
