@@ -258,11 +258,21 @@ async def test_cache_matches_postgres_and_reads_are_tenant_scoped(
         return await count(dsn, "SELECT count(*) FROM checkpoints") == 7
 
     await wait_for(seven, what="seven checkpoints")
-    await asyncio.sleep(0.3)  # the cache is written right after the commit
     async with (
         connect(dsn) as pool,
         RedisCheckpointCache.for_settings(settings) as cache,
     ):
+
+        async def cached() -> bool:  # written right after the commit (read raw: no fill)
+            seqs = [
+                doc["seq"] if doc else None
+                for doc, _ in [
+                    await cache.get("acme", "cached", f) for f in ("latest", "@", "b:side")
+                ]
+            ]
+            return seqs == [6, 5, 6]
+
+        await wait_for(cached, what="the writer's cache entries")
         tally = Tally()
         reader = CheckpointReader(pool, cache, tenant_id="acme", observer=tally)
         latest = await reader.latest("cached")

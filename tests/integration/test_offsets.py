@@ -58,10 +58,16 @@ async def test_offsets_beyond_the_log_pause_until_reset(settings: Settings) -> N
                 for p in range(TEST_PARTITIONS)
             )
 
+        (runtime,) = worker.status.runtimes
+        assert runtime.consumer is not None
+
         async def reported() -> bool:
-            return behind() > 0
+            return len(runtime.assignment.log_behind) == TEST_PARTITIONS and behind() > 0
 
         await wait_for(reported, what="the partitions reported behind their stored offsets")
+        # paused, not merely filtered: nothing of theirs is fetched (or skipped as applied)
+        paused = {tp.partition for tp in runtime.consumer.paused()}
+        assert paused == set(range(TEST_PARTITIONS))
         assert await count(dsn, "SELECT count(*) FROM run_events") == 0
         assert await count(dsn, "SELECT count(*) FROM dead_letters") == 0
 

@@ -133,7 +133,7 @@ async def redis_outage(settings: Settings, redis: Redis) -> None:
             return await count(dsn, "SELECT count(*) FROM checkpoints") == n
 
         await wait_for(lambda: n_in(25), what="25 checkpoints")
-        await asyncio.sleep(0.3)  # cached right after the commit
+        await wait_for(lambda: cached(settings, 5), what="every run cached at seq 5")
         admin = aioredis.Redis.from_url(redis.url)
         try:
             await admin.save()  # the snapshot Redis will come back from
@@ -166,6 +166,17 @@ async def redis_outage(settings: Settings, redis: Redis) -> None:
         assert cached_again, "the writers never cached again after Redis came back"
     await assert_exactly_once(dsn, published)
     assert await assert_cache_matches(settings, RUNS, require_all=True) == len(RUNS)
+
+
+async def cached(settings: Settings, seq: int) -> bool:
+    """Every run's latest checkpoint is in Redis at ``seq`` (read raw: a read through the
+    reader would fill it)."""
+    async with RedisCheckpointCache.for_settings(settings) as cache:
+        for run in RUNS:
+            latest, _ = await cache.get("acme", run, "latest")
+            if latest is None or latest["seq"] != seq:
+                return False
+    return True
 
 
 async def _async(value: float) -> float:
