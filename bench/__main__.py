@@ -84,7 +84,7 @@ async def main(args: argparse.Namespace) -> int:
     if unknown := only - set(SUITES) - set(ON_REQUEST):
         console.print(f"[red]unknown suite(s) {sorted(unknown)}; choose from {SUITES + ON_REQUEST}")
         return 2
-    length = soak.Length.of(args.quick, args.soak_seconds, args.window_seconds)
+    length = soak.Length.of(args.quick, args.soak_seconds, args.window_seconds, args.up_setting)
     reps = args.reps or (2 if args.quick else 3)
     mode = "quick" if args.quick else "full" if args.full else "default"
     label = f"{mode}, {reps} repetitions"
@@ -140,5 +140,12 @@ if __name__ == "__main__":
     )
     parser.add_argument("--soak-seconds", type=float, default=0, help="the soak's length")
     parser.add_argument("--window-seconds", type=float, default=0, help="the soak's window")
+    parser.add_argument(
+        "--up-setting",
+        action="append",
+        default=[],
+        metavar="ALMA_X=VALUE",
+        help="a setting of the soak's `alma up` (repeatable): a lever to measure",
+    )
     parser.add_argument("--out", type=Path, help="markdown file (JSON and PNGs beside it)")
     sys.exit(asyncio.run(main(parser.parse_args())))
