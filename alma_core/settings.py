@@ -283,12 +283,12 @@ class Settings(BaseSettings):
         "before `alma up` gives up (0: never restart)",
     )
     embedded_warn_broker_mb: int = Field(
-        default=1024,
+        default=256,
         ge=1,
         description="`alma up` warns when its embedded broker holds this much memory",
     )
     embedded_warn_partition_records: int = Field(
-        default=20_000,
+        default=3_000,
         ge=1,
         description="`alma up` warns when a partition of its embedded broker holds this "
         "many records (its reads slow down as a partition fills)",

@@ -200,12 +200,14 @@ def _pss(entry: Path) -> int:
 
 @dataclass(frozen=True)
 class Limits:
-    """When the embedded broker starts to hurt (measured on 2 cores: it keeps ~1.25 KB
-    per stored 1 KB record, and every read walks all of its partition's stored batches:
-    ~30,000 of them made a read take ~90 ms at the median, ~60,000 up to 19 s)."""
+    """When the embedded broker starts to hurt. It keeps every record in memory, and
+    each read of a partition with new records lists every batch the partition ever
+    stored: under 300 events/s of 2 KB over 12 partitions (docs/benchmarks.md, the soak)
+    the publish-to-checkpoint p50 went 32 → 63 → 284 ms in the first three minutes, as
+    partitions reached ~1,500, ~3,000, ~4,500 records and the broker ~100, ~200, ~300 MB."""
 
-    broker_bytes: int = 1 << 30
-    partition_records: int = 20_000
+    broker_bytes: int = 256 << 20
+    partition_records: int = 3_000
 
 
 class Watch:
