@@ -197,13 +197,14 @@ async def test_alma_up_restarts_its_postgres_and_redis_mid_stream(tmp_path: Path
     """Under a running `alma up`, with a worker of its own beside it killed and started
     again and producers sending duplicates: the embedded PostgreSQL is SIGKILLed, and
     later Redis. Each is restarted in place; nothing published is lost or applied
-    twice; `alma up` still serves afterwards, its restarts counted and its services'
-    memory watched. As root, it said first which user it adds and which directories it
-    opens."""
+    twice; `alma up` still serves afterwards, its restarts counted, its services' memory
+    watched and the broker's growth warned about (past a threshold set low here). As
+    root, it said first which user it adds and which directories it opens."""
     home = tmp_path / "closed"
     home.mkdir(mode=0o700)
     home.chmod(0o700)  # whatever the umask
-    up = AlmaUp(home)
+    up = AlmaUp(home, ALMA_EMBEDDED_WARN_PARTITION_RECORDS="10")  # a warning within the test
+    beside: WorkerProcess | None = None
     try:
         endpoints = await up.start()
         settings = load(
@@ -271,9 +272,16 @@ async def test_alma_up_restarts_its_postgres_and_redis_mid_stream(tmp_path: Path
             return metric(metrics_url, "alma_embedded_memory_bytes", service="broker") > 0
 
         await wait_for(watched, limit_s=30, what="the broker's memory watched")
+
+        async def warned() -> bool:
+            return "the embedded Kafka broker keeps every record in memory" in up.stderr()
+
+        await wait_for(warned, limit_s=30, what="the warning about the broker's growth")
+        assert "point ALMA_KAFKA_BOOTSTRAP at an Apache Kafka" in up.stderr()
         records = metric(metrics_url, "alma_embedded_log_records", topic=settings.lifecycle_topic)
-        assert records > 0
+        assert records >= 10
         assert beside.terminate() == 0
+        beside = None
         err = up.stderr()
         assert "the embedded PostgreSQL stopped (killed by SIGKILL" in err
         assert str(home / ".alma" / "run" / "pg" / "postgres.log") in err
@@ -286,6 +294,8 @@ async def test_alma_up_restarts_its_postgres_and_redis_mid_stream(tmp_path: Path
             assert "running as root" not in err
             assert not home.stat().st_mode & stat.S_IXOTH
     finally:
+        if beside is not None:
+            beside.kill()
         code = await up.stop()
     assert code == 0, up.stderr()[-3000:]
     assert not up.endpoints_file.exists()
