@@ -202,9 +202,8 @@ def _pss(entry: Path) -> int:
 class Limits:
     """When the embedded broker starts to hurt. It keeps every record in memory, and
     each read of a partition with new records lists every batch the partition ever
-    stored: under 300 events/s of 2 KB over 12 partitions (docs/benchmarks.md, the soak)
-    the publish-to-checkpoint p50 went 32 → 63 → 284 ms in the first three minutes, as
-    partitions reached ~1,500, ~3,000, ~4,500 records and the broker ~100, ~200, ~300 MB."""
+    stored, so the latency from publish to checkpoint grows with the longest partition:
+    the defaults are where the soak's p50 began to climb (docs/benchmarks.md)."""
 
     broker_bytes: int = 256 << 20
     partition_records: int = 3_000
@@ -268,8 +267,8 @@ class Watch:
             f"down as a partition fills: it holds {broker_bytes / 2**20:,.0f} MB, and "
             f"partition {partition} of {topic} {records:,} records (warned at "
             f"{self.limits.broker_bytes / 2**20:,.0f} MB or {self.limits.partition_records:,} "
-            "records a partition; past ~30,000 each read takes ~90 ms, and the latency from "
-            "publish to checkpoint grows with it). What to do: for a stack that runs for "
+            "records a partition; the latency from publish to checkpoint grows with the "
+            "longest partition from here on). What to do: for a stack that runs for "
             "hours, point ALMA_KAFKA_BOOTSTRAP at an Apache Kafka (`docker compose up -d "
             "kafka`); or, once nothing is waiting (alma_consumer_lag 0 everywhere), restart "
             "`alma up`: its broker starts empty, and nothing applied is lost"

@@ -178,9 +178,10 @@ async def _supervise(
         supervising.cancel()
         await workers  # the workers' error, if they failed
         return
-    lost = supervising.exception()
-    assert isinstance(lost, ServiceLost)
-    common.err.print(f"[red]error:[/red] {escape(redact(lost.message))}", soft_wrap=True)
+    try:
+        supervising.result()
+    except ServiceLost as lost:  # anything else is a defect of the supervisor: it goes up
+        common.err.print(f"[red]error:[/red] {escape(redact(lost.message))}", soft_wrap=True)
     stop.set()
     try:
         await asyncio.wait_for(workers, WORKERS_DRAIN_S)
