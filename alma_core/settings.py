@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import (
     Field,
@@ -21,9 +21,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
-from alma_core import errors
+from alma_core import errors, stacks
 from alma_core.logs import redact
-from alma_core.pids import alive
 from alma_core.scoring import ScoringWeights
 
 KafkaSecurity = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
@@ -147,7 +146,14 @@ class Settings(BaseSettings):
     max_record_bytes: int = Field(default=8 * 1024 * 1024, ge=4096)
     cache_ttl_seconds: int = Field(default=7 * 24 * 3600, ge=1)
     require_tenant: bool = True
-    data_dir: Path = Path(".alma")
+    data_dir: Path = Field(
+        default=stacks.DEFAULT_DATA_DIR,
+        description="alma up's data; unset, commands look for .alma here and above",
+    )
+    stacks_dir: Path = Field(
+        default=Path("~/.local/state/alma/stacks"),
+        description="the registry of running `alma up` stacks, found from any directory",
+    )
 
     # Consumers.
     group_prefix: str = Field(
@@ -293,6 +299,11 @@ class Settings(BaseSettings):
         description="`alma up` warns when a partition of its embedded broker holds this "
         "many records (its reads slow down as a partition fills)",
     )
+
+    @field_validator("stacks_dir")
+    @classmethod
+    def _home(cls, value: Path) -> Path:
+        return value.expanduser()
 
     @field_validator("postgres_dsn")
     @classmethod
@@ -479,37 +490,47 @@ def load(**overrides: object) -> Settings:
         ) from None
 
 
-ENDPOINTS_FILE = "endpoints.json"  # what `alma up` writes into ALMA_DATA_DIR
+ENDPOINTS_FILE = stacks.ENDPOINTS_FILE
 # The embedded broker does not wake a waiting fetch when data arrives (Apache Kafka
 # does), so every hop costs about half the fetch wait: `alma up` uses this one with it
 # unless ALMA_FETCH_MAX_WAIT_MS says otherwise, and applications beside it too.
 EMBEDDED_FETCH_MAX_WAIT_MS = 20
 
 
-def running_endpoints(data_dir: Path) -> dict[str, Any]:
-    """The services of the ``alma up`` running on ``data_dir`` (its endpoints file);
-    nothing when there is none, or the one that wrote the file is gone (killed
-    without its clean-up: its ports are closed, or taken by something else)."""
-    path = data_dir / ENDPOINTS_FILE
-    if not path.exists():
-        return {}
-    data: dict[str, Any] = json.loads(path.read_text())
-    pid = data.get("pid")
-    return {} if isinstance(pid, int) and not alive(pid) else data
+def search(s: Settings) -> stacks.Search:
+    """Where ``s`` leads to look for a running ``alma up``."""
+    return stacks.Search(s.data_dir, "data_dir" in s.model_fields_set, s.stacks_dir)
+
+
+def running(s: Settings) -> stacks.Running | None:
+    """The ``alma up`` running for ``s`` (see :mod:`alma_core.stacks`), or None."""
+    return stacks.find(search(s))
 
 
 def load_running(**overrides: object) -> Settings:
-    """The settings, with the services of a running ``alma up`` (its endpoints file in
-    ``ALMA_DATA_DIR``) for those the ``ALMA_*`` variables leave unset: what an
-    application next to ``alma up`` uses."""
-    return with_running(load(**overrides))
+    """The settings, with the services of a running ``alma up`` for those the
+    ``ALMA_*`` variables leave unset: what an application next to ``alma up`` uses. It
+    is found from any directory (:mod:`alma_core.stacks`); with no service set and no
+    ``alma up`` running, :class:`errors.ConfigError` says where it looked."""
+    loaded = with_running(load(**overrides))
+    if loaded.kafka_bootstrap is None:
+        raise errors.ConfigError(
+            "no ALMA Stream to connect to: ALMA_KAFKA_BOOTSTRAP is not set and no `alma up` "
+            f"is running ({search(loaded).described()}). What to do: start one with "
+            "`alma up` (in any directory), or set ALMA_KAFKA_BOOTSTRAP, ALMA_POSTGRES_DSN "
+            "and ALMA_REDIS_URL"
+        )
+    return loaded
 
 
 def with_running(loaded: Settings) -> Settings:
-    """``loaded`` with the services of the ``alma up`` running on its data directory for
-    those it leaves unset; with that ``alma up``'s broker, its fetch wait too."""
-    found = running_endpoints(loaded.data_dir)
+    """``loaded`` with the services of the running ``alma up`` for those it leaves
+    unset; with that ``alma up``'s broker, its fetch wait too."""
     services = ("kafka_bootstrap", "postgres_dsn", "redis_url", "embed_url")
+    if all(getattr(loaded, k) for k in services):
+        return loaded
+    stack = running(loaded)
+    found = stack.endpoints if stack else {}
     missing: dict[str, object] = {
         k: found[k] for k in services if getattr(loaded, k) is None and found.get(k)
     }

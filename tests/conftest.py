@@ -3,6 +3,7 @@ check that the temporary directory has room for a run."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 
@@ -25,6 +26,8 @@ MIN_FREE_BYTES = 2 * 1024**3
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
+    # the suite's own registry of running `alma up` stacks (tests/services.py)
+    os.environ["ALMA_STACKS_DIR"] = tempfile.mkdtemp(prefix="alma-stacks-")
     tmp = tempfile.gettempdir()
     free = shutil.disk_usage(tmp).free
     if free < MIN_FREE_BYTES:

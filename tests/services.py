@@ -20,6 +20,16 @@ from typing import Any
 
 from alma_core.cli.embedded import EmbeddedStack
 
+# The registry of running `alma up` stacks (ALMA_STACKS_DIR): the suite keeps its own,
+# so a developer's running stack is never found by a test, nor a test's by a developer.
+KEPT_SETTINGS = ("ALMA_STACKS_DIR",)
+
+
+def without_alma_settings() -> dict[str, str]:
+    """This process's environment without its ``ALMA_`` settings (for a command run as
+    a user would), the suite's registry of running stacks kept."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("ALMA_") or k in KEPT_SETTINGS}
+
 
 @dataclass
 class Services:

@@ -19,12 +19,12 @@ except ImportError:  # pragma: no cover - an install without the `cli` extra
     )
     raise SystemExit(2) from None
 
-from alma_core.cli import db, demo, dlq, mcp, memory, offsets, reducers, runs, stack, topics
+from alma_core.cli import common, db, demo, dlq, mcp, memory, offsets, reducers, runs, stack, topics
 
 PACKAGE = "alma-stream"
 
 # Locals in a traceback could hold a DSN with its password: never shown.
-app = typer.Typer(
+app = common.app(
     help="ALMA Stream: workflow memory over Kafka, Postgres and Redis.",
     pretty_exceptions_show_locals=False,
 )

@@ -30,8 +30,29 @@ from alma_core.logs import configure as configure_logs
 from alma_core.logs import redact
 from alma_core.storage import embeddings
 
-out = Console()
-err = Console(stderr=True)
+UNWRAPPED = 100_000  # a pipe's width: tables as wide as their content, lines whole
+
+
+def console(*, stderr: bool = False) -> Console:
+    """A console for a person: a terminal's width there; piped (a file, ``grep``, a
+    script), nothing wrapped, so ids and headers are never cut across lines."""
+    probe = Console(stderr=stderr)
+    return probe if probe.is_terminal else Console(stderr=stderr, width=UNWRAPPED, soft_wrap=True)
+
+
+def app(**options: Any) -> typer.Typer:
+    """A command group. Its help is click's plain one: typer's rich help shows every
+    flag with a type (``--json <bool>``) as if it took a value, and wraps in a pipe."""
+    return typer.Typer(rich_markup_mode=None, **options)
+
+
+def json_option(what: str = "the result") -> Any:
+    """``--json``: ``what`` as one JSON document on stdout instead of a table."""
+    return typer.Option(False, "--json", help=f"Print {what} as JSON, for scripts.")
+
+
+out = console()
+err = console(stderr=True)
 T = TypeVar("T")
 
 ENDPOINTS_FILE = settings_mod.ENDPOINTS_FILE
@@ -109,9 +130,10 @@ def tenant(
 
 
 def running_endpoints(s: settings_mod.Settings) -> dict[str, Any]:
-    """The services of the `alma up` running on ``ALMA_DATA_DIR`` (its endpoints file);
-    nothing when there is none, or the one that wrote the file is gone."""
-    return settings_mod.running_endpoints(s.data_dir)
+    """The services of the running `alma up` (``ALMA_DATA_DIR``, else found from here:
+    :mod:`alma_core.stacks`); nothing when none runs."""
+    found = settings_mod.running(s)
+    return found.endpoints if found else {}
 
 
 def write_private(path: Path, text: str) -> None:
@@ -135,8 +157,9 @@ def _service(s: settings_mod.Settings, field: str, what: str) -> str:
     value = getattr(s, field) or running_endpoints(s).get(field)
     if not value:
         raise errors.ConfigError(
-            f"no {what}: set ALMA_{field.upper()}, or start the embedded stack with `alma up` "
-            f"(it writes {s.data_dir / ENDPOINTS_FILE})"
+            f"no {what}: ALMA_{field.upper()} is not set and no `alma up` is running "
+            f"({settings_mod.search(s).described()}). What to do: start the embedded stack "
+            f"with `alma up` (in any directory), or set ALMA_{field.upper()}"
         )
     return str(value)
 

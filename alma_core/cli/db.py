@@ -14,7 +14,7 @@ from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.migrations import Migrator
 from alma_core.storage.postgres import connect
 
-db_app = typer.Typer(help="Database migrations and retention.")
+db_app = common.app(help="Database migrations and retention.")
 
 
 def register(app: typer.Typer) -> None:
@@ -62,7 +62,7 @@ def db_downgrade(
 
 
 @db_app.command("status")
-def db_status(as_json: bool = typer.Option(False, "--json")) -> None:
+def db_status(as_json: bool = common.json_option("the schema version and migrations")) -> None:
     """Which migrations are applied."""
     s = common.settings()
 

@@ -17,7 +17,7 @@ from alma_core.messaging import kafka
 from alma_core.storage import dead_letters
 from schemas.decoder import Rejection, decode
 
-dlq_app = typer.Typer(help="Dead letters: list them, replay them.")
+dlq_app = common.app(help="Dead letters: list them, replay them.")
 
 
 def register(app: typer.Typer) -> None:
@@ -31,7 +31,7 @@ def dlq_list(
     tenant: str = typer.Option(
         None, "--tenant", help="Only this tenant's dead letters; default ALMA_TENANT (unset: all)."
     ),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = common.json_option("the dead letters"),
 ) -> None:
     """Dead letters, newest first."""
     s = common.settings()

@@ -34,7 +34,7 @@ def retrieve(
     scope: RetrievalScope = typer.Option(RetrievalScope.WORKFLOW, case_sensitive=False),
     top_k: int = typer.Option(5, "--top-k", min=1, max=100, help="Items per kind."),
     max_tokens: int = typer.Option(800, help="Budget of the prompt shown."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = common.json_option("the memories and the prompt"),
 ) -> None:
     """Memories relevant to TASK in a scope, best first, and the prompt they make."""
     s = common.settings()

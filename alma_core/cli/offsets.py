@@ -36,7 +36,7 @@ from alma_core.messaging.broker_view import BrokerView, Member
 from alma_core.settings import Settings
 from alma_core.storage import offsets
 
-offsets_app = typer.Typer(help="Consumer offsets stored in PostgreSQL: list, reset.")
+offsets_app = common.app(help="Consumer offsets stored in PostgreSQL: list, reset.")
 
 
 def register(app: typer.Typer) -> None:
@@ -52,7 +52,7 @@ async def cluster_id(bootstrap: str, client_options: dict[str, Any] | None = Non
 
 
 @offsets_app.command("list")
-def offsets_list(as_json: bool = typer.Option(False, "--json")) -> None:
+def offsets_list(as_json: bool = common.json_option("the offsets")) -> None:
     """Every group's stored offsets, by broker cluster."""
     s = common.settings()
 

@@ -13,9 +13,9 @@ from alma_core import errors, reducers
 from alma_core.cli import common
 from alma_core.storage import reducer_configs
 
-reducers_app = typer.Typer(help="Reducers.")
+reducers_app = common.app(help="Reducers.")
 TENANT_HELP = "The workflow's tenant; default ALMA_TENANT (one of them is required)."
-schemas_app = typer.Typer(help="The event contract's JSON Schema files.")
+schemas_app = common.app(help="The event contract's JSON Schema files.")
 
 
 def register(app: typer.Typer) -> None:
@@ -34,7 +34,7 @@ def schemas_export(
 
 
 @reducers_app.command("list")
-def reducers_list(as_json: bool = typer.Option(False, "--json")) -> None:
+def reducers_list(as_json: bool = common.json_option("the reducers")) -> None:
     """Reducers available by name (built-ins and the alma.reducers entry points)."""
     registry = reducers.default_registry()
     rows = [registry.get(n) for n in registry.names()]

@@ -18,7 +18,7 @@ from alma_core.storage.postgres import connect
 from alma_core.storage.reader import CheckpointReader
 from alma_core.types import Checkpoint
 
-runs_app = typer.Typer(help="Runs: list them, show one with its events, checkpoints and outcome.")
+runs_app = common.app(help="Runs: list them, show one with its events, checkpoints and outcome.")
 
 TENANT_HELP = (
     "Tenant of the run; default ALMA_TENANT (one of them is required unless "
@@ -42,7 +42,7 @@ def runs_list(
     workflow: str = typer.Option(None, "--workflow", help="Only this workflow's runs."),
     status: str = typer.Option(None, "--status", help="running, succeeded or failed."),
     limit: int = typer.Option(50, min=1, max=10_000, help="How many, latest activity first."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = common.json_option("the runs"),
 ) -> None:
     """Runs, latest activity first."""
     s = common.settings()
@@ -104,7 +104,7 @@ async def run_report(conn: Any, run_id: str, tenant: str | None) -> dict[str, An
 def runs_show(
     run_id: str = typer.Argument(..., help="The run."),
     tenant: str = typer.Option(None, "--tenant", help=TENANT_HELP),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = common.json_option("the run"),
 ) -> None:
     """One run: its events, checkpoints (seq, node, branch, size), joins and outcome."""
     s = common.settings()
@@ -197,7 +197,7 @@ def checkpoints(
     tenant: str = typer.Option(None, "--tenant", help=TENANT_HELP),
     limit: int = typer.Option(50, min=1, max=10_000, help="How many, newest first."),
     before: int = typer.Option(None, help="Only checkpoints with seq below this."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = common.json_option("the checkpoints"),
 ) -> None:
     """A run's checkpoints, newest first."""
     s = common.settings()
@@ -220,7 +220,7 @@ def checkpoints(
 def resume(
     run_id: str = typer.Argument(..., help="The run."),
     tenant: str = typer.Option(None, "--tenant", help=TENANT_HELP),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = common.json_option("the resume point"),
 ) -> None:
     """Where the run resumes: its latest checkpoint and every branch head."""
     s = common.settings()

@@ -15,7 +15,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from alma_core import errors
+from alma_core import errors, stacks
 from alma_core.cli import common
 from alma_core.cli.embedded import EmbeddedStack, Endpoints
 from alma_core.cli.embedded_process import Notify, log_notice
@@ -80,6 +80,7 @@ def up(
                 "fetch_max_wait_ms": ws.fetch_max_wait_ms,
             }
             common.write_private(endpoints_file, json.dumps(mine, indent=2))
+            stacks.register(s.stacks_dir, s.data_dir)  # found from any directory
             table = Table(title=f"ALMA Stream is up ({elapsed:.1f} s)")
             table.add_column("service")
             table.add_column("endpoint")
@@ -113,6 +114,7 @@ def up(
             with common.out.status("stopping..."):
                 await stack.stop()
             endpoints_file.unlink(missing_ok=True)
+            stacks.unregister(s.stacks_dir / f"{os.getpid()}.json")
             common.out.print("stopped")
 
     common.run(main)

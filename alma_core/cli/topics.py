@@ -17,7 +17,7 @@ from alma_core.cli import common
 from alma_core.messaging import kafka
 from alma_core.settings import Settings
 
-topics_app = typer.Typer(help="Kafka topics.")
+topics_app = common.app(help="Kafka topics.")
 
 
 def register(app: typer.Typer) -> None:
@@ -111,7 +111,7 @@ def topics_create(
 
 
 @topics_app.command("describe")
-def topics_describe(as_json: bool = typer.Option(False, "--json")) -> None:
+def topics_describe(as_json: bool = common.json_option("the topics")) -> None:
     """Partition counts of ALMA's topics."""
     s = common.settings()
 

@@ -24,6 +24,7 @@ from aiokafka import AIOKafkaProducer
 from pydantic import ValidationError
 
 from alma_core import errors
+from alma_core import settings as settings_mod
 from alma_core.logs import redact
 from alma_core.memory import MemorySlice
 from alma_core.messaging import kafka
@@ -92,7 +93,7 @@ class AlmaClient:
         self.settings = settings
         self.bootstrap = bootstrap or settings.kafka_bootstrap
         if not self.bootstrap:
-            raise errors.ConfigError("AlmaClient needs ALMA_KAFKA_BOOTSTRAP (or bootstrap=...)")
+            raise errors.ConfigError(no_bootstrap(settings))
         options = kafka.client_options(settings)
         self._producer = AIOKafkaProducer(
             bootstrap_servers=self.bootstrap,
@@ -476,3 +477,23 @@ class AlmaClient:
         if reply.status == "error":
             raise errors.MergeFailed(f"join {join_id!r} of run {ctx.run_id!r}: {reply.error}")
         return reply
+
+
+def no_bootstrap(s: Settings) -> str:
+    """Why a client has no broker, and what to do: use the running ``alma up`` (found
+    from any directory) through ``load_running()``, or start one, or set the variable."""
+    what = "AlmaClient needs a Kafka bootstrap (ALMA_KAFKA_BOOTSTRAP, or bootstrap=...)"
+    try:
+        stack = settings_mod.running(s)
+    except errors.ConfigError as several:
+        return f"{what}; {several.message}"
+    if stack is not None:
+        return (
+            f"{what}: an `alma up` is running on {stack.data_dir}. What to do: build the "
+            "client from load_running() (alma_core.settings), which takes its services"
+        )
+    return (
+        f"{what} and no `alma up` is running ({settings_mod.search(s).described()}). What "
+        "to do: start the embedded stack with `alma up` (in any directory) and build the "
+        "client from load_running(), or set ALMA_KAFKA_BOOTSTRAP"
+    )

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from alma_core.storage.embeddings import AsyncEmbedder
 from consumers.metrics import Metrics
 from consumers.worker import Services as WorkerServices
 from consumers.worker import WorkerStatus, run_worker
+from tests.services import without_alma_settings
 
 T = TypeVar("T")
 
@@ -231,7 +231,7 @@ class Worker:
 
 def worker_env(settings: Settings) -> dict[str, str]:
     """The environment that makes `alma worker` use these settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
+    env = without_alma_settings()
     return env | settings.to_env() | {"ALMA_LOG_FORMAT": "json"}
 
 

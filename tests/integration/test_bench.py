@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from alma_core.settings import Settings
+from tests.services import without_alma_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +30,7 @@ async def spawn(
 ) -> asyncio.subprocess.Process:
     """``python -m bench ARGS`` with these ``ALMA_*`` services and no others (none:
     it starts its own embedded stack), its temporary files under ``scratch``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
+    env = without_alma_settings()
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from alma_core.cli.embedded import free_port
 from tests.integration.conftest import TEST_PARTITIONS, Topics
-from tests.services import Services
+from tests.services import Services, without_alma_settings
 
 
 def alma(
     *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
+    clean = without_alma_settings()
     return subprocess.run(
         [sys.executable, "-m", "alma_core.cli", *args],
         env={**clean, "COLUMNS": "200", "ALMA_METRICS_PORT": "0", **(env or {})},
@@ -171,7 +170,7 @@ def test_exit_codes_follow_the_rule(database: str, tmp_path: Path) -> None:
             "cannot read the group's offsets",
         ),
         (("topics", "create"), {"ALMA_PARTITIONS": "many"}, 2, "ALMA_PARTITIONS='many'"),
-        (("db", "status"), {}, 2, "set ALMA_POSTGRES_DSN, or start the embedded stack"),
+        (("db", "status"), {}, 2, "no `alma up` is running (looked for .alma/endpoints.json in"),
         (
             ("offsets", "reset", "--group", "g", "--topic", "t", "--to-latest", "--to-offset", "1"),
             {},

@@ -31,6 +31,7 @@ from tests.integration.harness import (
     count,
     wait_for,
 )
+from tests.services import without_alma_settings
 
 
 async def test_broken_data_directory_says_how_to_reset(tmp_path: Path) -> None:
@@ -106,7 +107,7 @@ class AlmaUp:
 
     def __init__(self, home: Path, **env: str) -> None:
         self.home = home
-        clean = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
+        clean = without_alma_settings()
         self.env = {
             **clean,
             "ALMA_METRICS_PORT": "0",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
@@ -14,6 +13,7 @@ from alma_core.settings import Settings
 from alma_core.storage.embeddings import AsyncEmbedder
 from tests.integration.harness import Worker, count, wait_for
 from tests.integration.test_cli_runs import env_of
+from tests.services import without_alma_settings
 
 TOOLS = {
     "alma_checkpoint",
@@ -42,7 +42,7 @@ async def test_mcp_tools_over_stdio(
 ) -> None:
     dsn = settings.postgres_dsn
     assert dsn
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
+    clean = without_alma_settings()
     server = StdioServerParameters(
         command=sys.executable,
         args=["-m", "alma_core.cli", "mcp"],

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import stat
 import subprocess
@@ -25,7 +24,7 @@ import pytest
 from alma_core.cli.embedded import Postgres, free_port
 from tests.integration.conftest import Topics
 from tests.integration.test_cli import alma
-from tests.services import Services
+from tests.services import Services, without_alma_settings
 
 SECRET = "S3cretPW"  # the role's real password
 WRONG = "Wr0ngPW77"  # a password PostgreSQL refuses
@@ -75,7 +74,7 @@ def closed_port_dsn() -> str:
 
 def readyz_while(env: dict[str, str], seconds: float) -> tuple[str, str]:
     """`alma worker` for ``seconds``: its output and its /readyz answer, then SIGTERM."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
+    clean = without_alma_settings()
     proc = subprocess.Popen(
         [sys.executable, "-m", "alma_core.cli", "worker", "--consumers", "checkpointer"],
         env={**clean, "ALMA_LOG_FORMAT": "json", "ALMA_METRICS_PORT": "0", **env},
@@ -195,7 +194,7 @@ async def test_alma_up_masks_its_table_and_keeps_the_real_dsn_for_its_owner(
         "ALMA_METRICS_PORT": "0",
         "COLUMNS": "200",
     }
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
+    clean = without_alma_settings()
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",

@@ -13,7 +13,7 @@ import pytest
 
 from alma_core import errors
 from alma_core import settings as settings_mod
-from alma_core.settings import load, load_running
+from alma_core.settings import load, load_running, with_running
 from alma_core.types import WorkflowContext
 
 
@@ -161,7 +161,9 @@ def test_load_running_takes_the_unset_services_from_alma_up(
         if name.startswith("ALMA_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("ALMA_DATA_DIR", str(tmp_path))
-    assert load_running().kafka_bootstrap is None  # no alma up: nothing to take
+    with pytest.raises(errors.ConfigError, match="no `alma up` is running") as info:
+        load_running()  # no alma up, no service set: it says where it looked
+    assert f"looked in {tmp_path / 'endpoints.json'} (ALMA_DATA_DIR)" in info.value.message
     (tmp_path / "endpoints.json").write_text(
         json.dumps(
             {
@@ -193,8 +195,9 @@ def test_load_running_ignores_the_endpoints_of_an_alma_up_that_is_gone(
     gone.wait()  # exited and reaped: its pid names no process
     endpoints = {"kafka_bootstrap": "127.0.0.1:9092", "fetch_max_wait_ms": 7}
     (tmp_path / "endpoints.json").write_text(json.dumps({**endpoints, "pid": gone.pid}))
-    assert load_running().kafka_bootstrap is None
-    assert load_running().fetch_max_wait_ms == 100
+    with pytest.raises(errors.ConfigError, match="no `alma up` is running"):
+        load_running()
+    assert with_running(load()).fetch_max_wait_ms == 100
     (tmp_path / "endpoints.json").write_text(json.dumps({**endpoints, "pid": os.getpid()}))
     assert load_running().kafka_bootstrap == "127.0.0.1:9092"  # a running one's are taken
 
