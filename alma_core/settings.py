@@ -272,6 +272,14 @@ class Settings(BaseSettings):
 
     # Process.
     metrics_port: int = Field(default=9464, ge=0, le=65535)
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        min_length=1,
+        description="where /metrics, /healthz, /readyz and /embed listen: this machine "
+        "only by default (they have no authentication, and /embed is free CPU for "
+        "anyone who reaches it); 0.0.0.0 in a container or pod (the image and the "
+        "manifests set it), behind the cluster's network policy",
+    )
     gc_freeze: bool = Field(
         default=True,
         description="`alma worker` and `alma up` freeze the objects alive once their "

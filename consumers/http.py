@@ -73,8 +73,10 @@ async def readiness(health: Health) -> Readiness:
 
 
 @contextlib.asynccontextmanager
-async def serve(port: int, registry: CollectorRegistry, health: Health) -> AsyncIterator[int]:
-    """Serve until the block ends; yields the port (0 asks for a free one)."""
+async def serve(
+    port: int, registry: CollectorRegistry, health: Health, host: str = "127.0.0.1"
+) -> AsyncIterator[int]:
+    """Serve on ``host`` until the block ends; yields the port (0 asks for a free one)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -146,14 +148,14 @@ async def serve(port: int, registry: CollectorRegistry, health: Health) -> Async
         return "200 OK", "application/json", json.dumps(doc).encode()
 
     try:
-        server = await asyncio.start_server(handle, "0.0.0.0", port)
+        server = await asyncio.start_server(handle, host, port)
     except OSError as exc:
         raise errors.ConfigError(
-            f"cannot serve /metrics on port {port}: {exc.strerror}; set ALMA_METRICS_PORT to a "
-            "free port (0 picks one)"
+            f"cannot serve /metrics on {host}:{port}: {exc.strerror}; set ALMA_METRICS_PORT to "
+            "a free port (0 picks one), and ALMA_METRICS_HOST to an address of this machine"
         ) from exc
     bound = server.sockets[0].getsockname()[1]
-    log.info("metrics and health", extra={"action": "http_listen", "port": bound})
+    log.info("metrics and health", extra={"action": "http_listen", "host": host, "port": bound})
     try:
         yield bound
     finally:

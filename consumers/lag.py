@@ -184,7 +184,7 @@ async def run_lag_exporter(
     lag every ``interval_s`` until ``stop`` is set; ``listening`` gets the port."""
     metrics = metrics or ExporterMetrics()
     health = http.Health(waiting={"kafka": f"connecting to {bootstrap}"})
-    async with http.serve(port, metrics.registry, health) as bound:
+    async with http.serve(port, metrics.registry, health, settings.metrics_host) as bound:
         if listening is not None:
             listening.set_result(bound)
         exporter = LagExporter(

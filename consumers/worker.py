@@ -227,7 +227,9 @@ async def run_worker(
     if status is not None:
         status.metrics = metrics
     health = http.Health()
-    async with http.serve(settings.metrics_port, metrics.registry, health) as port:
+    async with http.serve(
+        settings.metrics_port, metrics.registry, health, settings.metrics_host
+    ) as port:
         if status is not None:
             status.http_port = port
         with gc_pauses(metrics):

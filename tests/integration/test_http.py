@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+from pathlib import Path
 
-from alma_core.settings import Settings
+from prometheus_client import CollectorRegistry
+
+from alma_core.settings import Settings, load
 from alma_core.storage.embeddings import AsyncEmbedder
+from consumers import http
 from tests.integration.conftest import PrivateStack
 from tests.integration.harness import Publisher, Worker, completed, count, wait_for
 
@@ -134,3 +139,24 @@ async def test_a_worker_serves_its_model_and_retrieval_uses_it(
     assert gone.returncode == 0, gone.stderr
     assert f"{url} did not answer" in " ".join(gone.stderr.split())
     assert {i["run_id"] for i in json.loads(gone.stdout)["items"] if i.get("run_id")} == items
+
+
+def listening_on(port: int) -> set[str]:
+    """The local addresses a socket listens on at ``port`` (IPv4), read from /proc."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, _, hex_port = local.partition(":")
+        if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+            found.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
+    return found
+
+
+async def test_the_endpoints_listen_on_this_machine_only_unless_opened() -> None:
+    """/metrics, the probes and /embed have no authentication: by default they answer
+    on the loopback address alone; ALMA_METRICS_HOST opens them (a container, a pod)."""
+    registry, health = CollectorRegistry(), http.Health()
+    async with http.serve(0, registry, health, load().metrics_host) as port:
+        assert listening_on(port) == {"127.0.0.1"}
+    async with http.serve(0, registry, health, load(metrics_host="0.0.0.0").metrics_host) as port:
+        assert listening_on(port) == {"0.0.0.0"}
