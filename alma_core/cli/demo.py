@@ -71,9 +71,12 @@ def _ms(values: list[float]) -> str:
     return f"{p50:.0f} / {p95:.0f}"
 
 
-def _summary(report: DemoReport, elapsed: float) -> Table:
+def _summary(report: DemoReport, elapsed: float, total: float) -> Table:
     ok = sum(r.success for r in report.runs)
-    table = Table(title=f"ALMA Stream demo ({elapsed:.1f} s)")
+    table = Table(
+        title=f"ALMA Stream demo: {len(report.runs)} workflow runs, learned from and "
+        f"retrieved in {elapsed:.1f} s ({total:.1f} s with the stack's and the model's start)"
+    )
     table.add_column("what")
     table.add_column("value", justify="right")
     table.add_column("notes")
@@ -126,6 +129,7 @@ def demo(
     configure_logs(s.log_format, "ERROR" if s.log_level == "INFO" else s.log_level)
 
     async def main() -> None:
+        began = time.monotonic()
         async with (
             _stack(s) as (resolved, metrics_url, embedder, observer),
             AlmaClient(resolved, embedder=embedder, observer=observer) as client,
@@ -142,12 +146,23 @@ def demo(
             with common.out.status("retrieving what was learned..."):
                 report.retrieval = await d.retrieve()
             elapsed = time.monotonic() - started
-            _print(report, elapsed, metrics_url, as_json)
+            kept = embedder is None  # the stack of a running `alma up`: it stays up
+            took = (elapsed, time.monotonic() - began)
+            _print(report, took, metrics_url, kept=kept, as_json=as_json)
 
     common.run(main)
 
 
-def _print(report: DemoReport, elapsed: float, metrics_url: str, as_json: bool) -> None:
+def _print(
+    report: DemoReport,
+    took: tuple[float, float],
+    metrics_url: str,
+    *,
+    kept: bool,
+    as_json: bool,
+) -> None:
+    """The summary; ``kept``: the stack (a running `alma up`'s) is still up, else the
+    demo's own has stopped and its data stays in the data directory."""
     found = report.retrieval
     if as_json:
         print(
@@ -161,11 +176,12 @@ def _print(report: DemoReport, elapsed: float, metrics_url: str, as_json: bool) 
                     "concurrent_increments": list(report.concurrent_increments),
                     "retrieval": found.to_doc(400) if found else None,
                     "metrics_url": metrics_url,
+                    "stack_running": kept,
                 }
             )
         )
         return
-    common.out.print(_summary(report, elapsed))
+    common.out.print(_summary(report, *took))
     if found is not None:
         common.out.print(
             f"\n[bold]retrieve[/bold]('write a research report on battery storage', tenant acme, "
@@ -173,8 +189,15 @@ def _print(report: DemoReport, elapsed: float, metrics_url: str, as_json: bool) 
             f"{found.plan} search, {found.retrieval_time_ms or 0:.1f} ms. to_prompt(400):"
         )
         common.out.print(found.to_prompt(max_tokens=400) or "(nothing learned yet)", markup=False)
-    common.out.print(f"\nmetrics: {metrics_url} (while the stack runs; `alma up` keeps it up)")
-    common.out.print(
-        "explore: `alma runs list --tenant acme`, `alma runs show RUN --tenant acme`, "
+    explore = (
+        "`alma runs list --tenant acme`, `alma runs show RUN --tenant acme`, "
         "`alma retrieve 'task' --tenant acme --workflow research-report`"
+    )
+    if kept:
+        common.out.print(f"\nmetrics: {metrics_url}")
+        common.out.print(f"explore, from any directory: {explore}")
+        return
+    common.out.print(
+        "\nthe demo's stack has stopped; what it wrote stays in its data directory. To "
+        f"explore it: start `alma up` here (it keeps running), then, from any directory: {explore}"
     )

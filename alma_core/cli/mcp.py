@@ -90,13 +90,18 @@ def build(client: AlmaClient) -> MCPServer:
     async def alma_get_resume_point(
         tenant_id: str, workflow_id: str, run_id: str
     ) -> dict[str, Any]:
-        """Where a run resumes after a crash: its latest checkpoint and branch heads."""
+        """Where a run resumes after a crash: its latest checkpoint and branch heads; a
+        run with no checkpoint yet resumes from the start (latest null, state {})."""
         point = await client.resume(WorkflowContext(tenant_id, workflow_id, None, run_id))
-        if point.latest is None:
-            raise errors.AlmaError(f"run {run_id!r} has no checkpoint: start it from the beginning")
+        if point.latest is None and point.status is None:
+            raise errors.AlmaError(
+                f"no run {run_id!r} of tenant {tenant_id!r}: check the ids; a run not started "
+                "yet starts from the beginning, with an empty state"
+            )
         return {
             "run_id": run_id,
-            "latest": checkpoint_to_doc(point.latest),
+            "status": point.status,
+            "latest": checkpoint_to_doc(point.latest) if point.latest else None,
             "state": point.state,
             "branch_heads": {b or "": checkpoint_to_doc(c) for b, c in point.branch_heads.items()},
         }

@@ -235,23 +235,36 @@ def resume(
             reader = CheckpointReader(
                 pool, cache, tenant_id=who, require_tenant=s.require_tenant, observer=tally
             )
-            latest = await reader.latest(run_id)
             heads = await reader.branch_heads(run_id)
-        if latest is None:
-            raise _not_found(run_id, who)
+            status = await reader.status(run_id)
+        latest = max(heads.values(), key=lambda cp: cp.seq) if heads else None
+        if latest is None and status is None:
+            raise errors.AlmaError(
+                f"no run {run_id!r}{f' of tenant {who!r}' if who else ''}: check the run id "
+                "and the tenant (`alma runs list`). A run ALMA has no event of starts from "
+                "the beginning, with an empty state (client.resume says so too)"
+            )
         if as_json:
             print(
                 json.dumps(
                     {
                         "run_id": run_id,
-                        "latest": checkpoint_to_doc(latest),
+                        "status": status,
+                        "latest": checkpoint_to_doc(latest) if latest else None,
                         "branch_heads": {b or "": checkpoint_to_doc(cp) for b, cp in heads.items()},
+                        "state": dict(heads[None].state) if None in heads else {},
                         "cache": dict(tally.counts),
                     }
                 )
             )
             return
-        common.out.print(_table(f"resume point of {run_id}", [latest]))
+        if latest is None:
+            common.out.print(
+                f"run {run_id} ({status}) has no checkpoint yet: it resumes from the start, "
+                "with an empty state"
+            )
+            return
+        common.out.print(_table(f"resume point of {run_id} ({status})", [latest]))
         common.out.print(_table("branch heads", sorted(heads.values(), key=lambda c: c.seq)))
         common.out.print_json(json.dumps(latest.state))
 

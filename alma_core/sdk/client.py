@@ -44,11 +44,14 @@ from schemas.events import EVENT_MODELS, Event, EventType, MergeReply, encode
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """A run's resume point: ``latest`` is None for a run with no checkpoint (start over)."""
+    """A run's resume point. ``latest`` None: the run has no checkpoint, so it starts
+    over with an empty state, whether ALMA has seen events of it (``status`` says
+    which, e.g. a run with only a ``node.started``) or not (``status`` None)."""
 
     run_id: str
     latest: Checkpoint | None
     branch_heads: dict[str | None, Checkpoint]
+    status: str | None = None  # running, succeeded, failed; None: no event of it applied
 
     @property
     def state(self) -> dict[str, Any]:
@@ -294,7 +297,7 @@ class AlmaClient:
         reader = await self._reader(ctx.tenant_id)
         heads = await reader.branch_heads(ctx.run_id)  # the latest is one of them
         latest = max(heads.values(), key=lambda cp: cp.seq) if heads else None
-        return ResumePoint(ctx.run_id, latest, heads)
+        return ResumePoint(ctx.run_id, latest, heads, await reader.status(ctx.run_id))
 
     async def publish(self, event: Event) -> str:
         """Publish one contract event and wait for the broker's acknowledgement (so one

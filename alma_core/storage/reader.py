@@ -184,6 +184,15 @@ class CheckpointReader:
         """The head of every branch of the run; the main line under ``None``."""
         return await self._heads(run_id)
 
+    async def status(self, run_id: str) -> str | None:
+        """The run's status (``running``, ``succeeded``, ``failed``); None when no event
+        of it was applied (a run not started, or another tenant's)."""
+        tenant_id = await self._tenant_of(run_id)
+        rows = await self._fetch(
+            "SELECT status FROM runs WHERE tenant_id = $1 AND run_id = $2", tenant_id, run_id
+        )
+        return str(rows[0]["status"]) if rows else None
+
     async def main_head(self, run_id: str) -> Checkpoint | None:
         return (await self._heads(run_id, {None})).get(None)
 

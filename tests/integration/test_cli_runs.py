@@ -5,8 +5,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from alma_core.sdk.client import AlmaClient
 from alma_core.settings import Settings
-from tests.integration.harness import Publisher, Worker, completed, count, wait_for, worker_env
+from alma_core.types import WorkflowContext
+from tests.integration.harness import (
+    Publisher,
+    Worker,
+    completed,
+    count,
+    event,
+    wait_for,
+    worker_env,
+)
 from tests.integration.test_cli import alma
 
 
@@ -186,3 +196,36 @@ async def test_runs_list_and_show(settings: Settings, worker: Worker) -> None:
     bad_status = alma("runs", "list", "--tenant", "acme", "--status", "done", env=env)
     assert bad_status.returncode == 2
     assert "unknown status" in bad_status.stderr
+
+
+async def test_a_run_without_a_checkpoint_resumes_from_the_start_in_the_cli_and_the_sdk(
+    settings: Settings, worker: Worker
+) -> None:
+    """A run with only a `node.started`: `alma resume` and `client.resume` agree that it
+    starts over with an empty state, and say the run is known; a run ALMA never saw is
+    an error for the command (a typo, most likely) and `status` None for the SDK."""
+    dsn = settings.postgres_dsn
+    assert dsn
+    async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
+        await pub.send(event("node.started", "only-started", attempt=1))
+        await pub.flush()
+
+    async def recorded() -> bool:
+        return await count(dsn, "SELECT count(*) FROM runs WHERE run_id = 'only-started'") == 1
+
+    await wait_for(recorded, what="the node.started to be recorded")
+    env = env_of(settings)
+    human = alma("resume", "only-started", "--tenant", "acme", env=env)
+    assert human.returncode == 0, human.stderr
+    assert "has no checkpoint yet: it resumes from the start" in human.stdout
+    doc = json.loads(alma("resume", "only-started", "--tenant", "acme", "--json", env=env).stdout)
+    assert (doc["status"], doc["latest"], doc["state"]) == ("running", None, {})
+    async with AlmaClient(settings) as client:
+        point = await client.resume(WorkflowContext("acme", "wf", run_id="only-started"))
+        assert (point.status, point.latest, point.state) == ("running", None, {})
+        never = await client.resume(WorkflowContext("acme", "wf", run_id="never-seen"))
+        assert (never.status, never.latest, never.state) == (None, None, {})
+    unknown = alma("resume", "never-seen", "--tenant", "acme", env=env)
+    assert unknown.returncode == 1
+    assert "no run 'never-seen' of tenant 'acme'" in unknown.stderr
+    assert "starts from the beginning" in unknown.stderr

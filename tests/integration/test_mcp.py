@@ -116,7 +116,7 @@ async def test_mcp_tools_over_stdio(
         assert any("tool quota exceeded" in (i.get("description") or "") for i in found["items"])
         assert "tool quota exceeded" in found["prompt"]
         # bad input: a clear tool error, and the server keeps serving
-        assert "no checkpoint" in error_of(
+        assert "no run 'nope' of tenant" in error_of(
             await client.call_tool("alma_get_resume_point", {**RUN, "run_id": "nope"})
         )
         assert "unknown scope" in error_of(
