@@ -408,6 +408,14 @@ class Settings(BaseSettings):
         1 with a pool of 2 or fewer; a concurrency set explicitly must fit)."""
         return max(1, min(self.checkpoint_concurrency, self.pg_pool_size - 1))
 
+    def consumer_groups(self) -> dict[str, str]:
+        """Each ALMA consumer group's id and the topic it reads."""
+        return {
+            f"{self.group_prefix}-checkpointer": self.lifecycle_topic,
+            f"{self.group_prefix}-joiner": self.sequenced_topic,
+            f"{self.group_prefix}-learner": self.sequenced_topic,
+        }
+
     @property
     def retention(self) -> RetentionPolicy:
         return RetentionPolicy(

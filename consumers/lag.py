@@ -29,22 +29,12 @@ from alma_core import errors
 from alma_core.messaging import kafka
 from alma_core.messaging.broker_view import BrokerView
 from alma_core.settings import Settings
-from consumers import checkpointer, http, joiner, learner
+from consumers import http
 from consumers.metrics import ExporterMetrics
 
 log = logging.getLogger("alma.lag")
 
 Partition = tuple[str, int]  # topic, partition
-
-
-def alma_groups(settings: Settings) -> dict[str, str]:
-    """Each ALMA consumer group and the topic it reads."""
-    prefix = settings.group_prefix
-    return {
-        f"{prefix}-{checkpointer.GROUP}": settings.lifecycle_topic,
-        f"{prefix}-{joiner.GROUP}": settings.sequenced_topic,
-        f"{prefix}-{learner.GROUP}": settings.sequenced_topic,
-    }
 
 
 def lag_of(committed: int | None, start: int, end: int) -> int:
@@ -189,7 +179,7 @@ async def run_lag_exporter(
             listening.set_result(bound)
         exporter = LagExporter(
             bootstrap,
-            alma_groups(settings),
+            settings.consumer_groups(),
             metrics,
             client_options=kafka.client_options(settings),
             interval_s=interval_s,

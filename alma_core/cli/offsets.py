@@ -32,7 +32,7 @@ from rich.table import Table
 from alma_core import errors
 from alma_core.cli import common
 from alma_core.messaging import kafka
-from alma_core.messaging.broker_view import BrokerView, Member
+from alma_core.messaging.broker_view import BrokerView, Member, positions
 from alma_core.settings import Settings
 from alma_core.storage import offsets
 
@@ -52,35 +52,92 @@ async def cluster_id(bootstrap: str, client_options: dict[str, Any] | None = Non
 
 
 @offsets_app.command("list")
-def offsets_list(as_json: bool = common.json_option("the offsets")) -> None:
-    """Every group's stored offsets, by broker cluster."""
+def offsets_list(
+    all_clusters: bool = typer.Option(
+        False,
+        "--all-clusters",
+        help="Also the offsets stored for other broker clusters (earlier brokers, such as "
+        "the embedded one of an earlier `alma up`).",
+    ),
+    as_json: bool = common.json_option("the offsets"),
+) -> None:
+    """Each ALMA group on the broker's current cluster, partition by partition: the
+    offset stored beside the effects (where its workers resume), Kafka's committed one,
+    the log's end, the lag and the group's members."""
     s = common.settings()
 
     async def main() -> None:
-        conn = await common.connect(common.dsn(s))
-        try:
+        async with _services(s) as (broker, conn):
+            cluster = await broker.cluster_id()
             rows = await offsets.listing(conn)
-        finally:
-            await conn.close()
-        docs = [{**dict(r), "updated_at": r["updated_at"].isoformat()} for r in rows]
+            stored = {
+                (r["group_id"], r["topic"], r["partition"]): int(r["next_offset"])
+                for r in rows
+                if r["cluster_id"] == cluster
+            }
+            groups = s.consumer_groups() | {g: t for g, t, _ in stored}
+            found = await positions(broker, stored, groups, missing=common.note)
+        others = [
+            {**dict(r), "updated_at": r["updated_at"].isoformat()}
+            for r in rows
+            if r["cluster_id"] != cluster
+        ]
         if as_json:
-            print(json.dumps(docs))
+            doc: dict[str, Any] = {"cluster": cluster, "partitions": [asdict(p) for p in found]}
+            doc["other_clusters"] = others if all_clusters else len(others)
+            print(json.dumps(doc))
             return
-        table = Table(title=f"stored offsets ({len(docs)})")
-        for col in ("group", "cluster", "topic", "partition", "next offset", "updated"):
-            table.add_column(col, overflow="fold")
-        for d in docs:
+        table = Table(title=f"offsets on the broker's cluster {cluster}")
+        for col in (
+            "group",
+            "topic",
+            "partition",
+            "stored",
+            "committed",
+            "log end",
+            "lag",
+            "members",
+        ):
+            table.add_column(col, justify="left" if col in ("group", "topic") else "right")
+        for p in found:
             table.add_row(
-                d["group_id"],
-                d["cluster_id"],
-                d["topic"],
-                str(d["partition"]),
-                str(d["next_offset"]),
-                d["updated_at"][:19],
+                p.group,
+                p.topic,
+                str(p.partition),
+                _or_dash(p.stored),
+                _or_dash(p.committed),
+                str(p.log_end),
+                str(p.lag),
+                str(p.members),
             )
         common.out.print(table)
+        if others and not all_clusters:
+            clusters = len({r["cluster_id"] for r in others})
+            common.out.print(
+                f"{len(others)} offsets stored for {clusters} other broker cluster(s) (earlier "
+                "brokers: an embedded broker starts a new cluster each time) are not shown: "
+                "--all-clusters lists them"
+            )
+        elif others:
+            earlier = Table(title=f"offsets stored for other broker clusters ({len(others)})")
+            for col in ("group", "cluster", "topic", "partition", "next offset", "updated"):
+                earlier.add_column(col)
+            for d in others:
+                earlier.add_row(
+                    d["group_id"],
+                    d["cluster_id"],
+                    d["topic"],
+                    str(d["partition"]),
+                    str(d["next_offset"]),
+                    d["updated_at"][:19],
+                )
+            common.out.print(earlier)
 
     common.run(main)
+
+
+def _or_dash(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 @dataclass(frozen=True)
@@ -225,9 +282,9 @@ def _refusal(group: str, members: list[Member]) -> errors.AlmaError:
 
 @contextlib.asynccontextmanager
 async def _services(s: Settings) -> AsyncIterator[tuple[BrokerView, asyncpg.Connection]]:
-    bootstrap = common.bootstrap(s)
     conn = await common.connect(common.dsn(s))
     try:
+        bootstrap = common.bootstrap(s)
         async with BrokerView(bootstrap, kafka.client_options(s)) as broker:
             yield broker, conn
     except KafkaError as exc:

@@ -13,6 +13,7 @@ time, the group's members, and Kafka's committed offsets (which it can also move
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -206,3 +207,56 @@ class BrokerView:
             await consumer.commit(moved)
         finally:
             await consumer.stop()
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a group stands in one partition (what ``kafka-consumer-groups --describe``
+    shows, with the offset ALMA stored beside the effects)."""
+
+    group: str
+    topic: str
+    partition: int
+    stored: int | None  # what the group's workers resume from
+    committed: int | None  # Kafka's committed offset (what lag exporters read)
+    log_end: int
+    lag: int  # records still to apply
+    members: int  # of the group, as the broker lists them
+
+
+async def positions(
+    broker: BrokerView,
+    stored: dict[tuple[str, str, int], int],
+    groups: dict[str, str],
+    *,
+    missing: Callable[[str], None],
+) -> list[Position]:
+    """Every partition of each group (id -> topic) on the broker, with the offsets
+    stored for its current cluster (``stored``, by group, topic and partition); a topic
+    the broker lacks is told to ``missing``."""
+    found, logs = [], {}
+    for group, topic in sorted(groups.items()):
+        if topic not in logs:
+            try:
+                logs[topic] = await broker.logs(topic, await broker.partitions(topic))
+            except errors.ConfigError:  # not created yet
+                missing(f"no topic {topic!r} on the broker yet (`alma topics create`)")
+                logs[topic] = {}
+        committed = await broker.committed(group, topic, sorted(logs[topic]))
+        members = len(await broker.members(group))
+        for partition, log in sorted(logs[topic].items()):
+            at = stored.get((group, topic, partition), committed[partition])
+            applied = log.clamp(log.start if at is None else at)
+            found.append(
+                Position(
+                    group,
+                    topic,
+                    partition,
+                    stored.get((group, topic, partition)),
+                    committed[partition],
+                    log.end,
+                    log.end - applied,
+                    members,
+                )
+            )
+    return found

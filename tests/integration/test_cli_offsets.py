@@ -221,3 +221,58 @@ async def test_kafka_offsets_catch_up_while_the_worker_is_idle(
         finally:
             await admin.close()
     assert sum(stored.values()) == 40
+
+
+async def test_list_shows_the_current_cluster_with_log_end_lag_and_members(
+    settings: Settings,
+) -> None:
+    """`alma offsets list`: every partition of each ALMA group on the broker's current
+    cluster, with the stored and committed offsets, the log's end, the lag and the
+    members; offsets stored for earlier clusters are counted, listed on demand."""
+    dsn, bootstrap = settings.postgres_dsn or "", settings.kafka_bootstrap or ""
+    group = f"{settings.group_prefix}-checkpointer"
+    await fetch(
+        dsn,
+        """INSERT INTO consumer_offsets (group_id, cluster_id, topic, partition, next_offset)
+           VALUES ($1, 'an-earlier-broker', $2, 0, 42)""",
+        group,
+        settings.lifecycle_topic,
+    )
+    env = env_of(settings)
+    listing = partial(asyncio.to_thread, alma, "offsets", "list", env=env)
+    async with Publisher(bootstrap, settings.lifecycle_topic) as pub:
+        for i in range(3):
+            await pub.send(completed("listed", state={"n": i}))
+        await pub.flush()
+        async with Worker.start(settings):
+
+            async def three() -> bool:
+                return await count(dsn, "SELECT count(*) FROM checkpoints") == 3
+
+            await wait_for(three, what="the first three events")
+            running = json.loads((await listing("--json")).stdout)
+        for i in (3, 4):  # while no worker runs: two records to apply
+            await pub.send(completed("listed", state={"n": i}))
+        await pub.flush()
+    assert running["cluster"] == await cluster_id(bootstrap)
+    mine = [p for p in running["partitions"] if p["group"] == group]
+    assert len(mine) == settings.partitions, "every partition, not only those with offsets"
+    assert all(p["members"] >= 1 for p in mine)
+    (busy,) = [p for p in mine if p["stored"] == 3]
+    assert (busy["log_end"], busy["lag"]) == (3, 0)
+    assert {p["group"] for p in running["partitions"]} == set(settings.consumer_groups())
+    assert running["other_clusters"] == 1
+    after = json.loads((await listing("--json")).stdout)
+    (now,) = [
+        p for p in after["partitions"] if (p["group"], p["partition"]) == (group, busy["partition"])
+    ]
+    assert (now["stored"], now["log_end"], now["lag"]) == (3, 5, 2)
+    human = await listing()
+    assert human.returncode == 0, human.stderr
+    header = next(line for line in human.stdout.splitlines() if "partition" in line)
+    for column in ("group", "topic", "stored", "committed", "log end", "lag", "members"):
+        assert column in header, "one header line, never wrapped"
+    assert "1 offsets stored for 1 other broker cluster(s)" in human.stdout
+    assert "an-earlier-broker" not in human.stdout
+    everything = await listing("--all-clusters")
+    assert "an-earlier-broker" in everything.stdout

@@ -251,3 +251,12 @@ def test_checkpoint_concurrency_fits_the_pool(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("ALMA_CHECKPOINT_CONCURRENCY", "1")
     monkeypatch.setenv("ALMA_PG_POOL_SIZE", "1")
     assert load().checkpoint_transactions == 1
+
+
+def test_the_consumer_groups_are_the_consumers_groups() -> None:
+    """`alma offsets list` and the lag exporter list the groups the workers join."""
+    from consumers import checkpointer, joiner, learner
+
+    groups = load(group_prefix="team").consumer_groups()
+    assert set(groups) == {f"team-{c.GROUP}" for c in (checkpointer, joiner, learner)}
+    assert groups["team-checkpointer"] == "alma.lifecycle.v1"
