@@ -13,6 +13,7 @@
     │   ├── StateTooLarge
     │   ├── StaleExpectedSeq
     │   ├── EventIdReused
+    │   ├── RunCompleted
     │   └── RunPruned
     ├── StorageError            Postgres failed (retriable: back off and try again)
     │   └── StorageRejected     Postgres refused the data itself (not retriable)
@@ -124,6 +125,14 @@ class EventIdReused(RejectedEvent):
     runs (the inbox keeps one effect per id)."""
 
     reason = "event_id_reused"
+
+
+class RunCompleted(RejectedEvent):
+    """The run is completed (its ``workflow.completed`` applied): it takes no more node
+    events or joins. Give new work a new run id; a LangGraph thread goes on (its
+    ``graph.*`` events are accepted after ``acomplete``)."""
+
+    reason = "run_completed"
 
 
 class RunPruned(RejectedEvent):

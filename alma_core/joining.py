@@ -127,6 +127,17 @@ class JoinDecision:
     consumed: tuple[str, ...] = ()  # the branches the merge consumed
 
 
+def reply_of(event: BranchJoin) -> dict[str, Any]:
+    """The fields every answer to ``event`` carries."""
+    return {"join_id": event.payload.join_id, "run_id": event.run_id, "tenant_id": event.tenant_id}
+
+
+def error_reply(event: BranchJoin, exc: errors.RejectedEvent) -> dict[str, Any]:
+    """The answer to a join that can never be merged (the joiner's, or the
+    checkpointer's for a join it refused: the caller waits on the reply topic)."""
+    return {**reply_of(event), "status": "error", "error": f"{exc.reason}: {exc.message}"}
+
+
 class JoinPlanner:
     """The joiner's decisions for one batch, in partition order, from what the store
     loaded: the runs (locked, by tenant and run id), their heads, the replies already
@@ -157,11 +168,7 @@ class JoinPlanner:
         key = (event.tenant_id, event.run_id, payload.join_id)
         if key in self.replies:
             return JoinDecision(event, self.replies[key], duplicate=True)
-        reply: dict[str, Any] = {
-            "join_id": payload.join_id,
-            "run_id": event.run_id,
-            "tenant_id": event.tenant_id,
-        }
+        reply = reply_of(event)
         try:
             run = self._run(event)
             self._check_position(event, position)
@@ -174,7 +181,7 @@ class JoinPlanner:
                 max_state_bytes=self.max_state_bytes,
             )
         except errors.RejectedEvent as exc:
-            reply.update(status="error", error=f"{exc.reason}: {exc.message}")
+            reply = error_reply(event, exc)
             decision = JoinDecision(event, reply, rejection=exc)
         else:
             main = run.heads.get(MAIN)

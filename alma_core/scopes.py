@@ -1,4 +1,4 @@
-"""Which rows a retrieval scope admits. Two rules hold for every scope (guarantee 6,
+"""Which rows a retrieval scope admits. Two rules hold for every scope (docs/guarantees.md §6,
 tenant isolation):
 
 * every scope is filtered by tenant, RUN and NODE included (a run id alone would

@@ -16,6 +16,11 @@ returns in one transaction. No I/O here, so every rule is unit-tested:
 * an ``event_id`` the tenant used before, for the same run, has no effect at all; one
   another run of the tenant used is :class:`errors.EventIdReused` (dropping it would
   lose the event);
+* a completed run (its first ``workflow.completed`` applied) takes no more node events
+  or joins (:class:`errors.RunCompleted`): work sent after the end, or a script run
+  again with the same run id, would otherwise fold into a finished run's state; a later
+  ``workflow.completed`` is recorded without effect (the first outcome stands); an
+  event applied before the completion and delivered again is still a duplicate;
 * a closed run that retention pruned takes no more events (:class:`errors.RunPruned`):
   its inbox may be gone, so a replayed event could otherwise take effect again;
 * a LangGraph thread's events (``graph.*``) are recorded in order and handed to the
@@ -43,6 +48,8 @@ from schemas.events import (
 )
 
 MAIN = ""  # branch key of the main line
+# what a completed run refuses (errors.RunCompleted); LangGraph's graph.* go on
+AFTER_THE_END = (NodeStarted, NodeCompleted, NodeFailed, BranchJoin)
 
 RunKey = tuple[str, str]  # (tenant_id, run_id): a run's identity
 HeadKey = tuple[str, str, str]  # (tenant_id, run_id, branch key)
@@ -179,12 +186,19 @@ class Sequencer:
             self.effects.duplicates += 1
             return None
         run = self._run_for(event)
+        if run.completed_at is not None and isinstance(event, AFTER_THE_END):
+            raise errors.RunCompleted(
+                f"run {event.run_id!r} was completed at {run.completed_at.isoformat()} "
+                f"({run.status}): it takes no {event.type} any more; give new work a new run id"
+            )
         if isinstance(event, NodeCompleted):
             effect, seq = self._node_completed(run, event)
         elif isinstance(event, NodeFailed):
             effect, seq = self._node_failed(run, event)
         elif isinstance(event, (NodeStarted, *GRAPH_EVENTS)):
             effect, seq = "recorded", None
+        elif isinstance(event, WorkflowCompleted) and run.completed_at is not None:
+            effect, seq = "recorded", None  # the first outcome stands
         elif isinstance(event, BranchJoin | WorkflowCompleted):
             effect, seq = "handed_off", None
             if isinstance(event, WorkflowCompleted):

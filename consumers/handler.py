@@ -150,7 +150,7 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
 
     async def after_commit(self, applied: Applied[EffectsT]) -> None:
         """The same for every group, once the batch is durable: count and log its dead
-        letters and redeliveries, write the cache (never back: guarantee 4), publish
+        letters and redeliveries, write the cache (never back: docs/guarantees.md §4), publish
         the outbox."""
         m = self.metrics
         progress, effects = applied.progress, applied.effects

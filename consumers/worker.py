@@ -354,6 +354,7 @@ async def _run(
                         settings.dlq_topic,
                         settings.max_state_bytes,
                         settings.notify_effects,
+                        settings.merged_topic,
                     ),
                     registry,
                 )

@@ -121,7 +121,7 @@ def _summary(report: DemoReport, elapsed: float, total: float) -> Table:
 
 def demo(
     runs: int = typer.Option(24, min=1, max=500, help="How many workflow runs."),
-    as_json: bool = typer.Option(False, "--json", help="The summary as JSON."),
+    as_json: bool = common.json_option("the summary"),
 ) -> None:
     """Run realistic workflows through the SDK and show what ALMA Stream made of them."""
     s = common.settings()

@@ -320,7 +320,7 @@ def offsets_reset(
     force: bool = typer.Option(
         False, "--force", help="Reset even though the broker lists members of the group."
     ),
-    as_json: bool = typer.Option(False, "--json", help="The partitions before and after, as JSON."),
+    as_json: bool = common.json_option("the partitions before and after"),
 ) -> None:
     """Move a group's stored offsets (the ones its workers resume from) to the log's
     start or end, an offset or a time; without --to-*, forget them. Stop the group's

@@ -14,7 +14,7 @@ highest seq), ``complete`` (set when all heads were filled from PostgreSQL) and
 ``<seq>:<json>``.
 
 * **Never backwards.** Every write goes through a Lua script that replaces a
-  field only when the new seq is higher (guarantee 4).
+  field only when the new seq is higher (docs/guarantees.md §4).
 * **Invalidation by partition.** A hash written under an older epoch of its
   partition is empty to readers and emptied by the next write. A writer bumps the
   epochs of the partitions newly assigned to it (a member that died may have left

@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 import asyncpg
 
 from alma_core import errors
+from alma_core.joining import error_reply
 from alma_core.reducers import ReducerConfig, ReducerRegistry
 from alma_core.sequencing import (
     CheckpointRow,
@@ -49,11 +50,18 @@ from alma_core.storage.batches import (
 from alma_core.storage.cache import CacheEntry, cache_entries
 from alma_core.storage.effects import CHANNEL, NOTIFY, announce, tokens
 from alma_core.storage.offsets import ADVANCE, advance_args, ends
-from alma_core.storage.outbox import OutboxRow
+from alma_core.storage.outbox import OutboxRow, join_reply
 from alma_core.types import Checkpoint
 from schemas import jsoncodec
 from schemas.decoder import Decoded, Rejection
-from schemas.events import Event, GraphCheckpoint, GraphWrites, NodeCompleted, NodeFailed
+from schemas.events import (
+    BranchJoin,
+    Event,
+    GraphCheckpoint,
+    GraphWrites,
+    NodeCompleted,
+    NodeFailed,
+)
 
 
 @dataclass
@@ -75,6 +83,7 @@ class StoreConfig:
     dlq_topic: str
     max_state_bytes: int
     notify_effects: bool = True  # pg_notify the batch's runs on commit (storage.effects)
+    reply_topic: str = "alma.merged.v1"  # a refused join's answer, unless it names one
 
 
 def _audit_payload(event: Event) -> str:
@@ -206,6 +215,7 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
             max_state_bytes=self.config.max_state_bytes,
         )
         letters: list[DeadLetter] = []
+        answers: list[OutboxRow] = []  # refused joins: their callers wait for a reply
         for records in todo.values():
             for record in records:
                 decoded = record.decoded
@@ -216,6 +226,9 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
                     sequencer.apply(decoded, record.coords)
                 except errors.RejectedEvent as exc:
                     letters.append(dead_letter_for(record, exc))
+                    if isinstance(decoded, BranchJoin):
+                        answer = error_reply(decoded, exc)
+                        answers.append(join_reply(decoded, answer, self.config.reply_topic))
         effects = sequencer.effects
         created_at = datetime.now(UTC)
         heads: dict[HeadKey, CheckpointRow] = {}
@@ -231,7 +244,7 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
             await announce(conn, touched)  # dead letters only: nothing written
         return CheckpointEffects(
             dead_letters=letters,
-            outbox=self._handoffs(sequencer),
+            outbox=self._handoffs(sequencer) + answers,
             cache_writes=_cache_entries(heads.values(), created_at),
             offsets_stored=written,
             checkpoints=effects.checkpoints,

@@ -7,7 +7,7 @@ in pure code (:class:`~alma_core.joining.JoinPlanner`), write per batch.
 * ``joins`` (tenant_id, run_id, join_id) remembers every answer: a join delivered again
   gets the very same reply again (same bytes) and no second checkpoint.
 * The reply is an outbox row written with the merged checkpoint, published
-  after commit (guarantee 3: an ``ok`` reply is only ever sent for a durable
+  after commit (docs/guarantees.md §3: an ``ok`` reply is only ever sent for a durable
   checkpoint); a reply lost to a crash is published by the outbox sweep.
 * An error (missing branch, unknown reducer, strict conflict, too large)
   answers ``status: "error"`` and is dead-lettered with its reason.
@@ -15,18 +15,17 @@ in pure code (:class:`~alma_core.joining.JoinPlanner`), write per batch.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 import asyncpg
 
 from alma_core.joining import JoinDecision, JoinPlanner, RunAtJoin
 from alma_core.reducers import ReducerConfig, ReducerRegistry
 from alma_core.sequencing import MAIN, Head, canonical_json
+from alma_core.storage import outbox
 from alma_core.storage.batches import (
     RUN_SEQ_HEADER,
     Batch,
@@ -59,11 +58,6 @@ class JoinEffects(Effects):
     checkpoints: list[Checkpoint] = field(default_factory=list)
     outcomes: Counter[str] = field(default_factory=Counter)
     merge_seconds: list[float] = field(default_factory=list)
-
-
-def reply_bytes(reply: dict[str, Any]) -> bytes:
-    """Canonical JSON, so a reply sent again is byte for byte the first one."""
-    return canonical_json(reply).encode()
 
 
 class PostgresJoinStore(BatchStore[None, JoinEffects]):
@@ -286,13 +280,7 @@ class PostgresJoinStore(BatchStore[None, JoinEffects]):
             )
 
     def _reply(self, decision: JoinDecision) -> OutboxRow:
-        event = decision.event
-        return (
-            event.payload.reply_to or self.config.reply_topic,
-            event.run_id.encode(),
-            reply_bytes(decision.reply),
-            json.dumps([["alma.join_id", event.payload.join_id]]),
-        )
+        return outbox.join_reply(decision.event, decision.reply, self.config.reply_topic)
 
 
 def _outcome(decision: JoinDecision) -> str:

@@ -27,7 +27,22 @@ from typing import Any
 
 import asyncpg
 
+from schemas import jsoncodec
+from schemas.events import BranchJoin
+
 OutboxRow = tuple[str, bytes | None, bytes, str]  # topic, key, value, headers (JSON pairs)
+
+
+def join_reply(event: BranchJoin, reply: dict[str, Any], default_topic: str) -> OutboxRow:
+    """The row that answers a join on its reply topic (the join's ``reply_to``, else
+    ``default_topic``): canonical JSON, so an answer sent again is byte for byte the first."""
+    return (
+        event.payload.reply_to or default_topic,
+        event.run_id.encode(),
+        jsoncodec.canonical(reply),
+        json.dumps([["alma.join_id", event.payload.join_id]]),
+    )
+
 
 _COLUMNS = "o.id, o.topic, o.key, o.value, o.headers"
 

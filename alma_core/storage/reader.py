@@ -1,7 +1,7 @@
 """The resume API: where a crashed run picks up. PostgreSQL says which checkpoints are
 the heads; Redis serves those it holds at those seqs, PostgreSQL the rest.
 
-Every read is scoped to one tenant (guarantee 6): a run of another tenant is
+Every read is scoped to one tenant (docs/guarantees.md §6): a run of another tenant is
 "not found", from the cache and from PostgreSQL alike. A reader built without
 a tenant is an operator's reader and exists only when multi-tenant mode is off.
 """

@@ -5,7 +5,7 @@ run, node or agent, as a :class:`~alma_core.memory.MemorySlice`.
 2. The task is embedded (the same model and cache as the learner).
 3. The reads run as the ``alma_reader`` role with the tenant set for the
    transaction: PostgreSQL's row-level security admits only that tenant's rows,
-   whatever the query says (guarantee 6).
+   whatever the query says (docs/guarantees.md §6).
 4. The plan follows the scope's size, as PostgreSQL's statistics estimate it (no row
    is read to choose): up to ``exact_max_rows`` rows, an exact distance scan over
    the B-tree-filtered rows (exact, ~1 ms for hundreds of rows); a tenant or agent

@@ -2,7 +2,7 @@
 show, and what became of one event (the SDK's read-your-writes).
 
 The checkpointer writes these tables (:mod:`alma_core.storage.checkpoints`); every
-read here is scoped by tenant when a tenant is given (guarantee 6).
+read here is scoped by tenant when a tenant is given (docs/guarantees.md §6).
 """
 
 from __future__ import annotations

@@ -115,3 +115,50 @@ async def test_an_event_id_reused_by_another_run_is_refused_clearly(
         assert (await client.applied(first, "same-id")).seq == 1
     dsn = settings.postgres_dsn or ""
     assert await count(dsn, "SELECT count(*) FROM checkpoints WHERE run_id = 'borrower'") == 0
+
+
+async def test_a_completed_run_refuses_the_same_script_run_again(
+    settings: Settings, worker: Worker
+) -> None:
+    """A script run twice with one run id: the second run's node events are refused as
+    run_completed (dead letters, and applied() raises) instead of moving the finished
+    run on (seq 6-9, a `sum` of 84); its join is answered with the refusal at once, not
+    after the merge timeout; the first outcome stands."""
+    dsn = settings.postgres_dsn or ""
+    ctx = replace(RUN, run_id="twice")
+    async with AlmaClient(settings) as client:
+        await client.register_reducers(ctx, {"total": "sum"})
+
+        async def script() -> list[str]:
+            sent = [
+                await client.node_completed(replace(ctx, node_id=f"n{i}"), updates={"total": 21})
+                for i in range(2)
+            ]
+            sent.append(
+                await client.workflow_completed(
+                    ctx,
+                    success=True,
+                    duration_ms=5,
+                    node_count=2,
+                    nodes_succeeded=2,
+                    nodes_failed=0,
+                )
+            )
+            return sent
+
+        first = await script()
+        assert (await client.applied(ctx, first[1])).seq == 2
+        await client.applied(ctx, first[2])
+        again = await script()
+        for event_id in again[:2]:
+            with pytest.raises(errors.RunCompleted, match="give new work a new run id"):
+                await client.applied(ctx, event_id, timeout=20)
+        with pytest.raises(errors.MergeFailed, match="run_completed"):
+            await client.merge(replace(ctx, node_id="join"), states=[{"total": 1}], timeout=20)
+        point = await client.resume(ctx)
+        assert (point.status, point.latest.seq if point.latest else None) == ("succeeded", 2)
+        assert point.state == {"total": 42}
+    refused = await count(
+        dsn, "SELECT count(*) FROM dead_letters WHERE reason = 'run_completed' AND run_id = 'twice'"
+    )
+    assert refused == 3  # two node events and the join

@@ -1,4 +1,4 @@
-"""Outages pause, never drop (guarantee 7): PostgreSQL and Redis restarted mid-stream."""
+"""Outages pause, never drop (docs/guarantees.md §7): PostgreSQL and Redis restarted mid-stream."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Faults inside other faults (guarantee 7): a rebalance while the group retries a
+"""Faults inside other faults (docs/guarantees.md §7): a rebalance while the group retries a
 batch that PostgreSQL refused for a while, a partition paused because its log was cut
 while another one retries, an error of our own code inside the batch's transaction,
 and the group's assignment placed while the main loop is busy. Each test drives real

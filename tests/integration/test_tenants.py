@@ -1,4 +1,4 @@
-"""A run belongs to its tenant (guarantee 6): a run is (tenant_id, run_id) and an event
+"""A run belongs to its tenant (docs/guarantees.md §6): a run is (tenant_id, run_id) and an event
 (tenant_id, event_id). Two tenants that name a run, its events and its join alike (an
 orchestrator names runs per namespace) run it at the same time through checkpoints,
 updates with reducers, a join and an outcome; neither sees nor blocks the other, and a

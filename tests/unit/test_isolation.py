@@ -1,4 +1,4 @@
-"""No record can stop a partition (guarantee 5), the handler's part of it: when a batch
+"""No record can stop a partition (docs/guarantees.md §5), the handler's part of it: when a batch
 fails for its data (not for an outage), its records are applied one by one; the one
 that fails alone is dead-lettered (``storage_rejected`` when PostgreSQL refused it,
 ``internal_error`` for a defect); if even its dead letter is refused, the partition

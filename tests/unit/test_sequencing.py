@@ -214,3 +214,41 @@ def test_a_pruned_run_takes_no_more_events_but_a_known_one_stays_a_duplicate() -
     assert (run.last_seq, seq.effects.checkpoints, seq.effects.events) == (3, [], [])
     other = sequencer(runs={("globex", "r"): RunView("r", "globex", "wf", None, pruned=True)})
     assert other.apply(ev(state={"a": 1}), AT) == "checkpointed"  # another tenant's run
+
+
+def completion(outcome: str = "success", **kw: Any) -> Event:
+    return ev(
+        "workflow.completed",
+        outcome=outcome,
+        duration_ms=1,
+        node_count=1,
+        nodes_succeeded=1,
+        nodes_failed=0,
+        **kw,
+    )
+
+
+def test_a_completed_run_refuses_more_work_but_a_replay_stays_a_duplicate() -> None:
+    """After its workflow.completed, a run takes no node event or join (a script run
+    again with the same run id must not fold into the finished state); an event applied
+    before the end and delivered again is still a duplicate; a second completion is
+    recorded and the first outcome stands; a LangGraph thread's graph.* events go on."""
+    seq = sequencer()
+    assert seq.apply(ev(updates={"total": 42}, event_id="before"), AT) == "checkpointed"
+    assert seq.apply(completion(), AT) == "handed_off"
+    run = seq.runs[("acme", "r")]
+    for late in (
+        ev(updates={"total": 42}),
+        ev("node.started"),
+        ev("node.failed", error={"type": "X", "message": "m"}),
+        ev("branch.join", join_id="j", branch_ids=["a"]),
+    ):
+        with pytest.raises(errors.RunCompleted, match="new run id"):
+            seq.apply(late, AT)
+    assert seq.apply(ev(updates={"total": 42}, event_id="before"), AT) is None
+    assert seq.apply(completion("failure"), AT) == "recorded"
+    assert run.status == "succeeded"
+    assert [h.event.type for h in seq.effects.handoffs] == ["workflow.completed"]
+    assert [c.seq for c in seq.effects.checkpoints] == [1]
+    upkeep = ev("graph.upkeep", op="delete_thread")
+    assert seq.apply(upkeep, AT) == "recorded"
