@@ -4,6 +4,9 @@
 #   make up     start the embedded stack (Kafka-protocol broker, PostgreSQL+pgvector,
 #               Redis), create topics, migrate, run the workers, until Ctrl-C
 #   make test   lint, type-check and run the whole test suite on real services
+#   make check  the developer loop (~2 min): lint, types, the unit tests with fewer
+#               hypothesis examples and one smoke test of each part on real services;
+#               `pytest -m "not slow"` leaves out the slow integration and chaos tests
 #   make bench  every benchmark, side by side with LangGraph and a JSONB column, written
 #               to docs/benchmarks.md (+ .json, docs/img/*.png); BENCH="--quick" for ~3 min
 #   make lock   re-pin the worker image's dependencies (deploy/requirements.lock)
@@ -38,7 +41,7 @@ LOCK_PYTHON ?= python3.11
 IMAGE_TORCH := torch==2.13.0+cpu
 IMAGE_TORCH_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: up demo bench test lint typecheck unit integration clean-venv tools lock image
+.PHONY: up demo bench test check lint typecheck unit integration clean-venv tools lock image
 
 $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) (PyTorch: $(TORCH))"
@@ -82,6 +85,9 @@ tools:
 
 test: lint typecheck tools
 	$(PY) -m pytest
+
+check: lint typecheck
+	$(PY) -m pytest -q --hypothesis-profile=quick -m "unit or smoke"
 
 clean-venv:
 	rm -rf $(VENV)

@@ -16,7 +16,17 @@ settings.register_profile(
     max_examples=150,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+# `make check`'s (pytest --hypothesis-profile=quick): the same properties, fewer examples
+settings.register_profile("quick", parent=settings.get_profile("alma"), max_examples=20)
 settings.load_profile("alma")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test under tests/unit is marked ``unit`` (no service, seconds): `make check`
+    runs those and the ``smoke`` tests."""
+    for item in items:
+        if "tests/unit/" in item.nodeid or item.nodeid.startswith("unit/"):
+            item.add_marker(pytest.mark.unit)
 
 
 # What a whole run writes under the temporary directory (embedded PostgreSQL, broker

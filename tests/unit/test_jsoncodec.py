@@ -56,14 +56,14 @@ json_values = st.recursive(
 )
 
 
-@settings(max_examples=250)
+@settings(max_examples=settings().max_examples * 5 // 3)  # 250 in the suite
 @given(json_values)
 def test_the_same_bytes_as_the_standard_library(value: Any) -> None:
     assert jsoncodec.compact(value) == old_compact(value)
     assert jsoncodec.canonical(value) == old_canonical(value)
 
 
-@settings(max_examples=250)
+@settings(max_examples=settings().max_examples * 5 // 3)  # 250 in the suite
 @given(st.dictionaries(st.text(), json_values))
 def test_every_state_hashes_and_sizes_as_before(state: dict[str, Any]) -> None:
     before = hashlib.sha256(old_canonical(state)).hexdigest()
@@ -73,7 +73,7 @@ def test_every_state_hashes_and_sizes_as_before(state: dict[str, Any]) -> None:
     assert json_size(state) == len(old_compact(state))
 
 
-@settings(max_examples=250)
+@settings(max_examples=settings().max_examples * 5 // 3)  # 250 in the suite
 @given(json_values)
 def test_reading_gives_what_json_loads_gives(value: Any) -> None:
     raw = json.dumps(value).encode()  # ASCII escapes
