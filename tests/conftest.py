@@ -23,10 +23,12 @@ settings.load_profile("alma")
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test under tests/unit is marked ``unit`` (no service, seconds): `make check`
-    runs those and the ``smoke`` tests."""
+    runs those and the ``smoke`` tests; every ``chaos`` test is ``slow`` too."""
     for item in items:
         if "tests/unit/" in item.nodeid or item.nodeid.startswith("unit/"):
             item.add_marker(pytest.mark.unit)
+        if item.get_closest_marker("chaos"):  # killing processes takes its time
+            item.add_marker(pytest.mark.slow)
 
 
 # What a whole run writes under the temporary directory (embedded PostgreSQL, broker

@@ -74,8 +74,8 @@ def _ms(values: list[float]) -> str:
 def _summary(report: DemoReport, elapsed: float, total: float) -> Table:
     ok = sum(r.success for r in report.runs)
     table = Table(
-        title=f"ALMA Stream demo: {len(report.runs)} workflow runs, learned from and "
-        f"retrieved in {elapsed:.1f} s ({total:.1f} s with the stack's and the model's start)"
+        title=f"ALMA Stream demo: {len(report.runs)} workflow runs, learned and retrieved "
+        f"in {elapsed:.1f} s ({total:.1f} s with start-up)"
     )
     table.add_column("what")
     table.add_column("value", justify="right")
@@ -153,6 +153,23 @@ def demo(
     common.run(main)
 
 
+EXPLORE = (
+    "`alma runs list --tenant acme`, `alma runs show RUN --tenant acme`, "
+    "`alma retrieve 'task' --tenant acme --workflow research-report`"
+)
+
+
+def _next(metrics_url: str, *, kept: bool) -> str:
+    """What to do next, as printed: a stack that is still up is explored at once; the
+    demo's own has stopped (its data stays in the data directory): start `alma up` first."""
+    if kept:
+        return f"metrics: {metrics_url}\nexplore, from any directory: {EXPLORE}"
+    return (
+        "the demo's stack has stopped; what it wrote stays in its data directory. To "
+        f"explore it: start `alma up` here (it keeps running), then, from any directory: {EXPLORE}"
+    )
+
+
 def _print(
     report: DemoReport,
     took: tuple[float, float],
@@ -161,8 +178,8 @@ def _print(
     kept: bool,
     as_json: bool,
 ) -> None:
-    """The summary; ``kept``: the stack (a running `alma up`'s) is still up, else the
-    demo's own has stopped and its data stays in the data directory."""
+    """The summary, then what to do next (with --json: the summary on stdout, the next
+    step on stderr); ``kept``: the stack (a running `alma up`'s) is still up."""
     found = report.retrieval
     if as_json:
         print(
@@ -180,6 +197,7 @@ def _print(
                 }
             )
         )
+        common.err.print(_next(metrics_url, kept=kept), markup=False)
         return
     common.out.print(_summary(report, *took))
     if found is not None:
@@ -189,15 +207,4 @@ def _print(
             f"{found.plan} search, {found.retrieval_time_ms or 0:.1f} ms. to_prompt(400):"
         )
         common.out.print(found.to_prompt(max_tokens=400) or "(nothing learned yet)", markup=False)
-    explore = (
-        "`alma runs list --tenant acme`, `alma runs show RUN --tenant acme`, "
-        "`alma retrieve 'task' --tenant acme --workflow research-report`"
-    )
-    if kept:
-        common.out.print(f"\nmetrics: {metrics_url}")
-        common.out.print(f"explore, from any directory: {explore}")
-        return
-    common.out.print(
-        "\nthe demo's stack has stopped; what it wrote stays in its data directory. To "
-        f"explore it: start `alma up` here (it keeps running), then, from any directory: {explore}"
-    )
+    common.out.print("\n" + _next(metrics_url, kept=kept), markup=False)

@@ -18,7 +18,15 @@ import asyncpg
 from alma_core import errors
 from alma_core.memory import MemorySlice
 from alma_core.sdk.client import AlmaClient
-from alma_core.sdk.dag import Node, Orchestrator, Parallel, RunResult, SimulatedCrash, Workflow
+from alma_core.sdk.dag import (
+    Node,
+    NodeFn,
+    Orchestrator,
+    Parallel,
+    RunResult,
+    SimulatedCrash,
+    Workflow,
+)
 from alma_core.sdk.hooks import WorkflowHooks
 from alma_core.sdk.run_state import RunState
 from alma_core.storage import runs
@@ -95,12 +103,15 @@ def research(flaky: bool, broken: bool) -> Workflow:
     )
 
 
-def invoices() -> Workflow:
+def invoices(checks: NodeFn) -> Workflow:
+    """extract → validate → ``checks`` (the run's state written by concurrent workers) →
+    approve: all before the run completes, which then takes no more writes."""
     return Workflow(
         "invoice-approval",
         [
             _node("extract", lambda s, a: {"lines": 12, "total": 1840.5}),
             _node("validate", lambda s, a: {"valid": True}),
+            Node("checks", checks),
             _node("approve", lambda s, a: {"approved_by": "policy-bot"}),
         ],
     )
@@ -160,24 +171,29 @@ class Demo:
 
     async def _invoice(self, i: int, tenant: str) -> RunResult:
         """Run state written by four concurrent workers (no lost update), then a stale
-        optimistic write refused."""
-        wf = invoices()
-        ctx = self._ctx(tenant, wf.id, i)
-        result = await self.orch.run(wf, ctx, task="approve a supplier invoice")
-        state = RunState(self.client, ctx, counters=("checks",))
-        await asyncio.gather(
-            *(state.increment("checks") for _ in range(4)),
-            *(state.record_action(f"worker-{w}") for w in range(4)),
-        )
-        sent, counted = self.report.concurrent_increments
-        self.report.concurrent_increments = (sent + 4, counted + int(await state.get("checks")))
-        seen = state.seq
-        await state.set("status", "paid")
-        try:  # a writer that read before the last write
-            await state.set("status", "on-hold", expected_seq=seen)
-        except errors.StaleExpectedSeq:
-            self.report.stale_writes_refused += 1
-        return result
+        optimistic write refused, in the run's `checks` step."""
+        ctx = self._ctx(tenant, "invoice-approval", i)
+
+        async def checks(_state: dict[str, Any], _attempt: int) -> dict[str, Any]:
+            state = RunState(self.client, ctx, counters=("checks",))
+            await asyncio.gather(
+                *(state.increment("checks") for _ in range(4)),
+                *(state.record_action(f"worker-{w}") for w in range(4)),
+            )
+            sent, counted = self.report.concurrent_increments
+            self.report.concurrent_increments = (
+                sent + 4,
+                counted + int(await state.get("checks")),
+            )
+            seen = state.seq
+            await state.set("status", "paid")
+            try:  # a writer that read before the last write
+                await state.set("status", "on-hold", expected_seq=seen)
+            except errors.StaleExpectedSeq:
+                self.report.stale_writes_refused += 1
+            return {}
+
+        return await self.orch.run(invoices(checks), ctx, task="approve a supplier invoice")
 
     async def run(self, advance: Callable[[], None], concurrency: int = 4) -> DemoReport:
         gate = asyncio.Semaphore(concurrency)

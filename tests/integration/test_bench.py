@@ -55,6 +55,7 @@ async def bench(settings: Settings, scratch: Path, *args: str) -> tuple[int, str
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 async def test_quick_side_by_side_run_writes_every_table(
     settings: Settings, tmp_path: Path
 ) -> None:
@@ -154,6 +155,7 @@ async def test_quick_side_by_side_run_writes_every_table(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 async def test_a_short_soak_through_alma_up_writes_its_windows(
     settings: Settings, tmp_path: Path
 ) -> None:
@@ -169,9 +171,9 @@ async def test_a_short_soak_through_alma_up_writes_its_windows(
         "--only",
         "soak",
         "--soak-seconds",
-        "40",
+        "24",
         "--window-seconds",
-        "20",
+        "12",
         "--out",
         str(out),
     )
@@ -179,7 +181,7 @@ async def test_a_short_soak_through_alma_up_writes_its_windows(
     # alma up's data went with it (PyTorch keeps a compile cache of its own there)
     assert not [p for p in scratch.iterdir() if p.name.startswith("alma-")]
     table = json.loads(out.with_suffix(".json").read_text())["soak"]["tables"]["soak"]
-    assert [row["window (min)"] for row in table["rows"]] == ["0.333333", "0.666667"]
+    assert [float(row["window (min)"]) for row in table["rows"]] == [0.2, 0.4]
     for row in table["rows"]:
         assert float(row["events/s"]) > 100
         assert float(row["p50 ms"].replace(",", "")) > 0

@@ -100,6 +100,7 @@ async def test_reset_to_latest_skips_what_the_log_holds_and_waits_for_the_member
     assert latest[0]["state"] == {"n": 5}
 
 
+@pytest.mark.slow
 async def test_reset_to_a_time_an_offset_or_the_start_of_a_group_without_members(
     settings: Settings,
 ) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from alma_core.sdk.client import AlmaClient
 from alma_core.settings import Settings
 from alma_core.types import WorkflowContext
@@ -41,6 +43,7 @@ async def populate(settings: Settings) -> None:
     await wait_for(ready, what="checkpoints and a dead letter")
 
 
+@pytest.mark.smoke
 async def test_checkpoints_and_resume(settings: Settings, worker: Worker) -> None:
     await populate(settings)
     env = env_of(settings)

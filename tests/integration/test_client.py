@@ -16,6 +16,7 @@ from tests.integration.harness import Worker, count, fetch, wait_for
 RUN = WorkflowContext(tenant_id="acme", workflow_id="wf", run_id="sdk-run")
 
 
+@pytest.mark.smoke
 async def test_lifecycle_calls_become_checkpoints(settings: Settings, worker: Worker) -> None:
     dsn = settings.postgres_dsn
     assert dsn

@@ -194,6 +194,7 @@ def in_group(pgid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 async def test_alma_up_restarts_its_postgres_and_redis_mid_stream(tmp_path: Path) -> None:
     """Under a running `alma up`, with a worker of its own beside it killed and started
     again and producers sending duplicates: the embedded PostgreSQL is SIGKILLed, and
@@ -302,6 +303,7 @@ async def test_alma_up_restarts_its_postgres_and_redis_mid_stream(tmp_path: Path
     assert not up.endpoints_file.exists()
 
 
+@pytest.mark.slow
 async def test_no_child_outlives_alma_up(tmp_path: Path) -> None:
     """SIGKILL of `alma up` (nothing of its own runs after it): its broker, PostgreSQL
     (with its backends) and Redis end with it; the next `alma up` starts at once."""
@@ -364,6 +366,7 @@ def test_leftovers_of_an_earlier_stack_are_ended_and_named(tmp_path: Path) -> No
             proc.wait()
 
 
+@pytest.mark.slow
 async def test_alma_up_stops_saying_what_was_lost_when_its_broker_dies(tmp_path: Path) -> None:
     """The broker keeps its log in memory: its death is the end of the stack, and
     `alma up` says so with the remedy and exits 1, stopping the rest."""

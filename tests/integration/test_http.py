@@ -7,6 +7,7 @@ import json
 import socket
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from alma_core.settings import Settings, load
@@ -26,6 +27,7 @@ async def get(port: int, path: str) -> tuple[int, str]:
     return int(head.split(" ")[1]), body
 
 
+@pytest.mark.smoke
 async def test_metrics_health_and_readiness(settings: Settings, worker: Worker) -> None:
     port = worker.status.http_port
     assert port > 0
@@ -93,6 +95,7 @@ async def request(port: int, method: str, path: str, body: bytes = b"") -> tuple
     return int(status.split(" ")[1]), text
 
 
+@pytest.mark.slow
 async def test_a_worker_serves_its_model_and_retrieval_uses_it(
     settings: Settings, embedder: AsyncEmbedder
 ) -> None:

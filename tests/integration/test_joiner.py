@@ -124,6 +124,7 @@ async def test_fan_out_fan_in_many_runs(
         assert list(rows[0]["merged_from"]) == [branch_seq[b] for b in order]
 
 
+@pytest.mark.smoke
 async def test_same_join_twice_one_checkpoint_identical_replies(
     settings: Settings, stack: tuple[Worker, AlmaClient]
 ) -> None:

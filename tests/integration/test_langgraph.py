@@ -277,6 +277,7 @@ async def test_what_the_pipeline_refuses_raises_at_the_write(
         assert await history(mine, thread) == before
 
 
+@pytest.mark.slow
 async def test_the_langgraph_example_runs(
     settings: Settings, embedder: AsyncEmbedder, tmp_path: Path
 ) -> None:

@@ -226,6 +226,7 @@ async def test_embedding_dimension_mismatch_is_a_clear_start_up_error(
 
 
 @pytest.mark.chaos
+@pytest.mark.slow
 async def test_learner_killed_mid_batch_learns_each_run_once(
     settings: Settings, embedder: AsyncEmbedder, tmp_path: Path
 ) -> None:
@@ -297,6 +298,7 @@ async def test_learner_killed_mid_batch_learns_each_run_once(
     assert links == 24
 
 
+@pytest.mark.slow
 async def test_cli_retrieve_and_prune(settings: Settings, embedder: AsyncEmbedder) -> None:
     from tests.integration.test_cli import alma
     from tests.integration.test_cli_runs import env_of
@@ -305,26 +307,29 @@ async def test_cli_retrieve_and_prune(settings: Settings, embedder: AsyncEmbedde
     assert dsn
     docs = run_events("c-0") + run_events("c-1", fail_at="parse", message="bad tag at line 3")
     docs += run_events("c-2", fail_at="parse", message="bad tag at line 9")
-    async with Worker.start(settings, ("checkpointer", "learner"), embedder):
+    async with Worker.start(settings, ("checkpointer", "learner"), embedder) as worker:
         await publish(settings, docs)
 
         async def learned() -> bool:
             return await count(dsn, "SELECT count(*) FROM workflow_outcomes") == 3
 
         await wait_for(learned, limit_s=60, what="three outcomes")
-    env = env_of(settings)
-    found = alma(
-        "retrieve",
-        "the html parser breaks",
-        "--tenant",
-        "acme",
-        "--workflow",
-        WF,
-        "--scope",
-        "workflow",
-        "--json",
-        env=env,
-    )
+        env = env_of(settings)
+        # the task embedded by the learner's model, at its /embed (as beside `alma up`)
+        served = env | {"ALMA_EMBED_URL": f"http://127.0.0.1:{worker.status.http_port}/embed"}
+        found = await asyncio.to_thread(
+            alma,
+            "retrieve",
+            "the html parser breaks",
+            "--tenant",
+            "acme",
+            "--workflow",
+            WF,
+            "--scope",
+            "workflow",
+            "--json",
+            env=served,
+        )
     assert found.returncode == 0, found.stderr
     doc = json.loads(found.stdout)
     assert doc["scope"] == "workflow"

@@ -6,6 +6,7 @@ import json
 import sys
 from typing import Any
 
+import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
@@ -37,6 +38,7 @@ def error_of(result: Any) -> str:
     return str(result.content[0].text)
 
 
+@pytest.mark.slow
 async def test_mcp_tools_over_stdio(
     settings: Settings, embedder: AsyncEmbedder, tmp_path: Any
 ) -> None:
@@ -127,7 +129,19 @@ async def test_mcp_tools_over_stdio(
         assert "StaleExpectedSeq" in error_of(
             await client.call_tool(
                 "alma_checkpoint",
-                {**RUN, "node_id": "late", "updates": {"x": 1}, "expected_seq": 1},
+                {
+                    **RUN,
+                    "run_id": "mcp-other",
+                    "node_id": "n",
+                    "updates": {"x": 1},
+                    "expected_seq": 1,
+                },
+            )
+        )
+        # the run is completed (alma_learn_workflow): it takes no more checkpoints
+        assert "RunCompleted" in error_of(
+            await client.call_tool(
+                "alma_checkpoint", {**RUN, "node_id": "late", "updates": {"x": 1}}
             )
         )
         assert "exactly one of" in error_of(

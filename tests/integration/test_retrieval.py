@@ -152,6 +152,7 @@ async def test_each_scope_returns_exactly_what_its_filter_admits(
     assert refused >= 5, refused
 
 
+@pytest.mark.smoke
 async def test_row_level_security_admits_one_tenant_whatever_the_query(database: str) -> None:
     await seed(database, random.Random(7))
     conn = await asyncpg.connect(database)

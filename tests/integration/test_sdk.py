@@ -186,6 +186,7 @@ async def test_applied_times_out_with_advice(settings: Settings) -> None:
             await client.applied(run, event_id, timeout=0.5)
 
 
+@pytest.mark.slow
 async def test_the_dag_orchestrator_example_runs(
     settings: Settings, embedder: AsyncEmbedder, tmp_path: Path
 ) -> None:

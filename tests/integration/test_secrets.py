@@ -179,6 +179,7 @@ async def test_a_malformed_dsn_is_one_line_naming_the_variable(dsn: str, says: s
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+@pytest.mark.slow
 async def test_alma_up_masks_its_table_and_keeps_the_real_dsn_for_its_owner(
     services: Services, topics: Topics, password_pg: PasswordPostgres, tmp_path: Path
 ) -> None:

@@ -198,6 +198,7 @@ async def test_temporal_retries_leave_one_failure_checkpoint_per_attempt(
     assert [e["type"] for e in seen].count("node.completed") == 1
 
 
+@pytest.mark.slow
 async def test_a_worker_killed_after_the_checkpoint_leaves_one_effect(
     temporal: WorkflowEnvironment, settings: Settings, tmp_path: Path
 ) -> None:
@@ -376,6 +377,7 @@ async def test_what_alma_refuses_fails_the_workflow_clearly(
     assert error_type in seen[-1]["payload"]["error_message"]
 
 
+@pytest.mark.slow
 async def test_the_agtestari_example_runs(
     temporal: WorkflowEnvironment, settings: Settings, embedder: AsyncEmbedder, tmp_path: Path
 ) -> None:

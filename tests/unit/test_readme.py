@@ -93,3 +93,15 @@ def test_the_config_blocks_parse_and_name_what_exists() -> None:
     assert ("mcp",) in cli_paths()
     (entry_points,) = [b for b in blocks() if b.language == "toml"]
     assert ENTRY_POINT_GROUP in tomllib.loads(entry_points.text)["project"]["entry-points"]
+
+
+def test_every_file_the_readme_points_to_is_in_the_repository() -> None:
+    """Links and code paths name files of this repository (the guarantees included,
+    docs/guarantees.md), nothing outside it such as ../shared/."""
+    text = (ROOT / "README.md").read_text()
+    linked = re.findall(r"\]\(([^)#]+)\)", text)
+    assert "docs/guarantees.md" in linked
+    for target in linked:
+        assert not target.startswith(("..", "/")), target
+        assert target.startswith("http") or (ROOT / target).exists(), target
+    assert "../" not in text
