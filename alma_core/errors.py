@@ -177,7 +177,8 @@ class MergeTimeout(AlmaError):
 
 
 class EffectTimeout(AlmaError):
-    """The event had no effect in time: the checkpointer is down or lagging."""
+    """The event had no effect in time: the checkpointer is down or lagging. The event
+    is published and may still take effect: ask again with the same event id."""
 
     retriable = True
     reason = "effect_timeout"

@@ -21,6 +21,7 @@ from typing import Any
 
 import asyncpg
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 
 from alma_core import errors
@@ -131,7 +132,19 @@ class AlmaClient:
         await self.stop()
 
     async def start(self) -> None:
-        await self._producer.start()
+        """Connect the producer; one that cannot is closed again (nothing left open) and
+        the error says where it dialled and what to do."""
+        try:
+            await self._producer.start()
+        except BaseException as exc:
+            await self._producer.stop()
+            if isinstance(exc, KafkaError):
+                raise errors.BrokerUnavailable(
+                    f"AlmaClient cannot reach Kafka at {redact(self.bootstrap or '')}: {exc!r}. "
+                    "What to do: check ALMA_KAFKA_BOOTSTRAP and that the broker runs, or "
+                    "start `alma up` and build the client from load_running()"
+                ) from exc
+            raise
 
     async def stop(self) -> None:
         await self._replies.stop()
@@ -219,8 +232,11 @@ class AlmaClient:
                 if left <= 0:
                     raise errors.EffectTimeout(
                         f"event {event_id} of run {ctx.run_id!r} had no effect within "
-                        f"{timeout:.0f} s; check that the checkpointer runs (`alma up`) and is "
-                        "not lagging (alma_consumer_lag on /metrics)"
+                        f"{timeout:g} s. It is published and may still take effect, once a "
+                        "checkpointer applies it: call applied() again with this event id to "
+                        "know (never publish it again under a new id). Check that the "
+                        "checkpointer runs (`alma up`) and is not lagging (alma_consumer_lag "
+                        "on /metrics)"
                     )
                 if woke is not None and listener is not None and listener.alive:
                     with contextlib.suppress(TimeoutError):

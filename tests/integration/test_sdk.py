@@ -178,12 +178,20 @@ async def test_orchestrator_crash_resumes_from_latest_checkpoint(settings: Setti
     assert status[0]["status"] == "succeeded"
 
 
-async def test_applied_times_out_with_advice(settings: Settings) -> None:
+async def test_applied_times_out_with_advice_and_the_write_still_lands(
+    settings: Settings,
+) -> None:
+    """A timeout does not mean the write is lost: the event is published, and once a
+    checkpointer runs it takes effect; the error says so, and to ask again."""
     async with AlmaClient(settings) as client:  # no checkpointer running
         run = WorkflowContext("acme", "wf", None, "nobody-home", "n")
         event_id = await client.node_completed(run, updates={"a": 1})
-        with pytest.raises(errors.EffectTimeout, match="checkpointer runs"):
+        with pytest.raises(errors.EffectTimeout, match="checkpointer runs") as info:
             await client.applied(run, event_id, timeout=0.5)
+        assert "may still take effect" in info.value.message
+        assert "call applied() again with this event id" in info.value.message
+        async with Worker.start(settings):
+            assert (await client.applied(run, event_id, timeout=30)).seq == 1
 
 
 @pytest.mark.slow

@@ -12,10 +12,14 @@ refuses fails the workflow with a clear error, never a hung activity.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
+import socket
 import subprocess
 import sys
 import uuid
+import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
+from alma_core import errors
 from alma_core.integrations.temporal import mapping
 from alma_core.integrations.temporal.worker import AlmaPlugin
 from alma_core.settings import Settings
@@ -366,6 +371,7 @@ async def test_what_alma_refuses_fails_the_workflow_clearly(
         assert cause.type == error_type
         assert cause.non_retryable
         assert says in cause.message
+        assert str(cause).count(error_type) == 1, str(cause)  # "Type: message", once
 
         async def failed_run() -> list[Any]:
             return await fetch(dsn, "SELECT run_id, status FROM runs WHERE status = 'failed'")
@@ -375,6 +381,7 @@ async def test_what_alma_refuses_fails_the_workflow_clearly(
     assert seen[-1]["type"] == "workflow.completed"
     assert seen[-1]["payload"]["outcome"] == "failure"
     assert error_type in seen[-1]["payload"]["error_message"]
+    assert f"{error_type}: {error_type}" not in seen[-1]["payload"]["error_message"]
 
 
 @pytest.mark.slow
@@ -404,3 +411,37 @@ async def test_the_agtestari_example_runs(
     statuses = await fetch(dsn, "SELECT status, count(*) AS n FROM runs GROUP BY status")
     # four reviews (one failed) and the run that asked for lessons
     assert {r["status"]: r["n"] for r in statuses} == {"succeeded": 4, "failed": 1}
+
+
+@pytest.mark.parametrize("fails", ["kafka", "reducers"])
+async def test_a_worker_whose_plugin_cannot_start_leaves_nothing_open(
+    temporal: WorkflowEnvironment, settings: Settings, fails: str
+) -> None:
+    """The plugin's client cannot reach Kafka, or its reducers cannot be registered
+    (PostgreSQL refuses the connection): the worker does not start, the error says what
+    to do, and no producer or pool is left open for the garbage collector to find."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{probe.getsockname()[1]}"
+    if fails == "kafka":
+        broken, expected = (
+            settings.model_copy(update={"kafka_bootstrap": closed}),
+            "cannot reach Kafka",
+        )
+    else:
+        broken = settings.model_copy(update={"postgres_dsn": f"postgresql://alma@{closed}/alma"})
+        expected = "cannot connect to PostgreSQL"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        worker = Worker(
+            temporal.client,
+            task_queue=f"q-{uuid.uuid4().hex[:10]}",
+            workflows=app.WORKFLOWS,
+            activities=app.ACTIVITIES,
+            plugins=[AlmaPlugin(broken, tenant_id="acme", reducers={"Broken": {"hours": "sum"}})],
+        )
+        with pytest.raises(errors.AlmaError, match=expected):
+            await asyncio.wait_for(worker.run(), 60)
+        del worker
+        gc.collect()
+    assert not [w for w in caught if "Unclosed" in str(w.message)], [str(w.message) for w in caught]

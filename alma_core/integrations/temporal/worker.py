@@ -111,10 +111,8 @@ async def retrieve(
 
 def _fail(exc: errors.AlmaError, *, retry: bool = False) -> ApplicationError:
     """An ALMA error as the ApplicationError Temporal shows the workflow."""
-    return ApplicationError(
-        f"{type(exc).__name__}: {exc.message}",
-        type=type(exc).__name__,
-        non_retryable=not retry,
+    return ApplicationError(  # its str() is "Type: message": the type is not repeated
+        exc.message, type=type(exc).__name__, non_retryable=not retry
     )
 
 
@@ -220,8 +218,8 @@ class _Nodes:
             return await publishing
         except KafkaError as exc:
             raise ApplicationError(
-                f"AlmaUnavailable: Kafka did not take the node's event ({exc!r}); Temporal "
-                "retries the activity, and its events keep their ids",
+                f"Kafka did not take the node's event ({exc!r}); Temporal retries the "
+                "activity, and its events keep their ids",
                 type="AlmaUnavailable",
             ) from exc
 
@@ -442,11 +440,16 @@ class AlmaPlugin(SimplePlugin):
     async def _run_context(self) -> AsyncIterator[None]:
         """The client runs while a worker with this plugin runs (once for several)."""
         if self._owns_client and self._running == 0:
-            await self.client.start()
+            await self.client.start()  # closes what it opened if it fails
         if self._running == 0:
-            for workflow_type, fields in self.reducers.items():
-                ctx = WorkflowContext(tenant_id=self.default_tenant, workflow_id=workflow_type)
-                await self.client.register_reducers(ctx, fields)
+            try:
+                for workflow_type, fields in self.reducers.items():
+                    ctx = WorkflowContext(tenant_id=self.default_tenant, workflow_id=workflow_type)
+                    await self.client.register_reducers(ctx, fields)
+            except BaseException:  # the worker does not start: nothing of ours stays open
+                if self._owns_client:
+                    await self.client.stop()
+                raise
         self._running += 1
         try:
             yield
