@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -275,6 +276,25 @@ async def test_what_the_pipeline_refuses_raises_at_the_write(
         with pytest.raises(errors.RecordTooLarge, match="ALMA_MAX_RECORD_BYTES"):
             await mine.ainvoke(Command(resume=True, update={"task": huge}), app.config(thread))
         assert await history(mine, thread) == before
+
+
+async def test_a_thread_id_alma_cannot_keep_is_refused_naming_it_and_the_limit(
+    settings: Settings, worker: AlmaWorker
+) -> None:
+    """A thread is an ALMA run, whose id is 1 to 256 characters: an empty or a longer
+    thread id is refused for writes and reads alike, with the thread and the limit named,
+    before anything is sent."""
+    async with AlmaClient(settings) as client:
+        graph = app.build(AlmaSaver(client, tenant_id=app.TENANT, workflow_id=app.GRAPH))
+        for thread, shown in (("", "thread_id '' (0 characters)"), ("t" * 300, "(300 characters)")):
+            with pytest.raises(errors.ContextError, match=re.escape(shown)) as write:
+                await graph.ainvoke({"task": "survey"}, app.config(thread))
+            assert "1 to 256 characters" in write.value.message
+            with pytest.raises(errors.ContextError, match="1 to 256 characters"):
+                await graph.aget_state(app.config(thread))
+        fits = "t" * 256
+        await graph.ainvoke({"task": "survey"}, app.config(fits))  # the longest id kept
+        assert (await graph.aget_state(app.config(fits))).next == ("review",)
 
 
 @pytest.mark.slow

@@ -68,6 +68,23 @@ def _sort_key(write: tuple[str, str, str, bytes | None, str, int]) -> tuple[Any,
     return writes_sort_key(path, task_id, idx)
 
 
+MAX_THREAD_ID = 256  # a thread is an ALMA run: its id is the contract's run id
+
+
+def thread_of(value: object) -> str:
+    """A thread id as ALMA keeps it (a run id: 1 to 256 characters); any other is
+    refused here, naming the thread and the limit, for reads and writes alike."""
+    thread = str(value)
+    if not 1 <= len(thread) <= MAX_THREAD_ID:
+        shown = f"{thread[:40]!r}... " if len(thread) > 40 else f"{thread!r} "
+        raise errors.ContextError(
+            f"thread_id {shown}({len(thread)} characters): AlmaSaver keeps each thread as an "
+            f"ALMA run, whose id is 1 to {MAX_THREAD_ID} characters. What to do: use a "
+            "non-empty id of at most 256 characters (a hash of a longer one, say)"
+        )
+    return thread
+
+
 class AlmaSaver(BaseCheckpointSaver[str]):
     """LangGraph's checkpointer on ALMA Stream (see the module docstring).
 
@@ -118,7 +135,7 @@ class AlmaSaver(BaseCheckpointSaver[str]):
 
     def _ctx(self, thread_id: str) -> WorkflowContext:
         return WorkflowContext(
-            tenant_id=self.tenant_id, workflow_id=self.workflow_id, run_id=thread_id
+            tenant_id=self.tenant_id, workflow_id=self.workflow_id, run_id=thread_of(thread_id)
         )
 
     async def _send(
@@ -283,7 +300,7 @@ class AlmaSaver(BaseCheckpointSaver[str]):
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         configurable = config["configurable"]
-        thread = str(configurable["thread_id"])
+        thread = thread_of(configurable["thread_id"])
         await self._caught_up(thread)
         stored = await graphs.get(
             await self.client.read_pool(),
@@ -303,7 +320,7 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         limit: int | None = None,
     ) -> AsyncIterator[CheckpointTuple]:
         configurable = (config or {}).get("configurable", {})
-        thread = str(configurable["thread_id"]) if "thread_id" in configurable else None
+        thread = thread_of(configurable["thread_id"]) if "thread_id" in configurable else None
         await self._caught_up(thread)
         rows = await graphs.listing(
             await self.client.read_pool(),
@@ -328,7 +345,7 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
         configurable = config["configurable"]
-        thread = str(configurable["thread_id"])
+        thread = thread_of(configurable["thread_id"])
         ns = configurable.get("checkpoint_ns", "")
         self._remember((thread, ns, checkpoint["id"]), checkpoint)  # before any await
         # As LangGraph's Postgres saver: primitives stay in the checkpoint, the other
@@ -377,7 +394,7 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         if not writes:
             return
         configurable = config["configurable"]
-        thread = str(configurable["thread_id"])
+        thread = thread_of(configurable["thread_id"])
         ns = configurable.get("checkpoint_ns", "")
         checkpoint_id = configurable["checkpoint_id"]
         encoded = await asyncio.to_thread(
