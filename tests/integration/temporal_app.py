@@ -117,6 +117,13 @@ async def recall(task: str) -> dict[str, str]:
     return {"own": own.to_prompt(max_tokens=400), "research": research.to_prompt(max_tokens=400)}
 
 
+@activity.defn
+async def check(section: str) -> dict[str, Any]:
+    if section == "b":
+        raise ApplicationError(f"section {section} cannot be checked", non_retryable=True)
+    return {"checked": [section]}
+
+
 # --- workflows ------------------------------------------------------------------------------
 
 
@@ -230,9 +237,28 @@ class Resumable:
         return {}
 
 
-WORKFLOWS = [Research, Review, Notes, Flaky, Broken, Recall, Delivery, Resumable]
+@workflow.defn
+class Tolerant:
+    """One activity three times in a row, then two branches of one activity, one of which
+    fails for good and the workflow goes on: five nodes, one failed."""
+
+    @workflow.run
+    async def run(self, topic: str) -> None:
+        for _ in range(3):
+            await workflow.execute_activity(note, topic, start_to_close_timeout=T)
+        await asyncio.gather(
+            *(
+                alma.execute_activity(check, section, branch=section, start_to_close_timeout=T)
+                for section in ("a", "b")
+            ),
+            return_exceptions=True,
+        )
+
+
+WORKFLOWS = [Research, Review, Notes, Flaky, Broken, Recall, Delivery, Resumable, Tolerant]
 ACTIVITIES = [
     blob,
+    check,
     note,
     plan,
     fetch,

@@ -139,6 +139,25 @@ async def test_sequential_activities_become_checkpoints_in_order(
     assert dict(rows[0]) == {"tenant_id": "acme", "workflow_id": "Research"}
 
 
+async def test_the_outcome_counts_every_activity_execution(
+    temporal: WorkflowEnvironment, settings: Settings
+) -> None:
+    """An activity called three times is three nodes; two branches of one activity where
+    one fails for good and the workflow tolerates it: five nodes, four succeeded, one
+    failed, and the run did not succeed (no failure hidden behind a sibling's name)."""
+    dsn = settings.postgres_dsn or ""
+    async with AlmaWorker.start(settings), temporal_worker(temporal, settings) as queue:
+        _, run = await run_to_end(temporal.client, app.Tolerant.run, "counts", queue)
+
+        async def finished() -> bool:
+            return await run_status(dsn, run) == "failed"
+
+        await wait_for(finished, what="the run's workflow.completed")
+    done = (await events(dsn, run))[-1]["payload"]
+    counts = (done["node_count"], done["nodes_succeeded"], done["nodes_failed"])
+    assert (done["outcome"], counts) == ("failure", (5, 4, 1))
+
+
 async def test_a_parallel_fan_out_joins_with_reducers(
     temporal: WorkflowEnvironment, settings: Settings
 ) -> None:

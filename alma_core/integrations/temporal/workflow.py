@@ -85,7 +85,10 @@ class _Run:
     workflow_id: str
     temporal_run_id: str
     task: str | None = None
-    nodes: dict[str, str] = field(default_factory=dict)  # node -> started|completed|failed
+    # each activity execution's last outcome (started|completed|failed), in call order: an
+    # activity called three times is three nodes, and a failed branch is never hidden by
+    # a sibling of the same name that succeeded
+    nodes: list[str] = field(default_factory=list)
     completed: bool = False
     joins: int = 0
 
@@ -103,12 +106,14 @@ class _Run:
         )
 
     def track(self, node_id: str, handle: asyncio.Future[Any]) -> None:
-        """The node's last outcome, once Temporal has finished retrying it."""
-        self.nodes.setdefault(node_id, "started")
+        """One execution of node ``node_id``: its last outcome, once Temporal has
+        finished retrying it."""
+        index = len(self.nodes)
+        self.nodes.append("started")
 
         def finished(done: asyncio.Future[Any]) -> None:
             if not done.cancelled():
-                self.nodes[node_id] = "failed" if done.exception() is not None else "completed"
+                self.nodes[index] = "failed" if done.exception() is not None else "completed"
 
         handle.add_done_callback(finished)
 
@@ -237,8 +242,9 @@ async def complete(
     cleanup_checkpoints: bool | None = None,
 ) -> None:
     """Finish the run now (the plugin does it when the workflow returns or fails):
-    counts and duration from what the workflow saw; ``success`` defaults to "no
-    node's last attempt failed"."""
+    counts (each activity execution a node) and duration from what the workflow saw;
+    ``success`` defaults to "no activity execution ended failed" (after its retries),
+    even one the workflow tolerated."""
     await _complete(
         _current("complete"),
         success=success,
@@ -261,13 +267,13 @@ async def _complete(
     if run.completed:
         return
     run.completed = True  # once, even if the activity below fails the workflow
-    failed = sum(1 for s in run.nodes.values() if s == "failed")
+    failed = run.nodes.count("failed")
     elapsed = workflow.now() - workflow.info().start_time
     request = CompleteRequest(
         success=failed == 0 if success is None else success,
         duration_ms=max(0, int(elapsed.total_seconds() * 1000)),
         node_count=len(run.nodes),
-        nodes_succeeded=sum(1 for s in run.nodes.values() if s == "completed"),
+        nodes_succeeded=run.nodes.count("completed"),
         nodes_failed=failed,
         error_message=error_message,
         task=task or run.task,
