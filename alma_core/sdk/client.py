@@ -98,6 +98,14 @@ class AlmaClient:
         self.bootstrap = bootstrap or settings.kafka_bootstrap
         if not self.bootstrap:
             raise errors.ConfigError(no_bootstrap(settings))
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise errors.ConfigError(
+                "AlmaClient is built inside the event loop that uses it (async with "
+                "AlmaClient(...)); from synchronous code, use asyncio.run(...), or for "
+                "LangGraph's graph.invoke, AlmaSaver.from_settings_sync(...)"
+            ) from None
         options = kafka.client_options(settings)
         self._producer = AIOKafkaProducer(
             bootstrap_servers=self.bootstrap,

@@ -17,13 +17,14 @@ import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import pytest
 from langgraph.checkpoint.conformance import checkpointer_test, validate
 from langgraph.checkpoint.conformance.capabilities import Capability
 from langgraph.checkpoint.conformance.report import ProgressCallbacks
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command
 
 from alma_core import errors
@@ -276,6 +277,44 @@ async def test_what_the_pipeline_refuses_raises_at_the_write(
         with pytest.raises(errors.RecordTooLarge, match="ALMA_MAX_RECORD_BYTES"):
             await mine.ainvoke(Command(resume=True, update={"task": huge}), app.config(thread))
         assert await history(mine, thread) == before
+
+
+async def test_synchronous_code_gets_a_saver_on_a_loop_of_its_own(
+    settings: Settings, worker: AlmaWorker
+) -> None:
+    """`graph.invoke` from synchronous code: `from_settings_sync` runs the client on an
+    event loop of its own; `setup()` is there as on LangGraph's savers; a client built
+    outside any loop says what to use instead of aiokafka's bare RuntimeError."""
+    thread = f"sync-{uuid.uuid4().hex[:8]}"
+
+    def counting(saver: AlmaSaver) -> Any:
+        graph = StateGraph(Count)
+        graph.add_node("one", lambda state: {"n": state["n"] + 1})
+        graph.add_node("two", lambda state: {"n": state["n"] * 10})
+        graph.add_edge(START, "one")
+        graph.add_edge("one", "two")
+        graph.add_edge("two", END)
+        return graph.compile(checkpointer=saver)
+
+    def synchronous() -> dict[str, Any]:
+        with pytest.raises(errors.ConfigError, match="from_settings_sync"):
+            AlmaClient(settings)
+        with AlmaSaver.from_settings_sync(
+            settings, tenant_id=app.TENANT, workflow_id="counting"
+        ) as saver:
+            saver.setup()
+            graph = counting(saver)
+            assert graph.invoke({"n": 1}, app.config(thread)) == {"n": 20}
+            return dict(graph.get_state(app.config(thread)).values)
+
+    assert await asyncio.to_thread(synchronous) == {"n": 20}
+    async with AlmaClient(settings) as client:  # what it wrote, read from this loop
+        saver = AlmaSaver(client, tenant_id=app.TENANT, workflow_id="counting")
+        assert (await counting(saver).aget_state(app.config(thread))).values == {"n": 20}
+
+
+class Count(TypedDict):
+    n: int
 
 
 async def test_a_thread_id_alma_cannot_keep_is_refused_naming_it_and_the_limit(

@@ -24,6 +24,7 @@ import asyncio
 import base64
 import contextlib
 import random
+import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
 from datetime import UTC, datetime
@@ -48,6 +49,7 @@ from alma_core import errors
 from alma_core.sdk.client import AlmaClient
 from alma_core.settings import Settings
 from alma_core.storage import graphs, runs
+from alma_core.storage.migrations import Migrator
 from alma_core.types import WorkflowContext
 
 Wait = Literal["applied", "published"]
@@ -130,6 +132,41 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         """A saver with its own client (``ALMA_*`` settings), stopped on exit."""
         async with AlmaClient(settings) as client:
             yield cls(client, tenant_id=tenant_id, **options)
+
+    @classmethod
+    @contextlib.contextmanager
+    def from_settings_sync(
+        cls, settings: Settings, *, tenant_id: str, **options: Any
+    ) -> Iterator[AlmaSaver]:
+        """For synchronous code (``graph.invoke``): a saver whose client runs on an event
+        loop of its own, in a thread, until the block ends. Its sync methods are called
+        from any other thread (the caller's); the async ones belong to that loop."""
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="alma-saver", daemon=True)
+        thread.start()
+        opened = cls.from_settings(settings, tenant_id=tenant_id, **options)
+        try:
+            saver = asyncio.run_coroutine_threadsafe(opened.__aenter__(), loop).result()
+            try:
+                yield saver
+            finally:
+                closing = opened.__aexit__(None, None, None)
+                asyncio.run_coroutine_threadsafe(closing, loop).result()
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=30)
+            loop.close()
+
+    async def asetup(self) -> None:
+        """What LangGraph's savers do in ``setup()``: bring ALMA's schema to the version
+        this code needs (the migrations `alma up` and `alma db upgrade` apply; nothing
+        when it is there already)."""
+        pool = await self.client.read_pool()
+        async with pool.acquire() as conn:
+            await Migrator(conn).migrate()
+
+    def setup(self) -> None:
+        self._sync(self.asetup())
 
     # -- helpers --------------------------------------------------------------------
 
