@@ -11,7 +11,7 @@ from rich.table import Table
 
 from alma_core import errors
 from alma_core.cli import common
-from alma_core.storage import runs
+from alma_core.storage import graphs, runs
 from alma_core.storage.cache import RedisCheckpointCache, checkpoint_to_doc
 from alma_core.storage.observer import Tally
 from alma_core.storage.postgres import connect
@@ -40,14 +40,18 @@ def _jsonable(row: Any) -> dict[str, Any]:
 def runs_list(
     tenant: str = typer.Option(None, "--tenant", help=TENANT_HELP),
     workflow: str = typer.Option(None, "--workflow", help="Only this workflow's runs."),
-    status: str = typer.Option(None, "--status", help="running, succeeded or failed."),
+    status: str = typer.Option(
+        None, "--status", help="running, succeeded, failed or deleted (a LangGraph thread)."
+    ),
     limit: int = typer.Option(50, min=1, max=10_000, help="How many, latest activity first."),
     as_json: bool = common.json_option("the runs"),
 ) -> None:
     """Runs, latest activity first."""
     s = common.settings()
-    if status not in (None, "running", "succeeded", "failed"):
-        common.fail(f"unknown status {status!r}: running, succeeded or failed", common.USAGE)
+    if status not in (None, "running", "succeeded", "failed", "deleted"):
+        common.fail(
+            f"unknown status {status!r}: running, succeeded, failed or deleted", common.USAGE
+        )
     who = common.tenant(s, tenant)
 
     async def main() -> list[dict[str, Any]]:
@@ -65,11 +69,12 @@ def runs_list(
         print(json.dumps(docs))
         return
     table = Table(title=f"runs ({len(docs)})")
-    for col in ("run", "tenant", "workflow", "status", "checkpoints", "events", "updated"):
+    for col in ("run", "kind", "tenant", "workflow", "status", "checkpoints", "events", "updated"):
         table.add_column(col, overflow="fold")
     for d in docs:
         table.add_row(
             d["run_id"],
+            "LangGraph thread" if d["kind"] == "thread" else "run",
             d["tenant_id"],
             d["workflow_id"],
             d["status"],
@@ -184,6 +189,30 @@ def _table(title: str, cps: list[Checkpoint]) -> Table:
     return table
 
 
+def _thread_doc(row: Any) -> dict[str, Any]:
+    return {**dict(row), "created_at": row["created_at"].isoformat()}
+
+
+def _print_thread(thread: str, docs: list[dict[str, Any]], as_json: bool) -> None:
+    """A LangGraph thread's checkpoints (their values are the graph's, serialized)."""
+    if as_json:
+        print(json.dumps([{"thread_id": thread, **d} for d in docs]))
+        return
+    table = Table(title=f"LangGraph checkpoints of thread {thread}")
+    for col in ("namespace", "checkpoint", "parent", "step", "source", "written"):
+        table.add_column(col)
+    for d in docs:
+        table.add_row(
+            d["checkpoint_ns"] or "(root)",
+            d["checkpoint_id"],
+            d["parent_checkpoint_id"] or "-",
+            str(d["step"]),
+            d["source"] or "-",
+            d["created_at"][:19],
+        )
+    common.out.print(table)
+
+
 def _not_found(run_id: str, tenant: str | None) -> errors.AlmaError:
     scope = f" of tenant {tenant!r}" if tenant else ""
     return errors.AlmaError(
@@ -207,6 +236,12 @@ def checkpoints(
         async with connect(common.dsn(s), max_size=2) as pool:
             reader = CheckpointReader(pool, None, tenant_id=who, require_tenant=s.require_tenant)
             history = await reader.history(run_id, limit=limit, before_seq=before)
+            thread = (
+                [] if history or who is None else await graphs.outline(pool, who, run_id, limit)
+            )
+        if thread:  # a LangGraph thread: its checkpoints are LangGraph's
+            _print_thread(run_id, [_thread_doc(r) for r in thread], as_json)
+            return
         if not history:
             raise _not_found(run_id, who)
         if as_json:
@@ -237,7 +272,20 @@ def resume(
             )
             heads = await reader.branch_heads(run_id)
             status = await reader.status(run_id)
+            thread = [] if heads or who is None else await graphs.outline(pool, who, run_id, 50)
         latest = max(heads.values(), key=lambda cp: cp.seq) if heads else None
+        root = [_thread_doc(r) for r in thread if r["checkpoint_ns"] == ""][:1]
+        if root:  # a LangGraph thread: its graph resumes from its newest checkpoint
+            if as_json:
+                print(json.dumps({"run_id": run_id, "status": status, "langgraph": root[0]}))
+                return
+            step = root[0]["step"]
+            common.out.print(
+                f"{run_id} is a LangGraph thread: its graph resumes from checkpoint "
+                f"{root[0]['checkpoint_id']} (step {step}), as graph.ainvoke(None, config) "
+                f"with thread_id {run_id!r} does"
+            )
+            return
         if latest is None and status is None:
             raise errors.AlmaError(
                 f"no run {run_id!r}{f' of tenant {who!r}' if who else ''}: check the run id "

@@ -305,6 +305,22 @@ async def listing(
     return [_stored(r) for r in rows]
 
 
+async def outline(pool: asyncpg.Pool, tenant: str, thread: str, limit: int) -> list[asyncpg.Record]:
+    """A thread's checkpoints, newest first, without their values (namespace, id,
+    parent, LangGraph's step and source, when written): what `alma checkpoints` and
+    `alma resume` show of a LangGraph thread."""
+    return await _guarded_fetch(
+        pool,
+        """SELECT checkpoint_ns, checkpoint_id, parent_checkpoint_id,
+                  (metadata->>'step')::int AS step, metadata->>'source' AS source, created_at
+           FROM graph_checkpoints WHERE tenant_id = $1 AND thread_id = $2
+           ORDER BY checkpoint_id DESC LIMIT $3""",
+        tenant,
+        thread,
+        limit,
+    )
+
+
 async def threads_of_runs(pool: asyncpg.Pool, tenant: str, run_ids: list[str]) -> list[str]:
     """The threads holding checkpoints of these LangGraph runs."""
     rows = await _guarded_fetch(

@@ -76,15 +76,31 @@ async def listing(
     status: str | None,
     limit: int,
 ) -> list[asyncpg.Record]:
-    """Runs, latest activity first."""
+    """Runs, latest activity first (the ``limit`` newest of the status asked). ``kind``
+    says which are LangGraph threads; a thread whose checkpoints were deleted
+    (``adelete_thread``) shows as ``deleted`` (``running`` in its row: it may go on)."""
     rows: list[asyncpg.Record] = await conn.fetch(
-        """SELECT run_id, tenant_id, workflow_id, workflow_version, status, last_seq,
-                  event_count, created_at, updated_at, completed_at
-           FROM runs
-           WHERE ($1::text IS NULL OR tenant_id = $1)
-             AND ($2::text IS NULL OR workflow_id = $2)
-             AND ($3::text IS NULL OR status = $3)
-           ORDER BY updated_at DESC LIMIT $4""",
+        """SELECT * FROM (
+           SELECT r.run_id, r.tenant_id, r.workflow_id, r.workflow_version, r.last_seq,
+                  r.event_count, r.created_at, r.updated_at, r.completed_at, t.kind,
+                  CASE WHEN t.kind = 'thread' AND r.status = 'running' AND NOT EXISTS (
+                         SELECT 1 FROM graph_checkpoints g
+                         WHERE g.tenant_id = r.tenant_id AND g.thread_id = r.run_id)
+                       THEN 'deleted' ELSE r.status END AS status
+           FROM (SELECT * FROM runs
+                 WHERE ($1::text IS NULL OR tenant_id = $1)
+                   AND ($2::text IS NULL OR workflow_id = $2)
+                   AND ($3::text IS NULL OR status = $3
+                        OR ($3 = 'deleted' AND status = 'running'))
+                 ORDER BY updated_at DESC LIMIT $4) r
+           CROSS JOIN LATERAL (
+             SELECT CASE WHEN EXISTS (
+                      SELECT 1 FROM run_events e
+                      WHERE e.tenant_id = r.tenant_id AND e.run_id = r.run_id
+                        AND e.type LIKE 'graph.%') THEN 'thread' ELSE 'run' END AS kind) t
+           ) listed
+           WHERE $3::text IS NULL OR status = $3
+           ORDER BY updated_at DESC""",
         tenant_id,
         workflow_id,
         status,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import sys
 import uuid
@@ -277,6 +278,43 @@ async def test_what_the_pipeline_refuses_raises_at_the_write(
         with pytest.raises(errors.RecordTooLarge, match="ALMA_MAX_RECORD_BYTES"):
             await mine.ainvoke(Command(resume=True, update={"task": huge}), app.config(thread))
         assert await history(mine, thread) == before
+
+
+async def test_the_cli_sees_a_thread_and_its_deletion(
+    settings: Settings, worker: AlmaWorker
+) -> None:
+    """`alma checkpoints` and `alma resume` on a LangGraph thread show its LangGraph
+    checkpoints (not "none"); `alma runs list` says it is a thread, and that it was
+    deleted once `adelete_thread` ran (instead of "running")."""
+    from tests.integration.test_cli import alma
+    from tests.integration.test_cli_runs import env_of
+
+    thread = f"cli-{uuid.uuid4().hex[:8]}"
+    env = env_of(settings)
+
+    def cli(*args: str) -> Any:
+        done = alma(*args, "--tenant", app.TENANT, "--json", env=env)
+        assert done.returncode == 0, (args, done.stderr)
+        return json.loads(done.stdout)
+
+    async with AlmaClient(settings) as client:
+        saver = AlmaSaver(client, tenant_id=app.TENANT, workflow_id=app.GRAPH)
+        graph = app.build(saver)
+        await graph.ainvoke({"task": "survey"}, app.config(thread))
+        state = await graph.aget_state(app.config(thread))
+        listed = await asyncio.to_thread(cli, "checkpoints", thread)
+        assert len(listed) == len(await history(graph, thread))
+        assert listed[0]["checkpoint_id"] == state.config["configurable"]["checkpoint_id"]
+        resumed = await asyncio.to_thread(cli, "resume", thread)
+        assert resumed["langgraph"]["checkpoint_id"] == listed[0]["checkpoint_id"]
+        assert resumed["langgraph"]["step"] == state.metadata["step"]
+        (row,) = [r for r in await asyncio.to_thread(cli, "runs", "list") if r["run_id"] == thread]
+        assert (row["kind"], row["status"]) == ("thread", "running")
+        await saver.adelete_thread(thread)
+    (row,) = [r for r in await asyncio.to_thread(cli, "runs", "list") if r["run_id"] == thread]
+    assert (row["kind"], row["status"]) == ("thread", "deleted")
+    deleted = await asyncio.to_thread(cli, "runs", "list", "--status", "deleted")
+    assert [r["run_id"] for r in deleted] == [thread]
 
 
 async def test_synchronous_code_gets_a_saver_on_a_loop_of_its_own(
