@@ -274,6 +274,13 @@ async def test_what_the_pipeline_refuses_raises_at_the_write(
             await saver.aget_tuple(app.config(thread))
         assert await saver.aget_tuple(app.config(thread)) is not None  # raised once
 
+        # published, and the process ends right after ainvoke: the refusal raises on exit
+        with pytest.raises(errors.RejectedEvent, match="belongs to workflow 'agent-graph'"):
+            async with AlmaSaver.from_settings(
+                settings, tenant_id=app.TENANT, workflow_id="other", wait="published"
+            ) as leaving:
+                await app.build(leaving).ainvoke({"task": "survey"}, app.config(thread))
+
         huge = "x" * (settings.max_record_bytes + 1)
         with pytest.raises(errors.RecordTooLarge, match="ALMA_MAX_RECORD_BYTES"):
             await mine.ainvoke(Command(resume=True, update={"task": huge}), app.config(thread))

@@ -129,9 +129,13 @@ class AlmaSaver(BaseCheckpointSaver[str]):
     async def from_settings(
         cls, settings: Settings, *, tenant_id: str, **options: Any
     ) -> AsyncIterator[AlmaSaver]:
-        """A saver with its own client (``ALMA_*`` settings), stopped on exit."""
+        """A saver with its own client (``ALMA_*`` settings), stopped on exit. A block
+        that ends normally first waits for the saver's writes (:meth:`aflush`): under
+        ``wait="published"`` a refusal raises there, never lost with the process."""
         async with AlmaClient(settings) as client:
-            yield cls(client, tenant_id=tenant_id, **options)
+            saver = cls(client, tenant_id=tenant_id, **options)
+            yield saver
+            await saver.aflush()
 
     @classmethod
     @contextlib.contextmanager
@@ -156,6 +160,15 @@ class AlmaSaver(BaseCheckpointSaver[str]):
             loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout=30)
             loop.close()
+
+    async def aflush(self) -> None:
+        """Wait until every write this saver published is applied, and raise the first
+        refusal not raised yet (under ``wait="published"`` one otherwise waits for its
+        thread's next read). Call it before the process ends; ``from_settings`` does."""
+        await self._caught_up()
+
+    def flush(self) -> None:
+        self._sync(self.aflush())
 
     async def asetup(self) -> None:
         """What LangGraph's savers do in ``setup()``: bring ALMA's schema to the version
