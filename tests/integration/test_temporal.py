@@ -103,6 +103,15 @@ async def run_status(dsn: str, run: str) -> str:
     return str(rows[0]["status"]) if rows else ""
 
 
+async def finished(dsn: str, run: str, status: str) -> None:
+    """Wait until the run's workflow.completed is applied with this status."""
+
+    async def done() -> bool:
+        return await run_status(dsn, run) == status
+
+    await wait_for(done, what=f"the run's workflow.completed ({status})")
+
+
 async def test_sequential_activities_become_checkpoints_in_order(
     temporal: WorkflowEnvironment, settings: Settings
 ) -> None:
@@ -110,10 +119,7 @@ async def test_sequential_activities_become_checkpoints_in_order(
     async with AlmaWorker.start(settings), temporal_worker(temporal, settings) as queue:
         result, run = await run_to_end(temporal.client, app.Research.run, "heat pumps", queue)
 
-        async def finished() -> bool:
-            return await run_status(dsn, run) == "succeeded"
-
-        await wait_for(finished, what="the run's workflow.completed")
+        await finished(dsn, run, "succeeded")
     rows = await checkpoints(dsn, run)
     assert [r["seq"] for r in rows] == [1, 2, 3]
     assert [r["node_id"] for r in rows] == ["plan", "fetch", "write"]
@@ -149,10 +155,7 @@ async def test_the_outcome_counts_every_activity_execution(
     async with AlmaWorker.start(settings), temporal_worker(temporal, settings) as queue:
         _, run = await run_to_end(temporal.client, app.Tolerant.run, "counts", queue)
 
-        async def finished() -> bool:
-            return await run_status(dsn, run) == "failed"
-
-        await wait_for(finished, what="the run's workflow.completed")
+        await finished(dsn, run, "failed")
     done = (await events(dsn, run))[-1]["payload"]
     counts = (done["node_count"], done["nodes_succeeded"], done["nodes_failed"])
     assert (done["outcome"], counts) == ("failure", (5, 4, 1))
@@ -315,10 +318,7 @@ async def test_a_replay_publishes_nothing(
     async with AlmaWorker.start(settings), temporal_worker(temporal, settings) as queue:
         _, run = await run_to_end(temporal.client, app.Research.run, "tides", queue)
 
-        async def finished() -> bool:
-            return await run_status(dsn, run) == "succeeded"
-
-        await wait_for(finished, what="the run's workflow.completed")
+        await finished(dsn, run, "succeeded")
         before = await count(dsn, "SELECT count(*) FROM run_events")
         workflow_id = run.split("/")[0]
         history = await temporal.client.get_workflow_handle(workflow_id).fetch_history()
