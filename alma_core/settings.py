@@ -543,7 +543,7 @@ def with_running(loaded: Settings) -> Settings:
     """``loaded`` with the services of the running ``alma up`` for those it leaves
     unset; with that ``alma up``'s broker, its fetch wait too."""
     services = ("kafka_bootstrap", "postgres_dsn", "redis_url", "embed_url")
-    if all(getattr(loaded, k) for k in services):
+    if all(getattr(loaded, k) for k in services[:3]):  # services of one's own: no search
         return loaded
     stack = running(loaded)
     found = stack.endpoints if stack else {}

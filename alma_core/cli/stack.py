@@ -80,7 +80,14 @@ def up(
                 "fetch_max_wait_ms": ws.fetch_max_wait_ms,
             }
             common.write_private(endpoints_file, json.dumps(mine, indent=2))
-            stacks.register(s.stacks_dir, s.data_dir)  # found from any directory
+            try:  # found from any directory
+                stacks.register(s.stacks_dir, s.data_dir)
+            except OSError as exc:
+                common.note(
+                    f"cannot register this stack in {s.stacks_dir} ({exc.strerror}): commands "
+                    f"find it from {s.data_dir.resolve().parent} and below, or with "
+                    "ALMA_DATA_DIR; set ALMA_STACKS_DIR to a writable directory"
+                )
             table = Table(title=f"ALMA Stream is up ({elapsed:.1f} s)")
             table.add_column("service")
             table.add_column("endpoint")
