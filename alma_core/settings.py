@@ -426,11 +426,6 @@ class Settings(BaseSettings):
             outcome_memories_days=self.outcome_memory_retention_days,
         )
 
-    @property
-    def external_services(self) -> bool:
-        """True when every service is given, so the embedded stack is not needed."""
-        return bool(self.kafka_bootstrap and self.postgres_dsn and self.redis_url)
-
     def to_env(self) -> dict[str, str]:
         """The ``ALMA_`` variables that make another process (`alma worker`) load
         these settings."""

@@ -7,7 +7,6 @@ topic (``alma.lifecycle.v2``) rather than a looser v1.
 
 from __future__ import annotations
 
-from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -350,9 +349,3 @@ class MergeReply(_Model):
 def encode(event: BaseModel) -> bytes:
     """The wire form of an event or reply: compact JSON, UTF-8, nulls left out."""
     return event.model_dump_json(exclude_none=True, by_alias=True).encode()
-
-
-def utc_now() -> datetime:
-    from datetime import UTC
-
-    return datetime.now(UTC)

@@ -105,7 +105,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.lifecycle_topic == "alma.lifecycle.v1"
     assert s.partitions == 12
     assert s.max_state_bytes == 1_000_000
-    assert not s.external_services
+    assert (s.kafka_bootstrap, s.postgres_dsn, s.redis_url) == (None, None, None)
 
 
 def test_retention_defaults_bound_every_table_and_run_rows_go_last(
