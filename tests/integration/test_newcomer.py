@@ -115,6 +115,8 @@ async def walk_from_elsewhere(here: Path, endpoints: dict[str, Any]) -> None:
         ("topics", "describe"),
         ("db", "status"),
         ("reducers", "list"),
+        ("reducers", "show", "research-report", "--tenant", "acme"),
+        ("dlq", "list", "--tenant", "acme", "--json"),
         ("--version",),
         *(tuple(words) for words in readme_commands()),
     ):
