@@ -1,7 +1,8 @@
 """Every benchmark in one run: ALMA Stream side by side with its peers, the cost
 curves, and the scaling trend over checkpointer processes.
 
-    python -m bench [--quick | --full] [--reps N] [--only SUITE,...] [--out docs/benchmarks.md]
+    python -m bench [--quick | --full | --smoke] [--reps N] [--only SUITE,...]
+                    [--out docs/benchmarks.md]
 
 Suites: peers, curves, scaling, temporal, langgraph, retention, cache, quality (all by
 default), and soak (only when named: `--only soak`, 30 minutes; 5 with --quick;
@@ -85,8 +86,9 @@ async def main(args: argparse.Namespace) -> int:
         console.print(f"[red]unknown suite(s) {sorted(unknown)}; choose from {SUITES + ON_REQUEST}")
         return 2
     length = soak.Length.of(args.quick, args.soak_seconds, args.window_seconds, args.up_setting)
-    reps = args.reps or (2 if args.quick else 3)
-    mode = "quick" if args.quick else "full" if args.full else "default"
+    args.quick = args.quick or args.smoke
+    reps = 1 if args.smoke else args.reps or (2 if args.quick else 3)
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full" if args.full else "default"
     label = f"{mode}, {reps} repetitions"
     started = time.perf_counter()
     columns = (
@@ -97,6 +99,7 @@ async def main(args: argparse.Namespace) -> int:
     )
     with Progress(*columns, console=console) as progress:
         async with stack(args.quick, reps, args.full, progress) as env:
+            env.smoke = args.smoke
             progress.update(env.task, total=steps(env, only, length))
             m = machine(await services_versions(env))
             # Each suite is written as soon as it ends: a later failure keeps it.
@@ -134,6 +137,12 @@ if __name__ == "__main__":
     )
     parser.add_argument("--quick", action="store_true", help="fewer samples and points")
     parser.add_argument("--full", action="store_true", help="add the largest table sizes")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the least run that writes every table (--quick, one repetition, a quarter "
+        "of its samples): checks the benchmarks run, its figures mean little",
+    )
     parser.add_argument("--reps", type=int, default=0, help="repetitions per figure")
     parser.add_argument(
         "--only", default="", help=f"comma-separated subset of {SUITES + ON_REQUEST}"

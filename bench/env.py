@@ -54,6 +54,11 @@ class Env:
     full: bool
     progress: Progress
     task: TaskID
+    smoke: bool = False  # the least run that writes every table (the tests' run)
+
+    def fewer(self, n: int) -> int:
+        """``n`` samples, a quarter of them (at least one) in a smoke run."""
+        return max(1, n // 4) if self.smoke else n
 
     @property
     def peer_dsn(self) -> str:

@@ -84,7 +84,7 @@ def samples_for(branches: int, size: int, quick: bool) -> int:
 
 
 def paired(env: Env, branches: int, size: int) -> dict[str, Stat]:
-    n = samples_for(branches, size, env.quick)
+    n = env.fewer(samples_for(branches, size, env.quick))
     a, lg = [], []
     for _ in range(env.reps):
         a.append(pct(alma_merge(branches, size, n), 50) * 1000)

@@ -396,9 +396,9 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
         for writers in (1, 50):
             big = size > 50_000
             if writers == 1:
-                each = (20 if big else 40) if env.quick else (50 if big else 150)
+                each = env.fewer((20 if big else 40) if env.quick else (50 if big else 150))
             else:
-                each = (2 if big else 4) if env.quick else (8 if big else 20)
+                each = env.fewer((2 if big else 4) if env.quick else (8 if big else 20))
             got: dict[str, list[dict[str, float]]] = {
                 "ALMA": [],
                 "LangGraph": [],
@@ -555,7 +555,7 @@ async def read_latest(
 ) -> dict[str, list[list[float]]]:
     """Latencies of the latest read of a run of ``count`` checkpoints, per repetition:
     the SDK's resume (Redis), the same on a cache miss (PostgreSQL), ``aget_tuple``."""
-    samples = 60 if env.quick else 300
+    samples = env.fewer(60 if env.quick else 300)
     run = f"read-{count}-{uuid.uuid4().hex[:6]}"
     saver = AsyncPostgresSaver(pool)  # type: ignore[arg-type]
     config = lg_config(run)
@@ -609,8 +609,8 @@ async def capacity(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -
     for size in (1_000, 5_000, 100_000):
         state = realistic_state(size, seed=size)
         big = size > 50_000
-        backlog = (500 if big else 4_000) if env.quick else (1_000 if big else 10_000)
-        each = (4 if big else 10) if env.quick else (6 if big else 30)
+        backlog = env.fewer((500 if big else 4_000) if env.quick else (1_000 if big else 10_000))
+        each = env.fewer((4 if big else 10) if env.quick else (6 if big else 30))
         alma, lg = [], []
         for _ in range(env.reps):
             env.step(f"capacity {size // 1000} KB")

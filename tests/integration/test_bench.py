@@ -62,9 +62,7 @@ async def test_quick_side_by_side_run_writes_every_table(
     out = tmp_path / "benchmarks.md"
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    rc, log = await bench(
-        settings, scratch, "--quick", "--reps", "1", "--only", "peers", "--out", str(out)
-    )
+    rc, log = await bench(settings, scratch, "--smoke", "--only", "peers", "--out", str(out))
     assert rc == 0, log[-3000:]
     assert not list(scratch.iterdir())  # the worker processes' logs went with them
     text = out.read_text()
