@@ -119,18 +119,21 @@ def _registered(stacks_dir: Path) -> list[Running]:
     return found
 
 
-def register(stacks_dir: Path, data_dir: Path, pid: int | None = None) -> Path:
-    """Record a running stack on ``data_dir`` in the registry; returns the entry, to
-    remove with :func:`unregister` when the stack stops."""
-    pid = os.getpid() if pid is None else pid
+def _entry(stacks_dir: Path, pid: int | None) -> Path:
+    """A stack's file in the registry: one per running ``alma up``, named by its pid."""
+    return stacks_dir / f"{os.getpid() if pid is None else pid}.json"
+
+
+def register(stacks_dir: Path, data_dir: Path, pid: int | None = None) -> None:
+    """Record the stack of process ``pid`` (default: this one) on ``data_dir`` in the
+    registry; :func:`unregister` removes it when the stack stops."""
     stacks_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    entry = stacks_dir / f"{pid}.json"
+    entry = _entry(stacks_dir, pid)
     tmp = entry.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"data_dir": str(data_dir.resolve()), "pid": pid}))
+    tmp.write_text(json.dumps({"data_dir": str(data_dir.resolve()), "pid": int(entry.stem)}))
     tmp.replace(entry)
-    return entry
 
 
-def unregister(entry: Path) -> None:
+def unregister(stacks_dir: Path, pid: int | None = None) -> None:
     with contextlib.suppress(OSError):
-        entry.unlink()
+        _entry(stacks_dir, pid).unlink()

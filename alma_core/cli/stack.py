@@ -121,7 +121,7 @@ def up(
             with common.out.status("stopping..."):
                 await stack.stop()
             endpoints_file.unlink(missing_ok=True)
-            stacks.unregister(s.stacks_dir / f"{os.getpid()}.json")
+            stacks.unregister(s.stacks_dir)
             common.out.print("stopped")
 
     common.run(main)

@@ -52,11 +52,11 @@ def test_the_registry_finds_a_stack_from_an_unrelated_directory(tmp_path: Path) 
     elsewhere.mkdir()
     assert stacks.find(search_from(elsewhere, registry)) is None
     write_stack(tmp_path / "stack" / ".alma", os.getpid(), 9002)
-    entry = stacks.register(registry, tmp_path / "stack" / ".alma")
+    stacks.register(registry, tmp_path / "stack" / ".alma")
     found = stacks.find(search_from(elsewhere, registry))
     assert found is not None
     assert found.endpoints["kafka_bootstrap"] == "127.0.0.1:9002"
-    stacks.unregister(entry)
+    stacks.unregister(registry)
     assert stacks.find(search_from(elsewhere, registry)) is None
 
 
@@ -73,9 +73,10 @@ def test_a_stack_that_is_gone_is_not_found_and_its_entry_is_removed(tmp_path: Pa
     registry = tmp_path / "registry"
     pid = gone_pid()
     write_stack(tmp_path / "stack", pid, 9004)
-    entry = stacks.register(registry, tmp_path / "stack", pid)
+    stacks.register(registry, tmp_path / "stack", pid)
+    assert (registry / f"{pid}.json").exists()
     assert stacks.find(search_from(tmp_path / "stack", registry)) is None
-    assert not entry.exists()
+    assert not (registry / f"{pid}.json").exists()
 
 
 def test_two_running_stacks_are_named_not_guessed(tmp_path: Path) -> None:
