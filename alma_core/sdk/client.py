@@ -35,6 +35,7 @@ from alma_core.storage import effects, reducer_configs, runs
 from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.effects import EffectListener
 from alma_core.storage.embeddings import TextEmbedder, embedder_for
+from alma_core.storage.inflight import InFlight
 from alma_core.storage.observer import ReadMetrics, ReadObserver
 from alma_core.storage.postgres import connect
 from alma_core.storage.reader import CheckpointReader
@@ -179,6 +180,13 @@ class AlmaClient:
         """The client's PostgreSQL pool for reads (opened on first use), for integrations
         that read what the pipeline wrote (the LangGraph saver)."""
         return await self._open_reads()
+
+    async def in_flight(self) -> InFlight:
+        """The marks of writes published and not yet seen applied (Redis), by which
+        ``wait="published"`` writers tell readers in other processes to wait for them."""
+        await self._open_reads()
+        assert self._cache is not None
+        return InFlight(self._cache)
 
     async def _open_reads(self) -> asyncpg.Pool:
         async with self._opening:

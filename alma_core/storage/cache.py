@@ -266,7 +266,8 @@ class RedisCheckpointCache:
         self._learned = not isinstance(client, RedisCluster)
         self._learning = asyncio.Lock()
 
-    async def _ready(self) -> None:
+    async def ready(self) -> None:
+        """Learn a cluster's slots once, before the first command (a no-op otherwise)."""
         if not self._learned:
             async with self._learning:
                 if not self._learned:
@@ -397,7 +398,7 @@ class RedisCheckpointCache:
         """Commands of different partitions at once (each goes to its slot's node); made
         only once the client is ready, so a failure leaves none unawaited."""
         try:
-            await self._ready()
+            await self.ready()
             return list(await asyncio.gather(*commands))
         except CLIENT_FAILURES as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc
@@ -406,7 +407,7 @@ class RedisCheckpointCache:
         """HMGET of ``fields`` (empty: HGETALL) of a fresh hash; [] when it is stale."""
         p, key = self._key(tenant_id, run_id)
         try:
-            await self._ready()
+            await self.ready()
             return list(await self._get(keys=[self._epoch_key(p), key], args=fields))
         except CLIENT_FAILURES as exc:
             raise errors.CacheError(f"Redis: {exc!r}") from exc

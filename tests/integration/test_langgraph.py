@@ -488,3 +488,25 @@ async def test_a_thread_only_written_keeps_a_bounded_record_of_its_writes(
         assert thread not in saver._pending
         sql = "SELECT count(*) FROM run_events WHERE run_id = $1"
         assert await count(dsn, sql, thread) == writes
+
+
+async def test_another_process_never_reads_a_published_writers_thread_stale(
+    settings: Settings, worker: AlmaWorker
+) -> None:
+    """Saver A (``wait="published"``) runs a graph to its interrupt; saver B, with a
+    client of its own (as another process), reads the thread the moment A's ``ainvoke``
+    returns and resumes it. B waits for A's writes still on their way: it sees A's
+    last checkpoint, and its resume ends where the graph ends, every trial."""
+    async with AlmaClient(settings) as a_client, AlmaClient(settings) as b_client:
+        writer = app.build(
+            AlmaSaver(a_client, tenant_id=app.TENANT, workflow_id=app.GRAPH, wait="published")
+        )
+        reader = app.build(AlmaSaver(b_client, tenant_id=app.TENANT, workflow_id=app.GRAPH))
+        for trial in range(4):
+            thread = f"x-{trial}-{uuid.uuid4().hex[:8]}"
+            await writer.ainvoke({"task": "survey"}, app.config(thread))
+            seen = await reader.aget_state(app.config(thread))
+            mine = await writer.aget_state(app.config(thread))  # A's own: read-your-writes
+            assert (seen.next, seen.config) == (("review",), mine.config), trial
+            final = await reader.ainvoke(Command(resume=True), app.config(thread))
+            assert final["summary"] == "3 results, approved", trial

@@ -8,10 +8,11 @@ once (:mod:`alma_core.storage.graphs`); reads go to PostgreSQL.
 
 ``wait="applied"`` (the default) returns from a write once the checkpointer applied it,
 so any process reads it next, as with LangGraph's Postgres saver. ``wait="published"``
-returns once the broker has it (durable, applied later, in order) and makes this saver's
-own reads of the thread wait for its writes: faster, and still read-your-writes within
-the process. A write the checkpointer refuses raises its rejection either way (at the
-write, or at the next read of the thread).
+returns once the broker has it (durable, applied later, in order) and marks it in flight
+(:mod:`alma_core.storage.inflight`): every saver's reads of the thread, in any process,
+wait for such writes. Faster, and still never a stale read. A write the checkpointer
+refuses raises its rejection either way (at the write, or at the next read of the
+thread).
 
 A task's writes name its node (from LangGraph's task path; a ``Send``'s from the
 checkpoint this saver wrote), and a failed task's error, so :meth:`AlmaSaver.acomplete`
@@ -49,6 +50,7 @@ from alma_core import errors
 from alma_core.sdk.client import AlmaClient
 from alma_core.settings import Settings
 from alma_core.storage import graphs, runs
+from alma_core.storage.inflight import TTL_S
 from alma_core.storage.migrations import Migrator
 from alma_core.types import WorkflowContext
 
@@ -205,6 +207,10 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         if (wait or self.wait) == "applied":
             await self.client.applied(ctx, event_id, timeout=self.timeout)
             return
+        if not await (await self.client.in_flight()).mark(self.tenant_id, thread_id, event_id):
+            # Redis cannot tell other processes of it: wait as "applied" (never stale)
+            await self.client.applied(ctx, event_id, timeout=self.timeout)
+            return
         pending = self._pending.setdefault(thread_id, [])
         pending.append(event_id)
         if len(pending) > 2 * _PENDING_KEPT:  # a thread only written: settle the oldest
@@ -237,6 +243,38 @@ class AlmaSaver(BaseCheckpointSaver[str]):
             self._pending[thread] = owed
         else:
             self._pending.pop(thread, None)
+        await (await self.client.in_flight()).clear(self.tenant_id, thread, ids)
+
+    async def _others_applied(self, thread: str) -> None:
+        """Wait until the writes other savers (other processes) published to the thread
+        under ``wait="published"`` and marked in flight are applied or refused, so a read
+        never answers from a state they are about to change. Their refusals are theirs
+        to raise; a write still unapplied after ``timeout`` raises here, never a stale
+        read. With Redis down the marks cannot be read (docs/langgraph.md)."""
+        in_flight = await self.client.in_flight()
+        own = set(self._pending.get(thread, ()))
+        marked = [e for e in await in_flight.marked(self.tenant_id, thread) or () if e not in own]
+        if not marked:
+            return
+        pool = await self.client.read_pool()
+        waiting = await runs.unrecorded(pool, self.tenant_id, thread, marked)
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        for event_id in waiting:
+            left = max(0.0, deadline - asyncio.get_running_loop().time())
+            try:
+                await self.client.applied(self._ctx(thread), event_id, timeout=left)
+            except errors.RejectedEvent:
+                continue  # never part of the thread's state
+            except errors.EffectTimeout as exc:
+                raise errors.EffectTimeout(
+                    f"thread {thread!r} has a write from another process (event {event_id}, "
+                    f'wait="published") not applied within {self.timeout:g} s, so it was '
+                    "not read: its state would be stale. What to do: retry the read; check "
+                    "that the checkpointer runs and keeps up (`alma offsets list` shows its "
+                    f"lag). A write that never arrives stops blocking {TTL_S // 60} min "
+                    "after the thread's newest write"
+                ) from exc
+        await in_flight.clear(self.tenant_id, thread, marked)
 
     async def _refusal(self, thread: str, event_id: str) -> errors.RejectedEvent | None:
         """Wait for the event's effect: None once applied, its rejection if refused."""
@@ -352,6 +390,7 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         configurable = config["configurable"]
         thread = thread_of(configurable["thread_id"])
         await self._caught_up(thread)
+        await self._others_applied(thread)
         stored = await graphs.get(
             await self.client.read_pool(),
             self.tenant_id,
@@ -372,6 +411,8 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         configurable = (config or {}).get("configurable", {})
         thread = thread_of(configurable["thread_id"]) if "thread_id" in configurable else None
         await self._caught_up(thread)
+        if thread is not None:
+            await self._others_applied(thread)
         rows = await graphs.listing(
             await self.client.read_pool(),
             self.tenant_id,
@@ -536,8 +577,9 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         its nodes (those whose tasks finished) and how many failed, a success unless one
         did (or as ``success`` says), its duration since its first event unless given.
         ``event_id`` makes it idempotent. Returns the event id."""
-        thread = str(thread_id)
+        thread = thread_of(thread_id)
         await self._caught_up(thread)
+        await self._others_applied(thread)
         summary = await graphs.summary(await self.client.read_pool(), self.tenant_id, thread)
         failed = sum(summary.nodes.values())
         if duration_ms is None:
