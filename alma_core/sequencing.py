@@ -41,6 +41,7 @@ from schemas.events import (
     GRAPH_EVENTS,
     BranchJoin,
     Event,
+    GraphUpkeep,
     NodeCompleted,
     NodeFailed,
     NodeStarted,
@@ -88,6 +89,7 @@ class RunView:
     event_count: int = 0
     completed_at: datetime | None = None
     pruned: bool = False  # retention began on this closed run: it takes no more events
+    released: bool = False  # its LangGraph thread was deleted: another graph may take it
     changed: bool = False
 
     @property
@@ -208,6 +210,7 @@ class Sequencer:
             raise errors.RejectedEvent(f"unhandled event type {type(event).__name__}")
         if run.key not in self.runs:
             self.runs[run.key] = run
+        run.released = isinstance(event, GraphUpkeep) and event.payload.deletes_thread
         run.event_count += 1
         run.changed = True
         self.seen[(event.tenant_id, event.event_id)] = event.run_id
@@ -236,6 +239,11 @@ class Sequencer:
                 "pruned it (ALMA_*_RETENTION_DAYS): it takes no more events; give new work "
                 "a new run id"
             )
+        taken = run.released and isinstance(event, GRAPH_EVENTS)
+        if run.workflow_id != event.workflow_id and taken:
+            # a deleted thread's id is free: this graph takes the run over, as new
+            run.workflow_id, run.workflow_version = event.workflow_id, event.workflow_version
+            run.status, run.completed_at = "running", None
         if run.workflow_id != event.workflow_id:
             raise errors.RejectedEvent(
                 f"run {event.run_id!r} belongs to workflow {run.workflow_id!r}, "

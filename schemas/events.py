@@ -233,6 +233,11 @@ class GraphUpkeepPayload(_Model):
             raise ValueError(f"{self.op} needs {field}")
         return self
 
+    @property
+    def deletes_thread(self) -> bool:
+        """Whether it deletes the whole thread (which frees its id for another graph)."""
+        return self.op == "delete_thread" or (self.op == "prune" and self.strategy == "delete")
+
 
 # --- envelope ---------------------------------------------------------------
 

@@ -147,11 +147,16 @@ _WRITE = (
     """
 WITH new_runs AS (
     INSERT INTO runs (run_id, tenant_id, workflow_id, workflow_version, status,
-                      last_seq, event_count, completed_at)
-    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
-                         $6::bigint[], $7::bigint[], $8::timestamptz[])
+                      last_seq, event_count, completed_at, released_at)
+    SELECT u.r, u.t, u.w, u.v, u.s, u.l, u.c, u.d, CASE WHEN u.x THEN $21::timestamptz END
+    FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
+                $6::bigint[], $7::bigint[], $8::timestamptz[], $47::boolean[])
+         AS u(r, t, w, v, s, l, c, d, x)
     ON CONFLICT (tenant_id, run_id) DO UPDATE SET
-      status = EXCLUDED.status, last_seq = EXCLUDED.last_seq,
+      workflow_id = EXCLUDED.workflow_id, status = EXCLUDED.status,
+      released_at = CASE WHEN EXCLUDED.released_at IS NOT NULL
+                         THEN coalesce(runs.released_at, EXCLUDED.released_at) END,
+      last_seq = EXCLUDED.last_seq,
       event_count = EXCLUDED.event_count, completed_at = EXCLUDED.completed_at,
       workflow_version = coalesce(runs.workflow_version, EXCLUDED.workflow_version),
       updated_at = now()
@@ -262,6 +267,7 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
         rows = await conn.fetch(
             """SELECT r.run_id, r.tenant_id, r.workflow_id, r.workflow_version, r.status,
                       r.last_seq, r.event_count, r.completed_at,
+                      r.released_at IS NOT NULL AS released,
                       (r.checkpoints_pruned_at IS NOT NULL
                        OR r.events_pruned_at IS NOT NULL) AS pruned
                FROM runs r JOIN unnest($1::text[], $2::text[]) AS u(t, r)
@@ -371,6 +377,7 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
                 CHANNEL,
                 notify,
                 *advance,
+                [r.released for r in runs],  # $47
             )
         await graphs.apply(conn, seq.effects.graph)
         return written

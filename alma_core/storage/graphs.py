@@ -114,7 +114,7 @@ _TABLES = ("graph_writes", "graph_blobs", "graph_checkpoints")
 
 async def _upkeep(conn: Conn, event: GraphUpkeep) -> None:
     p, tenant, thread = event.payload, event.tenant_id, event.run_id
-    if p.op == "delete_thread" or (p.op == "prune" and p.strategy == "delete"):
+    if p.deletes_thread:
         for table in _TABLES:
             await conn.execute(
                 f"DELETE FROM {table} WHERE tenant_id = $1 AND thread_id = $2", tenant, thread
@@ -282,8 +282,10 @@ async def listing(
     metadata: dict[str, Any] | None,
     before: str | None,
     limit: int | None,
+    workflow: str | None = None,
 ) -> list[StoredCheckpoint]:
-    """The tenant's checkpoints, newest first, narrowed as LangGraph's ``list`` asks."""
+    """The tenant's checkpoints, newest first, narrowed as LangGraph's ``list`` asks
+    (``workflow``: not those of threads another graph owns)."""
     rows = await _guarded_fetch(
         pool,
         f"""{_SELECT}
@@ -292,6 +294,10 @@ async def listing(
               AND ($4::text IS NULL OR c.checkpoint_id = $4)
               AND ($5::jsonb IS NULL OR c.metadata @> $5::jsonb)
               AND ($6::text IS NULL OR c.checkpoint_id < $6)
+              AND ($8::text IS NULL OR NOT EXISTS (
+                  SELECT 1 FROM runs r WHERE r.tenant_id = c.tenant_id
+                    AND r.run_id = c.thread_id AND r.workflow_id <> $8
+                    AND r.released_at IS NULL))
             ORDER BY c.checkpoint_id DESC
             LIMIT $7""",
         tenant,
@@ -301,6 +307,7 @@ async def listing(
         metadata,
         before,
         limit,
+        workflow,
     )
     return [_stored(r) for r in rows]
 

@@ -54,6 +54,18 @@ async def effect_of(conn: Conn, event_id: str, tenant_id: str, run_id: str) -> E
     return None
 
 
+async def owner(conn: Conn, tenant_id: str, run_id: str) -> str | None:
+    """The workflow the run belongs to; None for a run not seen yet, or a LangGraph
+    thread deleted by its graph (its id is free)."""
+    found: str | None = await conn.fetchval(
+        """SELECT workflow_id FROM runs
+           WHERE tenant_id = $1 AND run_id = $2 AND released_at IS NULL""",
+        tenant_id,
+        run_id,
+    )
+    return found
+
+
 async def unrecorded(conn: Conn, tenant_id: str, run_id: str, event_ids: list[str]) -> list[str]:
     """Those of the run's ``event_ids`` the checkpointer has not recorded (yet, or ever:
     dead-lettered), in the order given."""

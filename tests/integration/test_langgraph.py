@@ -264,22 +264,26 @@ async def test_what_the_pipeline_refuses_raises_at_the_write(
         before = await history(mine, thread)
 
         other = app.build(AlmaSaver(client, tenant_id=app.TENANT, workflow_id="other-graph"))
-        with pytest.raises(errors.RejectedEvent, match="belongs to workflow 'agent-graph'"):
-            await other.ainvoke({"task": "survey"}, app.config(thread))
+        with pytest.raises(
+            errors.ContextError, match=r"belongs to graph \(workflow\) 'agent-graph'"
+        ):
+            await other.ainvoke({"task": "survey"}, app.config(thread))  # at its first read
 
         # published: the write returns, the saver's next read raises the reason, once
+        # (then the read itself is refused: the thread is another graph's)
         saver = AlmaSaver(client, tenant_id=app.TENANT, workflow_id="other", wait="published")
-        await app.build(saver).ainvoke({"task": "survey"}, app.config(thread))
+        await saver.aput_writes(_at(thread, "cp"), [("note", 1)], "task", "")
         with pytest.raises(errors.RejectedEvent, match="belongs to workflow 'agent-graph'"):
             await saver.aget_tuple(app.config(thread))
-        assert await saver.aget_tuple(app.config(thread)) is not None  # raised once
+        with pytest.raises(errors.ContextError, match="belongs to graph"):
+            await saver.aget_tuple(app.config(thread))
 
-        # published, and the process ends right after ainvoke: the refusal raises on exit
+        # published, and the process ends right after the write: the refusal raises on exit
         with pytest.raises(errors.RejectedEvent, match="belongs to workflow 'agent-graph'"):
             async with AlmaSaver.from_settings(
                 settings, tenant_id=app.TENANT, workflow_id="other", wait="published"
             ) as leaving:
-                await app.build(leaving).ainvoke({"task": "survey"}, app.config(thread))
+                await leaving.aput_writes(_at(thread, "cp"), [("note", 1)], "task", "")
 
         huge = "x" * (settings.max_record_bytes + 1)
         with pytest.raises(errors.RecordTooLarge, match="ALMA_MAX_RECORD_BYTES"):
@@ -510,3 +514,32 @@ async def test_another_process_never_reads_a_published_writers_thread_stale(
             assert (seen.next, seen.config) == (("review",), mine.config), trial
             final = await reader.ainvoke(Command(resume=True), app.config(thread))
             assert final["summary"] == "3 results, approved", trial
+
+
+async def test_a_thread_is_its_graphs_for_reads_and_writes_until_deleted(
+    settings: Settings, worker: AlmaWorker
+) -> None:
+    """One ownership model: graph B may neither read nor write graph A's thread (the
+    read raises naming the owner; B's list leaves it out); once A deletes the thread
+    its id is free, as on LangGraph's own savers: B runs it, and now A is refused."""
+    thread = f"own-{uuid.uuid4().hex[:8]}"
+    async with AlmaClient(settings) as client:
+        a_saver = AlmaSaver(client, tenant_id=app.TENANT, workflow_id="graph-a")
+        b_saver = AlmaSaver(client, tenant_id=app.TENANT, workflow_id="graph-b")
+        a, b = app.build(a_saver), app.build(b_saver)
+        await a.ainvoke({"task": "survey"}, app.config(thread))
+        with pytest.raises(errors.ContextError, match=r"belongs to graph \(workflow\) 'graph-a'"):
+            await b.aget_state(app.config(thread))
+        assert thread not in {
+            t.config["configurable"]["thread_id"] async for t in b_saver.alist(None)
+        }
+        with pytest.raises(errors.RejectedEvent, match="belongs to workflow 'graph-a'"):
+            await b_saver.aput_writes(_at(thread, "cp"), [("note", 1)], "task", "")
+
+        await a_saver.adelete_thread(thread)
+        first = await b.ainvoke({"task": "survey"}, app.config(thread))
+        assert "__interrupt__" in first
+        final = await b.ainvoke(Command(resume=True), app.config(thread))
+        assert final["summary"] == "3 results, approved"
+        with pytest.raises(errors.ContextError, match=r"belongs to graph \(workflow\) 'graph-b'"):
+            await a.aget_state(app.config(thread))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -196,6 +197,36 @@ def test_a_langgraph_threads_events_are_recorded_in_order_once() -> None:
     assert (run.last_seq, run.event_count) == (3, 3)
     with pytest.raises(errors.RejectedEvent, match="belongs to workflow"):
         seq.apply(ev("graph.upkeep", workflow="other", op="delete_thread"), AT)
+
+
+def test_a_deleted_thread_frees_its_id_for_another_graph_and_only_then() -> None:
+    """A thread deleted by its graph (delete_thread, prune "delete") is released: the
+    next graph event of another workflow takes the run over (reopened if it was
+    completed); a node event may not, and any event of the thread ends the release."""
+    done = datetime(2026, 11, 22, tzinfo=UTC)
+    run = RunView("r", "acme", "wf", None, status="succeeded", completed_at=done)
+    seq = sequencer(runs={("acme", "r"): run})
+    seq.apply(ev("graph.upkeep", op="prune", strategy="keep_latest"), AT)
+    assert not run.released  # some checkpoints stay: still wf's
+    with pytest.raises(errors.RejectedEvent, match="belongs to workflow 'wf'"):
+        seq.apply(ev("graph.upkeep", workflow="other", op="delete_thread"), AT)
+    seq.apply(ev("graph.upkeep", op="delete_thread"), AT)
+    assert run.released
+    with pytest.raises(errors.RejectedEvent, match="belongs to workflow 'wf'"):
+        seq.apply(ev("node.started", workflow="other"), AT)
+    assert (run.released, run.workflow_id) == (True, "wf")  # a refused event changed nothing
+    seq.apply(ev("graph.checkpoint", workflow="other", checkpoint_id="c1", checkpoint={}), AT)
+    assert (run.workflow_id, run.status, run.completed_at, run.released) == (
+        "other",
+        "running",
+        None,
+        False,
+    )
+    with pytest.raises(errors.RejectedEvent, match="belongs to workflow 'other'"):
+        seq.apply(ev("graph.checkpoint", checkpoint_id="c2", checkpoint={}), AT)
+    seq.apply(ev("graph.upkeep", workflow="other", op="prune", strategy="delete"), AT)
+    seq.apply(ev("graph.checkpoint", workflow="other", checkpoint_id="c3", checkpoint={}), AT)
+    assert (run.workflow_id, run.released) == ("other", False)  # its own graph goes on
 
 
 def test_a_pruned_run_takes_no_more_events_but_a_known_one_stays_a_duplicate() -> None:

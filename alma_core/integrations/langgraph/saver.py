@@ -245,6 +245,21 @@ class AlmaSaver(BaseCheckpointSaver[str]):
             self._pending.pop(thread, None)
         await (await self.client.in_flight()).clear(self.tenant_id, thread, ids)
 
+    async def _readable(self, thread: str) -> None:
+        """Before a read of the thread: this saver's and other processes' writes in
+        flight are applied (:meth:`_others_applied`), and the thread is this graph's or
+        nobody's: one ownership model for reads and writes (a write there is refused)."""
+        await self._caught_up(thread)
+        await self._others_applied(thread)
+        owner = await runs.owner(await self.client.read_pool(), self.tenant_id, thread)
+        if owner is not None and owner != self.workflow_id:
+            raise errors.ContextError(
+                f"thread {thread!r} belongs to graph (workflow) {owner!r}, not "
+                f"{self.workflow_id!r}: a saver reads and writes its own graph's threads "
+                "only. What to do: use a saver with that workflow_id, or another thread id "
+                f"(or free this one: {owner!r}'s saver deletes the thread, adelete_thread)"
+            )
+
     async def _others_applied(self, thread: str) -> None:
         """Wait until the writes other savers (other processes) published to the thread
         under ``wait="published"`` and marked in flight are applied or refused, so a read
@@ -389,8 +404,7 @@ class AlmaSaver(BaseCheckpointSaver[str]):
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         configurable = config["configurable"]
         thread = thread_of(configurable["thread_id"])
-        await self._caught_up(thread)
-        await self._others_applied(thread)
+        await self._readable(thread)
         stored = await graphs.get(
             await self.client.read_pool(),
             self.tenant_id,
@@ -410,9 +424,10 @@ class AlmaSaver(BaseCheckpointSaver[str]):
     ) -> AsyncIterator[CheckpointTuple]:
         configurable = (config or {}).get("configurable", {})
         thread = thread_of(configurable["thread_id"]) if "thread_id" in configurable else None
-        await self._caught_up(thread)
-        if thread is not None:
-            await self._others_applied(thread)
+        if thread is None:
+            await self._caught_up()
+        else:
+            await self._readable(thread)
         rows = await graphs.listing(
             await self.client.read_pool(),
             self.tenant_id,
@@ -420,6 +435,7 @@ class AlmaSaver(BaseCheckpointSaver[str]):
             ns=configurable.get("checkpoint_ns"),
             checkpoint_id=get_checkpoint_id(config) if config else None,
             metadata=filter or None,
+            workflow=self.workflow_id,
             before=get_checkpoint_id(before) if before else None,
             limit=limit,
         )
