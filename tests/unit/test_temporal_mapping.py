@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from temporalio.converter import DataConverter
 
 from alma_core.integrations.temporal import mapping
 from alma_core.integrations.temporal.mapping import NodeHeader, ResultNotJson
@@ -90,3 +91,13 @@ def test_the_header_round_trips_and_ignores_what_a_newer_workflow_adds() -> None
     ctx = header.context("review")
     assert (ctx.node_id, ctx.branch_id, ctx.workflow_version) == ("legal-review", "legal", "v2")
     assert HEADER.context("review").node_id == "review"  # no name given: the activity type
+
+
+def test_bytes_are_refused_as_a_result_and_a_list_of_integers_inside_one() -> None:
+    """What docs/temporal.md says of bytes, through Temporal's own default converter."""
+    converter = DataConverter.default.payload_converter
+    with pytest.raises(ResultNotJson, match="binary/plain"):
+        mapping.as_json(b"xy", "fetch", converter)
+    assert mapping.as_json({"raw": b"xy"}, "fetch", converter) == {"raw": [120, 121]}
+    with pytest.raises(ResultNotJson, match="cannot be converted"):
+        mapping.as_json({"at": object()}, "fetch", converter)

@@ -34,6 +34,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from temporalio.converter import PayloadConverter
+
 from alma_core import errors
 from alma_core.types import WorkflowContext
 
@@ -218,3 +220,27 @@ class ResumePoint:
     kind: str | None = None
     state: dict[str, Any] = field(default_factory=dict)
     branches: dict[str, Head] = field(default_factory=dict)
+
+
+def as_json(result: Any, node_id: str, converter: PayloadConverter) -> Any:
+    """The result as JSON values, through the worker's own payload converter (so a
+    dataclass or a pydantic model becomes what the workflow receives, and bytes inside
+    a result a list of integers, as Temporal's JSON converter makes them). A result the
+    converter cannot make JSON (bytes themselves, say) is :class:`ResultNotJson`."""
+    if result is None:
+        return None
+    try:
+        payload = converter.to_payload(result)
+    except Exception as exc:  # noqa: BLE001 - any converter failure means "not JSON"
+        raise ResultNotJson(
+            f"activity {node_id!r} returned a {type(result).__name__} that cannot be "
+            f"converted ({exc}); return JSON values, a dataclass or a pydantic model, "
+            "or pass result='ignore' for this node"
+        ) from None
+    encoding = payload.metadata.get("encoding", b"").decode()
+    if encoding not in ("json/plain", "json/protobuf"):
+        raise ResultNotJson(
+            f"activity {node_id!r} returned {type(result).__name__}, stored as {encoding} "
+            "(not JSON); return JSON values or pass result='ignore' for this node"
+        )
+    return checked_json(json.loads(payload.data), node_id)

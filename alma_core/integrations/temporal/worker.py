@@ -147,7 +147,11 @@ class _Nodes:
             await self._failed(ctx, info, ids("failed", info.attempt), exc)
             raise
         try:
-            value = None if header.result == "ignore" else self._as_json(result, node_id)
+            value = (
+                None
+                if header.result == "ignore"
+                else mapping.as_json(result, node_id, activity.payload_converter())
+            )
             payload = mapping.node_payload(value, header, node_id)
             self._check_size(payload, node_id)
             completion = ids("completed")
@@ -177,28 +181,6 @@ class _Nodes:
             await self._failed(ctx, info, ids("failed", info.attempt), exc)
             raise _fail(exc) from None
         return result
-
-    @staticmethod
-    def _as_json(result: Any, node_id: str) -> Any:
-        """The result as JSON values, through the worker's own payload converter (so a
-        dataclass or a pydantic model becomes what the workflow receives)."""
-        if result is None:
-            return None
-        try:
-            payload = activity.payload_converter().to_payload(result)
-        except Exception as exc:  # noqa: BLE001 - any converter failure means "not JSON"
-            raise mapping.ResultNotJson(
-                f"activity {node_id!r} returned a {type(result).__name__} that cannot be "
-                f"converted ({exc}); return JSON values, a dataclass or a pydantic model, "
-                "or pass result='ignore' for this node"
-            ) from None
-        encoding = payload.metadata.get("encoding", b"").decode()
-        if encoding not in ("json/plain", "json/protobuf"):
-            raise mapping.ResultNotJson(
-                f"activity {node_id!r} returned {type(result).__name__}, stored as {encoding} "
-                "(not JSON); return JSON values or pass result='ignore' for this node"
-            )
-        return mapping.checked_json(json.loads(payload.data), node_id)
 
     def _check_size(self, payload: dict[str, Any] | None, node_id: str) -> None:
         """A state over the limit is refused before it is published."""
