@@ -114,23 +114,33 @@ async def savers(env: Env, pool: Any) -> AsyncIterator[dict[str, BaseCheckpointS
         }
 
 
-async def _size(dsn: str, tables: list[str], count_sql: str, audit: bool = False) -> float:
-    """Bytes per checkpoint: the tables with their indexes; with ``audit``, ALMA's
-    ``run_events`` too, in the share of its rows that are LangGraph events."""
+ALMA_TABLES = ("graph_checkpoints", "graph_blobs", "graph_writes", "run_events")
+PEER_TABLES = ("checkpoints", "checkpoint_blobs", "checkpoint_writes")
+STORED_INVOKES = 20  # the graph's invokes whose storage is measured, per saver and repetition
+
+
+async def stored_bytes(
+    saver: BaseCheckpointSaver[Any], dsn: str, tables: tuple[str, ...], invokes_: int
+) -> float:
+    """Bytes per checkpoint the saver's tables grow by (indexes and TOAST included) for
+    ``invokes_`` invokes of the bench graph (``sync``; an AlmaSaver that waits as
+    ``applied``): what those add, whatever the tables held before (other sections'
+    rows, filler). ALMA's tables include its audit log (``run_events``)."""
     conn = await asyncpg.connect(dsn)
     try:
-        await conn.execute("VACUUM ANALYZE")
-        total = sum([await conn.fetchval("SELECT pg_total_relation_size($1)", t) for t in tables])
-        if audit:
-            share = await conn.fetchval(
-                """SELECT count(*) FILTER (WHERE type LIKE 'graph.%')::float8
-                          / greatest(count(*), 1) FROM run_events"""
+
+        async def sizes() -> tuple[int, int]:
+            total = sum(
+                [await conn.fetchval("SELECT pg_total_relation_size($1)", t) for t in tables]
             )
-            total += share * await conn.fetchval("SELECT pg_total_relation_size('run_events')")
-        n = await conn.fetchval(count_sql)
+            return total, await conn.fetchval(f"SELECT count(*) FROM {tables[0]}")
+
+        before, count_before = await sizes()
+        await invokes(build(saver), "sync", 1, invokes_)
+        after, count_after = await sizes()
     finally:
         await conn.close()
-    return float(total) / max(1, n)
+    return (after - before) / max(1, count_after - count_before)
 
 
 async def _long_thread(saver: BaseCheckpointSaver[Any], thread: str, n: int) -> Any:
@@ -175,6 +185,8 @@ async def run(env: Env, section: Section) -> None:
         ["saver", "checkpoints in the thread", "p50 ms", "p99 ms", "bytes per checkpoint"],
     )
     sequential, concurrent, rounds = (5, 50, 1) if env.quick else (20, 50, 2)
+    stored = STORED_INVOKES // 4 if env.quick else STORED_INVOKES
+    sizes: dict[str, list[float]] = {}
     samples = 50 if env.quick else 200
     got: dict[tuple[str, str, int], list[tuple[list[float], float]]] = {}
     read_got: dict[tuple[str, int], list[list[float]]] = {}
@@ -197,19 +209,14 @@ async def run(env: Env, section: Section) -> None:
                         seconds = await reads(by_name[name], n, samples)
                         read_got.setdefault((name.split(",")[0], n), []).append(seconds)
                     env.done()
-        sizes = {
-            "AsyncPostgresSaver": await _size(
-                env.peer_dsn,
-                ["checkpoints", "checkpoint_blobs", "checkpoint_writes"],
-                "SELECT count(*) FROM checkpoints",
-            ),
-            "AlmaSaver": await _size(
-                env.services.postgres_dsn,
-                ["graph_checkpoints", "graph_blobs", "graph_writes"],
-                "SELECT count(*) FROM graph_checkpoints",
-                audit=True,
-            ),
-        }
+                env.step("LangGraph storage per checkpoint, both savers")
+                for name, dsn, tables in (
+                    (SAVERS[0], env.peer_dsn, PEER_TABLES),
+                    (SAVERS[1], env.services.postgres_dsn, ALMA_TABLES),
+                ):
+                    size = await stored_bytes(by_name[name], dsn, tables, stored)
+                    sizes.setdefault(name.split(",")[0], []).append(size)
+                env.done()
     finally:
         await pool.close()
     for durability in DURABILITY:
@@ -240,7 +247,7 @@ async def run(env: Env, section: Section) -> None:
                     f"{n:,}",
                     Stat([pct(s, 50) * 1000 for s in runs_]),
                     Stat([pct(s, 99) * 1000 for s in runs_]),
-                    f"{sizes[name]:,.0f}",
+                    Stat(sizes[name], 0),
                 ],
             )
     section.note(
@@ -254,10 +261,55 @@ async def run(env: Env, section: Section) -> None:
         "langgraph_reads",
         f"{samples} reads of the latest checkpoint (5 KB value) of a thread of that many "
         "checkpoints written by `aput`; AlmaSaver's reads are PostgreSQL's (one indexed "
-        "query), the same for both wait modes. Storage: the tables with their indexes "
-        "after VACUUM, over the checkpoints stored; ALMA's counts its audit log of the "
-        "threads' events too.",
+        "query), the same for both wait modes. Storage: what each saver's tables (indexes "
+        f"and TOAST included) grow by over {stored} invokes of the graph (`sync`), per "
+        "checkpoint; ALMA's tables include its audit log of the threads' events. What "
+        "the tables say, from this run:",
     )
+    for line in findings(got, read_got, sizes, concurrent):
+        section.note("langgraph_reads", line)
+
+
+def findings(
+    got: dict[tuple[str, str, int], list[tuple[list[float], float]]],
+    read_got: dict[tuple[str, int], list[list[float]]],
+    sizes: dict[str, list[float]],
+    concurrent: int,
+) -> list[str]:
+    """The prose under the tables, its every number from this run's."""
+
+    def rate(name: str, durability: str, threads: int) -> Stat:
+        return Stat([r for _, r in got[(name, durability, threads)]])
+
+    def against(name: str, threads: int) -> dict[str, float]:
+        return {
+            d: ratio(rate(name, d, threads), rate(SAVERS[0], d, threads)).median for d in DURABILITY
+        }
+
+    def each(ratios: dict[str, float]) -> str:
+        return ", ".join(f"{r:.2f}× `{d}`" for d, r in ratios.items())
+
+    published, applied1 = against(SAVERS[2], concurrent), against(SAVERS[1], 1)
+    applied = against(SAVERS[1], concurrent)
+    ahead = [d for d, r in published.items() if r >= 1]
+    reads = {
+        n: Stat([pct(s, 50) for s in read_got[("AlmaSaver", n)]]).median
+        / Stat([pct(s, 50) for s in read_got[("AsyncPostgresSaver", n)]]).median
+        for n in READ_SIZES
+    }
+    ours, theirs = Stat(sizes["AlmaSaver"]).median, Stat(sizes["AsyncPostgresSaver"]).median
+    return [
+        f'- `wait="published"` at {concurrent} threads, invokes/s against '
+        f"AsyncPostgresSaver: {each(published)} (ahead in "
+        f"{', '.join(f'`{d}`' for d in ahead) or 'no mode'}).",
+        f'- `wait="applied"` waits a broker round trip per write: {each(applied1)} one '
+        f"thread at a time; {each(applied)} at {concurrent} threads.",
+        "- `aget_tuple` p50 against the reference: "
+        + ", ".join(f"{r:.2f}× at {n:,} checkpoints" for n, r in reads.items())
+        + ".",
+        f"- Storage: {ours:,.0f} bytes per checkpoint against {theirs:,.0f}, "
+        f"{ours / theirs:.2f}× (audit log included).",
+    ]
 
 
 async def _timed(graph: Any, durability: str, threads: int, n: int) -> tuple[list[float], float]:
@@ -272,4 +324,4 @@ async def _timed(graph: Any, durability: str, threads: int, n: int) -> tuple[lis
     return await invokes(graph, durability, threads, n)
 
 
-STEPS_PER_REP = len(DURABILITY) + 2
+STEPS_PER_REP = len(DURABILITY) * len(SAVERS) + 2 + 1  # invokes, reads, storage

@@ -254,20 +254,35 @@ async def _guarded_fetch(pool: asyncpg.Pool, sql: str, *args: Any) -> list[async
     return rows
 
 
+# a thread another graph owns (not released) is not this graph's to read
+_NOT_OTHERS = """NOT EXISTS (
+                  SELECT 1 FROM runs r WHERE r.tenant_id = c.tenant_id
+                    AND r.run_id = c.thread_id AND r.workflow_id <> {workflow}
+                    AND r.released_at IS NULL)"""
+
+
 async def get(
-    pool: asyncpg.Pool, tenant: str, thread: str, ns: str, checkpoint_id: str | None
+    pool: asyncpg.Pool,
+    tenant: str,
+    thread: str,
+    ns: str,
+    checkpoint_id: str | None,
+    workflow: str | None = None,
 ) -> StoredCheckpoint | None:
-    """One checkpoint of the thread's namespace: by id, or the newest."""
+    """One checkpoint of the thread's namespace: by id, or the newest (``workflow``:
+    none of a thread another graph owns)."""
     rows = await _guarded_fetch(
         pool,
         f"""{_SELECT}
             WHERE c.tenant_id = $1 AND c.thread_id = $2 AND c.checkpoint_ns = $3
               AND ($4::text IS NULL OR c.checkpoint_id = $4)
+              AND ($5::text IS NULL OR {_NOT_OTHERS.format(workflow="$5")})
             ORDER BY c.checkpoint_id DESC LIMIT 1""",
         tenant,
         thread,
         ns,
         checkpoint_id,
+        workflow,
     )
     return _stored(rows[0]) if rows else None
 
@@ -294,10 +309,7 @@ async def listing(
               AND ($4::text IS NULL OR c.checkpoint_id = $4)
               AND ($5::jsonb IS NULL OR c.metadata @> $5::jsonb)
               AND ($6::text IS NULL OR c.checkpoint_id < $6)
-              AND ($8::text IS NULL OR NOT EXISTS (
-                  SELECT 1 FROM runs r WHERE r.tenant_id = c.tenant_id
-                    AND r.run_id = c.thread_id AND r.workflow_id <> $8
-                    AND r.released_at IS NULL))
+              AND ($8::text IS NULL OR {_NOT_OTHERS.format(workflow="$8")})
             ORDER BY c.checkpoint_id DESC
             LIMIT $7""",
         tenant,

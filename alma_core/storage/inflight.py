@@ -30,12 +30,15 @@ class InFlight:
         return f"{{{self.cache.prefix}:{p}}}:inflight:{run_key(tenant_id, run_id)}"
 
     async def mark(self, tenant_id: str, run_id: str, event_id: str) -> bool:
-        """Mark a published event of the run; False when Redis did not take it."""
+        """Mark a published event of the run (one round trip); False when Redis did
+        not take it."""
         key = self._key(tenant_id, run_id)
         try:
             await self.cache.ready()
-            await self.cache.client.zadd(key, {event_id: time.time()})
-            await self.cache.client.expire(key, TTL_S)
+            async with self.cache.client.pipeline(transaction=False) as pipe:
+                pipe.zadd(key, {event_id: time.time()})
+                pipe.expire(key, TTL_S)
+                await pipe.execute()
         except CLIENT_FAILURES:
             return False
         return True

@@ -247,10 +247,14 @@ class AlmaSaver(BaseCheckpointSaver[str]):
 
     async def _readable(self, thread: str) -> None:
         """Before a read of the thread: this saver's and other processes' writes in
-        flight are applied (:meth:`_others_applied`), and the thread is this graph's or
-        nobody's: one ownership model for reads and writes (a write there is refused)."""
+        flight are applied (:meth:`_others_applied`)."""
         await self._caught_up(thread)
         await self._others_applied(thread)
+
+    async def _not_others(self, thread: str) -> None:
+        """Raise when another graph owns the thread: one ownership model for reads and
+        writes (a write there is refused). The reads leave such threads out, so this
+        runs only when they found nothing."""
         owner = await runs.owner(await self.client.read_pool(), self.tenant_id, thread)
         if owner is not None and owner != self.workflow_id:
             raise errors.ContextError(
@@ -411,8 +415,12 @@ class AlmaSaver(BaseCheckpointSaver[str]):
             thread,
             configurable.get("checkpoint_ns", ""),
             get_checkpoint_id(config),
+            self.workflow_id,
         )
-        return None if stored is None else await asyncio.to_thread(self._tuple, stored)
+        if stored is None:
+            await self._not_others(thread)
+            return None
+        return await asyncio.to_thread(self._tuple, stored)
 
     async def alist(
         self,
@@ -439,6 +447,8 @@ class AlmaSaver(BaseCheckpointSaver[str]):
             before=get_checkpoint_id(before) if before else None,
             limit=limit,
         )
+        if not rows and thread is not None:
+            await self._not_others(thread)
         for stored in rows:
             yield await asyncio.to_thread(self._tuple, stored)
 
@@ -594,8 +604,7 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         did (or as ``success`` says), its duration since its first event unless given.
         ``event_id`` makes it idempotent. Returns the event id."""
         thread = thread_of(thread_id)
-        await self._caught_up(thread)
-        await self._others_applied(thread)
+        await self._readable(thread)
         summary = await graphs.summary(await self.client.read_pool(), self.tenant_id, thread)
         failed = sum(summary.nodes.values())
         if duration_ms is None:
