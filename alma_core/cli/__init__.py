@@ -19,7 +19,21 @@ except ImportError:  # pragma: no cover - an install without the `cli` extra
     )
     raise SystemExit(2) from None
 
-from alma_core.cli import common, db, demo, dlq, mcp, memory, offsets, reducers, runs, stack, topics
+from alma_core.cli import (
+    common,
+    db,
+    demo,
+    dlq,
+    mcp,
+    memory,
+    offsets,
+    reducers,
+    replay,
+    runs,
+    stack,
+    timeline,
+    topics,
+)
 
 PACKAGE = "alma-stream"
 
@@ -28,7 +42,7 @@ app = common.app(
     help="ALMA Stream: workflow memory over Kafka, Postgres and Redis.",
     pretty_exceptions_show_locals=False,
 )
-for group in (stack, db, topics, offsets, reducers, runs, dlq, memory, demo, mcp):
+for group in (stack, db, topics, offsets, reducers, runs, timeline, replay, dlq, memory, demo, mcp):
     group.register(app)
 
 

@@ -3,8 +3,9 @@ stdio, over the SDK (:class:`~alma_core.sdk.client.AlmaClient`).
 
 Tools: ``alma_checkpoint`` (a node's state or updates, waits until durable),
 ``alma_get_resume_point``, ``alma_merge_states`` (awaits the joiner's reply),
-``alma_learn_workflow`` (the run's outcome, learned from by the learner) and
-``alma_retrieve`` (memories for a task within a context and scope, with the prompt).
+``alma_learn_workflow`` (the run's outcome, learned from by the learner),
+``alma_retrieve`` (memories for a task within a context and scope, with the prompt),
+and a run's past: ``alma_state_at``, ``alma_diff``, ``alma_fork``.
 Errors come back as tool errors whose text says what to do.
 """
 
@@ -194,6 +195,44 @@ def build(client: AlmaClient) -> MCPServer:
         )
         return found.to_doc(max_tokens)
 
+    @server.tool()
+    @_tool_errors
+    async def alma_state_at(
+        tenant_id: str, run_id: str, seq: int, branch_id: str | None = None
+    ) -> dict[str, Any]:
+        """A run's state as it was at `seq` (the main line's, or `branch_id`'s): its
+        newest checkpoint at or below that seq."""
+        found = await client.timeline.state_at(
+            WorkflowContext(tenant_id=tenant_id, run_id=run_id), seq, branch_id
+        )
+        if found is None:
+            raise errors.ContextError(
+                f"run {run_id!r} has no checkpoint at or before seq {seq} there: check the "
+                "ids and the seq (alma_get_resume_point gives the latest)"
+            )
+        return checkpoint_to_doc(found)
+
+    @server.tool()
+    @_tool_errors
+    async def alma_diff(tenant_id: str, run_id: str, a: int, b: int) -> dict[str, Any]:
+        """What changed from checkpoint `a` to checkpoint `b` of a run: each path (JSON
+        Pointer) added, removed or changed, with the values before and after."""
+        changes = await client.timeline.diff(
+            WorkflowContext(tenant_id=tenant_id, run_id=run_id), a, b
+        )
+        return {"run_id": run_id, "a": a, "b": b, "changes": [c.to_doc() for c in changes]}
+
+    @server.tool()
+    @_tool_errors
+    async def alma_fork(
+        tenant_id: str, run_id: str, seq: int, new_run_id: str, branch_id: str | None = None
+    ) -> dict[str, Any]:
+        """Start run `new_run_id` from `run_id`'s state at `seq` (same tenant and
+        workflow; its first checkpoint records the lineage). Asked again: the same fork."""
+        ctx = WorkflowContext(tenant_id=tenant_id, run_id=run_id)
+        applied = await client.timeline.fork(ctx, seq, new_run_id, branch_id=branch_id)
+        return {"run_id": new_run_id, "event_id": applied.event_id, "seq": applied.seq}
+
     return server
 
 
@@ -204,7 +243,8 @@ async def run_stdio(settings: Settings) -> None:
 
 def mcp() -> None:
     """Serve ALMA Stream's tools to agents over MCP (stdio): alma_checkpoint,
-    alma_get_resume_point, alma_merge_states, alma_learn_workflow, alma_retrieve."""
+    alma_get_resume_point, alma_merge_states, alma_learn_workflow, alma_retrieve,
+    alma_state_at, alma_diff, alma_fork."""
     if importlib.util.find_spec("mcp") is None:
         common.fail("`alma mcp` needs the mcp extra: pip install 'alma-stream[mcp]'", common.USAGE)
     s = common.settings()

@@ -18,7 +18,10 @@ from alma_core.storage.postgres import connect
 from alma_core.storage.reader import CheckpointReader
 from alma_core.types import Checkpoint
 
-runs_app = common.app(help="Runs: list them, show one with its events, checkpoints and outcome.")
+runs_app = common.app(
+    help="Runs: list them, show one with its events, checkpoints and outcome; its state "
+    "at any seq, what changed between two checkpoints, a merge explained, a fork."
+)
 
 TENANT_HELP = (
     "Tenant of the run; default ALMA_TENANT (one of them is required unless "
@@ -97,6 +100,7 @@ async def run_report(conn: Any, run_id: str, tenant: str | None) -> dict[str, An
         raise _not_found(run_id, tenant)
     return {
         "run": _jsonable(found["run"]),
+        "forked_from": found["forked_from"],
         "events": [_jsonable(r) for r in found["events"]],
         "checkpoints": [_jsonable(r) for r in found["checkpoints"]],
         "joins": [_jsonable(r) for r in found["joins"]],
@@ -132,6 +136,11 @@ def runs_show(
         f"{run['workflow_id']}  status {run['status']}  "
         f"last seq {run['last_seq']}"
     )
+    if lineage := doc["forked_from"]:
+        common.out.print(
+            f"forked from run {lineage['run_id']} at seq {lineage['seq']} "
+            f"(`alma runs state {lineage['run_id']} --seq {lineage['seq']}`)"
+        )
     sections = {
         "events": ("type", "node_id", "branch_id", "effect", "checkpoint_seq", "emitted_at"),
         "checkpoints": (

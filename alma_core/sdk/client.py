@@ -30,6 +30,7 @@ from alma_core.logs import redact
 from alma_core.memory import MemorySlice
 from alma_core.messaging import kafka
 from alma_core.sdk.replies import ReplyListener
+from alma_core.sdk.timeline import Timeline
 from alma_core.settings import Settings
 from alma_core.storage import effects, reducer_configs, runs
 from alma_core.storage.cache import RedisCheckpointCache
@@ -165,8 +166,9 @@ class AlmaClient:
         if self._own_embedder and self._embedder is not None:
             self._embedder.close()
 
-    async def _reader(self, tenant_id: str) -> CheckpointReader:
-        """Reads of checkpoints (opened on first use): never older than PostgreSQL."""
+    async def reader(self, tenant_id: str) -> CheckpointReader:
+        """The tenant's reads of checkpoints (opened on first use): never older than
+        PostgreSQL, scoped to the tenant."""
         pool = await self._open_reads()
         return CheckpointReader(
             pool,
@@ -175,6 +177,11 @@ class AlmaClient:
             require_tenant=self.settings.require_tenant,
             observer=self.observer,
         )
+
+    @property
+    def timeline(self) -> Timeline:
+        """A run's past: the state at any seq, diffs, merges explained, forks."""
+        return Timeline(self.reader, self)
 
     async def read_pool(self) -> asyncpg.Pool:
         """The client's PostgreSQL pool for reads (opened on first use), for integrations
@@ -326,7 +333,7 @@ class AlmaClient:
         ctx.validate(require_tenant=True)
         if not (ctx.tenant_id and ctx.run_id):
             raise errors.ContextError("resume needs tenant_id and run_id")
-        reader = await self._reader(ctx.tenant_id)
+        reader = await self.reader(ctx.tenant_id)
         heads = await reader.branch_heads(ctx.run_id)  # the latest is one of them
         latest = max(heads.values(), key=lambda cp: cp.seq) if heads else None
         return ResumePoint(ctx.run_id, latest, heads, await reader.status(ctx.run_id))

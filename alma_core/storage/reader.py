@@ -9,11 +9,14 @@ a tenant is an operator's reader and exists only when multi-tenant mode is off.
 from __future__ import annotations
 
 import asyncio
+import json
+from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
 
-from alma_core import errors
+from alma_core import errors, joining
+from alma_core.reducers import ReducerConfig
 from alma_core.storage.cache import (
     RedisCheckpointCache,
     cache_entries,
@@ -23,12 +26,37 @@ from alma_core.storage.cache import (
 from alma_core.storage.observer import ReadMetrics, ReadObserver
 from alma_core.storage.postgres import is_storage_failure, storage_error
 from alma_core.types import Checkpoint
+from schemas.events import BranchJoinPayload
 
 _COLUMNS = """run_id, tenant_id, seq, kind, node_id, branch_id, parent_seq, event_id, state,
               state_hash, size_bytes, merged_from, metadata, created_at"""
 _HEAD_COLUMNS = """c.run_id, c.tenant_id, c.seq, c.kind, c.node_id, c.branch_id, c.parent_seq,
                    c.event_id, c.state, c.state_hash, c.size_bytes, c.merged_from, c.metadata,
                    c.created_at"""
+
+
+@dataclass(frozen=True)
+class MergeParts:
+    """A merged checkpoint and what went into it (:meth:`CheckpointReader.merge_parts`)."""
+
+    merged: Checkpoint
+    before: Checkpoint | None  # the main line's head it was applied onto
+    branches: list[Checkpoint]  # in the join's order
+    request: dict[str, Any]  # the branch.join payload, as the audit log keeps it
+    registered: ReducerConfig | None  # the workflow's reducers as registered now
+
+    def config(self) -> ReducerConfig:
+        """The reducers the merge used: the request's, falling back to the workflow's."""
+        payload = BranchJoinPayload.model_validate(self.request)
+        return joining.config_for(payload, self.registered)
+
+    def inputs(self) -> list[tuple[str, dict[str, Any]]]:
+        """Each input of the merge, labelled: a branch by its id and seq, a given state
+        by its index."""
+        if self.request.get("states") is not None:
+            return [(f"states[{i}]", s) for i, s in enumerate(self.request["states"])]
+        ids = self.request.get("branch_ids") or []
+        return [(f"{b}@{cp.seq}", cp.state) for b, cp in zip(ids, self.branches, strict=False)]
 
 
 class CheckpointReader:
@@ -193,6 +221,16 @@ class CheckpointReader:
         )
         return str(rows[0]["status"]) if rows else None
 
+    async def workflow_of(self, run_id: str) -> str | None:
+        """The workflow the run belongs to; None when no event of it was applied."""
+        tenant_id = await self._tenant_of(run_id)
+        rows = await self._fetch(
+            "SELECT workflow_id FROM runs WHERE tenant_id = $1 AND run_id = $2",
+            tenant_id,
+            run_id,
+        )
+        return str(rows[0]["workflow_id"]) if rows else None
+
     async def main_head(self, run_id: str) -> Checkpoint | None:
         return (await self._heads(run_id, {None})).get(None)
 
@@ -216,6 +254,56 @@ class CheckpointReader:
         tenant_id = await self._tenant_of(run_id)
         found = await self._by_seq(tenant_id, run_id, [seq]) if tenant_id else []
         return found[0] if found else None
+
+    async def state_at(
+        self, run_id: str, seq: int, branch_id: str | None = None
+    ) -> Checkpoint | None:
+        """The branch's state as it was at ``seq`` (the main line: ``None``): its newest
+        checkpoint at or below that seq; None before its first (or no such run)."""
+        tenant_id = await self._tenant_of(run_id)
+        rows = await self._fetch(
+            f"""SELECT {_COLUMNS} FROM checkpoints
+                WHERE tenant_id = $1 AND run_id = $2 AND seq <= $3
+                  AND branch_id IS NOT DISTINCT FROM $4
+                ORDER BY seq DESC LIMIT 1""",
+            tenant_id,
+            run_id,
+            seq,
+            branch_id,
+        )
+        return checkpoint_from_doc(rows[0]) if rows else None
+
+    async def merge_parts(self, run_id: str, seq: int) -> MergeParts | None:
+        """A merged checkpoint with what made it: the main line before it, the branch
+        checkpoints it folded, its join's request (from the audit log) and the reducers
+        the workflow has registered now. None when ``seq`` is no merge of the run."""
+        tenant_id = await self._tenant_of(run_id)
+        rows = await self._fetch(
+            f"""SELECT {_COLUMNS}, (SELECT e.payload FROM run_events e
+                                   WHERE e.tenant_id = c.tenant_id AND e.run_id = c.run_id
+                                     AND e.event_id = c.event_id) AS request,
+                       (SELECT rc.config::text FROM reducer_configs rc JOIN runs r
+                          ON rc.tenant_id = r.tenant_id AND rc.workflow_id = r.workflow_id
+                        WHERE r.tenant_id = c.tenant_id AND r.run_id = c.run_id) AS registered
+                FROM checkpoints c
+                WHERE tenant_id = $1 AND run_id = $2 AND seq = $3 AND kind = 'merge'""",
+            tenant_id,
+            run_id,
+            seq,
+        )
+        if not rows:
+            return None
+        merged = checkpoint_from_doc(rows[0])
+        wanted = [*merged.merged_from, *([merged.parent_seq] if merged.parent_seq else [])]
+        found = {cp.seq: cp for cp in await self._by_seq(merged.tenant_id, run_id, wanted)}
+        request, registered = rows[0]["request"], rows[0]["registered"]
+        return MergeParts(
+            merged=merged,
+            before=found.get(merged.parent_seq or 0),
+            branches=[found[s] for s in merged.merged_from if s in found],
+            request=json.loads(request) if isinstance(request, str) else dict(request or {}),
+            registered=ReducerConfig.from_json(json.loads(registered)) if registered else None,
+        )
 
     async def state_has(self, run_id: str, key: str) -> bool:
         """Has the run's main-line state got ``key``? (the idempotency check)."""

@@ -7,6 +7,7 @@ read here is scoped by tenant when a tenant is given (docs/guarantees.md §6).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -163,8 +164,15 @@ async def report(conn: asyncpg.Connection, run_id: str, tenant_id: str | None) -
         tenant,
         run_id,
     )
+    lineage = await conn.fetchval(  # a fork's first checkpoint names where it came from
+        """SELECT (metadata->'forked_from')::text FROM checkpoints
+           WHERE tenant_id = $1 AND run_id = $2 AND seq = 1""",
+        tenant,
+        run_id,
+    )
     return {
         "run": run,
+        "forked_from": json.loads(lineage) if lineage else None,
         "events": events,
         "checkpoints": checkpoints,
         "joins": joins,

@@ -19,8 +19,12 @@ from typing import Any, TypeVar
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from alma_core import replay as replaying
+from alma_core.reducers import default_registry
 from alma_core.settings import Settings
+from alma_core.storage import replays
 from alma_core.storage.embeddings import AsyncEmbedder
+from alma_core.storage.postgres import connect
 from consumers.metrics import Metrics
 from consumers.worker import Services as WorkerServices
 from consumers.worker import WorkerStatus, run_worker
@@ -309,6 +313,29 @@ async def assert_exactly_once(dsn: str, published: dict[str, list[dict[str, Any]
         got = by_run[run]
         assert [seq for seq, _ in got] == list(range(1, len(got) + 1)), f"{run}: seq gap"
         assert [eid for _, eid in got] == [d["event_id"] for d in docs], f"{run}: order/once"
+    assert await assert_replays_the_same(dsn) >= len(published)
+
+
+async def assert_replays_the_same(dsn: str, *, tenant: str | None = None) -> int:
+    """Every run (of ``tenant``) folded again through today's pure core, as `alma replay`
+    does, makes exactly the checkpoints stored. Returns how many runs were replayed."""
+    replayed = 0
+    async with connect(dsn, max_size=1) as pool, pool.acquire() as conn:
+        async for tenant_id, run_id in replays.chosen(conn, tenant_id=tenant):
+            inputs = await replays.load(conn, tenant_id, run_id)
+            assert inputs is not None
+            assert inputs.skipped is None, (run_id, inputs.skipped)
+            verdict = replaying.replay(
+                inputs.run,
+                inputs.events,
+                inputs.stored,
+                config=inputs.config,
+                registry=default_registry(),
+                max_state_bytes=10_000_000,
+            )
+            assert verdict.difference is None, verdict.to_doc()
+            replayed += 1
+    return replayed
 
 
 async def assert_cache_matches(

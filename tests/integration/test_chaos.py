@@ -25,6 +25,7 @@ from tests.integration.harness import (
     assert_cache_matches,
     assert_exactly_once,
     assert_reads_fresh,
+    assert_replays_the_same,
     completed,
     count,
     fetch,
@@ -294,6 +295,7 @@ async def test_every_group_killed_each_side_effect_once(settings: Settings, tmp_
         await wait_for(settled, limit_s=180, what="every join answered and every run learned")
         # The cache against PostgreSQL first: nothing else has been written since.
         await assert_cache_matches(settings, runs, require_all=False)
+        assert await assert_replays_the_same(dsn) == len(runs)  # `alma replay`: no difference
         for run, docs in sent.items():
             rows = await fetch(
                 dsn,
@@ -484,6 +486,7 @@ async def test_compound_faults_postgres_down_while_members_die(
         # the cache against PostgreSQL first: nothing else is written now
         await assert_cache_matches(settings, runs, require_all=False)
         await assert_reads_fresh(settings, runs)
+        assert await assert_replays_the_same(dsn) == len(runs)  # `alma replay`: no difference
         for run, docs in sent.items():
             rows = await fetch(
                 dsn,

@@ -22,6 +22,9 @@ TOOLS = {
     "alma_merge_states",
     "alma_learn_workflow",
     "alma_retrieve",
+    "alma_state_at",
+    "alma_diff",
+    "alma_fork",
 }
 RUN = {"tenant_id": "acme", "workflow_id": "agent-flow", "run_id": "mcp-run"}
 
@@ -57,7 +60,6 @@ async def test_mcp_tools_over_stdio(
         tools = await client.list_tools()
         assert {t.name for t in tools.tools} == TOOLS
         plan = {**RUN, "node_id": "plan", "state": {"steps": ["a", "b"]}}
-        plan = {**RUN, "node_id": "plan", "state": {"steps": ["a", "b"]}}
         first = result_of(await client.call_tool("alma_checkpoint", plan))
         assert first["effect"] == "checkpointed"
         second = result_of(
@@ -82,6 +84,19 @@ async def test_mcp_tools_over_stdio(
         assert merged["status"] == "ok"
         assert merged["merged_state"] == {"n": 3, "tags": ["x", "y"]}
         assert merged["checkpoint_seq"] == 3
+        # the run's past: a moment, a diff, a fork (asked twice: one fork)
+        past = {"tenant_id": "acme", "run_id": "mcp-run"}
+        at1 = result_of(await client.call_tool("alma_state_at", {**past, "seq": 1}))
+        assert (at1["seq"], at1["state"]) == (1, {"steps": ["a", "b"]})
+        changed = result_of(await client.call_tool("alma_diff", {**past, "a": 1, "b": 2}))
+        assert changed["changes"] == [{"path": "/done", "kind": "added", "after": 1}]
+        ask = {**past, "seq": 2, "new_run_id": "mcp-fork"}
+        fork = result_of(await client.call_tool("alma_fork", ask))
+        assert fork["seq"] == 1
+        assert result_of(await client.call_tool("alma_fork", ask)) == fork
+        forked = {"tenant_id": "acme", "workflow_id": "agent-flow", "run_id": "mcp-fork"}
+        point = result_of(await client.call_tool("alma_get_resume_point", forked))
+        assert point["state"] == {"steps": ["a", "b"], "done": 1}
         learned = result_of(
             await client.call_tool(
                 "alma_learn_workflow",

@@ -1,0 +1,128 @@
+"""Time travel on the real services: a run's state at any seq (per branch), the diff
+between two checkpoints, a merge explained with its inputs and reducers, and a fork
+(re-asked, re-delivered, refused onto a run that exists) that goes on like any run.
+Through the SDK (``client.timeline``) and the command line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any
+
+import pytest
+
+from alma_core import errors
+from alma_core.sdk.client import AlmaClient
+from alma_core.settings import Settings
+from alma_core.types import WorkflowContext
+from tests.integration.harness import Worker, count
+from tests.integration.test_cli import alma
+from tests.integration.test_cli_runs import env_of
+
+
+def cli(settings: Settings, *args: str) -> Any:
+    done = alma(*args, "--tenant", "acme", "--json", env=env_of(settings))
+    assert done.returncode == 0, (args, done.stderr)
+    return json.loads(done.stdout)
+
+
+async def test_a_runs_past_is_read_compared_explained_and_forked(settings: Settings) -> None:
+    dsn = settings.postgres_dsn or ""
+    run, fork = f"tt-{uuid.uuid4().hex[:8]}", f"tt-fork-{uuid.uuid4().hex[:8]}"
+    ctx = WorkflowContext("acme", "research", None, run)
+
+    def node(name: str, branch: str | None = None) -> WorkflowContext:
+        return WorkflowContext("acme", "research", None, run, name, branch)
+
+    async with (
+        Worker.start(settings, ("checkpointer", "joiner")),
+        AlmaClient(settings) as client,
+    ):
+        step = client.timeline
+
+        async def done(c: WorkflowContext, **kw: Any) -> int | None:
+            applied = await client.applied(c, await client.node_completed(c, **kw))
+            return applied.seq
+
+        assert await done(node("plan"), state={"topic": "heat", "notes": ["plan"], "n": 1}) == 1
+        assert await done(node("a", "A"), updates={"notes": ["a"], "n": 2}) == 2
+        assert await done(node("b", "B"), updates={"notes": ["b"], "n": 3}) == 3
+        assert await done(node("a2", "A"), updates={"draft": "x"}) == 4
+        reply = await client.merge(
+            node("join"), branch_ids=["A", "B"], reducers={"notes": "append", "n": "sum"}
+        )
+        assert reply.checkpoint_seq == 5
+
+        # the state at any moment, per branch
+        at = await step.state_at(ctx, 3)
+        assert at is not None
+        assert (at.seq, at.state["n"]) == (1, 1)  # the main line had only seq 1 by then
+        branch = await step.state_at(ctx, 3, "A")
+        assert branch is not None
+        assert (branch.seq, branch.state) == (2, {"notes": ["a"], "n": 2})
+        assert await step.state_at(ctx, 1, "A") is None  # before the branch began
+        # a diff by path
+        changes = [c.to_doc() for c in await step.diff(ctx, 1, 5)]
+        assert {"path": "/n", "kind": "changed", "before": 1, "after": 6} in changes
+        assert {"path": "/notes/1", "kind": "added", "after": "a"} in changes
+        assert {"path": "/draft", "kind": "added", "after": "x"} in changes
+        branch_changes = [c.to_doc() for c in await step.diff(ctx, 1, 2)]
+        assert branch_changes  # main line at 1 against branch A's first checkpoint
+        with pytest.raises(errors.ContextError, match="has no checkpoint 9"):
+            await step.diff(ctx, 1, 9)
+        # the merge, field by field
+        merge = (await step.merge(ctx, 5)).to_doc()
+        assert merge["inputs"] == ["A@4", "B@3"]
+        assert merge["before_seq"] == 1
+        n = next(f for f in merge["fields"] if f["field"] == "n")
+        assert n == {
+            "field": "n",
+            "reducer": "sum",
+            "before": 1,
+            "inputs": {"A@4": 2, "B@3": 3},
+            "result": 6,
+        }
+        with pytest.raises(errors.ContextError, match="is no merge"):
+            await step.merge(ctx, 4)
+
+        # a fork from seq 3 (the main line's state then), asked three times at once
+        forks = await asyncio.gather(*(step.fork(ctx, 3, fork) for _ in range(3)))
+        assert {(f.event_id, f.seq) for f in forks} == {(forks[0].event_id, 1)}
+        new = WorkflowContext("acme", "research", None, fork, "go-on")
+        point = await client.resume(new)
+        assert point.state == {"topic": "heat", "notes": ["plan"], "n": 1}
+        assert point.latest is not None
+        assert point.latest.metadata["forked_from"]["run_id"] == run
+        # re-delivered (the same event published again): still one fork
+        await client.publish(
+            client.event(
+                "node.completed",
+                WorkflowContext("acme", "research", None, fork, "fork"),
+                {"state": {"other": True}, "expected_seq": 0},
+                event_id=forks[0].event_id,
+            )
+        )
+        # the fork goes on like any run; the source is untouched
+        assert await done(new, updates={"n": 10}) == 2
+        sql = "SELECT count(*) FROM checkpoints WHERE tenant_id = 'acme' AND run_id = $1"
+        assert await count(dsn, sql, fork) == 2
+        assert await count(dsn, sql, run) == 5
+        # a fork onto a run that has checkpoints is refused, naming what to do
+        with pytest.raises(errors.StaleExpectedSeq, match="has checkpoints already"):
+            await step.fork(ctx, 4, fork)
+        with pytest.raises(errors.ContextError, match="nothing to fork"):
+            await step.fork(WorkflowContext("acme", "research", None, "no-such-run"), 1, "z")
+
+    # the command line shows the same
+    state = await asyncio.to_thread(
+        cli, settings, "runs", "state", run, "--seq", "3", "--branch", "A"
+    )
+    assert state["seq"] == 2
+    diff = await asyncio.to_thread(cli, settings, "runs", "diff", run, "1", "2")
+    assert diff == branch_changes
+    shown = await asyncio.to_thread(cli, settings, "runs", "show", fork)
+    assert shown["forked_from"]["run_id"] == run
+    assert shown["forked_from"]["seq"] == 1
+    merged = await asyncio.to_thread(cli, settings, "runs", "merge", run, "5")
+    assert merged["inputs"] == ["A@4", "B@3"]
