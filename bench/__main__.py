@@ -4,8 +4,8 @@ curves, and the scaling trend over checkpointer processes.
     python -m bench [--quick | --full | --smoke] [--reps N] [--only SUITE,...]
                     [--out docs/benchmarks.md]
 
-Suites: peers, curves, scaling, temporal, langgraph, retention, cache, quality (all by
-default), and soak (only when named: `--only soak`, 30 minutes; 5 with --quick;
+Suites: peers, curves, scaling, temporal, langgraph, replay, retention, cache, quality
+(all by default), and soak (only when named: `--only soak`, 30 minutes; 5 with --quick;
 --soak-seconds and --window-seconds set its length).
 
 Brings up the embedded stack (PostgreSQL with fsync on) or uses the services
@@ -36,6 +36,7 @@ from bench import (
     peers,
     plots,
     quality,
+    replay,
     retention,
     run_state,
     scaling,
@@ -45,7 +46,17 @@ from bench import (
 from bench.env import Env, services_versions, stack
 from bench.report import Section, console, machine, write
 
-SUITES = ("peers", "curves", "scaling", "temporal", "langgraph", "retention", "cache", "quality")
+SUITES = (
+    "peers",
+    "curves",
+    "scaling",
+    "temporal",
+    "langgraph",
+    "replay",
+    "retention",
+    "cache",
+    "quality",
+)
 ON_REQUEST = ("soak",)  # run only when named
 
 
@@ -54,6 +65,7 @@ SINGLE_MODULE_SUITES: dict[str, Callable[[Env, Section], Awaitable[None]]] = {
     "temporal": temporal.run,
     "langgraph": langgraph.run,
     "retention": retention.run,
+    "replay": replay.run,
     "cache": cache.run,
     "quality": quality.run,
 }
@@ -71,6 +83,8 @@ def steps(env: Env, only: set[str], length: soak.Length) -> int:
         n += temporal.STEPS_PER_REP * env.reps
     if "langgraph" in only:
         n += langgraph.STEPS_PER_REP * env.reps
+    if "replay" in only:
+        n += replay.STEPS_PER_REP * env.reps
     if "retention" in only:
         n += retention.STEPS_PER_REP * env.reps
     if "cache" in only:

@@ -73,6 +73,33 @@ class Env:
     def done(self, steps: int = 1) -> None:
         self.progress.advance(self.task, steps)
 
+    @asynccontextmanager
+    async def database(self, prefix: str) -> AsyncIterator[str]:
+        """A fresh database of its own on the bench's PostgreSQL, migrated (its DSN),
+        dropped at the end."""
+        name = f"alma_bench_{prefix}_{uuid.uuid4().hex[:8]}"
+        admin = await asyncpg.connect(self.services.postgres_dsn)
+        try:
+            await admin.execute(f"CREATE DATABASE {name}")
+        finally:
+            await admin.close()
+        head, _, tail = self.services.postgres_dsn.rpartition("/")
+        query = tail.partition("?")[2]
+        dsn = f"{head}/{name}" + (f"?{query}" if query else "")
+        try:
+            conn = await asyncpg.connect(dsn)
+            try:
+                await Migrator(conn).migrate()
+            finally:
+                await conn.close()
+            yield dsn
+        finally:
+            admin = await asyncpg.connect(self.services.postgres_dsn)
+            try:
+                await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            finally:
+                await admin.close()
+
     async def topic(self, prefix: str) -> str:
         name = f"bench-{prefix}-{uuid.uuid4().hex[:8]}"
         await ensure_topics(self.services.kafka_bootstrap, [name], partitions=PARTITIONS)

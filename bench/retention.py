@@ -31,7 +31,6 @@ from alma_core.settings import RetentionPolicy
 from alma_core.storage import postgres, retention
 from alma_core.storage.batches import Incoming
 from alma_core.storage.checkpoints import PostgresCheckpointStore, StoreConfig
-from alma_core.storage.migrations import Migrator
 from bench.env import Env
 from bench.report import Section, Stat, pct
 from schemas.decoder import decode
@@ -130,20 +129,10 @@ async def sizes(conn: asyncpg.Connection) -> dict[str, int]:
 
 async def one(env: Env, runs: int) -> dict[str, Any]:
     """A fresh database: write, measure, age every run, prune beside a writer."""
-    db = f"alma_bench_retention_{uuid.uuid4().hex[:8]}"
-    admin = await asyncpg.connect(env.services.postgres_dsn)
-    try:
-        await admin.execute(f"CREATE DATABASE {db}")
-    finally:
-        await admin.close()
-    head, _, tail = env.services.postgres_dsn.rpartition("/")
-    query = tail.partition("?")[2]
-    dsn = f"{head}/{db}" + (f"?{query}" if query else "")
-    try:
+    async with env.database("retention") as dsn:
         conn = await asyncpg.connect(dsn)
         pool = await postgres.create_pool(dsn, min_size=2, max_size=4)
         try:
-            await Migrator(conn).migrate()
             empty = await sizes(conn)
             env.step(f"retention: writing {runs * EVENTS_PER_RUN:,} events")
             await Writer(pool, "w").write(runs)
@@ -177,12 +166,6 @@ async def one(env: Env, runs: int) -> dict[str, Any]:
         finally:
             await pool.close()
             await conn.close()
-    finally:
-        admin = await asyncpg.connect(env.services.postgres_dsn)
-        try:
-            await admin.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
-        finally:
-            await admin.close()
     return {
         "per_event": per_event,
         "events_pruned_per_s": result.events / prune_s,
