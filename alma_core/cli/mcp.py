@@ -23,6 +23,7 @@ from alma_core.cli import common
 from alma_core.logs import configure as configure_logs
 from alma_core.logs import redact
 from alma_core.sdk.client import AlmaClient
+from alma_core.sdk.timeline import Timeline
 from alma_core.settings import Settings
 from alma_core.storage.cache import checkpoint_to_doc
 from alma_core.types import RetrievalScope, WorkflowContext
@@ -202,7 +203,7 @@ def build(client: AlmaClient) -> MCPServer:
     ) -> dict[str, Any]:
         """A run's state as it was at `seq` (the main line's, or `branch_id`'s): its
         newest checkpoint at or below that seq."""
-        found = await client.timeline.state_at(
+        found = await Timeline(client).state_at(
             WorkflowContext(tenant_id=tenant_id, run_id=run_id), seq, branch_id
         )
         if found is None:
@@ -217,7 +218,7 @@ def build(client: AlmaClient) -> MCPServer:
     async def alma_diff(tenant_id: str, run_id: str, a: int, b: int) -> dict[str, Any]:
         """What changed from checkpoint `a` to checkpoint `b` of a run: each path (JSON
         Pointer) added, removed or changed, with the values before and after."""
-        changes = await client.timeline.diff(
+        changes = await Timeline(client).diff(
             WorkflowContext(tenant_id=tenant_id, run_id=run_id), a, b
         )
         return {"run_id": run_id, "a": a, "b": b, "changes": [c.to_doc() for c in changes]}
@@ -230,7 +231,7 @@ def build(client: AlmaClient) -> MCPServer:
         """Start run `new_run_id` from `run_id`'s state at `seq` (same tenant and
         workflow; its first checkpoint records the lineage). Asked again: the same fork."""
         ctx = WorkflowContext(tenant_id=tenant_id, run_id=run_id)
-        applied = await client.timeline.fork(ctx, seq, new_run_id, branch_id=branch_id)
+        applied = await Timeline(client).fork(ctx, seq, new_run_id, branch_id=branch_id)
         return {"run_id": new_run_id, "event_id": applied.event_id, "seq": applied.seq}
 
     return server

@@ -37,7 +37,7 @@ def _read(s: Settings, make: Callable[[Timeline], Awaitable[T]]) -> T:
             async def reader(tenant: str) -> CheckpointReader:
                 return CheckpointReader(pool, None, tenant_id=tenant)
 
-            return await make(Timeline(reader))
+            return await make(Timeline(reader=reader))
 
     return common.run(main)
 
@@ -151,7 +151,7 @@ def runs_fork(
 
     async def main() -> dict[str, Any]:
         async with AlmaClient(s) as client:
-            applied = await client.timeline.fork(ctx, seq, new_run_id, branch_id=branch)
+            applied = await Timeline(client).fork(ctx, seq, new_run_id, branch_id=branch)
         return {"run_id": new_run_id, "event_id": applied.event_id, "seq": applied.seq}
 
     doc = common.run(main)

@@ -30,7 +30,6 @@ from alma_core.logs import redact
 from alma_core.memory import MemorySlice
 from alma_core.messaging import kafka
 from alma_core.sdk.replies import ReplyListener
-from alma_core.sdk.timeline import Timeline
 from alma_core.settings import Settings
 from alma_core.storage import effects, reducer_configs, runs
 from alma_core.storage.cache import RedisCheckpointCache
@@ -177,11 +176,6 @@ class AlmaClient:
             require_tenant=self.settings.require_tenant,
             observer=self.observer,
         )
-
-    @property
-    def timeline(self) -> Timeline:
-        """A run's past: the state at any seq, diffs, merges explained, forks."""
-        return Timeline(self.reader, self)
 
     async def read_pool(self) -> asyncpg.Pool:
         """The client's PostgreSQL pool for reads (opened on first use), for integrations

@@ -1,4 +1,4 @@
-"""A run's past through the SDK (``client.timeline``): the state at any seq, what changed
+"""A run's past through the SDK (``Timeline(client)``): the state at any seq, what changed
 between two checkpoints, a merge explained, and a fork that starts a new run from any
 moment of an old one (docs/time-travel.md).
 
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from alma_core import errors, history
+from alma_core.sdk.client import AlmaClient, Applied
 from alma_core.types import Checkpoint, WorkflowContext
 
 if TYPE_CHECKING:
-    from alma_core.sdk.client import AlmaClient, Applied
     from alma_core.storage.reader import CheckpointReader
 
 FORK_NODE = "fork"
@@ -46,15 +46,21 @@ class MergeView:
 
 
 class Timeline:
-    """Reads of a run's past (one tenant per call) through ``reader``, the tenant's
-    :class:`~alma_core.storage.reader.CheckpointReader`; forks through ``client``
-    (``client.timeline`` has both; the CLI reads with a reader alone)."""
+    """A run's past over ``client`` (one tenant per call), as ``WorkflowHooks(client)``
+    and ``RunState(client, ctx)`` are. Reads go through the tenant's
+    :class:`~alma_core.storage.reader.CheckpointReader` (``reader``: another source of
+    them, for reads without a client, as the CLI's); forks need the client."""
 
     def __init__(
         self,
-        reader: Callable[[str], Awaitable[CheckpointReader]],
         client: AlmaClient | None = None,
+        *,
+        reader: Callable[[str], Awaitable[CheckpointReader]] | None = None,
     ) -> None:
+        if reader is None:
+            if client is None:
+                raise errors.ConfigError("a Timeline needs a client, or a reader to read with")
+            reader = client.reader
         self.reader = reader
         self.client = client
 

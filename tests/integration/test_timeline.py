@@ -1,7 +1,7 @@
 """Time travel on the real services: a run's state at any seq (per branch), the diff
 between two checkpoints, a merge explained with its inputs and reducers, and a fork
 (re-asked, re-delivered, refused onto a run that exists) that goes on like any run.
-Through the SDK (``client.timeline``) and the command line."""
+Through the SDK (``Timeline(client)``) and the command line."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 from alma_core import errors
 from alma_core.sdk.client import AlmaClient
+from alma_core.sdk.timeline import Timeline
 from alma_core.settings import Settings
 from alma_core.types import WorkflowContext
 from tests.integration.harness import Worker, count
@@ -39,7 +40,7 @@ async def test_a_runs_past_is_read_compared_explained_and_forked(settings: Setti
         Worker.start(settings, ("checkpointer", "joiner")),
         AlmaClient(settings) as client,
     ):
-        step = client.timeline
+        step = Timeline(client)
 
         async def done(c: WorkflowContext, **kw: Any) -> int | None:
             applied = await client.applied(c, await client.node_completed(c, **kw))
