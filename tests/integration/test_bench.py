@@ -1,7 +1,8 @@
 """`python -m bench` runs as the README says, on already-running services (the
 session's broker, PostgreSQL and Redis), and what it writes holds together: every
-side-by-side table, ALMA's run state losing nothing under concurrent writers, and
-a clear refusal of a suite that does not exist."""
+side-by-side table, ALMA's run state losing nothing under concurrent writers, replay
+verifying its runs and a fork timed, and a clear refusal of a suite that does not
+exist."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ async def test_quick_side_by_side_run_writes_every_table(
     out = tmp_path / "benchmarks.md"
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    rc, log = await bench(settings, scratch, "--smoke", "--only", "peers", "--out", str(out))
+    rc, log = await bench(settings, scratch, "--smoke", "--only", "peers,replay", "--out", str(out))
     assert rc == 0, log[-3000:]
     assert not list(scratch.iterdir())  # the worker processes' logs went with them
     text = out.read_text()
@@ -83,6 +84,11 @@ async def test_quick_side_by_side_run_writes_every_table(
         "merge",
     }
     assert doc["peers"]["machine"]["services"]["PostgreSQL"]
+    # replay to verify and a fork (issue 38): every run replayed the same, a fork timed
+    replay = {r["what"]: r for r in doc["replay"]["tables"]["replay"]["rows"]}
+    assert replay["replay to verify (load, fold, compare)"]["events/s"]["median"] > 0
+    assert replay["the fold alone (pure)"]["events/s"]["median"] > 0
+    assert replay["a fork (read, publish, applied)"]["p50 ms"]["median"] > 0
     writes = tables["writes"]["rows"]
     expected = {
         (s, w, system)
