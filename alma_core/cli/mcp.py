@@ -5,7 +5,8 @@ Tools: ``alma_checkpoint`` (a node's state or updates, waits until durable),
 ``alma_get_resume_point``, ``alma_merge_states`` (awaits the joiner's reply),
 ``alma_learn_workflow`` (the run's outcome, learned from by the learner),
 ``alma_retrieve`` (memories for a task within a context and scope, with the prompt),
-and a run's past: ``alma_state_at``, ``alma_diff``, ``alma_fork``.
+and a run's past: ``alma_state_at``, ``alma_diff``, ``alma_explain_merge``,
+``alma_fork``.
 Errors come back as tool errors whose text says what to do.
 """
 
@@ -225,6 +226,16 @@ def build(client: AlmaClient) -> MCPServer:
 
     @server.tool()
     @_tool_errors
+    async def alma_explain_merge(tenant_id: str, run_id: str, seq: int) -> dict[str, Any]:
+        """Merged checkpoint `seq` of a run beside its inputs: for each field, the reducer
+        that folded it, the main line's value before, each input's value and the result."""
+        view = await Timeline(client).merge(
+            WorkflowContext(tenant_id=tenant_id, run_id=run_id), seq
+        )
+        return view.to_doc()
+
+    @server.tool()
+    @_tool_errors
     async def alma_fork(
         tenant_id: str, run_id: str, seq: int, new_run_id: str, branch_id: str | None = None
     ) -> dict[str, Any]:
@@ -245,7 +256,7 @@ async def run_stdio(settings: Settings) -> None:
 def mcp() -> None:
     """Serve ALMA Stream's tools to agents over MCP (stdio): alma_checkpoint,
     alma_get_resume_point, alma_merge_states, alma_learn_workflow, alma_retrieve,
-    alma_state_at, alma_diff, alma_fork."""
+    alma_state_at, alma_diff, alma_explain_merge, alma_fork."""
     if importlib.util.find_spec("mcp") is None:
         common.fail("`alma mcp` needs the mcp extra: pip install 'alma-stream[mcp]'", common.USAGE)
     s = common.settings()

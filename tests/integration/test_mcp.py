@@ -24,6 +24,7 @@ TOOLS = {
     "alma_retrieve",
     "alma_state_at",
     "alma_diff",
+    "alma_explain_merge",
     "alma_fork",
 }
 RUN = {"tenant_id": "acme", "workflow_id": "agent-flow", "run_id": "mcp-run"}
@@ -88,6 +89,12 @@ async def test_mcp_tools_over_stdio(
         past = {"tenant_id": "acme", "run_id": "mcp-run"}
         at1 = result_of(await client.call_tool("alma_state_at", {**past, "seq": 1}))
         assert (at1["seq"], at1["state"]) == (1, {"steps": ["a", "b"]})
+        why = result_of(await client.call_tool("alma_explain_merge", {**past, "seq": 3}))
+        assert why["inputs"] == ["states[0]", "states[1]"]
+        assert {f["field"]: (f["reducer"], f["inputs"], f["result"]) for f in why["fields"]} == {
+            "n": ("sum", {"states[0]": 1, "states[1]": 2}, 3),
+            "tags": ("append", {"states[0]": ["x"], "states[1]": ["y"]}, ["x", "y"]),
+        }
         changed = result_of(await client.call_tool("alma_diff", {**past, "a": 1, "b": 2}))
         assert changed["changes"] == [{"path": "/done", "kind": "added", "after": 1}]
         ask = {**past, "seq": 2, "new_run_id": "mcp-fork"}
