@@ -17,6 +17,7 @@ import asyncpg
 
 from alma_core import errors, joining
 from alma_core.reducers import ReducerConfig
+from alma_core.storage import reducer_configs
 from alma_core.storage.cache import (
     RedisCheckpointCache,
     cache_entries,
@@ -281,10 +282,7 @@ class CheckpointReader:
         rows = await self._fetch(
             f"""SELECT {_COLUMNS}, (SELECT e.payload FROM run_events e
                                    WHERE e.tenant_id = c.tenant_id AND e.run_id = c.run_id
-                                     AND e.event_id = c.event_id) AS request,
-                       (SELECT rc.config::text FROM reducer_configs rc JOIN runs r
-                          ON rc.tenant_id = r.tenant_id AND rc.workflow_id = r.workflow_id
-                        WHERE r.tenant_id = c.tenant_id AND r.run_id = c.run_id) AS registered
+                                     AND e.event_id = c.event_id) AS request
                 FROM checkpoints c
                 WHERE tenant_id = $1 AND run_id = $2 AND seq = $3 AND kind = 'merge'""",
             tenant_id,
@@ -296,13 +294,17 @@ class CheckpointReader:
         merged = checkpoint_from_doc(rows[0])
         wanted = [*merged.merged_from, *([merged.parent_seq] if merged.parent_seq else [])]
         found = {cp.seq: cp for cp in await self._by_seq(merged.tenant_id, run_id, wanted)}
-        request, registered = rows[0]["request"], rows[0]["registered"]
+        request = rows[0]["request"]
+        workflow = await self.workflow_of(run_id)
+        registered = (
+            await reducer_configs.load(self.pool, merged.tenant_id, workflow) if workflow else None
+        )
         return MergeParts(
             merged=merged,
             before=found.get(merged.parent_seq or 0),
             branches=[found[s] for s in merged.merged_from if s in found],
             request=json.loads(request) if isinstance(request, str) else dict(request or {}),
-            registered=ReducerConfig.from_json(json.loads(registered)) if registered else None,
+            registered=registered,
         )
 
     async def state_has(self, run_id: str, key: str) -> bool:

@@ -11,7 +11,10 @@ from alma_core import errors
 from alma_core.reducers import ReducerConfig
 
 
-async def load(conn: asyncpg.Connection, tenant_id: str, workflow_id: str) -> ReducerConfig | None:
+async def load(
+    conn: asyncpg.Connection | asyncpg.Pool, tenant_id: str, workflow_id: str
+) -> ReducerConfig | None:
+    """The workflow's registered reducers; None when it has registered none."""
     raw = await conn.fetchval(
         "SELECT config::text FROM reducer_configs WHERE tenant_id = $1 AND workflow_id = $2",
         tenant_id,

@@ -5,7 +5,6 @@ mistaken for differences."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -16,6 +15,7 @@ import asyncpg
 from alma_core.reducers import ReducerConfig
 from alma_core.replay import Stored
 from alma_core.sequencing import RunView
+from alma_core.storage import reducer_configs
 from schemas.events import EVENT_MODELS, Event, EventType
 
 BATCH = 500  # runs listed per query
@@ -92,17 +92,12 @@ async def load(conn: asyncpg.Connection, tenant_id: str, run_id: str) -> RunInpu
             tenant_id,
             run_id,
         )
-        raw = await conn.fetchval(
-            "SELECT config::text FROM reducer_configs WHERE tenant_id = $1 AND workflow_id = $2",
-            tenant_id,
-            run["workflow_id"],
-        )
+        config = await reducer_configs.load(conn, tenant_id, run["workflow_id"])
     view = RunView(run_id, tenant_id, run["workflow_id"], run["workflow_version"])
     stored = {
         c["seq"]: Stored(c["seq"], c["kind"], c["state_hash"], c["state"], c["event_id"])
         for c in checkpoints
     }
-    config = ReducerConfig.from_json(json.loads(raw)) if raw else None
     if run["pruned"]:
         return RunInputs(view, [], stored, config, "retention pruned its events or checkpoints")
     lost = sorted({r["checkpoint_seq"] for r in rows if r["checkpoint_seq"]} - set(stored))
