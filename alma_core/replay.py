@@ -9,6 +9,10 @@ joiner merges a join right after its position in the run), failures and completi
 sequenced again. A ``state`` given in full is not in the audit log (the checkpoint
 holds it): replay takes it from the checkpoint its event made, so it checks its seq
 and hash, not its content. LangGraph's ``graph.*`` events make no checkpoints of these.
+
+Replay to migrate (:func:`rebuild`): the same refold, kept when it makes the run's
+checkpoints at the same seqs with the same kinds; the states that differ are what a
+new projection of the run rewrites (:mod:`alma_core.storage.replays`).
 """
 
 from __future__ import annotations
@@ -84,7 +88,16 @@ class Verdict:
         }
 
 
-def replay(
+@dataclass(frozen=True)
+class Refold:
+    """A run's events folded again: the checkpoints made, by seq, or where an event the
+    run applied is refused now (nothing after it was folded)."""
+
+    made: dict[int, Stored]
+    refused: Difference | None = None
+
+
+def refold(
     run: RunView,
     events: Sequence[Event],
     stored: Mapping[int, Stored],
@@ -92,9 +105,10 @@ def replay(
     config: ReducerConfig | None,
     registry: ReducerRegistry,
     max_state_bytes: int,
-) -> Verdict:
+) -> Refold:
     """Fold ``events`` (the run's, in their order) into a fresh projection of ``run``
-    (its identity; nothing of its stored progress) with ``config``, and compare."""
+    (its identity; nothing of its stored progress) with ``config``; a join is merged
+    again where ``stored`` has its merge."""
     fresh = RunView(run.run_id, run.tenant_id, run.workflow_id, run.workflow_version)
     key = fresh.key
     configs = {(run.tenant_id, run.workflow_id): config} if config is not None else {}
@@ -116,13 +130,55 @@ def replay(
                 merged = _merge(sequencer, key, event, config, registry, max_state_bytes)
                 made[merged.seq] = merged
         except errors.RejectedEvent as exc:
-            verdict = Difference(at, "refused", detail=f"{event.type} {event.event_id}: {exc}")
-            return Verdict(run.tenant_id, run.run_id, len(events), len(stored), verdict)
+            detail = f"{event.type} {event.event_id}: {exc}"
+            return Refold(made, Difference(at, "refused", detail=detail))
     for row in sequencer.effects.checkpoints:
         made[row.seq] = Stored(row.seq, row.kind, row.state_hash, row.state, row.event_id)
-    return Verdict(
-        run.tenant_id, run.run_id, len(events), len(stored), first_difference(stored, made)
+    return Refold(made)
+
+
+def replay(
+    run: RunView,
+    events: Sequence[Event],
+    stored: Mapping[int, Stored],
+    *,
+    config: ReducerConfig | None,
+    registry: ReducerRegistry,
+    max_state_bytes: int,
+) -> Verdict:
+    """Fold ``events`` again with ``config`` (:func:`refold`) and compare with ``stored``."""
+    folded = refold(
+        run, events, stored, config=config, registry=registry, max_state_bytes=max_state_bytes
     )
+    first = folded.refused or first_difference(stored, folded.made)
+    return Verdict(run.tenant_id, run.run_id, len(events), len(stored), first)
+
+
+@dataclass(frozen=True)
+class Rebuild:
+    """What migrating a run to a new projection changes: the checkpoints (same seq, same
+    kind) whose state differs, as the refold made them; or why the run cannot migrate
+    (``refused``: its refold made other seqs or kinds, or refused an event)."""
+
+    changed: list[Stored]
+    refused: Difference | None = None
+
+
+def rebuild(stored: Mapping[int, Stored], folded: Refold) -> Rebuild:
+    """The rebuild of a run from its refold. A migration keeps every seq (the audit
+    log, joins, heads and callers' ``expected_seq`` name checkpoints by seq): a refold
+    that makes a checkpoint more or fewer, or of another kind, is refused with its
+    first structural difference."""
+    if folded.refused is not None:
+        return Rebuild([], folded.refused)
+    made = folded.made
+    for seq in sorted(set(stored) | set(made)):
+        theirs, ours = stored.get(seq), made.get(seq)
+        if theirs is None or ours is None or theirs.kind != ours.kind:
+            here = first_difference({seq: theirs} if theirs else {}, {seq: ours} if ours else {})
+            return Rebuild([], here)
+    changed = [made[s] for s in sorted(made) if made[s].state_hash != stored[s].state_hash]
+    return Rebuild(changed)
 
 
 def _merge(

@@ -39,6 +39,7 @@ class RetentionPolicy:
     runs_days: float = 0
     dead_letters_days: float = 0
     outcome_memories_days: float = 0
+    superseded_days: float = 0
 
     @property
     def active(self) -> bool:
@@ -246,6 +247,12 @@ class Settings(BaseSettings):
         ge=0,
         description="delete the learner's node-outcome memories this old (0: never)",
     )
+    superseded_retention_days: float = Field(
+        default=30,
+        ge=0,
+        description="delete checkpoint states replaced by `alma replay --apply` this long "
+        "after (0: keep them as long as their run's checkpoints)",
+    )
     prune_every_seconds: float = Field(
         default=300,
         ge=0,
@@ -424,6 +431,7 @@ class Settings(BaseSettings):
             runs_days=self.run_retention_days,
             dead_letters_days=self.dead_letter_retention_days,
             outcome_memories_days=self.outcome_memory_retention_days,
+            superseded_days=self.superseded_retention_days,
         )
 
     def to_env(self) -> dict[str, str]:

@@ -29,6 +29,7 @@ from alma_core.cli.embedded import Endpoints
 from alma_core.logs import configure as configure_logs
 from alma_core.logs import redact
 from alma_core.storage import embeddings
+from alma_core.storage.cache import RedisCheckpointCache
 
 UNWRAPPED = 100_000  # a pipe's width: tables as wide as their content, lines whole
 
@@ -171,6 +172,19 @@ def dsn(s: settings_mod.Settings) -> str:
 def redis_url(s: settings_mod.Settings) -> str:
     """The Redis URL (several for a Cluster; the settings check each port)."""
     return _service(s, "redis_url", "Redis")
+
+
+async def forget_cached(s: settings_mod.Settings, runs: list[tuple[str, str]]) -> None:
+    """Drop these runs, (tenant, run id) each, from the cache: their checkpoints went
+    or changed. No Redis, or Redis down: a note (readers check every cached entry
+    against PostgreSQL anyway)."""
+    if not runs:
+        return
+    try:
+        async with RedisCheckpointCache.for_settings(s, redis_url(s)) as cache:
+            await cache.delete(runs)
+    except (errors.CacheError, errors.ConfigError) as exc:
+        note(f"cache not cleared: {exc.message}")
 
 
 def bootstrap(s: settings_mod.Settings) -> str:

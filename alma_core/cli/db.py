@@ -10,7 +10,6 @@ from rich.table import Table
 from alma_core import errors
 from alma_core.cli import common
 from alma_core.storage import retention
-from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.migrations import Migrator
 from alma_core.storage.postgres import connect
 
@@ -130,17 +129,25 @@ def prune(
         help="Node-outcome memories this old. "
         + _DAYS.format("ALMA_OUTCOME_MEMORY_RETENTION_DAYS"),
     ),
+    superseded_days: float | None = typer.Option(
+        None,
+        min=0.0,
+        help="Checkpoint states replaced by `alma replay --apply` this long ago. "
+        + _DAYS.format("ALMA_SUPERSEDED_RETENTION_DAYS"),
+    ),
     batch: int = typer.Option(200, min=1, help="Runs (or rows) per transaction."),
     max_batches: int = typer.Option(1000, min=1, help="Stop each step after this many batches."),
 ) -> None:
     """Delete what outlived its retention: checkpoints, event logs and runs of closed runs
-    (never of an open run), old dead letters and node-outcome memories."""
+    (never of an open run), old dead letters, node-outcome memories and superseded
+    checkpoint states."""
     s = common.settings(
         checkpoint_retention_days=checkpoints_days,
         event_retention_days=events_days,
         run_retention_days=runs_days,
         dead_letter_retention_days=dead_letters_days,
         outcome_memory_retention_days=outcome_memories_days,
+        superseded_retention_days=superseded_days,
     )
     if not s.retention.active:
         common.err.print("nothing to prune: every retention is 0 (keep forever)")
@@ -152,13 +159,7 @@ def prune(
                 result = await retention.prune(
                     pool, s.retention, batch_runs=batch, max_batches=max_batches
                 )
-        if result.pruned:
-            try:
-                async with RedisCheckpointCache.for_settings(s, common.redis_url(s)) as cache:
-                    await cache.delete(result.pruned)
-            # no Redis, or Redis down: readers verify against PostgreSQL anyway
-            except (errors.CacheError, errors.ConfigError) as exc:
-                common.note(f"cache not cleared: {exc.message}")
+        await common.forget_cached(s, result.pruned)
         return result
 
     result = common.run(main)

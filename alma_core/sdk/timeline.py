@@ -82,19 +82,26 @@ class Timeline:
 
     async def checkpoint(self, ctx: WorkflowContext, seq: int) -> Checkpoint:
         """The run's checkpoint ``seq`` (any branch); a clear error when there is none."""
+        return (await self._checkpoints(ctx, [seq]))[seq]
+
+    async def _checkpoints(self, ctx: WorkflowContext, seqs: list[int]) -> dict[int, Checkpoint]:
+        """The run's checkpoints at ``seqs``, read at once (of one projection: a run
+        rebuilt meanwhile is seen all before or all after); a clear error for a seq it
+        has not."""
         tenant, run = self._run(ctx)
-        found = await (await self.reader(tenant)).get(run, seq)
-        if found is None:
-            raise errors.ContextError(
-                f"run {run!r} of tenant {tenant!r} has no checkpoint {seq}: "
-                "`alma checkpoints RUN` lists those it has"
-            )
+        found = await (await self.reader(tenant)).get_many(run, seqs)
+        for seq in seqs:
+            if seq not in found:
+                raise errors.ContextError(
+                    f"run {run!r} of tenant {tenant!r} has no checkpoint {seq}: "
+                    "`alma checkpoints RUN` lists those it has"
+                )
         return found
 
     async def diff(self, ctx: WorkflowContext, a: int, b: int) -> list[history.Change]:
         """What changed from checkpoint ``a`` to checkpoint ``b`` of the run, by path."""
-        before, after = await self.checkpoint(ctx, a), await self.checkpoint(ctx, b)
-        return history.diff(before.state, after.state)
+        both = await self._checkpoints(ctx, [a, b])
+        return history.diff(both[a].state, both[b].state)
 
     async def merge(self, ctx: WorkflowContext, seq: int) -> MergeView:
         """Merged checkpoint ``seq`` with its inputs, and each field's reducer."""

@@ -14,7 +14,9 @@ highest seq), ``complete`` (set when all heads were filled from PostgreSQL) and
 ``<seq>:<json>``.
 
 * **Never backwards.** Every write goes through a Lua script that replaces a
-  field only when the new seq is higher (docs/guarantees.md §4).
+  field only when the new seq is higher (docs/guarantees.md §4), or the same with
+  another value (the run moved to a new projection: ``alma replay --apply``; readers
+  serve an entry only while its seq and hash are PostgreSQL's head's).
 * **Invalidation by partition.** A hash written under an older epoch of its
   partition is empty to readers and emptied by the next write. A writer bumps the
   epochs of the partitions newly assigned to it (a member that died may have left
@@ -85,7 +87,7 @@ for i = 3, #ARGV, 4 do
   local cur = redis.call('HGET', key, ARGV[i + 1])
   local cur_seq = -1
   if cur then cur_seq = tonumber(string.match(cur, '^(%d+):')) end
-  if seq > cur_seq then
+  if seq > cur_seq or (seq == cur_seq and cur ~= ARGV[i + 3]) then
     redis.call('HSET', key, ARGV[i + 1], ARGV[i + 3])
     written = written + 1
   end

@@ -63,6 +63,9 @@ from schemas.events import (
     NodeFailed,
 )
 
+# the audit log's mark of an event whose state was given in full (kept in its checkpoint)
+STATE_IN_CHECKPOINT = "state_in_checkpoint"
+
 
 @dataclass
 class CheckpointEffects(Effects):
@@ -88,8 +91,9 @@ class StoreConfig:
 
 def _audit_payload(event: Event) -> str:
     """What the audit log keeps of an event: all but the state (it lives in the
-    checkpoint), and of a LangGraph event all but its values (in graph_*): the channels
-    it wrote, which the learner and ``alma runs`` read."""
+    checkpoint; ``state_in_checkpoint`` says one was given), and of a LangGraph event
+    all but its values (in graph_*): the channels it wrote, which the learner and
+    ``alma runs`` read."""
     if isinstance(event, GraphCheckpoint):  # the checkpoint itself is in graph_checkpoints
         doc = event.payload.model_dump(
             mode="json", include={"checkpoint_ns", "checkpoint_id", "parent_checkpoint_id"}
@@ -101,7 +105,12 @@ def _audit_payload(event: Event) -> str:
         doc = event.payload.model_dump(mode="json", exclude={"writes"}, exclude_none=True)
         doc["channels"] = [w.channel for w in event.payload.writes]
         return json.dumps(doc)
-    return event.payload.model_dump_json(exclude={"state"}, exclude_none=True)
+    kept = event.payload.model_dump_json(exclude={"state"}, exclude_none=True)
+    if isinstance(event, NodeCompleted | NodeFailed) and event.payload.state is not None:
+        # the state was given in full (it is the checkpoint's): replay must take it from
+        # there, where a failure without one folds its branch's head
+        return f'{kept[:-1]}{"," if len(kept) > 2 else ""}"{STATE_IN_CHECKPOINT}":true}}'
+    return kept
 
 
 def _needs_head_state(event: Decoded) -> bool:

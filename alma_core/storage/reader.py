@@ -31,9 +31,7 @@ from schemas.events import BranchJoinPayload
 
 _COLUMNS = """run_id, tenant_id, seq, kind, node_id, branch_id, parent_seq, event_id, state,
               state_hash, size_bytes, merged_from, metadata, created_at"""
-_HEAD_COLUMNS = """c.run_id, c.tenant_id, c.seq, c.kind, c.node_id, c.branch_id, c.parent_seq,
-                   c.event_id, c.state, c.state_hash, c.size_bytes, c.merged_from, c.metadata,
-                   c.created_at"""
+_C_COLUMNS = ", ".join(f"c.{column.strip()}" for column in _COLUMNS.split(","))
 
 
 @dataclass(frozen=True)
@@ -64,14 +62,19 @@ class CheckpointReader:
     """Reads of one tenant's checkpoints. Each cache lookup is reported to ``observer``
     (default: this process's :class:`~alma_core.storage.observer.ReadMetrics`).
 
-    **Never older than PostgreSQL.** A checkpoint never changes once written, so a
-    cached one is right exactly when its seq is still its branch's head. Every read of
-    heads asks PostgreSQL which seqs are the heads (``run_heads``: keys and seqs, no
-    states) and takes from Redis only the entries at those seqs; the others come from
+    **Never older than PostgreSQL.** A checkpoint changes only when its run moves to a
+    new projection (``alma replay --apply``: same seq, new state and hash), so a cached
+    one is right exactly when its seq and hash are still its branch's head's. Every
+    read of heads asks PostgreSQL which seqs and hashes are the heads (``run_heads``: no
+    states) and takes from Redis only the entries that match; the others come from
     PostgreSQL and are cached. An entry a writer never replaced (a member killed
     between its commit and its cache write, a lost write, Redis restored from an
     older snapshot, checkpoints deleted by retention) is never served, and a reader
-    reads its own writes."""
+    reads its own writes.
+
+    **One projection per answer.** Each read of a run's checkpoints is one statement
+    (one snapshot); a heads read that took some heads from Redis and finds the others
+    changed projection meanwhile reads them all again in one statement."""
 
     def __init__(
         self,
@@ -114,14 +117,16 @@ class CheckpointReader:
             )
         return tenants[0] if tenants else None
 
-    async def _head_seqs(self, tenant_id: str, run_id: str) -> dict[str | None, int]:
-        """The run's current heads by branch (None: the main line), from PostgreSQL."""
+    async def _head_seqs(self, tenant_id: str, run_id: str) -> dict[str | None, tuple[int, str]]:
+        """The run's current heads by branch (None: the main line), their seqs and state
+        hashes, from PostgreSQL."""
         rows = await self._fetch(
-            """SELECT branch_key, seq FROM run_heads WHERE tenant_id = $1 AND run_id = $2""",
+            """SELECT branch_key, seq, state_hash FROM run_heads
+               WHERE tenant_id = $1 AND run_id = $2""",
             tenant_id,
             run_id,
         )
-        return {(r["branch_key"] or None): r["seq"] for r in rows}
+        return {(r["branch_key"] or None): (r["seq"], r["state_hash"]) for r in rows}
 
     async def _cached(
         self, tenant_id: str, run_id: str, fields: list[str] | None
@@ -156,18 +161,29 @@ class CheckpointReader:
         if not seqs:
             return {}
         heads: dict[str | None, Checkpoint] = {}
-        missing: dict[str | None, int] = {}
-        for branch, seq in seqs.items():
+        missing: dict[str | None, tuple[int, str]] = {}
+        for branch, (seq, digest) in seqs.items():
             doc = cached.get(field_for(branch))
-            if doc is not None and doc.get("seq") == seq and doc.get("tenant_id") == tenant_id:
+            if (
+                doc is not None
+                and doc.get("seq") == seq
+                and doc.get("state_hash") == digest
+                and doc.get("tenant_id") == tenant_id
+            ):
                 heads[branch] = checkpoint_from_doc(doc)
             else:
-                missing[branch] = seq
+                missing[branch] = (seq, digest)
         self.observer.cache_read("miss" if missing else "hit")
-        if missing:
-            found = await self._by_seq(tenant_id, run_id, list(missing.values()))
-            heads.update({cp.branch_id: cp for cp in found})
-            await self._fill(found, complete=wanted is None and len(found) == len(missing))
+        if not missing:
+            return heads
+        found = await self._by_seq(tenant_id, run_id, [seq for seq, _ in missing.values()])
+        expected = {digest for _, digest in missing.values()}
+        if any(cp.state_hash not in expected for cp in found):
+            # the run moved to another projection between the two reads: read its heads
+            # again in one statement, all of one projection
+            return await self._heads_from_db(tenant_id, run_id, wanted)
+        heads.update({cp.branch_id: cp for cp in found})
+        await self._fill(found, complete=wanted is None and len(found) == len(missing))
         return heads
 
     async def _heads_from_db(
@@ -175,7 +191,7 @@ class CheckpointReader:
     ) -> dict[str | None, Checkpoint]:
         """Without a cache: the heads and their checkpoints in one query."""
         rows = await self._fetch(
-            f"""SELECT {_HEAD_COLUMNS} FROM run_heads h JOIN checkpoints c
+            f"""SELECT {_C_COLUMNS} FROM run_heads h JOIN checkpoints c
                   ON c.tenant_id = h.tenant_id AND c.run_id = h.run_id AND c.seq = h.seq
                 WHERE h.tenant_id = $1 AND h.run_id = $2""",
             tenant_id,
@@ -252,9 +268,14 @@ class CheckpointReader:
         return [checkpoint_from_doc(r) for r in rows]
 
     async def get(self, run_id: str, seq: int) -> Checkpoint | None:
+        return (await self.get_many(run_id, [seq])).get(seq)
+
+    async def get_many(self, run_id: str, seqs: list[int]) -> dict[int, Checkpoint]:
+        """The run's checkpoints at ``seqs`` (those it has), read in one statement: all
+        of one projection."""
         tenant_id = await self._tenant_of(run_id)
-        found = await self._by_seq(tenant_id, run_id, [seq]) if tenant_id else []
-        return found[0] if found else None
+        found = await self._by_seq(tenant_id, run_id, seqs) if tenant_id else []
+        return {cp.seq: cp for cp in found}
 
     async def state_at(
         self, run_id: str, seq: int, branch_id: str | None = None
@@ -280,21 +301,26 @@ class CheckpointReader:
         the workflow has registered now. None when ``seq`` is no merge of the run."""
         tenant_id = await self._tenant_of(run_id)
         rows = await self._fetch(
-            f"""SELECT {_COLUMNS}, (SELECT e.payload FROM run_events e
-                                   WHERE e.tenant_id = c.tenant_id AND e.run_id = c.run_id
-                                     AND e.event_id = c.event_id) AS request
-                FROM checkpoints c
-                WHERE tenant_id = $1 AND run_id = $2 AND seq = $3 AND kind = 'merge'""",
+            f"""WITH m AS (SELECT seq, merged_from, parent_seq FROM checkpoints
+                           WHERE tenant_id = $1 AND run_id = $2 AND seq = $3
+                             AND kind = 'merge')
+                SELECT {_C_COLUMNS}, CASE WHEN c.seq = m.seq THEN
+                         (SELECT e.payload FROM run_events e
+                          WHERE e.tenant_id = c.tenant_id AND e.run_id = c.run_id
+                            AND e.event_id = c.event_id) END AS request
+                FROM checkpoints c JOIN m ON c.seq = m.seq OR c.seq = ANY(m.merged_from)
+                                          OR c.seq = m.parent_seq
+                WHERE c.tenant_id = $1 AND c.run_id = $2""",
             tenant_id,
             run_id,
             seq,
         )
-        if not rows:
+        by_seq = {r["seq"]: r for r in rows}
+        if seq not in by_seq:
             return None
-        merged = checkpoint_from_doc(rows[0])
-        wanted = [*merged.merged_from, *([merged.parent_seq] if merged.parent_seq else [])]
-        found = {cp.seq: cp for cp in await self._by_seq(merged.tenant_id, run_id, wanted)}
-        request = rows[0]["request"]
+        merged = checkpoint_from_doc(by_seq[seq])
+        found = {s: checkpoint_from_doc(r) for s, r in by_seq.items()}
+        request = by_seq[seq]["request"]
         workflow = await self.workflow_of(run_id)
         registered = (
             await reducer_configs.load(self.pool, merged.tenant_id, workflow) if workflow else None

@@ -8,7 +8,10 @@ Lifetimes (days; 0 keeps forever; :class:`RetentionPolicy`, from the settings):
   LangGraph thread is left to LangGraph's own ``adelete_thread`` and ``aprune`` (a
   thread goes on after ``acomplete``: a chat's next turn), as with its own savers;
 * **dead letters** and the learner's **node-outcome memories** age out by their
-  creation time. Outcomes (``workflow_outcomes``) stay: learning counts them.
+  creation time. Outcomes (``workflow_outcomes``) stay: learning counts them;
+* **superseded checkpoint states** (a run's earlier projection, kept by ``alma replay
+  --apply``) age out by the time they were replaced, and go with their run's
+  checkpoints in any case.
 
 A run without its completion is never pruned, however old. Once a step touched a
 run, the run takes no more events (:class:`errors.RunPruned`): an event replayed
@@ -45,6 +48,7 @@ class PruneResult:
     runs_deleted: int = 0
     dead_letters: int = 0
     outcome_memories: int = 0
+    superseded: int = 0
     batches: int = 0
     more: bool = False
     pruned: RunKeys = field(default_factory=list)
@@ -58,12 +62,13 @@ class PruneResult:
             "runs": self.runs_deleted,
             "dead_letters": self.dead_letters,
             "outcome_memories": self.outcome_memories,
+            "superseded_checkpoints": self.superseded,
         }
 
 
 async def delete_checkpoints(conn: asyncpg.Connection, runs: RunKeys) -> int:
-    """Delete these runs' checkpoints and branch heads in the caller's transaction;
-    how many checkpoints went."""
+    """Delete these runs' checkpoints, branch heads and superseded states in the
+    caller's transaction; how many checkpoints went."""
     tenants, run_ids = _columns(runs)
     deleted = await conn.fetchval(
         """WITH gone AS (
@@ -79,6 +84,7 @@ async def delete_checkpoints(conn: asyncpg.Connection, runs: RunKeys) -> int:
         tenants,
         run_ids,
     )
+    await _delete_of_runs(conn, "superseded_checkpoints", "run_id", runs)
     return int(deleted or 0)
 
 
@@ -94,6 +100,7 @@ async def prune(
         (policy.runs_days, _runs_batch),
         (policy.dead_letters_days, _dead_letters_batch),
         (policy.outcome_memories_days, _outcome_memories_batch),
+        (policy.superseded_days, _superseded_batch),
     ]
     for days, step in steps:
         if days > 0:
@@ -206,6 +213,16 @@ async def _dead_letters_batch(
 ) -> bool:
     deleted = await _delete_oldest(conn, "dead_letters", "id", "created_at", age_s, n)
     result.dead_letters += deleted
+    return bool(deleted)
+
+
+async def _superseded_batch(
+    conn: asyncpg.Connection, age_s: float, n: int, result: PruneResult
+) -> bool:
+    """Earlier projections' states, open runs' too (no run reads them to go on)."""
+    key = "tenant_id, run_id, projection, seq"
+    deleted = await _delete_oldest(conn, "superseded_checkpoints", key, "superseded_at", age_s, n)
+    result.superseded += deleted
     return bool(deleted)
 
 

@@ -1,12 +1,14 @@
 """Replay to verify, in pure code: a run's events folded again give the same checkpoints
-(merges included); another reducer configuration gives the expected differences."""
+(merges included); another reducer configuration gives the expected differences. Replay
+to migrate: the states a rebuild rewrites, and the runs it refuses (seqs that would
+change)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from alma_core.reducers import ReducerConfig, ReducerRegistry
-from alma_core.replay import Stored, first_difference, replay
+from alma_core.replay import Stored, first_difference, rebuild, refold, replay
 from alma_core.sequencing import RunView, canonical_state
 from tests.unit.test_sequencing import ev
 
@@ -82,3 +84,49 @@ def test_an_event_refused_now_and_checkpoints_missing_or_extra_are_named() -> No
     fewer = {s: c for s, c in stored.items() if s < 5}
     assert first_difference(stored, fewer).what == "missing"  # type: ignore[union-attr]
     assert first_difference(fewer, stored).what == "extra"  # type: ignore[union-attr]
+
+
+MAXES = ReducerConfig(field_reducers={"n": "max", "notes": "append"})
+
+
+def test_a_rebuild_rewrites_exactly_the_states_the_new_reducers_change() -> None:
+    events, stored = workload()
+    folded = refold(
+        run_view(), events, stored, config=MAXES, registry=REGISTRY, max_state_bytes=10_000
+    )
+    plan = rebuild(stored, folded)
+    assert plan.refused is None
+    # the branches and the plan hold what they wrote; the merge and what follows change
+    assert [(cp.seq, cp.kind, cp.state["n"]) for cp in plan.changed] == [
+        (4, "merge", 3),
+        (5, "node", 4),
+    ]
+    for cp in plan.changed:
+        assert cp.state_hash == canonical_state(cp.state)[1]
+    same = refold(
+        run_view(), events, stored, config=SUMS, registry=REGISTRY, max_state_bytes=10_000
+    )
+    assert rebuild(stored, same).changed == []
+    assert rebuild(stored, same).refused is None
+
+
+def test_a_rebuild_that_would_change_the_runs_seqs_is_refused() -> None:
+    events, stored = workload()
+    # under sum, n goes 10 -> 12; under max, max(4, 2) is the head already: no checkpoint
+    events.append(ev(updates={"n": 2}, event_id="e6"))
+    stored[6] = Stored(6, "node", canonical_state({"n": 12})[1], {"n": 12}, "e6")
+    folded = refold(
+        run_view(), events, stored, config=MAXES, registry=REGISTRY, max_state_bytes=10_000
+    )
+    plan = rebuild(stored, folded)
+    assert plan.changed == []
+    assert plan.refused is not None
+    assert (plan.refused.seq, plan.refused.what) == (6, "missing")
+
+    unknown = ReducerConfig(field_reducers={"n": "no_such_reducer"})
+    folded = refold(
+        run_view(), events, stored, config=unknown, registry=REGISTRY, max_state_bytes=10_000
+    )
+    refused = rebuild(stored, folded).refused
+    assert refused is not None
+    assert (refused.seq, refused.what) == (2, "refused")

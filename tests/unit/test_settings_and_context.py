@@ -114,6 +114,7 @@ def test_retention_defaults_bound_every_table_and_run_rows_go_last(
     policy = load().retention
     assert (policy.checkpoints_days, policy.events_days, policy.runs_days) == (30, 30, 90)
     assert (policy.dead_letters_days, policy.outcome_memories_days) == (30, 180)
+    assert policy.superseded_days == 30
     # deleting run rows before (or without) pruning their events would let a replay in
     monkeypatch.setenv("ALMA_EVENT_RETENTION_DAYS", "0")
     with pytest.raises(errors.ConfigError, match="ALMA_EVENT_RETENTION_DAYS=0") as info:
@@ -124,7 +125,7 @@ def test_retention_defaults_bound_every_table_and_run_rows_go_last(
         load()
     monkeypatch.setenv("ALMA_RUN_RETENTION_DAYS", "0")  # run rows kept: any order is fine
     assert load().retention.events_days == 120
-    for var in ("CHECKPOINT", "EVENT", "DEAD_LETTER", "OUTCOME_MEMORY"):
+    for var in ("CHECKPOINT", "EVENT", "DEAD_LETTER", "OUTCOME_MEMORY", "SUPERSEDED"):
         monkeypatch.setenv(f"ALMA_{var}_RETENTION_DAYS", "0")
     assert not load().retention.active
 
