@@ -75,13 +75,16 @@ integration: $(STAMP) tools
 	$(PY) -m pytest tests/integration
 
 # Test tools that come from Debian, not PyPI: Prometheus (a real server scrapes a
-# worker in the tests) and promtool (checks the alert rules).
+# worker in the tests), promtool (checks the alert rules), and chromium with its
+# driver (the run inspector's pages are tested in a headless browser).
 tools:
-	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
-	  echo "==> installing Debian's prometheus (tests scrape a worker with it)"; \
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null \
+	  && command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  echo "==> installing Debian's prometheus, chromium and chromium-driver (the tests use them)"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends \
+	    prometheus chromium chromium-driver; }
 
 test: lint typecheck tools
 	$(PY) -m pytest

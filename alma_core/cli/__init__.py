@@ -33,6 +33,7 @@ from alma_core.cli import (
     stack,
     timeline,
     topics,
+    ui,
 )
 
 PACKAGE = "alma-stream"
@@ -42,7 +43,21 @@ app = common.app(
     help="ALMA Stream: workflow memory over Kafka, Postgres and Redis.",
     pretty_exceptions_show_locals=False,
 )
-for group in (stack, db, topics, offsets, reducers, runs, timeline, replay, dlq, memory, demo, mcp):
+for group in (
+    stack,
+    db,
+    topics,
+    offsets,
+    reducers,
+    runs,
+    timeline,
+    replay,
+    dlq,
+    memory,
+    demo,
+    mcp,
+    ui,
+):
     group.register(app)
 
 

@@ -11,11 +11,10 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from rich.table import Table
 
-from alma_core import errors
 from alma_core.cli import common
 from alma_core.messaging import kafka
+from alma_core.sdk import dead_letters as letters
 from alma_core.storage import dead_letters
-from schemas.decoder import Rejection, decode
 
 dlq_app = common.app(help="Dead letters: list them, replay them.")
 
@@ -86,24 +85,11 @@ def dlq_replay(
 
     async def main() -> None:
         conn = await common.connect(common.dsn(s))
-        try:
-            row = await dead_letters.original(conn, letter_id)
-            if row is None:
-                raise errors.AlmaError(f"no dead letter {letter_id}: see `alma dlq list`")
-            value: bytes = corrected if corrected is not None else (row["value"] or b"")
-            key: bytes | None = row["key"]
-            decoded = decode(value, max_state_bytes=s.max_state_bytes)
-            if isinstance(decoded, Rejection):
-                if not force:
-                    raise errors.AlmaError(
-                        f"the value would be rejected again ({decoded.describe()}); "
-                        "correct it and pass --value-file, or pass --force"
-                    )
-            else:
-                key = decoded.run_id.encode()
-            producer = AIOKafkaProducer(
-                bootstrap_servers=common.bootstrap(s), acks="all", **kafka.client_options(s)
-            )
+        producer = AIOKafkaProducer(
+            bootstrap_servers=common.bootstrap(s), acks="all", **kafka.client_options(s)
+        )
+
+        async def send(value: bytes, key: bytes | None) -> None:
             try:
                 await producer.start()
                 await producer.send_and_wait(s.lifecycle_topic, value, key=key)
@@ -111,10 +97,18 @@ def dlq_replay(
                 raise common.kafka_unavailable(
                     common.bootstrap(s), f"publish to {s.lifecycle_topic}", exc
                 ) from exc
-            finally:
-                await producer.stop()
-            await dead_letters.mark_replayed(conn, letter_id)
+
+        try:
+            await letters.replay(
+                conn,
+                send,
+                letter_id,
+                max_state_bytes=s.max_state_bytes,
+                corrected=corrected,
+                force=force,
+            )
         finally:
+            await producer.stop()
             await conn.close()
         common.out.print(f"replayed dead letter {letter_id} to {s.lifecycle_topic}")
 

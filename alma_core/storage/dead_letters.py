@@ -77,12 +77,53 @@ async def of_run(conn: asyncpg.Connection, run_id: str, tenant_id: str) -> list[
     return rows
 
 
-async def original(conn: asyncpg.Connection, letter_id: int) -> asyncpg.Record | None:
-    """A dead letter's key and value as they came, and when it was last replayed."""
+async def original(
+    conn: asyncpg.Connection, letter_id: int, tenant_id: str | None = None
+) -> asyncpg.Record | None:
+    """A dead letter's key and value as they came, and when it was last replayed; with
+    ``tenant_id``, only a letter of that tenant."""
     row: asyncpg.Record | None = await conn.fetchrow(
-        "SELECT key, value, replayed_at FROM dead_letters WHERE id = $1", letter_id
+        """SELECT key, value, replayed_at FROM dead_letters
+           WHERE id = $1 AND ($2::text IS NULL OR tenant_id = $2)""",
+        letter_id,
+        tenant_id,
     )
     return row
+
+
+async def with_records(
+    conn: asyncpg.Connection | asyncpg.Pool,
+    *,
+    tenant_id: str,
+    reason: str | None,
+    limit: int,
+    head_bytes: int,
+) -> tuple[list[asyncpg.Record], dict[str, int]]:
+    """The tenant's dead letters newest first (``reason``'s, when given), each with the
+    first ``head_bytes`` of its key and value and their full sizes; and how many the
+    tenant has of each reason."""
+    rows: list[asyncpg.Record] = await conn.fetch(
+        """SELECT id, consumer, reason, detail, event_id, run_id, source_topic,
+                  source_partition, source_offset, created_at, replayed_at,
+                  substring(key FROM 1 FOR $4) AS key_head, octet_length(key) AS key_bytes,
+                  substring(value FROM 1 FOR $4) AS value_head,
+                  octet_length(value) AS value_bytes
+           FROM dead_letters WHERE tenant_id = $1 AND ($2::text IS NULL OR reason = $2)
+           ORDER BY id DESC LIMIT $3""",
+        tenant_id,
+        reason,
+        limit,
+        head_bytes,
+    )
+    reasons = {
+        r["reason"]: int(r["n"])
+        for r in await conn.fetch(
+            """SELECT reason, count(*) AS n FROM dead_letters WHERE tenant_id = $1
+               GROUP BY reason ORDER BY reason""",
+            tenant_id,
+        )
+    }
+    return rows, reasons
 
 
 async def mark_replayed(conn: asyncpg.Connection, letter_id: int) -> None:

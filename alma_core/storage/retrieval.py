@@ -317,6 +317,40 @@ def _outcome_signals(r: asyncpg.Record, now: datetime) -> Signals:
     return run_signals(r["success"], r["created_at"], r["distance"], now)
 
 
+async def learned_from_run(
+    pool: asyncpg.Pool, tenant_id: str, run_id: str
+) -> tuple[asyncpg.Record | None, list[asyncpg.Record]]:
+    """What the learner made of a finished run: its outcome, and the memories it fed (its
+    node outcomes; the heuristic of its strategy and the anti-pattern of its failure,
+    which other runs feed too). Read as retrieval reads, under row-level security."""
+    async with pool.acquire() as conn, conn.transaction(readonly=True):
+        await _as_reader(conn, scopes.ScopeFilter((("tenant_id", tenant_id),), False, tenant_id))
+        outcome = await conn.fetchrow(
+            """SELECT success, duration_ms, node_count, nodes_succeeded, nodes_failed,
+                      error_message, failing_node, task, description, strategy,
+                      error_signature, learnings_extracted, created_at, workflow_id
+               FROM workflow_outcomes WHERE tenant_id = $1 AND run_id = $2""",
+            tenant_id,
+            run_id,
+        )
+        fed = await conn.fetch(
+            """SELECT kind, content, condition, occurrences, successes, confidence, node_id,
+                      updated_at
+               FROM memories m
+               WHERE m.tenant_id = $1 AND (
+                 m.run_id = $2
+                 OR (m.kind = 'heuristic' AND m.dedupe_key = $3 || chr(31) || $4)
+                 OR (m.kind = 'anti_pattern' AND m.dedupe_key = $3 || chr(31) || $5))
+               ORDER BY m.kind, m.content""",
+            tenant_id,
+            run_id,
+            outcome["workflow_id"] if outcome else "",
+            (outcome["strategy"] if outcome else None) or "",
+            (outcome["error_signature"] if outcome else None) or "",
+        )
+    return outcome, list(fed)
+
+
 async def _as_reader(conn: asyncpg.Connection, f: scopes.ScopeFilter) -> None:
     """Row-level security from here to the end of the transaction (``role`` set as
     ``SET LOCAL ROLE`` sets it, in the same round trip as the tenant). Plans made for

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, TypeAlias
 
 import asyncpg
@@ -122,6 +123,79 @@ async def listing(
     return rows
 
 
+@dataclass(frozen=True)
+class RunFilter:
+    """Which of a tenant's runs a list shows: each condition set narrows it (``text``:
+    a part of the run id; ``since``/``until``: when the run was created)."""
+
+    tenant_id: str
+    workflow_id: str | None = None
+    status: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    text: str | None = None
+
+    def where(self, *, status: bool = True) -> tuple[str, list[Any]]:
+        """The conditions as SQL over parameters $1.. (only those set: each combination
+        its own statement, planned for it), and their values."""
+        terms: list[str] = ["tenant_id = $1"]
+        args: list[Any] = [self.tenant_id]
+        for sql, value in (
+            ("workflow_id = ${}", self.workflow_id),
+            ("status = ${}", self.status if status else None),
+            ("created_at >= ${}", self.since),
+            ("created_at < ${}", self.until),
+            ("strpos(run_id, ${}) > 0", self.text),
+        ):
+            if value is not None and value != "":
+                args.append(value)
+                terms.append(sql.format(len(args)))
+        return " AND ".join(terms), args
+
+
+async def page(
+    conn: Conn, f: RunFilter, *, before: tuple[datetime, str] | None, limit: int
+) -> list[asyncpg.Record]:
+    """Up to ``limit`` runs matching ``f``, newest first (by creation, then run id),
+    those created before ``before`` (the last of the previous page) when given."""
+    where, args = f.where()
+    if before is not None:
+        args += list(before)
+        where += f" AND (created_at, run_id) < (${len(args) - 1}, ${len(args)})"
+    args.append(limit)
+    rows: list[asyncpg.Record] = await conn.fetch(
+        f"""SELECT run_id, workflow_id, workflow_version, status, last_seq, event_count,
+                   projection, created_at, updated_at, completed_at
+            FROM runs WHERE {where}
+            ORDER BY created_at DESC, run_id DESC LIMIT ${len(args)}""",
+        *args,
+    )
+    return rows
+
+
+async def status_counts(conn: Conn, f: RunFilter) -> dict[str, int]:
+    """How many runs matching ``f`` but its status there are of each status."""
+    where, args = f.where(status=False)
+    rows = await conn.fetch(
+        f"SELECT status, count(*) AS n FROM runs WHERE {where} GROUP BY status", *args
+    )
+    return {r["status"]: int(r["n"]) for r in rows}
+
+
+async def tenants(conn: Conn, limit: int = 1000) -> list[str]:
+    """The tenants that have runs (an operator's inspector lists them)."""
+    rows = await conn.fetch(
+        """WITH RECURSIVE t AS (
+             (SELECT tenant_id FROM runs ORDER BY tenant_id LIMIT 1)
+             UNION ALL
+             SELECT (SELECT r.tenant_id FROM runs r WHERE r.tenant_id > t.tenant_id
+                     ORDER BY r.tenant_id LIMIT 1) FROM t WHERE t.tenant_id IS NOT NULL)
+           SELECT tenant_id FROM t WHERE tenant_id IS NOT NULL LIMIT $1""",
+        limit,
+    )
+    return [r["tenant_id"] for r in rows]
+
+
 async def report(conn: asyncpg.Connection, run_id: str, tenant_id: str | None) -> dict[str, Any]:
     """Everything about one run: the run, its events, checkpoints (without states),
     joins, outcome and dead letters; ``{}`` when the tenant has no such run. Without a
@@ -146,7 +220,10 @@ async def report(conn: asyncpg.Connection, run_id: str, tenant_id: str | None) -
         run_id,
     )
     checkpoints = await conn.fetch(
-        """SELECT seq, kind, node_id, branch_id, parent_seq, size_bytes, state_hash, created_at
+        """SELECT seq, kind, node_id, branch_id, parent_seq, size_bytes, state_hash, created_at,
+                  merged_from, metadata->'error'->>'type' AS error_type,
+                  metadata->'error'->>'message' AS error_message,
+                  (metadata->>'attempt')::int AS attempt
            FROM checkpoints WHERE tenant_id = $1 AND run_id = $2 ORDER BY seq""",
         tenant,
         run_id,

@@ -1,0 +1,50 @@
+"""``alma ui``: the run inspector in a browser (:mod:`alma_core.ui`), served until
+Ctrl-C. Read-only unless ``--allow-writes``; on 127.0.0.1 unless told otherwise."""
+
+from __future__ import annotations
+
+import typer
+
+from alma_core import errors
+from alma_core.cli import common
+
+
+def register(app: typer.Typer) -> None:
+    app.command("ui")(ui)
+
+
+def ui(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (another exposes it)."),
+    port: int = typer.Option(8765, min=0, max=65535, help="Port to listen on."),
+    tenant: str = typer.Option(
+        None, "--tenant", help="Show this tenant's runs only (default: ALMA_TENANT)."
+    ),
+    tenant_header: str = typer.Option(
+        None,
+        "--tenant-header",
+        help="Take each request's tenant from this header (set by a proxy that "
+        "authenticates people) instead of pinning one.",
+    ),
+    allow_writes: bool = typer.Option(
+        False, "--allow-writes", help="Enable forking from a checkpoint and replaying dead letters."
+    ),
+) -> None:
+    """Serve the run inspector: runs, a run's timeline by branch, each checkpoint's
+    state, diffs and merges, dead letters, memory retrieval."""
+    try:
+        import uvicorn
+
+        from alma_core.ui import create_app
+    except ImportError:
+        common.fail("`alma ui` needs the ui extra: pip install 'alma-stream[ui]'", common.USAGE)
+    s = common.resolved(common.settings())
+    pinned = None if tenant_header else common.tenant(s, tenant, required=False)
+    try:
+        app = create_app(s, tenant=pinned, tenant_header=tenant_header, allow_writes=allow_writes)
+    except errors.ConfigError as exc:
+        common.fail(exc.message, common.USAGE)
+    where = f"http://{host}:{port}/"
+    mode = "reads and writes" if allow_writes else "read-only"
+    common.err.print(f"run inspector at {where} ({mode}; Ctrl-C stops)")
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+    common.run(uvicorn.Server(config).serve)

@@ -1,0 +1,487 @@
+"""The run inspector: a read-only web app over one tenant's runs (``alma ui``, or
+:func:`create_app` mounted in a deployment's own ASGI server). Starlette and Jinja2
+templates, no JavaScript.
+
+Every page reads through what the SDK reads with: the tenant's
+:class:`~alma_core.storage.reader.CheckpointReader` and
+:class:`~alma_core.sdk.timeline.Timeline`, tenant-scoped SQL for lists, retrieval
+under row-level security for memories. **Tenancy** (:class:`Access`): an inspector is
+pinned to one tenant (``--tenant``), or takes each request's tenant from a header an
+authenticating proxy sets (``tenant_header``), or (an operator's, with multi-tenant mode
+off) lets the person pick; a request for another tenant's page is "not found".
+**Safety**: templates escape everything; states and raw records are cut at
+``views.SHOWN_CHARS`` and their control characters shown as escapes; a Content Security
+Policy allows no script at all; no page writes unless writes are enabled, and then
+only a POST from the inspector's own origin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode, urlsplit
+
+import asyncpg
+from aiokafka import AIOKafkaProducer
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from alma_core import errors, history
+from alma_core.messaging import kafka
+from alma_core.sdk import dead_letters as letters
+from alma_core.sdk.client import AlmaClient
+from alma_core.sdk.timeline import Timeline
+from alma_core.settings import Settings
+from alma_core.storage import dead_letters, retrieval, runs
+from alma_core.types import RetrievalScope, WorkflowContext
+from alma_core.ui import views
+
+HERE = Path(__file__).parent
+PAGE_SIZE = 50
+STATUSES = ("running", "succeeded", "failed")
+_CSP = (
+    "default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; "
+    "frame-ancestors 'none'; base-uri 'none'"
+)
+
+
+@dataclass(frozen=True)
+class Access:
+    """Whose pages a request may see, and whether it may write."""
+
+    tenant: str | None = None  # pinned: this tenant's pages only
+    tenant_header: str | None = None  # a trusted proxy names each request's tenant here
+    writes: bool = False  # fork and dead-letter replay (POST, same origin only)
+
+    def tenant_of(self, request: Request) -> str | None:
+        """The request's tenant; None: the person is to pick one (an operator's
+        inspector). Another tenant than the one allowed: not found."""
+        asked = request.query_params.get("tenant") or None
+        allowed = self.tenant
+        if self.tenant_header:
+            allowed = request.headers.get(self.tenant_header)
+            if not allowed:
+                raise HTTPException(403, f"no tenant: the {self.tenant_header} header is missing")
+        if allowed is not None and asked not in (None, allowed):
+            raise HTTPException(404, f"no tenant {asked!r} here")
+        return allowed or asked
+
+
+def _templates() -> Environment:
+    env = Environment(
+        loader=FileSystemLoader(HERE / "templates"),
+        autoescape=select_autoescape(default=True, default_for_string=True),
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["json"] = views.shown_json
+    env.filters["raw"] = views.shown_bytes
+    env.filters["when"] = _when
+    env.globals["url"] = _url
+    return env
+
+
+def _when(at: datetime | None) -> str:
+    return at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") if at else ""
+
+
+def _url(path: str, **params: Any) -> str:
+    kept = {k: v for k, v in params.items() if v not in (None, "")}
+    return f"{path}?{urlencode(kept)}" if kept else path
+
+
+class Inspector:
+    """The pages, over one client's reads (and, with writes, its producer)."""
+
+    def __init__(self, settings: Settings, access: Access, client: AlmaClient) -> None:
+        self.settings = settings
+        self.access = access
+        self.client = client
+        self.timeline = Timeline(client)
+        self.env = _templates()
+        self._producer: AIOKafkaProducer | None = None
+
+    # -- plumbing -------------------------------------------------------------
+
+    def page(self, request: Request, name: str, status: int = 200, **context: Any) -> Response:
+        context.setdefault("tenant", None)
+        body = self.env.get_template(name).render(
+            request=request, writes=self.access.writes, pinned=self.access.tenant, **context
+        )
+        return HTMLResponse(body, status_code=status)
+
+    def tenant(self, request: Request) -> str:
+        tenant = self.access.tenant_of(request)
+        if tenant is None:
+            raise HTTPException(
+                400, "choose a tenant: add ?tenant=T (or start `alma ui --tenant T`)"
+            )
+        return tenant
+
+    async def pool(self) -> asyncpg.Pool:
+        return await self.client.read_pool()
+
+    def _ctx(self, tenant: str, run_id: str) -> WorkflowContext:
+        return WorkflowContext(tenant_id=tenant, run_id=run_id)
+
+    # -- pages ----------------------------------------------------------------
+
+    async def home(self, request: Request) -> Response:
+        tenant = self.access.tenant_of(request)
+        if tenant is not None:
+            return RedirectResponse(_url("/runs", tenant=tenant), status_code=303)
+        known = await runs.tenants(await self.pool())
+        return self.page(request, "tenants.html", tenants=known)
+
+    async def runs_page(self, request: Request) -> Response:
+        tenant = self.tenant(request)
+        q = request.query_params
+        status = q.get("status") or None
+        if status is not None and status not in STATUSES:
+            raise HTTPException(400, f"no status {status!r}: one of {', '.join(STATUSES)}")
+        chosen = runs.RunFilter(
+            tenant_id=tenant,
+            workflow_id=q.get("workflow") or None,
+            status=status,
+            since=_time(q.get("since"), "since"),
+            until=_time(q.get("until"), "until"),
+            text=q.get("q") or None,
+        )
+        pool = await self.pool()
+        listed = await runs.page(
+            pool, chosen, before=views.parse_cursor(q.get("after")), limit=PAGE_SIZE + 1
+        )
+        counts = await runs.status_counts(pool, chosen)
+        more = len(listed) > PAGE_SIZE
+        listed = listed[:PAGE_SIZE]
+        after = views.cursor(listed[-1]["created_at"], listed[-1]["run_id"]) if more else None
+        live = q.get("live") == "1"
+        return self.page(
+            request,
+            "runs.html",
+            tenant=tenant,
+            runs=listed,
+            counts=counts,
+            total=sum(counts.values()),
+            statuses=STATUSES,
+            query=dict(q),
+            after=after,
+            refresh=5 if live else None,
+        )
+
+    async def run_page(self, request: Request) -> Response:
+        tenant = self.tenant(request)
+        run_id = _required(request, "id")
+        pool = await self.pool()
+        async with pool.acquire() as conn:
+            report = await runs.report(conn, run_id, tenant)
+        if not report:
+            raise HTTPException(404, f"tenant {tenant!r} has no run {run_id!r}")
+        run = report["run"]
+        completed = next((e for e in report["events"] if e["type"] == "workflow.completed"), None)
+        completion = (
+            {"at": completed["recorded_at"], "outcome": run["status"]} if completed else None
+        )
+        laid_out = views.timeline(
+            report["checkpoints"],
+            report["joins"],
+            report["dead_letters"],
+            completion,
+            link=_url("/checkpoint", tenant=tenant, id=run_id) + "&seq={seq}",
+        )
+        outcome, fed = await retrieval.learned_from_run(pool, tenant, run_id)
+        return self.page(
+            request,
+            "run.html",
+            tenant=tenant,
+            run=run,
+            report=report,
+            timeline=laid_out,
+            outcome=outcome,
+            fed=fed,
+            seqs=[c["seq"] for c in report["checkpoints"]],
+            refresh=3 if run["status"] == "running" and completed is None else None,
+        )
+
+    async def checkpoint_page(self, request: Request) -> Response:
+        tenant = self.tenant(request)
+        run_id = _required(request, "id")
+        seq = _int(request, "seq")
+        reader = await self.client.reader(tenant)
+        cp = await reader.get(run_id, seq)
+        if cp is None:
+            raise HTTPException(404, f"run {run_id!r} of tenant {tenant!r} has no checkpoint {seq}")
+        before = await reader.get(run_id, cp.parent_seq) if cp.parent_seq else None
+        changes = history.diff(before.state if before else {}, cp.state)
+        merge = None
+        if cp.kind == "merge":
+            merge = await self.timeline.merge(self._ctx(tenant, run_id), seq)
+        return self.page(
+            request,
+            "checkpoint.html",
+            tenant=tenant,
+            run_id=run_id,
+            cp=cp,
+            before=before,
+            changes=changes,
+            merge=merge,
+            forked=request.query_params.get("forked"),
+        )
+
+    async def diff_page(self, request: Request) -> Response:
+        tenant = self.tenant(request)
+        run_id = _required(request, "id")
+        a, b = _int(request, "a"), _int(request, "b")
+        try:
+            changes = await self.timeline.diff(self._ctx(tenant, run_id), a, b)
+        except errors.ContextError as exc:
+            raise HTTPException(404, exc.message) from exc
+        return self.page(
+            request, "diff.html", tenant=tenant, run_id=run_id, a=a, b=b, changes=changes
+        )
+
+    async def fork(self, request: Request) -> Response:
+        tenant = self.tenant(request)
+        self._may_write(request)
+        form = await request.form()
+        run_id, new_run = str(form.get("id") or ""), str(form.get("new_run_id") or "").strip()
+        seq = _int_value(str(form.get("seq") or ""), "seq")
+        if not (run_id and new_run):
+            raise HTTPException(400, "a fork needs the run (id) and the new run's id (new_run_id)")
+        workflow = await (await self.client.reader(tenant)).workflow_of(run_id)
+        ctx = WorkflowContext(tenant_id=tenant, workflow_id=workflow, run_id=run_id)
+        try:
+            await self.timeline.fork(ctx, seq, new_run, timeout=30.0)
+        except errors.AlmaError as exc:
+            raise HTTPException(409, exc.message) from exc
+        return RedirectResponse(_url("/run", tenant=tenant, id=new_run), status_code=303)
+
+    async def dead_letters_page(self, request: Request) -> Response:
+        tenant = self.tenant(request)
+        reason = request.query_params.get("reason") or None
+        rows, reasons = await dead_letters.with_records(
+            await self.pool(),
+            tenant_id=tenant,
+            reason=reason,
+            limit=PAGE_SIZE,
+            head_bytes=views.SHOWN_CHARS,
+        )
+        return self.page(
+            request,
+            "dead_letters.html",
+            tenant=tenant,
+            letters=rows,
+            reasons=reasons,
+            reason=reason,
+            replayed=request.query_params.get("replayed"),
+        )
+
+    async def replay_letter(self, request: Request) -> Response:
+        tenant = self.tenant(request)
+        self._may_write(request)
+        letter = _int_value(request.path_params["letter"], "letter")
+        producer = await self._started_producer()
+
+        async def send(value: bytes, key: bytes | None) -> None:
+            await producer.send_and_wait(self.settings.lifecycle_topic, value, key=key)
+
+        async with (await self.pool()).acquire() as conn:
+            try:
+                await letters.replay(
+                    conn,
+                    send,
+                    letter,
+                    tenant_id=tenant,
+                    max_state_bytes=self.settings.max_state_bytes,
+                )
+            except errors.AlmaError as exc:
+                raise HTTPException(409, exc.message) from exc
+        return RedirectResponse(
+            _url("/dead-letters", tenant=tenant, replayed=letter), status_code=303
+        )
+
+    async def memory_page(self, request: Request) -> Response:
+        tenant = self.tenant(request)
+        q = request.query_params
+        task = (q.get("task") or "").strip()
+        scope_name = (q.get("scope") or "tenant").upper()
+        if scope_name not in RetrievalScope.__members__ or scope_name == "GLOBAL":
+            raise HTTPException(400, f"no scope {scope_name.lower()!r} here")
+        found = None
+        took_ms = 0.0
+        if task:
+            ctx = WorkflowContext(
+                tenant_id=tenant,
+                workflow_id=q.get("workflow") or None,
+                run_id=q.get("run") or None,
+                node_id=q.get("node") or None,
+            )
+            started = time.perf_counter()
+            try:
+                found = await self.client.retrieve(
+                    task,
+                    ctx,
+                    RetrievalScope[scope_name],
+                    agent=q.get("agent") or None,
+                    top_k=min(max(_int_value(q.get("top_k") or "5", "top_k"), 1), 50),
+                )
+            except errors.ContextError as exc:
+                raise HTTPException(400, exc.message) from exc
+            took_ms = (time.perf_counter() - started) * 1000
+        return self.page(
+            request,
+            "memory.html",
+            tenant=tenant,
+            query=dict(q),
+            scopes=[s.value for s in RetrievalScope if s is not RetrievalScope.GLOBAL],
+            found=found.to_doc() if found else None,
+            took_ms=took_ms,
+        )
+
+    # -- writes ---------------------------------------------------------------
+
+    def _may_write(self, request: Request) -> None:
+        """Writes are enabled, and the form came from this inspector's own pages (a
+        page of another site cannot make a person's browser fork or replay)."""
+        if not self.access.writes:
+            raise HTTPException(
+                403, "writes are off: start `alma ui --allow-writes` to fork or replay"
+            )
+        origin = request.headers.get("origin") or request.headers.get("referer") or ""
+        if urlsplit(origin).netloc != request.headers.get("host"):
+            raise HTTPException(403, "a write must come from the inspector's own pages")
+
+    async def _started_producer(self) -> AIOKafkaProducer:
+        if self._producer is None:
+            producer = AIOKafkaProducer(
+                bootstrap_servers=self.client.bootstrap,
+                acks="all",
+                **kafka.client_options(self.settings),
+            )
+            await producer.start()
+            self._producer = producer
+        return self._producer
+
+    async def close(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+
+
+def _required(request: Request, name: str) -> str:
+    value = request.query_params.get(name)
+    if not value:
+        raise HTTPException(400, f"missing ?{name}=")
+    return value
+
+
+def _int(request: Request, name: str) -> int:
+    return _int_value(_required(request, name), name)
+
+
+def _int_value(raw: str, name: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise HTTPException(400, f"{name} must be a whole number, got {raw[:40]!r}") from None
+    if not -(2**63) <= value < 2**63:
+        raise HTTPException(400, f"{name} is out of range")
+    return value
+
+
+def _time(raw: str | None, name: str) -> datetime | None:
+    """A time from a form (``datetime-local``: no zone, taken as UTC)."""
+    if not raw:
+        return None
+    try:
+        at = datetime.fromisoformat(raw)
+    except ValueError:
+        raise HTTPException(
+            400, f"{name}: not a time ({raw[:40]!r}); use 2026-11-26T14:30"
+        ) from None
+    return at if at.tzinfo else at.replace(tzinfo=UTC)
+
+
+def create_app(
+    settings: Settings,
+    *,
+    tenant: str | None = None,
+    tenant_header: str | None = None,
+    allow_writes: bool = False,
+    client: AlmaClient | None = None,
+) -> Starlette:
+    """The inspector as an ASGI app. In multi-tenant mode it must be pinned to a tenant
+    or given the header that names each request's tenant."""
+    if settings.require_tenant and not (tenant or tenant_header):
+        raise errors.ConfigError(
+            "the inspector shows one tenant's runs in multi-tenant mode "
+            "(ALMA_REQUIRE_TENANT=true): pass --tenant T, or --tenant-header H where a "
+            "proxy that authenticates people names their tenant"
+        )
+    access = Access(tenant, tenant_header, allow_writes)
+    holder: dict[str, Inspector] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with contextlib.AsyncExitStack() as stack:
+            own = client
+            if own is None:
+                own = AlmaClient(settings)
+                stack.push_async_callback(own.stop)
+                if allow_writes:
+                    await own.start()  # forks publish through the client
+            inspector = Inspector(settings, access, own)
+            stack.push_async_callback(inspector.close)
+            holder["it"] = inspector
+            yield
+
+    def handler(name: str) -> Callable[[Request], Awaitable[Response]]:
+        async def handle(request: Request) -> Response:
+            inspector = holder["it"]
+            started = time.perf_counter()
+            try:
+                response: Response = await getattr(inspector, name)(request)
+            except HTTPException as exc:
+                response = inspector.page(
+                    request, "error.html", status=exc.status_code, message=exc.detail
+                )
+            except errors.StorageError as exc:
+                response = inspector.page(request, "error.html", status=503, message=exc.message)
+            response.headers["Content-Security-Policy"] = _CSP
+            response.headers["X-Content-Type-Options"] = "nosniff"
+            response.headers["Referrer-Policy"] = "same-origin"
+            ms = (time.perf_counter() - started) * 1000
+            response.headers["Server-Timing"] = f"app;dur={math.floor(ms * 10) / 10}"
+            return response
+
+        return handle
+
+    async def healthz(request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    return Starlette(
+        routes=[
+            Route("/", handler("home")),
+            Route("/runs", handler("runs_page")),
+            Route("/run", handler("run_page")),
+            Route("/checkpoint", handler("checkpoint_page")),
+            Route("/diff", handler("diff_page")),
+            Route("/fork", handler("fork"), methods=["POST"]),
+            Route("/dead-letters", handler("dead_letters_page")),
+            Route("/dead-letters/{letter}/replay", handler("replay_letter"), methods=["POST"]),
+            Route("/memory", handler("memory_page")),
+            Route("/healthz", healthz),
+            Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+        ],
+        lifespan=lifespan,
+    )

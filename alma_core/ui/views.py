@@ -1,0 +1,163 @@
+"""What the run inspector shows, in pure code: a run's timeline laid out by branch,
+values and raw bytes made safe to show (escaped by the templates, cut here), and the
+list's paging cursor. No I/O: unit-tested (tests/unit/test_ui_views.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+MAIN_LANE = "main"
+SHOWN_CHARS = 20_000  # of a state or record on a page; the rest is cut, and said so
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+@dataclass(frozen=True)
+class Shown:
+    """Text to show: at most ``SHOWN_CHARS`` of it, and how much was cut."""
+
+    text: str
+    cut: int = 0
+    total: int = 0
+
+
+def _cut(text: str, limit: int) -> Shown:
+    if len(text) <= limit:
+        return Shown(text, 0, len(text))
+    return Shown(text[:limit], len(text) - limit, len(text))
+
+
+def shown_json(value: Any, limit: int = SHOWN_CHARS) -> Shown:
+    """A JSON value, indented; control characters escaped (``\\u0000`` stays text)."""
+    text = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True, default=str)
+    return _cut(_visible(text), limit)
+
+
+def shown_bytes(raw: bytes | None, limit: int = SHOWN_CHARS) -> Shown:
+    """Raw bytes as text: UTF-8 where they are, ``\\xNN`` where they are not, control
+    characters (NUL included) as escapes; None as empty."""
+    if raw is None:
+        return Shown("", 0, 0)
+    text = raw.decode("utf-8", "backslashreplace")
+    return _cut(_visible(text), limit)
+
+
+def _visible(text: str) -> str:
+    """Control characters (but newline and tab) as ``\\xNN``/``\\uNNNN`` escapes."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+
+
+@dataclass
+class Item:
+    """One thing on a run's timeline, in its lane (a branch, the main line, the dead
+    letters or the run's end)."""
+
+    lane: str
+    kind: str  # node, failure, merge, dead_letter, refused_join, completed
+    at: datetime | None
+    seq: int | None = None
+    title: str = ""
+    detail: str = ""
+    link: str | None = None
+
+
+@dataclass
+class Timeline:
+    lanes: list[str]
+    items: list[Item] = field(default_factory=list)
+
+    def rows(self) -> list[tuple[Item, int]]:
+        """Each item with its lane's column, in order."""
+        column = {lane: i for i, lane in enumerate(self.lanes)}
+        return [(item, column[item.lane]) for item in self.items]
+
+
+def timeline(
+    checkpoints: Iterable[Mapping[str, Any]],
+    joins: Iterable[Mapping[str, Any]],
+    dead_letters: Iterable[Mapping[str, Any]],
+    completion: Mapping[str, Any] | None,
+    *,
+    link: str,
+) -> Timeline:
+    """A run's timeline: its checkpoints in seq order, each in its branch's lane (the
+    main line first, then branches as they began); its refused joins and dead letters
+    placed by time among them; its completion last. ``link`` formats a checkpoint's
+    address from its seq (``{seq}``)."""
+    items: list[Item] = []
+    lanes: dict[str, None] = {MAIN_LANE: None}
+    for cp in checkpoints:
+        lane = cp["branch_id"] or MAIN_LANE
+        lanes.setdefault(lane, None)
+        kind = cp["kind"]
+        if kind == "failure":
+            attempt = f" (attempt {cp['attempt']})" if cp.get("attempt") is not None else ""
+            title = f"{cp['node_id'] or '?'} failed{attempt}"
+            detail = f"{cp.get('error_type') or 'error'}: {cp.get('error_message') or ''}"
+        elif kind == "merge":
+            title = f"merge of {', '.join(f'#{s}' for s in cp.get('merged_from') or [])}"
+            detail = f"node {cp['node_id']}" if cp.get("node_id") else ""
+        else:
+            title = cp["node_id"] or "(no node)"
+            detail = f"{cp['size_bytes']} bytes" if cp.get("size_bytes") is not None else ""
+        items.append(
+            Item(lane, kind, cp["created_at"], cp["seq"], title, detail, link.format(seq=cp["seq"]))
+        )
+    extras: list[Item] = []
+    for j in joins:
+        if j["status"] != "ok":
+            extras.append(
+                Item("joins", "refused_join", j["created_at"], None, f"join {j['join_id']} refused")
+            )
+    for d in dead_letters:
+        extras.append(
+            Item(
+                "dead letters", "dead_letter", d["created_at"], None, d["reason"], d["detail"] or ""
+            )
+        )
+    if extras:
+        for extra in extras:
+            lanes.setdefault(extra.lane, None)
+        items = _by_time(items, extras)
+    if completion is not None:
+        lanes.setdefault("end", None)
+        outcome = completion.get("outcome") or "completed"
+        items.append(Item("end", "completed", completion.get("at"), None, f"run {outcome}"))
+    return Timeline(list(lanes), items)
+
+
+def _by_time(ordered: list[Item], extras: list[Item]) -> list[Item]:
+    """``ordered`` (in seq order) with ``extras`` each placed before the first item later
+    than it; seq order is never changed."""
+    out: list[Item] = []
+    pending = sorted(extras, key=lambda i: (i.at is None, i.at or datetime.min))
+    for item in ordered:
+        while (
+            pending
+            and item.at is not None
+            and pending[0].at is not None
+            and pending[0].at < item.at
+        ):
+            out.append(pending.pop(0))
+        out.append(item)
+    return out + pending
+
+
+def cursor(created_at: datetime, run_id: str) -> str:
+    """The list's next-page token: the last run shown."""
+    return f"{created_at.isoformat()}|{run_id}"
+
+
+def parse_cursor(token: str | None) -> tuple[datetime, str] | None:
+    """A next-page token back; None for none or one not ours (the first page)."""
+    if not token or "|" not in token:
+        return None
+    at, _, run_id = token.partition("|")
+    try:
+        return datetime.fromisoformat(at), run_id
+    except ValueError:
+        return None

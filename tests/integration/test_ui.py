@@ -1,0 +1,315 @@
+"""The run inspector (`alma ui`) in a real headless browser (Debian's chromium, driven by
+Selenium) against the real services: the runs list and its filters, a run with two
+branches, a retry, a join and a dead letter on its timeline, a diff, a merge, hostile
+content shown escaped, tenants kept apart, writes only when enabled and only from the
+inspector's own pages, memory retrieval. Screenshots go to ``$ALMA_UI_SCREENSHOTS``
+(docs/img when the docs are refreshed), else the test's temporary directory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import socket
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support import expected_conditions
+from selenium.webdriver.support.select import Select
+from selenium.webdriver.support.wait import WebDriverWait
+
+from alma_core import errors
+from alma_core.sdk.client import AlmaClient
+from alma_core.settings import Settings
+from alma_core.storage.embeddings import AsyncEmbedder
+from alma_core.types import WorkflowContext
+from tests.integration.harness import Publisher, Worker, completed, count, wait_for
+from tests.integration.test_cli_runs import env_of
+from tests.services import without_alma_settings
+
+pytestmark = pytest.mark.slow
+
+WORKFLOW = "inspect"
+HOSTILE = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def inspector(settings: Settings, *args: str) -> AsyncIterator[str]:
+    """`alma ui` in a process of its own; its base URL once it answers."""
+    port = free_port()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "alma_core.cli",
+        "ui",
+        "--port",
+        str(port),
+        *args,
+        env={**without_alma_settings(), **env_of(settings), "ALMA_METRICS_PORT": "0"},
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient() as http:
+            for _ in range(300):  # 30 s at most
+                if process.returncode is not None:
+                    told = await process.stderr.read() if process.stderr else b""
+                    raise AssertionError(f"alma ui exited: {told.decode()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await http.get(f"{base}/healthz")).status_code == 200:
+                        break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("alma ui did not answer within 30 s")
+        yield base
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            try:
+                await asyncio.wait_for(process.wait(), 20)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+
+
+@contextlib.contextmanager
+def browser() -> Iterator[WebDriver]:
+    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
+        raise AssertionError(
+            "the browser tests need Debian's chromium and chromium-driver: `make tools` "
+            "installs them (apt-get install chromium chromium-driver)"
+        )
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--window-size=1400,1000",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def shots(tmp_path: Path) -> Path:
+    where = Path(os.environ.get("ALMA_UI_SCREENSHOTS") or tmp_path)
+    where.mkdir(parents=True, exist_ok=True)
+    return where
+
+
+def follow(driver: WebDriver, by: str, what: str) -> None:
+    """Click the element (a link, a form's button) and wait for the page it loads."""
+    old = driver.find_element(By.TAG_NAME, "html")
+    driver.find_element(by, what).click()
+    WebDriverWait(driver, 30).until(expected_conditions.staleness_of(old))
+    WebDriverWait(driver, 30).until(
+        lambda d: d.execute_script("return document.readyState") == "complete"
+    )
+
+
+def texts(driver: WebDriver, css: str) -> list[str]:
+    return [e.text for e in driver.find_elements(By.CSS_SELECTOR, css)]
+
+
+async def make_runs(settings: Settings, client: AlmaClient, run: str, hostile: str) -> None:
+    """A run with two branches, a merge, a retry, a dead letter and its completion; a
+    run with hostile content; another tenant's run."""
+
+    def at(node: str, branch: str | None = None, r: str = run, t: str = "acme") -> WorkflowContext:
+        return WorkflowContext(t, WORKFLOW, None, r, node, branch)
+
+    async def done(ctx: WorkflowContext, **kw: Any) -> None:
+        await client.applied(ctx, await client.node_completed(ctx, **kw))
+
+    await client.register_reducers(at("plan"), {"n": "sum", "notes": "append"})
+    await done(at("plan"), state={"n": 1, "notes": ["plan"], "title": "<b>plan</b>"})
+    await done(at("research", "A"), updates={"n": 2, "notes": ["a"]})
+    await done(at("draft", "B"), updates={"n": 3, "notes": ["b"]})
+    await client.merge(at("join"), branch_ids=["A", "B"])
+    failed = await client.node_failed(at("check"), error_type="Timeout", message="slow", attempt=1)
+    await client.applied(at("check"), failed)
+    await done(at("check"), updates={"n": 4, "notes": ["checked"]})
+    stale = await client.node_completed(at("late"), updates={"n": 1}, expected_seq=1)
+    with pytest.raises(errors.RejectedEvent, match="expected 1"):
+        await client.applied(at("late"), stale)
+    finished = await client.workflow_completed(
+        at("end"), success=True, duration_ms=1200, node_count=5, nodes_succeeded=5, nodes_failed=0
+    )
+    await client.applied(at("end"), finished)
+
+    await done(at("open", r=hostile), state={"html": HOSTILE, "tail": "y" * 60_000})
+    async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
+        # 300 KB of hostile text: over the state limit, a dead letter of 300 KB
+        await pub.send(completed(hostile, node="huge", state={"s": HOSTILE * 4000}))
+        await pub.flush()
+    await done(at("solo", r=f"beta-run-{run}", t="beta"), state={"beta": True})
+
+
+async def test_the_inspector_shows_runs_timelines_diffs_and_keeps_tenants_apart(
+    settings: Settings, embedder: AsyncEmbedder, tmp_path: Path
+) -> None:
+    dsn = settings.postgres_dsn or ""
+    run, hostile = f"ui-{uuid.uuid4().hex[:6]}", f"ui-hostile-{uuid.uuid4().hex[:6]}"
+    async with (
+        Worker.start(settings, ("checkpointer", "joiner", "learner"), embedder),
+        AlmaClient(settings) as client,
+    ):
+        await make_runs(settings, client, run, hostile)
+        await wait_for(
+            lambda: count(dsn, "SELECT count(*) FROM workflow_outcomes WHERE run_id = $1", run),
+            what="the run learned from",
+        )
+        await wait_for(
+            lambda: count(dsn, "SELECT count(*) FROM dead_letters WHERE run_id = $1", hostile),
+            what="the hostile run's dead letter",
+        )
+        out = shots(tmp_path)
+        async with (
+            inspector(settings, "--tenant", "acme") as acme,
+            inspector(settings, "--tenant", "beta") as beta,
+            inspector(settings, "--tenant", "acme", "--allow-writes") as writable,
+        ):
+            await asyncio.to_thread(read_only_pages, acme, beta, run, hostile, out)
+            await asyncio.to_thread(writes, acme, writable, run, out)
+
+
+def read_only_pages(acme: str, beta: str, run: str, hostile: str, out: Path) -> None:
+    with browser() as driver:
+        # the runs list, newest first, with its counts and filters
+        driver.get(f"{acme}/runs")
+        assert driver.find_element(By.ID, "tenant").text == "acme"
+        listed = texts(driver, "#runs a.run")
+        assert set(listed) == {run, hostile}
+        assert texts(driver, "#count-succeeded") == ["1"]
+        assert texts(driver, "#count-running") == ["1"]
+        driver.save_screenshot(str(out / "ui-runs.png"))
+        Select(driver.find_element(By.NAME, "status")).select_by_value("succeeded")
+        follow(driver, By.ID, "filter")
+        assert texts(driver, "#runs a.run") == [run]
+        driver.get(f"{acme}/runs?q=hostile")
+        assert texts(driver, "#runs a.run") == [hostile]
+        driver.get(f"{acme}/runs?since=2999-01-01T00:00")
+        assert texts(driver, "#runs a.run") == []
+
+        # the run: lanes, a retry, the merge, the dead letter, the end, what was learned
+        driver.get(f"{acme}/runs")
+        follow(driver, By.LINK_TEXT, run)
+        assert driver.find_element(By.ID, "run-id").text == run
+        lanes = texts(driver, "#timeline thead th")
+        assert lanes[:4] == ["seq", "main", "A", "B"]
+        cells = driver.find_elements(By.CSS_SELECTOR, "#timeline td.item")
+        kinds = [(c.get_attribute("data-kind"), c.get_attribute("data-lane")) for c in cells]
+        assert ("node", "A") in kinds
+        assert ("node", "B") in kinds
+        assert ("merge", "main") in kinds
+        assert ("failure", "main") in kinds
+        assert ("dead_letter", "dead letters") in kinds
+        assert kinds[-1] == ("completed", "end")
+        failure = next(c for c in cells if c.get_attribute("data-kind") == "failure")
+        assert "check failed (attempt 1)" in failure.text
+        assert "Timeout: slow" in failure.text
+        assert "succeeded" in driver.find_element(By.ID, "outcome").text
+        driver.save_screenshot(str(out / "ui-run.png"))
+
+        # a checkpoint: its state and its changes; the merge with each field's reducer
+        follow(driver, By.CSS_SELECTOR, "td.merge a")
+        assert driver.find_element(By.ID, "seq").text == "4"
+        merge_rows = texts(driver, "#merge tbody tr")
+        assert any(row.startswith("n sum") for row in merge_rows), merge_rows
+        assert json.loads(driver.find_element(By.ID, "state").text)["n"] == 6
+        driver.save_screenshot(str(out / "ui-merge.png"))
+
+        # a diff of any two checkpoints: the changed keys
+        driver.get(f"{acme}/run?id={run}")
+        follow(driver, By.ID, "compare")
+        paths = texts(driver, "#changes td.path")
+        assert "/n" in paths
+        assert "/notes/1" in paths
+        driver.save_screenshot(str(out / "ui-diff.png"))
+
+        # hostile content: shown as text, cut, never run
+        driver.get(f"{acme}/checkpoint?id={hostile}&seq=1")
+        state = driver.find_element(By.ID, "state").text
+        assert "<script>window.__pwned = 1</script>" in state
+        assert driver.find_elements(By.CSS_SELECTOR, "main img, main script") == []
+        assert driver.execute_script("return window.__pwned === undefined")
+        assert "more characters not shown" in driver.find_element(By.ID, "state-cut").text
+        driver.get(f"{acme}/dead-letters")
+        records = texts(driver, "pre.record")
+        assert any(HOSTILE[:30] in r for r in records)
+        assert any("bytes in all" in t for t in texts(driver, ".cut"))
+        assert driver.execute_script("return window.__pwned === undefined")
+        assert driver.find_elements(By.CSS_SELECTOR, "main img, main script") == []
+        assert driver.find_elements(By.CSS_SELECTOR, "button.replay") == []  # read-only
+        driver.save_screenshot(str(out / "ui-dead-letters.png"))
+
+        # another tenant: none of acme's runs, and acme's run is not found
+        driver.get(f"{beta}/runs")
+        assert texts(driver, "#runs a.run") == [f"beta-run-{run}"]
+        driver.get(f"{beta}/run?id={run}")
+        assert "has no run" in driver.find_element(By.ID, "error").text
+        driver.get(f"{acme}/runs?tenant=beta")
+        assert "no tenant 'beta' here" in driver.find_element(By.ID, "error").text
+
+        # memory: the retrieval box ranks what the learner made of the run
+        driver.get(f"{acme}/memory")
+        driver.find_element(By.NAME, "task").send_keys("plan, research and draft a report")
+        follow(driver, By.ID, "retrieve")
+        assert texts(driver, "#items tbody tr")
+        assert WORKFLOW in driver.find_element(By.ID, "prompt").text
+        driver.save_screenshot(str(out / "ui-memory.png"))
+
+
+def writes(acme: str, writable: str, run: str, out: Path) -> None:
+    # a read-only inspector refuses a write, whatever its origin
+    refused = httpx.post(
+        f"{acme}/fork", data={"id": run, "seq": "1", "new_run_id": "x"}, headers={"origin": acme}
+    )
+    assert refused.status_code == 403
+    assert "writes are off" in refused.text
+    # a writable one refuses a form posted from another site's page
+    forged = httpx.post(
+        f"{writable}/fork",
+        data={"id": run, "seq": "1", "new_run_id": "forged"},
+        headers={"origin": "http://evil.example"},
+    )
+    assert forged.status_code == 403
+    with browser() as driver:
+        driver.get(f"{writable}/checkpoint?id={run}&seq=1")
+        forked = f"{run}-fork"
+        driver.find_element(By.ID, "new-run-id").send_keys(forked)
+        follow(driver, By.ID, "fork")
+        assert driver.find_element(By.ID, "run-id").text == forked
+        assert run in driver.find_element(By.CSS_SELECTOR, ".facts").text  # forked from
+        driver.save_screenshot(str(out / "ui-fork.png"))
+        driver.get(f"{writable}/dead-letters")
+        assert driver.find_elements(By.CSS_SELECTOR, "button.replay")

@@ -1,0 +1,73 @@
+"""The run inspector's pure parts: a run's timeline laid out by branch, values and raw
+bytes cut and made visible (the templates escape them), the list's paging cursor."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from alma_core.ui import views
+
+T0 = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
+
+
+def cp(seq: int, kind: str = "node", branch: str | None = None, **kw: object) -> dict[str, object]:
+    return {
+        "seq": seq,
+        "kind": kind,
+        "node_id": kw.pop("node", f"n{seq}"),
+        "branch_id": branch,
+        "size_bytes": 10,
+        "created_at": T0 + timedelta(seconds=seq),
+        **kw,
+    }
+
+
+def test_a_runs_timeline_has_a_lane_per_branch_and_places_the_rest_by_time() -> None:
+    checkpoints = [
+        cp(1),
+        cp(2, branch="A"),
+        cp(3, branch="B"),
+        cp(4, "failure", branch="B", attempt=1, error_type="Timeout", error_message="slow"),
+        cp(5, "merge", merged_from=[2, 4], node=None),
+    ]
+    joins = [{"join_id": "j0", "status": "error", "created_at": T0 + timedelta(seconds=4.5)}]
+    letters = [{"reason": "stale_expected_seq", "detail": "run is at 5", "created_at": T0}]
+    done = {"at": T0 + timedelta(seconds=9), "outcome": "succeeded"}
+    laid = views.timeline(checkpoints, joins, letters, done, link="/c?seq={seq}")
+    assert laid.lanes == ["main", "A", "B", "joins", "dead letters", "end"]
+    order = [(item.kind, item.seq, column) for item, column in laid.rows()]
+    assert order == [
+        ("dead_letter", None, 4),  # before everything: it came first
+        ("node", 1, 0),
+        ("node", 2, 1),
+        ("node", 3, 2),
+        ("failure", 4, 2),
+        ("refused_join", None, 3),
+        ("merge", 5, 0),
+        ("completed", None, 5),
+    ]
+    failure = laid.items[4]
+    assert (failure.title, failure.detail) == ("n4 failed (attempt 1)", "Timeout: slow")
+    assert laid.items[6].title == "merge of #2, #4"
+    assert laid.items[1].link == "/c?seq=1"
+
+
+def test_values_and_bytes_are_cut_and_their_control_characters_shown() -> None:
+    shown = views.shown_json({"html": "<script>x</script>", "nul": "a\x00b"})
+    assert "<script>x</script>" in shown.text  # escaped by the template, not here
+    assert "\\u0000" in shown.text
+    assert "\x00" not in shown.text
+    big = views.shown_json({"s": "x" * 50_000}, limit=1000)
+    assert len(big.text) == 1000
+    assert big.cut == big.total - 1000
+    raw = views.shown_bytes(b"\x00\xff<b>\x1b[31m\n", limit=100)
+    assert raw.text == "\\x00\\xff<b>\\x1b[31m\n"
+    assert views.shown_bytes(None).text == ""
+
+
+def test_the_cursor_round_trips_and_a_foreign_one_is_the_first_page() -> None:
+    token = views.cursor(T0, "run|with|bars")
+    assert views.parse_cursor(token) == (T0, "run|with|bars")
+    assert views.parse_cursor("garbage") is None
+    assert views.parse_cursor("not-a-time|r") is None
+    assert views.parse_cursor(None) is None
