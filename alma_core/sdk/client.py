@@ -358,6 +358,11 @@ class AlmaClient:
             raise
         return event.event_id
 
+    async def publish_record(self, value: bytes, key: bytes | None) -> None:
+        """Send one record to the lifecycle topic as it is (a dead letter sent back:
+        :func:`alma_core.sdk.dead_letters.replay`); it is decoded like any other."""
+        await self._producer.send_and_wait(self.settings.lifecycle_topic, value, key=key)
+
     def event(
         self,
         type_: str,

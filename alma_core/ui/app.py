@@ -17,6 +17,7 @@ only a POST from the inspector's own origin.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import time
@@ -28,7 +29,6 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 import asyncpg
-from aiokafka import AIOKafkaProducer
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -38,7 +38,6 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from alma_core import errors, history
-from alma_core.messaging import kafka
 from alma_core.sdk import dead_letters as letters
 from alma_core.sdk.client import AlmaClient
 from alma_core.sdk.timeline import Timeline
@@ -88,7 +87,6 @@ def _templates() -> Environment:
     env.filters["json"] = views.shown_json
     env.filters["raw"] = views.shown_bytes
     env.filters["when"] = _when
-    env.globals["url"] = _url
     return env
 
 
@@ -104,22 +102,36 @@ def _url(path: str, **params: Any) -> str:
 class Inspector:
     """The pages, over one client's reads (and, with writes, its producer)."""
 
-    def __init__(self, settings: Settings, access: Access, client: AlmaClient) -> None:
+    def __init__(
+        self, settings: Settings, access: Access, client: AlmaClient, *, owned: bool
+    ) -> None:
         self.settings = settings
         self.access = access
         self.client = client
+        self.owned = owned  # its client is the inspector's own, to stop with it
         self.timeline = Timeline(client)
         self.env = _templates()
-        self._producer: AIOKafkaProducer | None = None
 
     # -- plumbing -------------------------------------------------------------
 
     def page(self, request: Request, name: str, status: int = 200, **context: Any) -> Response:
         context.setdefault("tenant", None)
         body = self.env.get_template(name).render(
-            request=request, writes=self.access.writes, pinned=self.access.tenant, **context
+            request=request,
+            url=lambda path, **params: self.url(request, path, **params),
+            writes=self.access.writes,
+            pinned=self.access.tenant,
+            **context,
         )
         return HTMLResponse(body, status_code=status)
+
+    @staticmethod
+    def url(request: Request, path: str, **params: Any) -> str:
+        """A page's address under wherever the inspector is mounted."""
+        return _url(str(request.scope.get("root_path", "")) + path, **params)
+
+    def go(self, request: Request, path: str, **params: Any) -> Response:
+        return RedirectResponse(self.url(request, path, **params), status_code=303)
 
     def tenant(self, request: Request) -> str:
         tenant = self.access.tenant_of(request)
@@ -140,7 +152,7 @@ class Inspector:
     async def home(self, request: Request) -> Response:
         tenant = self.access.tenant_of(request)
         if tenant is not None:
-            return RedirectResponse(_url("/runs", tenant=tenant), status_code=303)
+            return self.go(request, "/runs", tenant=tenant)
         known = await runs.tenants(await self.pool())
         return self.page(request, "tenants.html", tenants=known)
 
@@ -198,7 +210,7 @@ class Inspector:
             report["joins"],
             report["dead_letters"],
             completion,
-            link=_url("/checkpoint", tenant=tenant, id=run_id) + "&seq={seq}",
+            link=self.url(request, "/checkpoint", tenant=tenant, id=run_id) + "&seq={seq}",
         )
         outcome, fed = await retrieval.learned_from_run(pool, tenant, run_id)
         return self.page(
@@ -265,7 +277,7 @@ class Inspector:
             await self.timeline.fork(ctx, seq, new_run, timeout=30.0)
         except errors.AlmaError as exc:
             raise HTTPException(409, exc.message) from exc
-        return RedirectResponse(_url("/run", tenant=tenant, id=new_run), status_code=303)
+        return self.go(request, "/run", tenant=tenant, id=new_run)
 
     async def dead_letters_page(self, request: Request) -> Response:
         tenant = self.tenant(request)
@@ -291,25 +303,18 @@ class Inspector:
         tenant = self.tenant(request)
         self._may_write(request)
         letter = _int_value(request.path_params["letter"], "letter")
-        producer = await self._started_producer()
-
-        async def send(value: bytes, key: bytes | None) -> None:
-            await producer.send_and_wait(self.settings.lifecycle_topic, value, key=key)
-
         async with (await self.pool()).acquire() as conn:
             try:
                 await letters.replay(
                     conn,
-                    send,
+                    self.client.publish_record,
                     letter,
                     tenant_id=tenant,
                     max_state_bytes=self.settings.max_state_bytes,
                 )
             except errors.AlmaError as exc:
                 raise HTTPException(409, exc.message) from exc
-        return RedirectResponse(
-            _url("/dead-letters", tenant=tenant, replayed=letter), status_code=303
-        )
+        return self.go(request, "/dead-letters", tenant=tenant, replayed=letter)
 
     async def memory_page(self, request: Request) -> Response:
         tenant = self.tenant(request)
@@ -362,20 +367,9 @@ class Inspector:
         if urlsplit(origin).netloc != request.headers.get("host"):
             raise HTTPException(403, "a write must come from the inspector's own pages")
 
-    async def _started_producer(self) -> AIOKafkaProducer:
-        if self._producer is None:
-            producer = AIOKafkaProducer(
-                bootstrap_servers=self.client.bootstrap,
-                acks="all",
-                **kafka.client_options(self.settings),
-            )
-            await producer.start()
-            self._producer = producer
-        return self._producer
-
     async def close(self) -> None:
-        if self._producer is not None:
-            await self._producer.stop()
+        if self.owned:
+            await self.client.stop()
 
 
 def _required(request: Request, name: str) -> str:
@@ -430,33 +424,37 @@ def create_app(
         )
     access = Access(tenant, tenant_header, allow_writes)
     holder: dict[str, Inspector] = {}
+    opening = asyncio.Lock()
+
+    async def inspector() -> Inspector:
+        """Built on first use (a mounted app's lifespan is its host's): over ``client``
+        (the host's, which it starts and stops), or a client of its own."""
+        async with opening:
+            if "it" not in holder:
+                own = client or AlmaClient(settings)
+                if client is None and allow_writes:
+                    await own.start()  # forks and replays publish through it
+                holder["it"] = Inspector(settings, access, own, owned=client is None)
+        return holder["it"]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with contextlib.AsyncExitStack() as stack:
-            own = client
-            if own is None:
-                own = AlmaClient(settings)
-                stack.push_async_callback(own.stop)
-                if allow_writes:
-                    await own.start()  # forks publish through the client
-            inspector = Inspector(settings, access, own)
-            stack.push_async_callback(inspector.close)
-            holder["it"] = inspector
-            yield
+        await inspector()  # a service that cannot start says so now, not at a page
+        yield
+        await holder["it"].close()
 
     def handler(name: str) -> Callable[[Request], Awaitable[Response]]:
         async def handle(request: Request) -> Response:
-            inspector = holder["it"]
             started = time.perf_counter()
+            it = await inspector()
             try:
-                response: Response = await getattr(inspector, name)(request)
+                response: Response = await getattr(it, name)(request)
             except HTTPException as exc:
-                response = inspector.page(
+                response = it.page(
                     request, "error.html", status=exc.status_code, message=exc.detail
                 )
             except errors.StorageError as exc:
-                response = inspector.page(request, "error.html", status=503, message=exc.message)
+                response = it.page(request, "error.html", status=503, message=exc.message)
             response.headers["Content-Security-Policy"] = _CSP
             response.headers["X-Content-Type-Options"] = "nosniff"
             response.headers["Referrer-Policy"] = "same-origin"

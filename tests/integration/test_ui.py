@@ -28,12 +28,15 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.wait import WebDriverWait
+from starlette.applications import Starlette
+from starlette.routing import Mount
 
 from alma_core import errors
 from alma_core.sdk.client import AlmaClient
 from alma_core.settings import Settings
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.types import WorkflowContext
+from alma_core.ui import create_app
 from tests.integration.harness import Publisher, Worker, completed, count, wait_for
 from tests.integration.test_cli_runs import env_of
 from tests.services import without_alma_settings
@@ -311,5 +314,44 @@ def writes(acme: str, writable: str, run: str, out: Path) -> None:
         assert driver.find_element(By.ID, "run-id").text == forked
         assert run in driver.find_element(By.CSS_SELECTOR, ".facts").text  # forked from
         driver.save_screenshot(str(out / "ui-fork.png"))
-        driver.get(f"{writable}/dead-letters")
-        assert driver.find_elements(By.CSS_SELECTOR, "button.replay")
+        driver.get(f"{writable}/dead-letters?reason=stale_expected_seq")
+        follow(driver, By.CSS_SELECTOR, "button.replay")
+        note = driver.find_element(By.ID, "replayed").text
+        assert "sent back" in note
+        letter = note.split("#")[1].split()[0]
+        assert "replayed" in driver.find_element(By.CSS_SELECTOR, f"#letter-{letter} h2").text
+
+
+async def test_mounted_in_a_host_app_the_inspector_takes_the_tenant_from_a_proxy_header(
+    settings: Settings,
+) -> None:
+    """A deployment mounts the app in its own ASGI server behind a proxy that
+    authenticates people and names their tenant in a header: links keep the mount's
+    prefix, a request without the header is refused, another tenant's pages are not
+    found, and the host's client serves the reads."""
+    async with Worker.start(settings), AlmaClient(settings) as client:
+        for tenant in ("acme", "beta"):
+            ctx = WorkflowContext(tenant, WORKFLOW, None, f"{tenant}-mounted", "n")
+            await client.applied(ctx, await client.node_completed(ctx, state={"t": tenant}))
+        inspector_app = create_app(settings, tenant_header="X-Alma-Tenant", client=client)
+        host = Starlette(routes=[Mount("/inspect", inspector_app)])
+        transport = httpx.ASGITransport(app=host)
+        acme = {"X-Alma-Tenant": "acme"}
+        async with httpx.AsyncClient(transport=transport, base_url="http://host") as http:
+            missing = await http.get("/inspect/runs")
+            assert missing.status_code == 403
+            assert "X-Alma-Tenant header is missing" in missing.text
+            listed = await http.get("/inspect/runs", headers=acme)
+            assert listed.status_code == 200
+            assert 'href="/inspect/run?tenant=acme&amp;id=acme-mounted"' in listed.text
+            assert "beta-mounted" not in listed.text
+            assert "default-src 'none'" in listed.headers["content-security-policy"]
+            for other in ("/inspect/runs?tenant=beta", "/inspect/run?id=beta-mounted"):
+                assert (await http.get(other, headers=acme)).status_code == 404
+            assert (await http.get("/inspect/static/style.css")).status_code == 200
+            fork = await http.post(
+                "/inspect/fork",
+                headers={**acme, "origin": "http://host"},
+                data={"id": "acme-mounted", "seq": "1", "new_run_id": "x"},
+            )
+            assert fork.status_code == 403  # writes are off
