@@ -4,7 +4,7 @@ curves, and the scaling trend over checkpointer processes.
     python -m bench [--quick | --full | --smoke] [--reps N] [--only SUITE,...]
                     [--out docs/benchmarks.md]
 
-Suites: peers, curves, scaling, temporal, langgraph, replay, retention, cache, quality
+Suites: peers, curves, scaling, temporal, langgraph, replay, retention, cache, quality, ui
 (all by default), and soak (only when named: `--only soak`, 30 minutes; 5 with --quick;
 --soak-seconds and --window-seconds set its length).
 
@@ -42,6 +42,7 @@ from bench import (
     scaling,
     soak,
     temporal,
+    ui,
 )
 from bench.env import Env, services_versions, stack
 from bench.report import Section, console, machine, write
@@ -56,6 +57,7 @@ SUITES = (
     "retention",
     "cache",
     "quality",
+    "ui",
 )
 ON_REQUEST = ("soak",)  # run only when named
 
@@ -68,6 +70,7 @@ SINGLE_MODULE_SUITES: dict[str, Callable[[Env, Section], Awaitable[None]]] = {
     "replay": replay.run,
     "cache": cache.run,
     "quality": quality.run,
+    "ui": ui.run,
 }
 
 
@@ -91,6 +94,8 @@ def steps(env: Env, only: set[str], length: soak.Length) -> int:
         n += cache.STEPS_PER_REP * env.reps
     if "quality" in only:
         n += quality.STEPS_PER_REP
+    if "ui" in only:
+        n += ui.STEPS_PER_REP * env.reps
     return n
 
 

@@ -63,7 +63,9 @@ async def test_quick_side_by_side_run_writes_every_table(
     out = tmp_path / "benchmarks.md"
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    rc, log = await bench(settings, scratch, "--smoke", "--only", "peers,replay", "--out", str(out))
+    rc, log = await bench(
+        settings, scratch, "--smoke", "--only", "peers,replay,ui", "--out", str(out)
+    )
     assert rc == 0, log[-3000:]
     assert not list(scratch.iterdir())  # the worker processes' logs went with them
     text = out.read_text()
@@ -89,6 +91,10 @@ async def test_quick_side_by_side_run_writes_every_table(
     assert replay["replay to verify (load, fold, compare)"]["events/s"]["median"] > 0
     assert replay["the fold alone (pure)"]["events/s"]["median"] > 0
     assert replay["a fork (read, publish, applied)"]["p50 ms"]["median"] > 0
+    # the run inspector's pages (issue 39): every page answered, each timed
+    pages = doc["ui"]["tables"]["ui"]["rows"]
+    assert len(pages) == 9
+    assert all(p["p95 ms"]["median"] > 0 for p in pages)
     writes = tables["writes"]["rows"]
     expected = {
         (s, w, system)

