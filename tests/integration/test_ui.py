@@ -173,6 +173,10 @@ async def make_runs(settings: Settings, client: AlmaClient, run: str, hostile: s
     async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
         # 300 KB of hostile text: over the state limit, a dead letter of 300 KB
         await pub.send(completed(hostile, node="huge", state={"s": HOSTILE * 4000}))
+        # NUL bytes: in the key as sent, and a NUL character in a state (which
+        # PostgreSQL's jsonb cannot hold)
+        nul = completed(hostile, node="nul", state={"s": "a\u0000b" + HOSTILE})
+        await pub.send(nul, key=b"k\x00\x01" + hostile.encode())
         await pub.flush()
     await done(at("solo", r=f"beta-run-{run}", t="beta"), state={"beta": True})
 
@@ -192,8 +196,8 @@ async def test_the_inspector_shows_runs_timelines_diffs_and_keeps_tenants_apart(
             what="the run learned from",
         )
         await wait_for(
-            lambda: count(dsn, "SELECT count(*) FROM dead_letters WHERE run_id = $1", hostile),
-            what="the hostile run's dead letter",
+            lambda: count(dsn, "SELECT count(*) >= 2 FROM dead_letters WHERE run_id = $1", hostile),
+            what="the hostile run's dead letters",
         )
         out = shots(tmp_path)
         async with (
@@ -270,6 +274,8 @@ def read_only_pages(acme: str, beta: str, run: str, hostile: str, out: Path) -> 
         records = texts(driver, "pre.record")
         assert any(HOSTILE[:30] in r for r in records)
         assert any("bytes in all" in t for t in texts(driver, ".cut"))
+        keys = texts(driver, ".record-key")
+        assert any(k.startswith("k\\x00\\x01") for k in keys), keys
         assert driver.execute_script("return window.__pwned === undefined")
         assert driver.find_elements(By.CSS_SELECTOR, "main img, main script") == []
         assert driver.find_elements(By.CSS_SELECTOR, "button.replay") == []  # read-only
