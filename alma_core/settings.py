@@ -184,6 +184,14 @@ class Settings(BaseSettings):
         le=10_000,
         description="how long a fetch waits for data (alma up's embedded broker: 20)",
     )
+    fetch_idle_wait_ms: int = Field(
+        default=0,
+        ge=0,
+        le=10_000,
+        description="how long a worker's fetch waits once its consumer had no record for "
+        "2 s (0: ALMA_FETCH_MAX_WAIT_MS always); alma up's embedded broker: 500, as it does "
+        "not answer a waiting fetch when data arrives, so short waits cost CPU all day",
+    )
     pg_pool_size: int = Field(default=8, ge=1, le=200)
     pg_lock_timeout_ms: int = Field(
         default=10_000, ge=0, description="longest wait for a lock, then back off and retry"
@@ -514,6 +522,8 @@ ENDPOINTS_FILE = stacks.ENDPOINTS_FILE
 # does), so every hop costs about half the fetch wait: `alma up` uses this one with it
 # unless ALMA_FETCH_MAX_WAIT_MS says otherwise, and applications beside it too.
 EMBEDDED_FETCH_MAX_WAIT_MS = 20
+# ... and once a consumer has been idle a while, this one (bench --only hop)
+EMBEDDED_FETCH_IDLE_WAIT_MS = 500
 
 
 def search(s: Settings) -> stacks.Search:
@@ -560,10 +570,15 @@ def with_running(loaded: Settings) -> Settings:
 
 
 def for_broker(s: Settings, *, embedded: bool, wait: object = None) -> Settings:
-    """``s`` with the fetch wait for its broker: on the embedded one, ``wait`` (what a
+    """``s`` with the fetch waits for its broker: on the embedded one, ``wait`` (what a
     running ``alma up`` wrote) or :data:`EMBEDDED_FETCH_MAX_WAIT_MS`, unless
-    ALMA_FETCH_MAX_WAIT_MS was set."""
-    if not embedded or "fetch_max_wait_ms" in s.model_fields_set:
+    ALMA_FETCH_MAX_WAIT_MS was set, and :data:`EMBEDDED_FETCH_IDLE_WAIT_MS` once idle,
+    unless ALMA_FETCH_IDLE_WAIT_MS was set."""
+    if not embedded:
         return s
-    chosen = wait if isinstance(wait, int) else EMBEDDED_FETCH_MAX_WAIT_MS
-    return s.model_copy(update={"fetch_max_wait_ms": chosen})
+    update: dict[str, int] = {}
+    if "fetch_max_wait_ms" not in s.model_fields_set:
+        update["fetch_max_wait_ms"] = wait if isinstance(wait, int) else EMBEDDED_FETCH_MAX_WAIT_MS
+    if "fetch_idle_wait_ms" not in s.model_fields_set:
+        update["fetch_idle_wait_ms"] = EMBEDDED_FETCH_IDLE_WAIT_MS
+    return s.model_copy(update=update) if update else s

@@ -4,7 +4,8 @@ curves, and the scaling trend over checkpointer processes.
     python -m bench [--quick | --full | --smoke] [--reps N] [--only SUITE,...]
                     [--out docs/benchmarks.md]
 
-Suites: peers, curves, scaling, temporal, langgraph, replay, retention, cache, quality, ui
+Suites: peers, curves, scaling, temporal, langgraph, replay, retention, cache, quality, ui,
+hop
 (all by default), and soak (only when named: `--only soak`, 30 minutes; 5 with --quick;
 --soak-seconds and --window-seconds set its length).
 
@@ -31,6 +32,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from bench import (
     cache,
     curves,
+    hop,
     langgraph,
     merges,
     peers,
@@ -58,6 +60,7 @@ SUITES = (
     "cache",
     "quality",
     "ui",
+    "hop",
 )
 ON_REQUEST = ("soak",)  # run only when named
 
@@ -71,6 +74,7 @@ SINGLE_MODULE_SUITES: dict[str, Callable[[Env, Section], Awaitable[None]]] = {
     "cache": cache.run,
     "quality": quality.run,
     "ui": ui.run,
+    "hop": hop.run,
 }
 
 
@@ -96,6 +100,8 @@ def steps(env: Env, only: set[str], length: soak.Length) -> int:
         n += quality.STEPS_PER_REP
     if "ui" in only:
         n += ui.STEPS_PER_REP * env.reps
+    if "hop" in only:
+        n += len(hop._waits(env)) * hop.STEPS_PER_WAIT
     return n
 
 

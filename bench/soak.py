@@ -129,7 +129,7 @@ class Producer:
 @contextlib.asynccontextmanager
 async def alma_up(root: Path, settings: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
     """`alma up` in ``root`` (every service embedded; ``settings``: ``ALMA_*`` variables
-    for it), its endpoints once it is up."""
+    for it), its endpoints once it is up (and its process id, ``pid``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
     env |= {"ALMA_DATA_DIR": str(root / ".alma"), "ALMA_METRICS_PORT": "0", "COLUMNS": "200"}
     env |= settings
@@ -148,7 +148,7 @@ async def alma_up(root: Path, settings: dict[str, str]) -> AsyncIterator[dict[st
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"alma up did not come up; its output: {root / 'up.log'}")
             await asyncio.sleep(0.5)
-        yield json.loads(endpoints.read_text())
+        yield {**json.loads(endpoints.read_text()), "pid": proc.pid}
     finally:
         proc.terminate()
         await asyncio.to_thread(proc.wait, 60)

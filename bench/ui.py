@@ -93,9 +93,10 @@ async def _fill(dsn: str, runs: int, checkpoints: int) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _inspector(env: Env, dsn: str) -> AsyncIterator[str]:
+async def served(environ: dict[str, str], *args: str) -> AsyncIterator[str]:
+    """`alma ui ARGS` in a process of its own, with environment ``environ``, on a free
+    port; its base URL once it answers (30 s at most), stopped at the end."""
     port = free_port()
-    settings = env.s.model_copy(update={"postgres_dsn": dsn, "metrics_port": 0})
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -103,19 +104,18 @@ async def _inspector(env: Env, dsn: str) -> AsyncIterator[str]:
         "ui",
         "--port",
         str(port),
-        "--tenant",
-        "bench",
-        env={
-            **{k: v for k, v in os.environ.items() if not k.startswith("ALMA_")},
-            **settings.to_env(),
-        },
+        *args,
+        env=environ,
         stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
     )
     base = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient() as http:
             for _ in range(300):
+                if process.returncode is not None:
+                    told = await process.stderr.read() if process.stderr else b""
+                    raise RuntimeError(f"alma ui exited: {told.decode(errors='replace')}")
                 with contextlib.suppress(httpx.HTTPError):
                     if (await http.get(f"{base}/healthz")).status_code == 200:
                         break
@@ -124,8 +124,19 @@ async def _inspector(env: Env, dsn: str) -> AsyncIterator[str]:
                 raise RuntimeError("alma ui did not answer within 30 s")
         yield base
     finally:
-        process.terminate()
-        await process.wait()
+        if process.returncode is None:
+            process.terminate()
+            try:
+                await asyncio.wait_for(process.wait(), 20)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+
+
+def _inspector(env: Env, dsn: str) -> contextlib.AbstractAsyncContextManager[str]:
+    settings = env.s.model_copy(update={"postgres_dsn": dsn, "metrics_port": 0})
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
+    return served({**environ, **settings.to_env()}, "--tenant", "bench")
 
 
 def _pages(checkpoints: int) -> list[tuple[str, str]]:

@@ -1,6 +1,6 @@
-"""Waiting and retrying, for the consumers and the worker: the backoff is a pure
-decision (:func:`backoff_delay`) the loops act on; every wait ends early when the
-process is told to stop."""
+"""Waiting and retrying, for the consumers and the worker: the backoff and the fetch
+pace are pure decisions (:func:`backoff_delay`, :class:`FetchPacer`) the loops act on;
+every wait ends early when the process is told to stop."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiokafka.errors import KafkaError
@@ -20,6 +21,28 @@ def backoff_delay(attempt: int, initial: float, maximum: float, jitter: float = 
     """Exponential backoff with jitter: the pure decision the retry loop acts on."""
     base = min(maximum, initial * (2 ** max(0, attempt - 1)))
     return float(base * (1 + random.uniform(-jitter, jitter)))
+
+
+@dataclass
+class FetchPacer:
+    """How long a consumer's fetch waits at the broker: ``busy_ms`` while records come,
+    ``idle_ms`` once none came for ``idle_after_s``. For a broker that does not answer
+    a waiting fetch when data arrives (the embedded one): a short wait is a short hop
+    under load, and costs a fetch per wait on every partition when nothing happens; the
+    first record after a quiet spell waits up to ``idle_ms`` for its fetch. ``idle_ms``
+    0 (or not above ``busy_ms``): always ``busy_ms``."""
+
+    busy_ms: int
+    idle_ms: int = 0
+    idle_after_s: float = 2.0
+    last_records: float = 0.0  # monotonic time of the last poll with records
+
+    def wait_ms(self, now: float, got_records: bool) -> int:
+        """The wait for the next fetch, after a poll at ``now``."""
+        if got_records:
+            self.last_records = now
+        quiet = now - self.last_records >= self.idle_after_s
+        return self.idle_ms if quiet and self.idle_ms > self.busy_ms else self.busy_ms
 
 
 async def wait(stop: asyncio.Event, seconds: float) -> bool:

@@ -46,7 +46,7 @@ from alma_core import errors
 from alma_core.storage.offsets import PartitionKey, Progress
 from consumers.assignment import Assignment, key
 from consumers.metrics import Metrics
-from consumers.retry import backoff_delay, retry_start, wait
+from consumers.retry import FetchPacer, backoff_delay, retry_start, wait
 
 log = logging.getLogger("alma.consumers")
 
@@ -86,6 +86,7 @@ class RuntimeConfig:
     max_records: int = 500
     poll_timeout_ms: int = 200
     fetch_max_wait_ms: int = 100
+    fetch_idle_wait_ms: int = 0  # once no record came for 2 s (retry.FetchPacer); 0: off
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 1_000
     max_poll_interval_ms: int = 300_000
@@ -137,6 +138,11 @@ class ConsumerRuntime:
         self._pending: dict[TopicPartition, int] = {}
         self._last_commit = 0.0
         self._last_periodic = 0.0
+        self._pacer = (
+            FetchPacer(config.fetch_max_wait_ms, config.fetch_idle_wait_ms)
+            if config.fetch_idle_wait_ms > config.fetch_max_wait_ms
+            else None
+        )
 
     def logs(self) -> dict[PartitionKey, tuple[int | None, int | None]]:
         """Each held partition's log end (the high watermark of its last fetch) and the
@@ -270,6 +276,7 @@ class ConsumerRuntime:
             batch = await consumer.getmany(
                 timeout_ms=self.config.poll_timeout_ms, max_records=self.config.max_records
             )
+            self._pace(consumer, bool(batch))
             if batch and self.config.linger_ms > 0:
                 batch = await self._linger(consumer, batch)
             self.last_poll = time.monotonic()
@@ -292,6 +299,17 @@ class ConsumerRuntime:
                 await self.commit_pending(consumer)
             if time.monotonic() - self._last_periodic >= self.config.periodic_every_s:
                 await self._periodic()
+
+    def _pace(self, consumer: AIOKafkaConsumer, got_records: bool) -> None:
+        """Set the fetch wait the pacer chooses: aiokafka reads it from its fetcher for
+        each fetch request it builds (no public setter; an aiokafka without the
+        attribute keeps the wait it started with)."""
+        if self._pacer is None:
+            return
+        fetcher = getattr(consumer, "_fetcher", None)
+        wanted = self._pacer.wait_ms(time.monotonic(), got_records)
+        if fetcher is not None and getattr(fetcher, "_fetch_max_wait_ms", wanted) != wanted:
+            fetcher._fetch_max_wait_ms = wanted
 
     def _backoff(self, attempt: int) -> float:
         return backoff_delay(attempt, self.config.backoff_initial_s, self.config.backoff_max_s)

@@ -336,6 +336,7 @@ async def _run(
                         session_timeout_ms=settings.session_timeout_ms,
                         heartbeat_interval_ms=settings.heartbeat_interval_ms,
                         fetch_max_wait_ms=settings.fetch_max_wait_ms,
+                        fetch_idle_wait_ms=settings.fetch_idle_wait_ms,
                         client_options=kafka.client_options(settings),
                     ),
                     handler,

@@ -392,3 +392,31 @@ async def test_concurrent_transactions_keep_order_and_lose_nothing(
         len(runs) * steps + spread
     )
     assert not [r for r in caplog.records if getattr(r, "action", "") == "isolate_batch"]
+
+
+async def test_a_paced_worker_applies_what_comes_after_quiet_spells(settings: Settings) -> None:
+    """With the embedded broker's idle pace (a long fetch wait once a consumer had no
+    record for 2 s), what comes after a quiet spell and the burst after it are applied,
+    each once and in order: the pace changes when fetches are answered, nothing else."""
+    dsn = settings.postgres_dsn or ""
+    paced = settings.model_copy(update={"fetch_idle_wait_ms": 500})
+    async with (
+        Worker.start(paced),
+        Publisher(paced.kafka_bootstrap or "", paced.lifecycle_topic) as pub,
+    ):
+        sent = 0
+        for spell in range(3):
+            await asyncio.sleep(2.5)  # quiet: the consumer goes to the long wait
+            for _ in range(1 + 10 * spell):  # then one event, or a burst
+                await pub.send(completed("paced", node=f"n{sent}", updates={"i": sent}))
+                sent += 1
+            await pub.flush()
+            total = sent
+
+            async def applied(total: int = total) -> bool:
+                return await count(dsn, "SELECT count(*) FROM checkpoints") == total
+
+            await wait_for(applied, what=f"{total} checkpoints after quiet spell {spell}")
+    rows = await checkpoints_of(dsn, "paced")
+    assert [r["seq"] for r in rows] == list(range(1, sent + 1))
+    assert [r["state"]["i"] for r in rows] == list(range(sent))

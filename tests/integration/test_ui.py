@@ -12,10 +12,8 @@ import contextlib
 import json
 import os
 import shutil
-import socket
-import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,7 @@ from alma_core.settings import Settings
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.types import WorkflowContext
 from alma_core.ui import create_app
+from bench.ui import served
 from tests.integration.harness import Publisher, Worker, completed, count, wait_for
 from tests.integration.test_cli_runs import env_of
 from tests.services import without_alma_settings
@@ -48,50 +47,10 @@ HOSTILE = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-@contextlib.asynccontextmanager
-async def inspector(settings: Settings, *args: str) -> AsyncIterator[str]:
-    """`alma ui` in a process of its own; its base URL once it answers."""
-    port = free_port()
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "alma_core.cli",
-        "ui",
-        "--port",
-        str(port),
-        *args,
-        env={**without_alma_settings(), **env_of(settings), "ALMA_METRICS_PORT": "0"},
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        async with httpx.AsyncClient() as http:
-            for _ in range(300):  # 30 s at most
-                if process.returncode is not None:
-                    told = await process.stderr.read() if process.stderr else b""
-                    raise AssertionError(f"alma ui exited: {told.decode()}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await http.get(f"{base}/healthz")).status_code == 200:
-                        break
-                await asyncio.sleep(0.1)
-            else:
-                raise AssertionError("alma ui did not answer within 30 s")
-        yield base
-    finally:
-        if process.returncode is None:
-            process.terminate()
-            try:
-                await asyncio.wait_for(process.wait(), 20)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+def inspector(settings: Settings, *args: str) -> contextlib.AbstractAsyncContextManager[str]:
+    """`alma ui` in a process of its own, as a user starts it; its base URL."""
+    environ = {**without_alma_settings(), **env_of(settings), "ALMA_METRICS_PORT": "0"}
+    return served(environ, *args)
 
 
 @contextlib.contextmanager

@@ -236,6 +236,11 @@ def test_the_embedded_broker_gets_a_short_fetch_wait_unless_one_is_set(
     monkeypatch.delenv("ALMA_KAFKA_BOOTSTRAP")
     assert settings_mod.load_running().fetch_max_wait_ms == 50
     assert settings_mod.for_broker(settings_mod.load(), embedded=True).fetch_max_wait_ms == 50
+    # idle, the embedded broker's consumers wait longer (bench --only hop), unless told
+    assert embedded.fetch_idle_wait_ms == settings_mod.EMBEDDED_FETCH_IDLE_WAIT_MS
+    assert settings_mod.for_broker(s, embedded=False).fetch_idle_wait_ms == 0
+    monkeypatch.setenv("ALMA_FETCH_IDLE_WAIT_MS", "0")
+    assert settings_mod.for_broker(settings_mod.load(), embedded=True).fetch_idle_wait_ms == 0
 
 
 def test_checkpoint_concurrency_fits_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
