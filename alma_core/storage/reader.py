@@ -177,8 +177,7 @@ class CheckpointReader:
         if not missing:
             return heads
         found = await self._by_seq(tenant_id, run_id, [seq for seq, _ in missing.values()])
-        expected = {digest for _, digest in missing.values()}
-        if any(cp.state_hash not in expected for cp in found):
+        if any(cp.state_hash != missing.get(cp.branch_id, (0, cp.state_hash))[1] for cp in found):
             # the run moved to another projection between the two reads: read its heads
             # again in one statement, all of one projection
             return await self._heads_from_db(tenant_id, run_id, wanted)
