@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from alma_core import replay as replaying
 from alma_core.cli import common
-from alma_core.reducers import default_registry
+from alma_core.reducers import ReducerRegistry, default_registry
 from alma_core.settings import Settings
 from alma_core.storage import replays
 from alma_core.storage.postgres import connect
@@ -77,7 +77,7 @@ def replay(
                     bar.advance(task)
 
     if apply:
-        _apply(s, each, as_json)
+        _apply(s, each, registry, as_json)
         return
     verdicts: list[replaying.Verdict] = []
 
@@ -118,10 +118,14 @@ def replay(
         raise typer.Exit(common.FAILED)
 
 
-def _apply(s: Settings, each: Callable[[Visit], Awaitable[None]], as_json: bool) -> None:
+def _apply(
+    s: Settings,
+    each: Callable[[Visit], Awaitable[None]],
+    registry: ReducerRegistry,
+    as_json: bool,
+) -> None:
     """Migrate each chosen run (:func:`replays.migrate`), then drop the rebuilt runs'
     cache entries (readers never serve them: their hashes are not PostgreSQL's)."""
-    registry = default_registry()
     done: list[replays.Migrated] = []
 
     async def migrate(conn: asyncpg.Connection, tenant_id: str, run_id: str) -> None:

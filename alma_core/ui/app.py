@@ -100,7 +100,7 @@ def _url(path: str, **params: Any) -> str:
 
 
 class Inspector:
-    """The pages, over one client's reads (and, with writes, its producer)."""
+    """The pages, over one client's reads (and, with writes, its publishing)."""
 
     def __init__(
         self, settings: Settings, access: Access, client: AlmaClient, *, owned: bool
@@ -234,7 +234,12 @@ class Inspector:
         cp = await reader.get(run_id, seq)
         if cp is None:
             raise HTTPException(404, f"run {run_id!r} of tenant {tenant!r} has no checkpoint {seq}")
-        before = await reader.get(run_id, cp.parent_seq) if cp.parent_seq else None
+        if cp.parent_seq:  # both again in one statement: of one projection
+            both = await reader.get_many(run_id, [cp.parent_seq, seq])
+            cp = both.get(seq, cp)
+            before = both.get(cp.parent_seq or 0)
+        else:
+            before = None
         changes = history.diff(before.state if before else {}, cp.state)
         merge = None
         if cp.kind == "merge":
@@ -248,7 +253,6 @@ class Inspector:
             before=before,
             changes=changes,
             merge=merge,
-            forked=request.query_params.get("forked"),
         )
 
     async def diff_page(self, request: Request) -> Response:
