@@ -80,6 +80,11 @@ class RetentionPolicy:
         )
 
 
+def _port(text: str) -> bool:
+    """A TCP port: ASCII digits, 1 to 65535 (``int`` would take "²" and "٣" too)."""
+    return text.isascii() and text.isdigit() and 0 < int(text) < 65536
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ALMA_", frozen=True, extra="ignore")
 
@@ -338,7 +343,7 @@ class Settings(BaseSettings):
             for server in netloc.rpartition("@")[2].split(","):
                 rest = server.rpartition("]")[2] if server.startswith("[") else server
                 _, colon, port = rest.rpartition(":")
-                if colon and port and not (port.isdigit() and 0 < int(port) < 65536):
+                if colon and port and not _port(port):
                     raise ValueError(
                         f"port {port!r} is not a number from 1 to 65535, as in "
                         "postgresql://user@db.example:5432/alma"
@@ -360,7 +365,7 @@ class Settings(BaseSettings):
                 continue
             host = url.partition("://")[2].partition("/")[0].partition("?")[0]
             _, colon, port = host.rpartition("@")[2].rpartition("]")[2].rpartition(":")
-            if colon and not (port.isdigit() and 0 < int(port) < 65536):
+            if colon and not _port(port):
                 raise ValueError(
                     f"port {port!r} is not a number from 1 to 65535, as in redis://cache:6379/0"
                 )
@@ -372,7 +377,7 @@ class Settings(BaseSettings):
         if value:
             for server in value.split(","):
                 host, _, port = server.strip().rpartition(":")
-                if not host or not port.isdigit():
+                if not host or not _port(port):
                     raise ValueError("expected host:port[,host:port...]")
         return value
 

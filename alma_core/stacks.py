@@ -113,7 +113,7 @@ def _registered(stacks_dir: Path) -> list[Running]:
         running = endpoints_in(data_dir) if data_dir else {}
         if running and entry.stem == str(running.get("pid")):
             found.append(Running(data_dir, running))  # type: ignore[arg-type]
-        elif not (entry.stem.isdigit() and alive(int(entry.stem))):
+        elif not (entry.stem.isdecimal() and alive(int(entry.stem))):
             with contextlib.suppress(OSError):
                 entry.unlink()  # its stack is gone
     return found

@@ -175,7 +175,7 @@ def resident_bytes(pid: int) -> int | None:
         return None
     total = 0
     for entry in proc.iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdecimal():
             continue
         try:
             stat = (entry / "stat").read_text().rpartition(")")[2].split()

@@ -25,7 +25,7 @@ def _unescape(token: str) -> str:
 
 
 def _index(token: str) -> int:
-    return int(token) if token.isdigit() else 0
+    return int(token) if token.isascii() and token.isdigit() else 0
 
 
 def patch(doc: Any, changes: list[history.Change]) -> Any:

@@ -29,6 +29,8 @@ def test_bad_setting_names_variable_value_and_expectation(monkeypatch: pytest.Mo
         ("ALMA_POSTGRES_DSN", "mysql://x", "postgresql://"),
         ("ALMA_REDIS_URL", "http://x", "redis://"),
         ("ALMA_KAFKA_BOOTSTRAP", "localhost", "host:port"),
+        ("ALMA_KAFKA_BOOTSTRAP", "localhost:²", "host:port"),  # a digit int() refuses
+        ("ALMA_KAFKA_BOOTSTRAP", "localhost:99999", "host:port"),
         ("ALMA_MAX_STATE_BYTES", "10", "greater than or equal"),
     ],
 )
@@ -48,6 +50,7 @@ def test_service_urls_are_checked(
         ("postgresql://alma:S3cretPW@h1:5432,h2:zz/db", "zz"),
         ("postgresql://alma:S3cretPW@localhost:99999/db", "99999"),  # asyncpg wraps it
         ("postgresql://alma:S3cretPW@[::1]:x/db", "x"),
+        ("postgresql://alma:S3cretPW@localhost:²/db", "²"),  # isdigit, yet not int()'s
     ],
 )
 def test_a_malformed_dsn_port_is_a_settings_error_without_the_password(
@@ -85,6 +88,7 @@ def test_well_formed_dsns_pass(monkeypatch: pytest.MonkeyPatch, dsn: str) -> Non
         ("redis://:S3cretPW@cache:99999/0", False),
         ("redis://cache:abc", False),
         ("redis://a:7000,redis://b:0", False),
+        ("redis://cache:٣٣", False),  # decimal digits, not ASCII ones
     ],
 )
 def test_redis_url_ports_are_checked(monkeypatch: pytest.MonkeyPatch, url: str, ok: bool) -> None:

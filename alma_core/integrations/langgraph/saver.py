@@ -315,7 +315,7 @@ class AlmaSaver(BaseCheckpointSaver[str]):
             node = path[len(_PULL) :].split(", ", 1)[0]
             return None if not node or node.startswith("__") else node
         index = path[len(_PUSH) :].split(", ", 1)[0] if path.startswith(_PUSH) else ""
-        if not index.isdigit():
+        if not (index.isascii() and index.isdigit()):
             return None
         key = (thread, ns, checkpoint_id)
         sends = self._sends.get(key)
