@@ -1,11 +1,14 @@
-"""Shared test settings: hypothesis profile for a small, shared 2-core machine, and a
-check that the temporary directory has room for a run."""
+"""Shared test settings: hypothesis profile for a small, shared 2-core machine, a
+temporary directory of each run's own, and a check that it has room for a run."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -32,9 +35,55 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 # What a whole run writes under the temporary directory (embedded PostgreSQL, broker
-# and Redis data, benchmarks' stacks): ~3 GB measured, of which pytest keeps the last
-# three runs' directories. Below this, refuse at the start rather than fail at 90 %.
+# and Redis data, benchmarks' stacks): ~3 GB measured, of which the last three runs'
+# directories are kept. Below this, refuse at the start rather than fail at 90 %.
 MIN_FREE_BYTES = 2 * 1024**3
+
+
+# Each run's own base temporary directory, locked while the run lasts. pytest's shared
+# one (pytest-of-USER) is made 0700 again by every run that starts: a second run (unit
+# tests beside the suite) would then cut this run's embedded PostgreSQL, which runs as
+# another user, off its data directory (PANIC: Permission denied).
+_BASE_PREFIX = "alma-pytest-"
+_RUNS_KEPT = 3  # the newest runs' directories stay for a look after a failure
+_held: list[int] = []
+
+
+def _unused(path: Path) -> bool:
+    """Whether no running session holds ``path``'s lock."""
+    try:
+        fd = os.open(path / ".lock", os.O_RDONLY)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.option.basetemp or hasattr(config, "workerinput"):
+        return  # given on the command line (or a worker's, from its controller)
+    root = Path(tempfile.gettempdir())
+    old = sorted(root.glob(f"{_BASE_PREFIX}*"), key=lambda p: p.stat().st_mtime)
+    for path in old[: max(0, len(old) - (_RUNS_KEPT - 1))]:
+        if _unused(path):
+            shutil.rmtree(path, ignore_errors=True)
+    base = Path(tempfile.mkdtemp(prefix=_BASE_PREFIX))
+    fd = os.open(base / ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # released when the run's process ends
+    _held.append(fd)
+    # pytest empties an explicit basetemp: a directory inside the one kept locked
+    config.option.basetemp = str(base / "run")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    while _held:
+        with contextlib.suppress(OSError):
+            os.close(_held.pop())
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -46,6 +95,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         pytest.exit(
             f"only {free / 1024**3:.1f} GiB free under {tmp}; the suite needs about "
             f"{MIN_FREE_BYTES / 1024**3:.0f} GiB there: free space (old alma-bench-* and "
-            "pytest-of-* directories there are safe to remove) or point TMPDIR elsewhere",
+            "alma-pytest-* directories there are safe to remove) or point TMPDIR elsewhere",
             returncode=3,
         )
