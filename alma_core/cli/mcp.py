@@ -23,7 +23,7 @@ from alma_core import errors
 from alma_core.cli import common
 from alma_core.logs import configure as configure_logs
 from alma_core.logs import redact
-from alma_core.sdk.client import AlmaClient
+from alma_core.sdk.client import AlmaClient, outcome
 from alma_core.sdk.timeline import Timeline
 from alma_core.settings import Settings
 from alma_core.storage.cache import checkpoint_to_doc
@@ -82,11 +82,10 @@ def build(client: AlmaClient) -> MCPServer:
         """Checkpoint a node: its full `state`, or `updates` folded into the run's state
         with the workflow's reducers. Waits until durable; returns the checkpoint seq."""
         ctx = WorkflowContext(tenant_id, workflow_id, None, run_id, node_id, branch_id)
-        event_id = await client.node_completed(
-            ctx, state=state, updates=updates, expected_seq=expected_seq
-        )
-        applied = await client.applied(ctx, event_id)
-        return {"event_id": event_id, "effect": applied.effect, "seq": applied.seq}
+        payload = {"state": state, "updates": updates, "expected_seq": expected_seq}
+        event = client.event("node.completed", ctx, payload)
+        applied = await client.publish(event, wait="applied")
+        return {"event_id": applied.event_id, "effect": applied.effect, "seq": applied.seq}
 
     @server.tool()
     @_tool_errors
@@ -154,8 +153,7 @@ def build(client: AlmaClient) -> MCPServer:
         """Record a finished run's outcome; the learner stores it with an embedding and
         learns heuristics and anti-patterns from it and earlier runs."""
         ctx = WorkflowContext(tenant_id, workflow_id, None, run_id)
-        event_id = await client.workflow_completed(
-            ctx,
+        payload = outcome(
             success=success,
             duration_ms=duration_ms,
             node_count=node_count,
@@ -165,8 +163,9 @@ def build(client: AlmaClient) -> MCPServer:
             task=task,
             artifacts=artifacts,
         )
-        applied = await client.applied(ctx, event_id)
-        return {"event_id": event_id, "effect": applied.effect}
+        event = client.event("workflow.completed", ctx, payload)
+        applied = await client.publish(event, wait="applied")
+        return {"event_id": applied.event_id, "effect": applied.effect}
 
     @server.tool()
     @_tool_errors

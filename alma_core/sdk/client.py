@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, overload
 
 import asyncpg
 from aiokafka import AIOKafkaProducer
@@ -71,6 +71,10 @@ class Applied:
     effect: str
     seq: int | None
 
+
+Wait = Literal["published", "applied"]
+"""How long a publish waits: until the broker has the event (``published``), or until
+the checkpointer has had its effect too (``applied``: read-your-writes)."""
 
 log = logging.getLogger("alma.sdk")
 
@@ -332,9 +336,35 @@ class AlmaClient:
         latest = max(heads.values(), key=lambda cp: cp.seq) if heads else None
         return ResumePoint(ctx.run_id, latest, heads, await reader.status(ctx.run_id))
 
-    async def publish(self, event: Event) -> str:
+    @overload
+    async def publish(
+        self,
+        event: Event,
+        *,
+        wait: Literal["published"] = "published",
+        timeout: float = 30.0,  # noqa: ASYNC109
+    ) -> str: ...
+
+    @overload
+    async def publish(
+        self,
+        event: Event,
+        *,
+        wait: Literal["applied"],
+        timeout: float = 30.0,  # noqa: ASYNC109
+    ) -> Applied: ...
+
+    async def publish(
+        self,
+        event: Event,
+        *,
+        wait: Wait = "published",
+        timeout: float = 30.0,  # noqa: ASYNC109 - the SDK's documented parameter
+    ) -> str | Applied:
         """Publish one contract event and wait for the broker's acknowledgement (so one
-        caller's events of a run cannot overtake each other). Returns its event_id."""
+        caller's events of a run cannot overtake each other); returns its event_id.
+        ``wait="applied"``: then wait until the checkpointer has had its effect and return
+        it (:meth:`applied`: raises the event's rejection, or EffectTimeout)."""
         record = encode(event)
         if len(record) > self.settings.max_record_bytes:
             raise errors.RecordTooLarge(
@@ -343,6 +373,8 @@ class AlmaClient:
                 "large values out of the state (an artifact reference), or raise the limit "
                 "on the broker's topic and in ALMA_MAX_RECORD_BYTES alike"
             )
+        if wait == "applied" and self._reads is not None:
+            await self._effect_listener()  # (re)opened before the send: no first read
         # watch the run from before the send, so applied() needs no read before its wait
         # (only on a listener already open: a client that never waits opens none)
         listener = self._effects if self._effects is not None and self._effects.alive else None
@@ -356,7 +388,10 @@ class AlmaClient:
             if listener is not None:
                 listener.forget(event.event_id)
             raise
-        return event.event_id
+        if wait == "published":
+            return event.event_id
+        ctx = WorkflowContext(event.tenant_id, event.workflow_id, None, event.run_id)
+        return await self.applied(ctx, event.event_id, timeout=timeout)
 
     async def publish_record(self, value: bytes, key: bytes | None) -> None:
         """Send one record to the lifecycle topic as it is (a dead letter sent back:
@@ -404,10 +439,14 @@ class AlmaClient:
         attempt: int | None = None,
         input: dict[str, Any] | None = None,
         event_id: str | None = None,
+        wait: Wait = "published",
+        timeout: float = 30.0,  # noqa: ASYNC109 - the SDK's documented parameter
     ) -> str:
-        return await self.publish(
-            self.event("node.started", ctx, {"attempt": attempt, "input": input}, event_id=event_id)
-        )
+        """Publish ``node.started``; ``wait`` and ``timeout`` as :meth:`publish` (the
+        effect, when ``applied``, is raised if refused). Returns the event id, as each
+        of these calls does; :meth:`publish` of :meth:`event` returns the effect too."""
+        payload = {"attempt": attempt, "input": input}
+        return await self._send("node.started", ctx, payload, event_id, wait, timeout)
 
     async def node_completed(
         self,
@@ -418,6 +457,8 @@ class AlmaClient:
         expected_seq: int | None = None,
         metadata: dict[str, Any] | None = None,
         event_id: str | None = None,
+        wait: Wait = "published",
+        timeout: float = 30.0,  # noqa: ASYNC109 - the SDK's documented parameter
     ) -> str:
         """A checkpoint: the full ``state``, or ``updates`` folded with the run's reducers."""
         payload = {
@@ -426,7 +467,7 @@ class AlmaClient:
             "expected_seq": expected_seq,
             "metadata": metadata,
         }
-        return await self.publish(self.event("node.completed", ctx, payload, event_id=event_id))
+        return await self._send("node.completed", ctx, payload, event_id, wait, timeout)
 
     async def node_failed(
         self,
@@ -438,6 +479,8 @@ class AlmaClient:
         updates: dict[str, Any] | None = None,
         attempt: int | None = None,
         event_id: str | None = None,
+        wait: Wait = "published",
+        timeout: float = 30.0,  # noqa: ASYNC109 - the SDK's documented parameter
     ) -> str:
         payload = {
             "error": {"type": error_type, "message": message},
@@ -445,7 +488,7 @@ class AlmaClient:
             "state": state,
             "updates": updates,
         }
-        return await self.publish(self.event("node.failed", ctx, payload, event_id=event_id))
+        return await self._send("node.failed", ctx, payload, event_id, wait, timeout)
 
     async def workflow_completed(
         self,
@@ -461,19 +504,37 @@ class AlmaClient:
         artifacts: list[dict[str, Any]] | None = None,
         cleanup_checkpoints: bool | None = None,
         event_id: str | None = None,
+        wait: Wait = "published",
+        timeout: float = 30.0,  # noqa: ASYNC109 - the SDK's documented parameter
     ) -> str:
-        payload = {
-            "outcome": "success" if success else "failure",
-            "duration_ms": duration_ms,
-            "node_count": node_count,
-            "nodes_succeeded": nodes_succeeded,
-            "nodes_failed": nodes_failed,
-            "error_message": error_message,
-            "task": task,
-            "artifacts": artifacts,
-            "cleanup_checkpoints": cleanup_checkpoints,
-        }
-        return await self.publish(self.event("workflow.completed", ctx, payload, event_id=event_id))
+        """Publish a finished run's outcome (for the learner); see :func:`outcome`."""
+        payload = outcome(
+            success=success,
+            duration_ms=duration_ms,
+            node_count=node_count,
+            nodes_succeeded=nodes_succeeded,
+            nodes_failed=nodes_failed,
+            error_message=error_message,
+            task=task,
+            artifacts=artifacts,
+            cleanup_checkpoints=cleanup_checkpoints,
+        )
+        return await self._send("workflow.completed", ctx, payload, event_id, wait, timeout)
+
+    async def _send(
+        self,
+        type_: str,
+        ctx: WorkflowContext,
+        payload: dict[str, Any],
+        event_id: str | None,
+        wait: Wait,
+        timeout: float,  # noqa: ASYNC109 - passed on to publish
+    ) -> str:
+        event = self.event(type_, ctx, payload, event_id=event_id)
+        if wait == "applied":
+            await self.publish(event, wait="applied", timeout=timeout)
+            return event.event_id
+        return await self.publish(event)
 
     async def merge(
         self,
@@ -518,6 +579,32 @@ class AlmaClient:
         if reply.status == "error":
             raise errors.MergeFailed(f"join {join_id!r} of run {ctx.run_id!r}: {reply.error}")
         return reply
+
+
+def outcome(
+    *,
+    success: bool,
+    duration_ms: int,
+    node_count: int,
+    nodes_succeeded: int,
+    nodes_failed: int,
+    error_message: str | None = None,
+    task: str | None = None,
+    artifacts: list[dict[str, Any]] | None = None,
+    cleanup_checkpoints: bool | None = None,
+) -> dict[str, Any]:
+    """A ``workflow.completed`` payload (for :meth:`AlmaClient.event`)."""
+    return {
+        "outcome": "success" if success else "failure",
+        "duration_ms": duration_ms,
+        "node_count": node_count,
+        "nodes_succeeded": nodes_succeeded,
+        "nodes_failed": nodes_failed,
+        "error_message": error_message,
+        "task": task,
+        "artifacts": artifacts,
+        "cleanup_checkpoints": cleanup_checkpoints,
+    }
 
 
 def no_bootstrap(s: Settings) -> str:

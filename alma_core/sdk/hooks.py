@@ -9,12 +9,13 @@ failures, time), so ``on_workflow_complete`` fills the outcome's counts itself.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Awaitable
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from alma_core.sdk.client import AlmaClient
+from alma_core.sdk.client import AlmaClient, Wait
 from alma_core.types import WorkflowContext
 
 
@@ -45,15 +46,17 @@ class WorkflowHooks:
         self.checkpoint_seconds: list[float] = []  # publish → durable, per durable hook
         self.merge_seconds: list[float] = []  # join request → durable merged reply
 
-    async def _checkpoint(self, ctx: WorkflowContext, publishing: Awaitable[str]) -> str:
-        """Publish (the client call, not yet awaited); if durable, return once the
-        event has had its effect."""
+    @property
+    def _wait(self) -> Wait:
+        return "applied" if self.durable else "published"
+
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        """Time a durable hook, publish to durable, into ``checkpoint_seconds``."""
         started = time.perf_counter()
-        event_id = await publishing
+        yield
         if self.durable:
-            await self.client.applied(ctx, event_id)
             self.checkpoint_seconds.append(time.perf_counter() - started)
-        return event_id
 
     def _tally(self, ctx: WorkflowContext) -> RunTally:
         return self.tallies.setdefault(ctx.run_id or "", RunTally())
@@ -64,7 +67,8 @@ class WorkflowHooks:
         """Checkpoint the run's input as its first state (not counted as a node)."""
         self._tally(ctx)
         at = replace(ctx, node_id=node_id, branch_id=None)
-        return await self._checkpoint(at, self.client.node_completed(at, state=state))
+        with self._timed():
+            return await self.client.node_completed(at, state=state, wait=self._wait)
 
     async def on_node_start(
         self,
@@ -86,9 +90,10 @@ class WorkflowHooks:
         metadata: dict[str, Any] | None = None,
     ) -> str:
         """Checkpoint the node: its full ``state`` or its ``updates``."""
-        event_id = await self._checkpoint(
-            ctx, self.client.node_completed(ctx, state=state, updates=updates, metadata=metadata)
-        )
+        with self._timed():
+            event_id = await self.client.node_completed(
+                ctx, state=state, updates=updates, metadata=metadata, wait=self._wait
+            )
         self._tally(ctx).last_status[ctx.node_id or ""] = "completed"
         return event_id
 
@@ -102,16 +107,15 @@ class WorkflowHooks:
     ) -> str:
         """Record the failure (a ``failure`` checkpoint if state or updates are given);
         a later completion of the same node (a retry) counts it as succeeded."""
-        event_id = await self._checkpoint(
-            ctx,
-            self.client.node_failed(
+        with self._timed():
+            event_id = await self.client.node_failed(
                 ctx,
                 error_type=type(error).__name__,
                 message=str(error),
                 state=state,
                 updates=updates,
-            ),
-        )
+                wait=self._wait,
+            )
         self._tally(ctx).last_status[ctx.node_id or ""] = "failed"
         return event_id
 

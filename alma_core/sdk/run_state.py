@@ -52,10 +52,10 @@ class RunState:
             fields = dict.fromkeys(self.counters, "sum") | dict.fromkeys(self.lists, "append")
             await self.client.register_reducers(self.ctx, fields)
             self._declared = True
-        event_id = await self.client.node_completed(
-            self.ctx, updates=updates, expected_seq=expected_seq
+        event = self.client.event(
+            "node.completed", self.ctx, {"updates": updates, "expected_seq": expected_seq}
         )
-        applied = await self.client.applied(self.ctx, event_id, timeout=self.timeout)
+        applied = await self.client.publish(event, wait="applied", timeout=self.timeout)
         self.seq = applied.seq
         return applied.seq
 

@@ -160,15 +160,11 @@ class Timeline:
             "branch_id": branch_id,
             "state_hash": source.state_hash,
         }
-        event_id = await self.client.node_completed(
-            new,
-            state=source.state,
-            expected_seq=0,
-            metadata={"forked_from": lineage},
-            event_id=history.fork_event_id(tenant, run, at_seq, new_run_id),
-        )
+        payload = {"state": source.state, "expected_seq": 0, "metadata": {"forked_from": lineage}}
+        event_id = history.fork_event_id(tenant, run, at_seq, new_run_id)
+        event = self.client.event("node.completed", new, payload, event_id=event_id)
         try:
-            return await self.client.applied(new, event_id, timeout=timeout)
+            return await self.client.publish(event, wait="applied", timeout=timeout)
         except errors.StaleExpectedSeq as exc:
             raise errors.StaleExpectedSeq(
                 f"run {new_run_id!r} has checkpoints already: a fork starts a new run. "

@@ -29,7 +29,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
@@ -47,14 +47,13 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 from langgraph.checkpoint.serde.types import ERROR, TASKS, _DeltaSnapshot
 
 from alma_core import errors
-from alma_core.sdk.client import AlmaClient
+from alma_core.sdk.client import AlmaClient, Wait
 from alma_core.settings import Settings
 from alma_core.storage import graphs, runs
 from alma_core.storage.inflight import TTL_S
 from alma_core.storage.migrations import Migrator
 from alma_core.types import WorkflowContext
 
-Wait = Literal["applied", "published"]
 _PULL, _PUSH = "~__pregel_pull, ", "~__pregel_push, "
 _SENDS_KEPT = 1024  # checkpoints whose Send targets are remembered (a Send task's node)
 _SEND_WAIT_S = 5.0  # the longest a Send task's writes wait for their checkpoint's aput
@@ -203,10 +202,11 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         ctx = self._ctx(thread_id)
         if node_id is not None:
             ctx = WorkflowContext(**{**ctx.__dict__, "node_id": node_id})
-        event_id = await self.client.publish(self.client.event(type_, ctx, payload))
+        event = self.client.event(type_, ctx, payload)
         if (wait or self.wait) == "applied":
-            await self.client.applied(ctx, event_id, timeout=self.timeout)
+            await self.client.publish(event, wait="applied", timeout=self.timeout)
             return
+        event_id = await self.client.publish(event)
         if not await (await self.client.in_flight()).mark(self.tenant_id, thread_id, event_id):
             # Redis cannot tell other processes of it: wait as "applied" (never stale)
             await self.client.applied(ctx, event_id, timeout=self.timeout)
@@ -611,7 +611,7 @@ class AlmaSaver(BaseCheckpointSaver[str]):
             started = summary.started_at or datetime.now(UTC)
             duration_ms = max(0, int((datetime.now(UTC) - started).total_seconds() * 1000))
         ok = failed == 0 if success is None else success
-        published = await self.client.workflow_completed(
+        return await self.client.workflow_completed(
             self._ctx(thread),
             success=ok,
             duration_ms=duration_ms,
@@ -621,10 +621,9 @@ class AlmaSaver(BaseCheckpointSaver[str]):
             error_message=error_message or (None if ok else summary.first_error),
             task=task,
             event_id=event_id,
+            wait=self.wait,
+            timeout=self.timeout,
         )
-        if self.wait == "applied":
-            await self.client.applied(self._ctx(thread), published, timeout=self.timeout)
-        return published
 
     # -- sync calls, from threads other than the loop's -------------------------------
 

@@ -163,10 +163,10 @@ class _Nodes:
                     metadata={
                         "temporal": {"activity_id": info.activity_id, "attempt": info.attempt}
                     },
+                    wait="applied" if self.plugin.durable else "published",
+                    timeout=self.plugin.effect_timeout,
                 )
             )
-            if self.plugin.durable:
-                await client.applied(ctx, completion, timeout=self.plugin.effect_timeout)
         except errors.EffectTimeout as exc:
             log.warning(  # in Kafka, not yet applied: the checkpoint comes later
                 "the node's checkpoint was not confirmed in time; the activity completes",
