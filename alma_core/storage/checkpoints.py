@@ -27,13 +27,11 @@ import asyncpg
 
 from alma_core import errors
 from alma_core.joining import error_reply
-from alma_core.reducers import ReducerConfig, ReducerRegistry
+from alma_core.reducers import ReducerRegistry
 from alma_core.sequencing import (
     CheckpointRow,
-    Head,
     HeadKey,
     RunKey,
-    RunView,
     Sequencer,
     branch_key,
 )
@@ -49,8 +47,10 @@ from alma_core.storage.batches import (
 )
 from alma_core.storage.cache import CacheEntry, cache_entries
 from alma_core.storage.effects import CHANNEL, NOTIFY, announce, tokens
+from alma_core.storage.locked import load_locked, lock_runs
 from alma_core.storage.offsets import ADVANCE, advance_args, ends
 from alma_core.storage.outbox import OutboxRow, join_reply
+from alma_core.storage.postgres import columns
 from alma_core.types import Checkpoint
 from schemas import jsoncodec
 from schemas.decoder import Decoded, Rejection
@@ -116,34 +116,6 @@ def _audit_payload(event: Event) -> str:
 def _needs_head_state(event: Decoded) -> bool:
     """An event folded into its branch's head (``updates``, or a failure without state)."""
     return isinstance(event, NodeCompleted | NodeFailed) and event.payload.state is None
-
-
-def _pairs(keys: set[tuple[str, str]]) -> tuple[list[str], list[str]]:
-    """Two parallel arrays for ``unnest``, in a fixed order (locks are taken in it)."""
-    ordered = sorted(keys)
-    return [a for a, _ in ordered], [b for _, b in ordered]
-
-
-# What a batch reads once its runs are locked, in one statement (see _load_rest).
-_LOAD = """
-SELECT
-  (SELECT coalesce(json_agg(json_build_array(h.tenant_id, h.run_id, h.branch_key, h.seq,
-                                             h.state_hash, CASE WHEN u.f THEN c.state END)),
-                   '[]')
-   FROM run_heads h
-   JOIN unnest($1::text[], $2::text[], $3::bool[]) AS u(t, r, f)
-     ON h.tenant_id = u.t AND h.run_id = u.r
-   LEFT JOIN checkpoints c ON u.f AND c.tenant_id = h.tenant_id
-                          AND c.run_id = h.run_id AND c.seq = h.seq) AS heads,
-  (SELECT coalesce(json_agg(json_build_array(rc.tenant_id, rc.workflow_id, rc.config)), '[]')
-   FROM reducer_configs rc
-   JOIN unnest($4::text[], $5::text[]) AS u(t, w)
-     ON rc.tenant_id = u.t AND rc.workflow_id = u.w) AS configs,
-  (SELECT coalesce(json_agg(json_build_array(e.tenant_id, e.event_id, e.run_id)), '[]')
-   FROM run_events e
-   JOIN unnest($6::text[], $7::text[]) AS u(t, i)
-     ON e.tenant_id = u.t AND e.event_id = u.i) AS known
-"""
 
 
 # A batch's writes, one statement: each table's rows from parallel arrays. Sibling
@@ -218,13 +190,22 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
             r.decoded for rs in todo.values() for r in rs if not isinstance(r.decoded, Rejection)
         ]
         batch_runs = {(e.tenant_id, e.run_id) for e in events}
-        runs = await self._load_runs(conn, batch_runs)
-        loaded_heads, configs, known = await self._load_rest(conn, events, batch_runs)
+        runs = await lock_runs(conn, batch_runs)
+        # the head states only of runs whose events fold into a head (a branch's first
+        # checkpoint takes the main line as its parent); those events' workflows' reducers
+        folds = [e for e in events if _needs_head_state(e)]
+        loaded = await load_locked(
+            conn,
+            batch_runs,
+            with_state={(e.tenant_id, e.run_id) for e in folds},
+            workflows={(e.tenant_id, e.workflow_id) for e in folds},
+            event_ids={(e.tenant_id, e.event_id) for e in events},
+        )
         sequencer = Sequencer(
             runs=runs,
-            heads=loaded_heads,
-            reducer_configs=configs,
-            known_event_ids=known,
+            heads=loaded.heads,
+            reducer_configs=loaded.configs,
+            known_event_ids=loaded.known,
             registry=self.registry,
             max_state_bytes=self.config.max_state_bytes,
         )
@@ -266,60 +247,6 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
             duplicates=effects.duplicates,
             created_at=created_at,
         )
-
-    # -- loads ----------------------------------------------------------------
-
-    async def _load_runs(
-        self, conn: asyncpg.Connection, runs: set[RunKey]
-    ) -> dict[RunKey, RunView]:
-        tenants, run_ids = _pairs(runs)
-        rows = await conn.fetch(
-            """SELECT r.run_id, r.tenant_id, r.workflow_id, r.workflow_version, r.status,
-                      r.last_seq, r.event_count, r.completed_at,
-                      r.released_at IS NOT NULL AS released,
-                      (r.checkpoints_pruned_at IS NOT NULL
-                       OR r.events_pruned_at IS NOT NULL) AS pruned
-               FROM runs r JOIN unnest($1::text[], $2::text[]) AS u(t, r)
-                 ON r.tenant_id = u.t AND r.run_id = u.r
-               ORDER BY r.tenant_id, r.run_id FOR UPDATE OF r""",
-            tenants,
-            run_ids,
-        )
-        return {(r["tenant_id"], r["run_id"]): RunView(**dict(r)) for r in rows}
-
-    async def _load_rest(
-        self, conn: asyncpg.Connection, events: list[Event], runs: set[RunKey]
-    ) -> tuple[
-        dict[HeadKey, Head], dict[tuple[str, str], ReducerConfig], dict[tuple[str, str], str]
-    ]:
-        """After the runs are locked, the rest in one round trip: every head of the
-        batch's runs (the state only of runs whose events fold into a head: a branch's
-        first checkpoint takes the main line as its parent), the reducer configs of
-        their workflows, and (tenant, event id) -> run for the batch's events the
-        tenant used before."""
-        tenants, run_ids = _pairs(runs)
-        folds = [e for e in events if _needs_head_state(e)]
-        folding = {(e.tenant_id, e.run_id) for e in folds}
-        workflows = sorted({(e.tenant_id, e.workflow_id) for e in folds})
-        ids = sorted({(e.tenant_id, e.event_id) for e in events})
-        row = await conn.fetchrow(
-            _LOAD,
-            tenants,
-            run_ids,
-            [run in folding for run in zip(tenants, run_ids, strict=True)],
-            [t for t, _ in workflows],
-            [w for _, w in workflows],
-            [t for t, _ in ids],
-            [i for _, i in ids],
-        )
-        assert row is not None
-        heads = {
-            (t, r, key): Head(seq, state_hash, state or {})
-            for t, r, key, seq, state_hash, state in row["heads"]
-        }
-        configs = {(t, w): ReducerConfig.from_json(config) for t, w, config in row["configs"]}
-        known = {(t, i): r for t, i, r in row["known"]}
-        return heads, configs, known
 
     # -- writes ---------------------------------------------------------------
 
@@ -365,9 +292,7 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
                 [c.size_bytes for c in cps],
                 [jsoncodec.compact(c.metadata).decode() for c in cps],
                 created_at,
-                [t for t, _, _ in heads],
-                [r for _, r, _ in heads],
-                [k for _, _, k in heads],
+                *columns(heads, 3),
                 [row.seq for row in heads.values()],
                 [row.state_hash for row in heads.values()],
                 [e.event.event_id for e in events],

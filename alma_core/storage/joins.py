@@ -23,8 +23,8 @@ from datetime import UTC, datetime
 import asyncpg
 
 from alma_core.joining import JoinDecision, JoinPlanner, RunAtJoin
-from alma_core.reducers import ReducerConfig, ReducerRegistry
-from alma_core.sequencing import MAIN, Head, canonical_json
+from alma_core.reducers import ReducerRegistry
+from alma_core.sequencing import MAIN, canonical_json
 from alma_core.storage import outbox
 from alma_core.storage.batches import (
     RUN_SEQ_HEADER,
@@ -35,7 +35,9 @@ from alma_core.storage.batches import (
     dead_letter_for,
 )
 from alma_core.storage.cache import cache_entries, consumed_entries
+from alma_core.storage.locked import load_locked, lock_runs
 from alma_core.storage.outbox import OutboxRow
+from alma_core.storage.postgres import columns
 from alma_core.types import Checkpoint
 from schemas.decoder import Rejection
 from schemas.events import BranchJoin
@@ -109,40 +111,23 @@ class PostgresJoinStore(BatchStore[None, JoinEffects]):
     async def _load(
         self, conn: asyncpg.Connection, joins: list[tuple[Incoming, BranchJoin]]
     ) -> JoinPlanner:
-        """Everything the batch's joins need, in five statements whatever their number.
-        A run is (tenant, run id) throughout."""
-        keys = sorted({(e.tenant_id, e.run_id) for _, e in joins})
-        tenants, run_ids = [t for t, _ in keys], [r for _, r in keys]
-        # lock the runs in one order: no deadlock with the checkpointer
-        rows = await conn.fetch(
-            """SELECT r.run_id, r.tenant_id, r.workflow_id, r.last_seq,
-                      (r.checkpoints_pruned_at IS NOT NULL
-                       OR r.events_pruned_at IS NOT NULL) AS pruned
-               FROM runs r
-               JOIN unnest($1::text[], $2::text[]) AS u(t, r)
-                 ON r.tenant_id = u.t AND r.run_id = u.r
-               ORDER BY r.tenant_id, r.run_id FOR UPDATE OF r""",
-            tenants,
-            run_ids,
+        """Everything the batch's joins need, in four statements whatever their number:
+        the runs locked (:mod:`alma_core.storage.locked`), their heads with states and
+        their workflows' reducers, the replies given before, the positions' later nodes."""
+        keys = {(e.tenant_id, e.run_id) for _, e in joins}
+        locked = await lock_runs(conn, keys)
+        loaded = await load_locked(
+            conn,
+            locked,
+            with_state=set(locked),
+            workflows={(run.tenant_id, run.workflow_id) for run in locked.values()},
         )
         runs = {
-            (r["tenant_id"], r["run_id"]): RunAtJoin(
-                r["tenant_id"], r["workflow_id"], r["last_seq"], {}, r["pruned"]
-            )
-            for r in rows
+            key: RunAtJoin(run.tenant_id, run.workflow_id, run.last_seq, {}, run.pruned)
+            for key, run in locked.items()
         }
-        for r in await conn.fetch(
-            """SELECT h.tenant_id, h.run_id, h.branch_key, h.seq, h.state_hash, c.state
-               FROM run_heads h
-               JOIN unnest($1::text[], $2::text[]) AS u(t, r)
-                 ON h.tenant_id = u.t AND h.run_id = u.r
-               JOIN checkpoints c ON c.tenant_id = h.tenant_id AND c.run_id = h.run_id
-                                 AND c.seq = h.seq""",
-            tenants,
-            run_ids,
-        ):
-            head = Head(r["seq"], r["state_hash"], r["state"])
-            runs[(r["tenant_id"], r["run_id"])].heads[r["branch_key"]] = head
+        for (tenant, run_id, branch), head in loaded.heads.items():
+            runs[(tenant, run_id)].heads[branch] = head
         asked = sorted({(e.tenant_id, e.run_id, e.payload.join_id) for _, e in joins})
         replies = {
             (r["tenant_id"], r["run_id"], r["join_id"]): r["reply"]
@@ -150,20 +135,7 @@ class PostgresJoinStore(BatchStore[None, JoinEffects]):
                 """SELECT j.tenant_id, j.run_id, j.join_id, j.reply FROM joins j
                    JOIN unnest($1::text[], $2::text[], $3::text[]) AS u(t, r, j)
                      ON j.tenant_id = u.t AND j.run_id = u.r AND j.join_id = u.j""",
-                [k[0] for k in asked],
-                [k[1] for k in asked],
-                [k[2] for k in asked],
-            )
-        }
-        workflows = sorted({(run.tenant_id, run.workflow_id) for run in runs.values()})
-        registered = {
-            (r["tenant_id"], r["workflow_id"]): ReducerConfig.from_json(r["config"])
-            for r in await conn.fetch(
-                """SELECT c.tenant_id, c.workflow_id, c.config FROM reducer_configs c
-                   JOIN unnest($1::text[], $2::text[]) AS u(t, w)
-                     ON c.tenant_id = u.t AND c.workflow_id = u.w""",
-                [t for t, _ in workflows],
-                [w for _, w in workflows],
+                *columns(asked, 3),
             )
         }
         positions = sorted(
@@ -181,16 +153,14 @@ class PostgresJoinStore(BatchStore[None, JoinEffects]):
                            WHERE c.tenant_id = u.t AND c.run_id = u.r AND c.seq > u.p
                              AND c.kind <> 'merge') AS later
                    FROM unnest($1::text[], $2::text[], $3::bigint[]) AS u(t, r, p)""",
-                [k[0] for k in positions],
-                [k[1] for k in positions],
-                [k[2] for k in positions],
+                *columns(positions, 3),
             )
             if r["later"] is not None
         }
         return JoinPlanner(
             runs=runs,
             replies=replies,
-            registered=registered,
+            registered=loaded.configs,
             later_node=later_node,
             registry=self.registry,
             max_state_bytes=self.config.max_state_bytes,
@@ -256,9 +226,7 @@ class PostgresJoinStore(BatchStore[None, JoinEffects]):
                 """DELETE FROM run_heads h
                    USING unnest($1::text[], $2::text[], $3::text[]) AS u(t, r, b)
                    WHERE h.tenant_id = u.t AND h.run_id = u.r AND h.branch_key = u.b""",
-                [t for t, _, _ in consumed],
-                [r for _, r, _ in consumed],
-                [b for _, _, b in consumed],
+                *columns(consumed, 3),
             )
         if decisions:
             await conn.executemany(

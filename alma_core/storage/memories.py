@@ -29,6 +29,7 @@ from alma_core.sequencing import Coordinates
 from alma_core.storage import retention
 from alma_core.storage.batches import Batch, BatchStore, Effects, dead_letter_for, guarded
 from alma_core.storage.embeddings import Vector, vector_literal
+from alma_core.storage.postgres import columns
 from schemas.decoder import Rejection
 from schemas.events import ArtifactRef, WorkflowCompleted
 
@@ -115,8 +116,7 @@ class PostgresLearnStore(BatchStore[dict[Coordinates, Prepared], LearnEffects]):
                    WHERE e.type IN ('node.completed', 'node.failed')
                       OR (e.type = 'graph.writes' AND e.node_id IS NOT NULL)
                    ORDER BY e.tenant_id, e.run_id, e.ordinal""",
-                [t for t, _ in runs],
-                [r for _, r in runs],
+                *columns(runs, 2),
             )
             return rows
 
@@ -346,9 +346,7 @@ class PostgresLearnStore(BatchStore[dict[Coordinates, Prepared], LearnEffects]):
                 LEFT JOIN workflow_outcomes o
                   ON o.tenant_id = u.t AND o.workflow_id = u.w AND o.{column} = u.k
                 GROUP BY u.t, u.w, u.k""",
-            [k[0] for k in keys],
-            [k[1] for k in keys],
-            [k[2] for k in keys],
+            *columns(keys, 3),
         )
         return {(r["t"], r["w"], r["k"]): (r["n"], r["c"]) for r in rows}
 

@@ -27,6 +27,8 @@ from typing import Generic, Protocol, TypeVar
 
 import asyncpg
 
+from alma_core.storage.postgres import columns
+
 PartitionKey = tuple[str, int]  # (topic, partition): a plain key, not aiokafka's TopicPartition
 
 
@@ -94,8 +96,7 @@ async def stored_offsets(
              AND (topic, partition) IN (SELECT * FROM unnest($3::text[], $4::int[]))""",
         group_id,
         cluster_id,
-        [t for t, _ in partitions],
-        [p for _, p in partitions],
+        *columns(partitions, 2),
     )
     return {(r["topic"], r["partition"]): r["next_offset"] for r in rows}
 
@@ -123,8 +124,7 @@ async def fence(
            RETURNING topic, partition, next_offset""",
         group_id,
         cluster_id,
-        [t for t, _ in tps],
-        [p for _, p in tps],
+        *columns(tps, 2),
         firsts,
     )
     stored = {(r["topic"], r["partition"]): r["next_offset"] for r in rows}
@@ -164,7 +164,8 @@ def advance_args(
     group_id: str, cluster_id: str, nexts: dict[PartitionKey, int]
 ) -> tuple[list[str], list[int], list[int], str, str]:
     """ADVANCE's values: topics, partitions, next offsets, group, broker cluster."""
-    return [t for t, _ in nexts], [p for _, p in nexts], list(nexts.values()), group_id, cluster_id
+    topics, partitions = columns(nexts, 2)
+    return topics, partitions, list(nexts.values()), group_id, cluster_id
 
 
 async def advance(

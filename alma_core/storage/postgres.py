@@ -19,7 +19,7 @@ dead-lettered for them. Anything else PostgreSQL says is about the data and is
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 import asyncpg
@@ -108,15 +108,16 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
 
 
 async def _keep_session(conn: asyncpg.Connection) -> None:
-    """What a connection goes back to the pool with: nothing to undo.
+    """A connection goes back to the pool as it is: nothing sent on a pooled connection
+    outlives its transaction (docs/operations.md, "PostgreSQL connections";
+    ``tests/unit/test_pooled_sessions.py`` keeps it so)."""
 
-    Nothing this project sends on a pooled connection outlives its transaction
-    (``SET LOCAL``, ``set_config(..., true)``, transaction-level advisory locks; the
-    effect listeners hold connections of their own), and the pool still rolls back a
-    transaction left open. asyncpg's default reset (``pg_advisory_unlock_all(); CLOSE
-    ALL; UNLISTEN *; RESET ALL``) would cost a round trip on every release: one per
-    checkpointer batch, per retrieval search, per ``applied()`` read.
-    ``tests/unit/test_pooled_sessions.py`` keeps session-level state out of the code."""
+
+def columns(rows: Iterable[Sequence[Any]], width: int) -> list[list[Any]]:
+    """Rows as ``width`` parallel arrays, the parameters of ``unnest($1, $2, ...)``
+    (``width`` empty arrays for no rows)."""
+    arrays = [list(column) for column in zip(*rows, strict=True)]
+    return arrays or [[] for _ in range(width)]
 
 
 async def create_pool(

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import asyncpg
 
 from alma_core.settings import RetentionPolicy
-from alma_core.storage.postgres import is_storage_failure, storage_error
+from alma_core.storage.postgres import columns, is_storage_failure, storage_error
 
 RunKeys = list[tuple[str, str]]  # (tenant, run id)
 
@@ -69,7 +69,7 @@ class PruneResult:
 async def delete_checkpoints(conn: asyncpg.Connection, runs: RunKeys) -> int:
     """Delete these runs' checkpoints, branch heads and superseded states in the
     caller's transaction; how many checkpoints went."""
-    tenants, run_ids = _columns(runs)
+    tenants, run_ids = columns(runs, 2)
     deleted = await conn.fetchval(
         """WITH gone AS (
              DELETE FROM checkpoints c USING unnest($1::text[], $2::text[]) u(t, r)
@@ -147,7 +147,7 @@ async def _closed_runs(conn: asyncpg.Connection, unpruned: str, age_s: float, n:
 
 
 async def _mark(conn: asyncpg.Connection, column: str, runs: RunKeys) -> None:
-    tenants, run_ids = _columns(runs)
+    tenants, run_ids = columns(runs, 2)
     await conn.execute(
         f"""UPDATE runs r SET {column} = now() FROM unnest($1::text[], $2::text[]) u(t, r)
             WHERE r.tenant_id = u.t AND r.run_id = u.r""",
@@ -157,7 +157,7 @@ async def _mark(conn: asyncpg.Connection, column: str, runs: RunKeys) -> None:
 
 
 async def _delete_of_runs(conn: asyncpg.Connection, table: str, key: str, runs: RunKeys) -> int:
-    tenants, run_ids = _columns(runs)
+    tenants, run_ids = columns(runs, 2)
     deleted = await conn.fetchval(
         f"""WITH gone AS (
               DELETE FROM {table} x USING unnest($1::text[], $2::text[]) u(t, r)
@@ -267,7 +267,3 @@ async def _outcome_memories_batch(
     )
     result.outcome_memories += len(gone)
     return True
-
-
-def _columns(runs: RunKeys) -> tuple[list[str], list[str]]:
-    return [t for t, _ in runs], [r for _, r in runs]
