@@ -31,7 +31,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from alma_core.memory import Memory, MemoryKind, WorkflowOutcome
+from alma_core.memory import MemoryKind
 
 NEUTRAL = 0.5
 
@@ -104,18 +104,6 @@ def _age_days(when: datetime | None, now: datetime) -> float:
     return 0.0 if when is None else (now - when).total_seconds() / 86400.0
 
 
-def memory_signals(memory: Memory, distance: float, now: datetime) -> Signals:
-    return kind_signals(
-        memory.kind,
-        memory.occurrences,
-        memory.successes,
-        memory.confidence,
-        memory.updated_at or memory.created_at,
-        distance,
-        now,
-    )
-
-
 def kind_signals(
     kind: str,
     occurrences: int,
@@ -137,10 +125,6 @@ def kind_signals(
         success_rate=success,
         confidence=min(1.0, max(0.0, confidence)),
     )
-
-
-def outcome_signals(outcome: WorkflowOutcome, distance: float, now: datetime) -> Signals:
-    return run_signals(outcome.success, outcome.created_at, distance, now)
 
 
 def run_signals(success: bool, created: datetime | None, distance: float, now: datetime) -> Signals:

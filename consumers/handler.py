@@ -22,17 +22,9 @@ from dataclasses import replace
 from typing import Any, Generic, Protocol
 
 from alma_core import errors
-from alma_core.storage.batches import (
-    Applied,
-    Batch,
-    BatchStore,
-    EffectsT,
-    Incoming,
-    PreparedT,
-    dead_letter_for,
-    dead_letter_headers,
-)
+from alma_core.storage.batches import Applied, Batch, BatchStore, EffectsT, Incoming, PreparedT
 from alma_core.storage.cache import CacheWriter
+from alma_core.storage.dead_letters import dead_letter_for, dead_letter_headers
 from alma_core.storage.offsets import PartitionKey, Progress
 from consumers.metrics import Metrics
 from schemas.decoder import Rejection, RejectReason, decode

@@ -15,22 +15,20 @@ Kafka.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import asyncpg
 
-from alma_core import errors
 from alma_core.sequencing import Coordinates
 from alma_core.storage import dead_letters, offsets, outbox
 from alma_core.storage.cache import CacheEntry
-from alma_core.storage.dead_letters import storable
+from alma_core.storage.dead_letters import DeadLetter, dead_letter_record
 from alma_core.storage.offsets import PartitionKey, Progress
 from alma_core.storage.outbox import OutboxRow
 from alma_core.storage.postgres import is_storage_failure, storage_error
-from schemas.decoder import Decoded, Rejection
+from schemas.decoder import Decoded
 
 T = TypeVar("T")
 Batch = dict[PartitionKey, list["Incoming"]]
@@ -68,51 +66,6 @@ class Incoming:
     @property
     def coords(self) -> Coordinates:
         return Coordinates(self.topic, self.partition, self.offset)
-
-
-@dataclass(frozen=True)
-class DeadLetter:
-    record: Incoming
-    reason: str
-    detail: str
-    event_id: str | None
-    run_id: str | None
-    tenant_id: str | None
-
-
-def dead_letter_for(record: Incoming, exc: errors.AlmaError | Rejection) -> DeadLetter:
-    if isinstance(exc, Rejection):
-        return DeadLetter(
-            record, exc.reason.value, exc.describe(), exc.event_id, exc.run_id, exc.tenant_id
-        )
-    event = record.decoded
-    assert not isinstance(event, Rejection)
-    return DeadLetter(
-        record, exc.reason, exc.message, event.event_id, event.run_id, event.tenant_id
-    )
-
-
-def headers_json(pairs: dict[str, str | int | None]) -> str:
-    return json.dumps([[k, storable(str(v))] for k, v in pairs.items() if v is not None])
-
-
-def dead_letter_headers(consumer: str, dl: DeadLetter) -> dict[str, str | int | None]:
-    """What a dead-letter record says in its headers: the reason and where it came from."""
-    rec = dl.record
-    return {
-        "alma.reason": dl.reason,
-        "alma.detail": storable(dl.detail, 1000),
-        "alma.consumer": consumer,
-        "alma.source.topic": rec.topic,
-        "alma.source.partition": rec.partition,
-        "alma.source.offset": rec.offset,
-    }
-
-
-def dead_letter_record(consumer: str, dlq_topic: str, dl: DeadLetter) -> OutboxRow:
-    """The dead-letter topic's record: the original key and value, the reason in headers."""
-    rec = dl.record
-    return (dlq_topic, rec.key, rec.value or b"", headers_json(dead_letter_headers(consumer, dl)))
 
 
 @dataclass

@@ -515,10 +515,6 @@ class CacheWriter:
         await self.cache.bump_epoch(stale)
         self._stale -= stale
 
-    @property
-    def degraded(self) -> bool:
-        return bool(self._stale) and self.failures > 0
-
     async def forget(self, runs: list[tuple[str, str]]) -> bool:
         """Drop runs whose checkpoints were deleted; when Redis is down, their
         partitions are invalidated on its return all the same."""

@@ -8,12 +8,32 @@ a hostile record's NUL or lone surrogate is escaped, never the reason a row fail
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import asyncpg
 
-if TYPE_CHECKING:
-    from alma_core.storage.batches import DeadLetter
+from alma_core import errors
+from alma_core.storage.outbox import OutboxRow
+from schemas.decoder import Decoded, Rejection
+
+
+class Source(Protocol):
+    """The consumed record a dead letter keeps (a batch's ``Incoming``)."""
+
+    @property
+    def topic(self) -> str: ...
+    @property
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def key(self) -> bytes | None: ...
+    @property
+    def value(self) -> bytes | None: ...
+    @property
+    def decoded(self) -> Decoded: ...
 
 
 def storable(text: str | None, limit: int | None = None) -> str | None:
@@ -24,6 +44,51 @@ def storable(text: str | None, limit: int | None = None) -> str | None:
         return None
     clean = text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
     return clean[:limit] if limit is not None else clean
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    record: Source
+    reason: str
+    detail: str
+    event_id: str | None
+    run_id: str | None
+    tenant_id: str | None
+
+
+def dead_letter_for(record: Source, exc: errors.AlmaError | Rejection) -> DeadLetter:
+    if isinstance(exc, Rejection):
+        return DeadLetter(
+            record, exc.reason.value, exc.describe(), exc.event_id, exc.run_id, exc.tenant_id
+        )
+    event = record.decoded
+    assert not isinstance(event, Rejection)
+    return DeadLetter(
+        record, exc.reason, exc.message, event.event_id, event.run_id, event.tenant_id
+    )
+
+
+def headers_json(pairs: dict[str, str | int | None]) -> str:
+    return json.dumps([[k, storable(str(v))] for k, v in pairs.items() if v is not None])
+
+
+def dead_letter_headers(consumer: str, dl: DeadLetter) -> dict[str, str | int | None]:
+    """What a dead-letter record says in its headers: the reason and where it came from."""
+    rec = dl.record
+    return {
+        "alma.reason": dl.reason,
+        "alma.detail": storable(dl.detail, 1000),
+        "alma.consumer": consumer,
+        "alma.source.topic": rec.topic,
+        "alma.source.partition": rec.partition,
+        "alma.source.offset": rec.offset,
+    }
+
+
+def dead_letter_record(consumer: str, dlq_topic: str, dl: DeadLetter) -> OutboxRow:
+    """The dead-letter topic's record: the original key and value, the reason in headers."""
+    rec = dl.record
+    return (dlq_topic, rec.key, rec.value or b"", headers_json(dead_letter_headers(consumer, dl)))
 
 
 async def insert(conn: asyncpg.Connection, consumer: str, cluster_id: str, dl: DeadLetter) -> None:

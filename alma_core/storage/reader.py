@@ -331,8 +331,3 @@ class CheckpointReader:
             request=json.loads(request) if isinstance(request, str) else dict(request or {}),
             registered=registered,
         )
-
-    async def state_has(self, run_id: str, key: str) -> bool:
-        """Has the run's main-line state got ``key``? (the idempotency check)."""
-        head = await self.main_head(run_id)
-        return head is not None and key in head.state

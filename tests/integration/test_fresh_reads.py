@@ -76,8 +76,8 @@ async def test_a_commit_whose_cache_write_never_came_is_read_from_postgres(
             assert main.seq == 5
             heads = await reader.branch_heads("killed")
             assert {b: cp.seq for b, cp in heads.items()} == {None: 5}
-            assert await reader.state_has("killed", "n")
-            assert dict(tally.counts) == {"cache_miss": 1, "cache_hit": 3}
+            assert "n" in main.state
+            assert dict(tally.counts) == {"cache_miss": 1, "cache_hit": 2}
 
 
 async def test_run_state_reads_its_own_writes_from_another_process(

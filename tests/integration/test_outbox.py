@@ -14,7 +14,7 @@ import asyncpg
 from aiokafka import AIOKafkaProducer
 
 from alma_core.storage import outbox
-from alma_core.storage.batches import headers_json
+from alma_core.storage.dead_letters import headers_json
 from alma_core.storage.postgres import connect
 from consumers.metrics import Metrics
 from consumers.outbox import OutboxRelay

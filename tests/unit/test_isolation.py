@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from alma_core import errors
-from alma_core.storage.batches import Applied, Batch, BatchStore, Effects, Incoming, dead_letter_for
+from alma_core.storage.batches import Applied, Batch, BatchStore, Effects, Incoming
+from alma_core.storage.dead_letters import dead_letter_for
 from alma_core.storage.offsets import PartitionKey, Progress
 from consumers.handler import StoreHandler
 from consumers.metrics import Metrics

@@ -14,15 +14,27 @@ from alma_core.memory import Memory, MemoryKind, WorkflowOutcome
 from alma_core.scoring import (
     ScoringWeights,
     Signals,
-    memory_signals,
-    outcome_signals,
+    kind_signals,
     recency,
+    run_signals,
     score,
     similarity_from_distance,
 )
 from alma_core.types import RetrievalScope, WorkflowContext
 
 unit = st.floats(min_value=0, max_value=1)
+
+
+def memory_signals(memory: Memory, distance: float, now: datetime) -> Signals:
+    """A memory's signals from the item retrieval returns (it ranks rows before)."""
+    when = memory.updated_at or memory.created_at
+    return kind_signals(
+        memory.kind, memory.occurrences, memory.successes, memory.confidence, when, distance, now
+    )
+
+
+def outcome_signals(outcome: WorkflowOutcome, distance: float, now: datetime) -> Signals:
+    return run_signals(outcome.success, outcome.created_at, distance, now)
 
 
 def test_recency_halves_every_half_life() -> None:
