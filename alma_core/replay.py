@@ -125,7 +125,7 @@ def refold(
     for event in events:
         at = fresh.last_seq + 1
         try:
-            sequencer.apply(event, _NOWHERE)
+            sequencer.fold(event, _NOWHERE)
             if isinstance(event, BranchJoin) and event.event_id in merges:
                 merged = _merge(sequencer, key, event, config, registry, max_state_bytes)
                 made[merged.seq] = merged

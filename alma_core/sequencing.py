@@ -172,7 +172,7 @@ class Sequencer:
 
     # -- public ---------------------------------------------------------------
 
-    def apply(self, event: Event, coords: Coordinates) -> Effect | None:
+    def fold(self, event: Event, coords: Coordinates) -> Effect | None:
         """Apply one event. Returns its effect, or None for a duplicate.
 
         Raises :class:`errors.RejectedEvent` (and changes nothing) when the

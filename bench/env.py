@@ -425,7 +425,7 @@ class AlmaRun:
             records.append(Incoming("bench", 0, self.offset, self.run.encode(), raw, decode(raw)))
             self.offset += 1
         for lo in range(0, count, 250):
-            await self.store.apply(f"c-{self.run}", {("bench", 0): records[lo : lo + 250]}, None)
+            await self.store.transact(f"c-{self.run}", {("bench", 0): records[lo : lo + 250]}, None)
 
     async def latest(self) -> None:
         await self.reader.branch_heads(self.run)  # what resume() reads

@@ -109,7 +109,7 @@ class Writer:
         times = []
         for lo in range(0, len(records), BATCH):
             started = time.perf_counter()
-            await self.store.apply(
+            await self.store.transact(
                 f"c-{self.name}", {(self.name, 0): records[lo : lo + BATCH]}, None
             )
             times.append(time.perf_counter() - started)

@@ -3,9 +3,10 @@
 1. decode the polled batch (:meth:`StoreHandler.decode_batch`);
 2. prepare what the store needs before its transaction (:meth:`StoreHandler.prepare`:
    the learner's drafts and embeddings; nothing for the others);
-3. apply it through the store, one transaction per group of partitions
-   (:meth:`~alma_core.storage.batches.BatchStore.apply`), record by record if the batch
-   fails, so one record never stops a partition (:meth:`StoreHandler.apply`);
+3. commit it through the store, one transaction per group of partitions
+   (:meth:`~alma_core.storage.batches.BatchStore.transact`), record by record if the
+   batch fails, so one record never stops a partition
+   (:meth:`StoreHandler.commit_or_isolate`);
 4. the one post-commit step: metrics and logs, the cache, the outbox
    (:meth:`StoreHandler.after_commit`);
 5. hand the runtime the batch's :class:`~alma_core.storage.offsets.Progress`.
@@ -22,7 +23,7 @@ from dataclasses import replace
 from typing import Any, Generic, Protocol
 
 from alma_core import errors
-from alma_core.storage.batches import Applied, Batch, BatchStore, EffectsT, Incoming, PreparedT
+from alma_core.storage.batches import Batch, BatchStore, Committed, EffectsT, Incoming, PreparedT
 from alma_core.storage.cache import CacheWriter
 from alma_core.storage.dead_letters import dead_letter_for, dead_letter_headers
 from alma_core.storage.offsets import PartitionKey, Progress
@@ -95,21 +96,22 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
         batch: dict[PartitionKey, list[Any]],
         read_from: dict[PartitionKey, int] | None = None,
     ) -> Progress:
-        """Decode, prepare, apply, post-commit; the batch's progress. ``read_from``: where
-        the consumer read each partition's records from, when it knows. A retriable
-        :class:`errors.StorageError` goes up (the runtime retries the batch)."""
+        """Decode, prepare, commit (or isolate), post-commit; the batch's progress.
+        ``read_from``: where the consumer read each partition's records from, when it
+        knows. A retriable :class:`errors.StorageError` goes up (the runtime retries)."""
         started = time.perf_counter()
         incoming, prepared = await self.prepare(self.decode_batch(batch, read_from or {}))
         groups = partition_groups(incoming, self._transactions(incoming))
         if len(groups) == 1:
-            done: list[list[Applied[EffectsT]] | BaseException] = [
-                await self.apply(cluster_id, incoming, prepared)
+            done: list[list[Committed[EffectsT]] | BaseException] = [
+                await self.commit_or_isolate(cluster_id, incoming, prepared)
             ]
         else:
             # every group to its end, then the post-commit step of those that committed;
             # a failure is raised after it (the retry finds their records applied)
             done = await asyncio.gather(
-                *(self.apply(cluster_id, g, prepared) for g in groups), return_exceptions=True
+                *(self.commit_or_isolate(cluster_id, g, prepared) for g in groups),
+                return_exceptions=True,
             )
         parts: list[Progress] = []
         for applied in done:
@@ -140,7 +142,7 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
     def observe(self, effects: EffectsT) -> None:
         """The handler's own metrics of a committed batch's effects."""
 
-    async def after_commit(self, applied: Applied[EffectsT]) -> None:
+    async def after_commit(self, applied: Committed[EffectsT]) -> None:
         """The same for every group, once the batch is durable: count and log its dead
         letters and redeliveries, write the cache (never back: docs/guarantees.md §4), publish
         the outbox."""
@@ -216,9 +218,9 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
             out[tp] = decoded
         return out
 
-    async def apply(
+    async def commit_or_isolate(
         self, cluster_id: str, batch: Batch, prepared: PreparedT
-    ) -> list[Applied[EffectsT]]:
+    ) -> list[Committed[EffectsT]]:
         """Apply a batch. Unless the failure is the server's (a retriable StorageError:
         the runtime pauses and retries), apply its records one by one and dead-letter
         the one that fails alone — refused by PostgreSQL (``storage_rejected``) or any
@@ -236,22 +238,22 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
                 },
             )
         return [
-            await self._apply_alone(cluster_id, tp, record, prepared)
+            await self._commit_alone(cluster_id, tp, record, prepared)
             for tp, records in batch.items()
             for record in records
         ]
 
     async def _transaction(
         self, cluster_id: str, batch: Batch, prepared: PreparedT
-    ) -> Applied[EffectsT]:
+    ) -> Committed[EffectsT]:
         started = time.perf_counter()
-        applied = await self.store.apply(cluster_id, batch, prepared)
+        applied = await self.store.transact(cluster_id, batch, prepared)
         self.metrics.transaction_seconds.labels(self.name).observe(time.perf_counter() - started)
         return applied
 
-    async def _apply_alone(
+    async def _commit_alone(
         self, cluster_id: str, tp: PartitionKey, record: Incoming, prepared: PreparedT
-    ) -> Applied[EffectsT]:
+    ) -> Committed[EffectsT]:
         try:
             return await self._transaction(cluster_id, {tp: [record]}, prepared)
         except Exception as exc:  # noqa: BLE001 - dead-lettered below
@@ -273,7 +275,7 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
 
     async def _last_resort(
         self, cluster_id: str, tp: PartitionKey, record: Incoming, failure: str
-    ) -> Applied[EffectsT]:
+    ) -> Committed[EffectsT]:
         """Even the dead-letter row was refused: move the partition past the record, send
         the record to the dead-letter topic directly, log it whole and count it
         (``alma_dead_letter_failures_total`` raises an alert). Nothing is lost: the
@@ -281,7 +283,7 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
         record stays at its offset in the source topic."""
         progress, any_left = await self.store.skip(cluster_id, {tp: [record]})
         if not any_left:
-            return Applied(progress)  # already past it (a redelivery): nothing to do
+            return Committed(progress)  # already past it (a redelivery): nothing to do
         assert isinstance(record.decoded, Rejection)
         letter = dead_letter_for(record, record.decoded)
         headers = {**dead_letter_headers(self.name, letter), "alma.dead_letter_stored": "false"}
@@ -308,7 +310,7 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
                 "value_base64": base64.b64encode(record.value or b"").decode(),
             },
         )
-        return Applied(progress)
+        return Committed(progress)
 
 
 def partition_groups(batch: Batch, n: int) -> list[Batch]:

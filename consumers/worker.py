@@ -240,15 +240,15 @@ async def run_worker(
 
 def freeze_heap() -> int:
     """Put everything alive after start-up (modules, pools, clients and, with the
-    learner, the embedding model: ~480,000 objects) out of the cyclic garbage
-    collector's sight, so a full collection walks only what was made since. Unfrozen, one
-    full collection of a worker with the model loaded took ~250 ms here, the event loop
-    (every consumer) standing still; a checkpointer-only worker's, ~25 ms. Garbage is
-    collected first, so none is kept: that collection is the last full walk of the
-    start-up objects, one such pause at start. Process-wide: the CLI's long-running
-    commands call it once their workers are ready (``ALMA_GC_FREEZE``); a library never
-    should. What was frozen and dies later in a reference cycle is not reclaimed:
-    start-up objects live as long as the process. Returns how many objects are frozen."""
+    learner, the embedding model) out of the cyclic garbage collector's sight, so a
+    full collection walks only what was made since, not the start-up objects while the
+    event loop (every consumer) stands still (docs/metrics.md, ``alma_gc_pause_seconds``,
+    has the figures). Garbage is collected first, so none is kept: that collection is
+    the last full walk of the start-up objects, one such pause at start. Process-wide:
+    the CLI's long-running commands call it once their workers are ready
+    (``ALMA_GC_FREEZE``); a library never should. What was frozen and dies later in a
+    reference cycle is not reclaimed: start-up objects live as long as the process.
+    Returns how many objects are frozen."""
     gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()
@@ -277,7 +277,7 @@ async def _run(
     embedder: AsyncEmbedder | None,
     status: WorkerStatus | None = None,
 ) -> None:
-    owned: AsyncEmbedder | None = None
+    own_embedder: AsyncEmbedder | None = None
     pool = await _wait_for_pool(services.postgres_dsn, settings, stop, health)
     if pool is None:
         return
@@ -288,7 +288,7 @@ async def _run(
             if embedder is None:
                 health.waiting["model"] = "loading the embedding model"
                 log.info("loading the embedding model", extra={"action": "embedder_load"})
-                embedder = owned = await asyncio.to_thread(load_embedder, settings)
+                embedder = own_embedder = await asyncio.to_thread(load_embedder, settings)
             await check_dimension(pool, embedder.dimension, embedder.embedder.name)
             health.waiting.pop("model", None)
         health.waiting["kafka"] = f"connecting to {services.kafka_bootstrap}"
@@ -452,6 +452,6 @@ async def _run(
                 await cache_writer.close()
     finally:
         health.checks.clear()
-        if owned is not None:
-            owned.close()
+        if own_embedder is not None:
+            own_embedder.close()
         await pool.close()

@@ -77,7 +77,7 @@ def replay(
                     bar.advance(task)
 
     if apply:
-        _apply(s, each, registry, as_json)
+        _migrate(s, each, registry, as_json)
         return
     verdicts: list[replaying.Verdict] = []
 
@@ -118,7 +118,7 @@ def replay(
         raise typer.Exit(common.FAILED)
 
 
-def _apply(
+def _migrate(
     s: Settings,
     each: Callable[[Visit], Awaitable[None]],
     registry: ReducerRegistry,

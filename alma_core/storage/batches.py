@@ -3,10 +3,10 @@ record, dead letters, outbox rows, and the one shape of a batch's transaction.
 
 Every store (:mod:`~alma_core.storage.checkpoints`, :mod:`~alma_core.storage.joins`,
 :mod:`~alma_core.storage.memories`) is a :class:`BatchStore` and writes only its own
-effects (:meth:`BatchStore.write`). :meth:`BatchStore.apply` is the transaction around
+effects (:meth:`BatchStore.write`). :meth:`BatchStore.transact` is the transaction around
 it, top to bottom: fence the offsets (:mod:`alma_core.storage.offsets`), let the store
 write what the new records make (returned as its :class:`Effects`), store the dead
-letters and the outbox rows, advance the offsets. It returns an :class:`Applied`: the
+letters and the outbox rows, advance the offsets. It returns a :class:`Committed`: the
 batch's :class:`~alma_core.storage.offsets.Progress` and the store's effects, from which
 the worker's one post-commit step writes the cache, publishes the outbox and commits to
 Kafka.
@@ -87,7 +87,7 @@ PreparedT = TypeVar("PreparedT")
 
 
 @dataclass(frozen=True)
-class Applied(Generic[EffectsT]):
+class Committed(Generic[EffectsT]):
     """A committed batch: where it leaves each partition, what its new records made
     (None: there were none), and the outbox rows it wrote, to publish now."""
 
@@ -128,28 +128,30 @@ class BatchStore(Generic[PreparedT, EffectsT]):
             offsets.stored_offsets(self.pool, self.group_id, cluster_id, partitions),
         )
 
-    async def apply(self, cluster_id: str, batch: Batch, prepared: PreparedT) -> Applied[EffectsT]:
+    async def transact(
+        self, cluster_id: str, batch: Batch, prepared: PreparedT
+    ) -> Committed[EffectsT]:
         """The one shape of every store's batch, in one transaction: fence the offsets,
         write what the new records make, store their dead letters and outbox rows,
         advance the offsets."""
         async with self.transaction(self.doing) as conn:
             fence = await offsets.fence(conn, self.group_id, cluster_id, batch)
-            if not fence.todo:
-                return Applied(fence.progress)
-            effects = await self.write(conn, cluster_id, fence.todo, prepared)
+            if not fence.fresh:
+                return Committed(fence.progress)
+            effects = await self.write(conn, cluster_id, fence.fresh, prepared)
             rows = list(effects.outbox)
             for dl in effects.dead_letters:
                 await dead_letters.insert(conn, self.consumer, cluster_id, dl)
                 rows.append(dead_letter_record(self.consumer, self.dlq_topic, dl))
             ids = await outbox.insert(conn, rows)
             if not effects.offsets_stored:
-                await offsets.advance(conn, self.group_id, cluster_id, offsets.ends(fence.todo))
-        return Applied(fence.done(), effects, ids)
+                await offsets.advance(conn, self.group_id, cluster_id, offsets.ends(fence.fresh))
+        return Committed(fence.progress_after(), effects, ids)
 
     async def write(
-        self, conn: asyncpg.Connection, cluster_id: str, todo: Batch, prepared: PreparedT
+        self, conn: asyncpg.Connection, cluster_id: str, fresh: Batch, prepared: PreparedT
     ) -> EffectsT:
-        """The store's own effects of the records in ``todo`` (none applied before), in
+        """The store's own effects of the records in ``fresh`` (none applied before), in
         the batch's transaction."""
         raise NotImplementedError
 
@@ -160,8 +162,8 @@ class BatchStore(Generic[PreparedT, EffectsT]):
         whether there was anything left to skip (False: a redelivery)."""
         async with self.transaction("skipping an unstorable record") as conn:
             fence = await offsets.fence(conn, self.group_id, cluster_id, batch)
-            await offsets.advance(conn, self.group_id, cluster_id, offsets.ends(fence.todo))
-        return fence.done(), bool(fence.todo)
+            await offsets.advance(conn, self.group_id, cluster_id, offsets.ends(fence.fresh))
+        return fence.progress_after(), bool(fence.fresh)
 
     @contextlib.asynccontextmanager
     async def transaction(self, doing: str) -> AsyncIterator[asyncpg.Connection]:

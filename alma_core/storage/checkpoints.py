@@ -175,12 +175,12 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
         self.registry = registry
 
     async def write(
-        self, conn: asyncpg.Connection, cluster_id: str, todo: Batch, prepared: None
+        self, conn: asyncpg.Connection, cluster_id: str, fresh: Batch, prepared: None
     ) -> CheckpointEffects:
         """Load what the batch needs, fold it in pure code (:class:`Sequencer`), write
         (advancing the offsets in the same statement); see the module docstring."""
         events = [
-            r.decoded for rs in todo.values() for r in rs if not isinstance(r.decoded, Rejection)
+            r.decoded for rs in fresh.values() for r in rs if not isinstance(r.decoded, Rejection)
         ]
         batch_runs = {(e.tenant_id, e.run_id) for e in events}
         runs = await lock_runs(conn, batch_runs)
@@ -204,14 +204,14 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
         )
         letters: list[DeadLetter] = []
         answers: list[OutboxRow] = []  # refused joins: their callers wait for a reply
-        for records in todo.values():
+        for records in fresh.values():
             for record in records:
                 decoded = record.decoded
                 if isinstance(decoded, Rejection):
                     letters.append(dead_letter_for(record, decoded))
                     continue
                 try:
-                    sequencer.apply(decoded, record.coords)
+                    sequencer.fold(decoded, record.coords)
                 except errors.RejectedEvent as exc:
                     letters.append(dead_letter_for(record, exc))
                     if isinstance(decoded, BranchJoin):
@@ -226,7 +226,7 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
             (d.tenant_id, d.run_id) for d in letters if d.tenant_id and d.run_id
         ]
         notify = tokens(touched) if self.config.notify_effects else []
-        advance = advance_args(self.group_id, cluster_id, ends(todo))
+        advance = advance_args(self.group_id, cluster_id, ends(fresh))
         written = await self._write(conn, sequencer, created_at, heads, notify, advance)
         if not written and notify:
             await announce(conn, touched)  # dead letters only: nothing written
@@ -306,7 +306,7 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
                 *advance,
                 [r.released for r in runs],  # $47
             )
-        await graphs.apply(conn, seq.effects.graph)
+        await graphs.insert(conn, seq.effects.graph)
         return written
 
     def _handoffs(self, seq: Sequencer) -> list[OutboxRow]:

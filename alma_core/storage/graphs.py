@@ -43,7 +43,7 @@ def _bytes(data: str) -> bytes | None:
 # --- writes (in the checkpointer's batch transaction) ----------------------------------
 
 
-async def apply(conn: Conn, rows: list[EventRow]) -> None:
+async def insert(conn: Conn, rows: list[EventRow]) -> None:
     """Write the batch's LangGraph rows, in the order of their events."""
     for row in rows:
         event = row.event

@@ -67,12 +67,12 @@ class PostgresJoinStore(BatchStore[None, JoinEffects]):
         self.registry = registry
 
     async def write(
-        self, conn: asyncpg.Connection, cluster_id: str, todo: Batch, prepared: None
+        self, conn: asyncpg.Connection, cluster_id: str, fresh: Batch, prepared: None
     ) -> JoinEffects:
         """Decide each join in partition order (:class:`JoinPlanner`), write the merged
         checkpoints and the answers; the replies go out through the outbox."""
         effects = JoinEffects()
-        records = [r for rs in todo.values() for r in rs]
+        records = [r for rs in fresh.values() for r in rs]
         joins = [(r, r.decoded) for r in records if isinstance(r.decoded, BranchJoin)]
         planner = await self._load(conn, joins)
         now = datetime.now(UTC)

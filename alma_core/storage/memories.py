@@ -160,7 +160,7 @@ class PostgresLearnStore(BatchStore[dict[Coordinates, Prepared], LearnEffects]):
         self,
         conn: asyncpg.Connection,
         cluster_id: str,
-        todo: Batch,
+        fresh: Batch,
         prepared: dict[Coordinates, Prepared],
     ) -> LearnEffects:
         """Store the outcomes (one per run), then load the counts they change, decide
@@ -168,7 +168,7 @@ class PostgresLearnStore(BatchStore[dict[Coordinates, Prepared], LearnEffects]):
         effects = LearnEffects()
         now = datetime.now(UTC)
         offered: list[Prepared] = []
-        for records in todo.values():
+        for records in fresh.values():
             for record in records:
                 decoded = record.decoded
                 if isinstance(decoded, Rejection):

@@ -71,16 +71,16 @@ class Progress:
 
 @dataclass(frozen=True)
 class Fence(Generic[R]):
-    """A batch once its partitions' offset rows are locked: the records that are new
-    (``todo``), and the progress of the rest."""
+    """A batch once its partitions' offset rows are locked: the records new to the
+    group (``fresh``), and the progress of the rest."""
 
-    todo: dict[PartitionKey, list[R]]
+    fresh: dict[PartitionKey, list[R]]
     progress: Progress
 
-    def done(self) -> Progress:
-        """The progress once every record in ``todo`` is applied."""
+    def progress_after(self) -> Progress:
+        """The progress once every record in ``fresh`` is applied."""
         return replace(
-            self.progress, next_offsets={**self.progress.next_offsets, **ends(self.todo)}
+            self.progress, next_offsets={**self.progress.next_offsets, **ends(self.fresh)}
         )
 
 
@@ -110,11 +110,11 @@ async def fence(
     """Lock every partition's offset row, creating it at the batch's first offset if
     new (one round trip: the no-op update takes the row lock, as ``FOR UPDATE``
     would, and returns the committed value); keep what is new."""
-    todo: dict[PartitionKey, list[R]] = {}
+    fresh_records: dict[PartitionKey, list[R]] = {}
     out = Progress()
     tps = sorted(tp for tp, records in batch.items() if records)
     if not tps:
-        return Fence(todo, out)
+        return Fence(fresh_records, out)
     firsts = [min(r.offset for r in batch[tp]) for tp in tps]
     rows = await conn.fetch(
         """INSERT INTO consumer_offsets (group_id, cluster_id, topic, partition, next_offset)
@@ -141,15 +141,15 @@ async def fence(
         fresh = [r for r in records if r.offset >= next_offset]
         already_applied += len(records) - len(fresh)
         if fresh:
-            todo[tp] = fresh
+            fresh_records[tp] = fresh
         else:
             out.next_offsets[tp] = next_offset
-    return Fence(todo, replace(out, already_applied=already_applied))
+    return Fence(fresh_records, replace(out, already_applied=already_applied))
 
 
-def ends(todo: dict[PartitionKey, list[R]]) -> dict[PartitionKey, int]:
-    """Each partition's next offset once everything in ``todo`` is applied."""
-    return {tp: max(r.offset for r in records) + 1 for tp, records in todo.items() if records}
+def ends(batch: dict[PartitionKey, list[R]]) -> dict[PartitionKey, int]:
+    """Each partition's next offset once every record of ``batch`` is applied."""
+    return {tp: max(r.offset for r in records) + 1 for tp, records in batch.items() if records}
 
 
 # The advance with its placeholders named, so a store can run it as a CTE of its own

@@ -70,8 +70,8 @@ SIZES_KEPT = 4096
 # The memory kinds, in the order a slice and its searches list them.
 KINDS = tuple(k.value for k in MemoryKind)
 # The smallest memory scope (the planner's estimate) whose search is split over more
-# than one connection: paired at 1M memories on 2 cores, a 20,000-row tenant gained
-# ~20 %, a 4,000-row agent scope nothing (its scans cost what the round trips do).
+# than one connection: below it, a scan costs what the extra round trips do
+# (docs/benchmarks.md, "Learner and scoped retrieval").
 FANOUT_MIN_ROWS = 10_000
 
 T = TypeVar("T", Memory, WorkflowOutcome)
@@ -163,8 +163,8 @@ class Retriever:
             mem_rows, *out_rows = await asyncio.gather(*sizes)
             chosen = plan or self._choose("memories", mem_filter, mem_rows)
             fanout = self.fanout if mem_rows >= self.fanout_min_rows else 1
-            # each search on its own connection, at once: the outcomes' (~2-3 ms for a
-            # large tenant) and a large scope's kinds run while PostgreSQL scans the rest
+            # each search on its own connection, at once: the outcomes' and a large
+            # scope's kinds run while PostgreSQL scans the rest
             memories_found = asyncio.gather(
                 *(
                     self._search(
@@ -354,9 +354,9 @@ async def learned_from_run(
 async def _as_reader(conn: asyncpg.Connection, f: scopes.ScopeFilter) -> None:
     """Row-level security from here to the end of the transaction (``role`` set as
     ``SET LOCAL ROLE`` sets it, in the same round trip as the tenant). Plans made for
-    each query's values: the best plan depends on the scope's size, and a generic
-    plan of a prepared statement (PostgreSQL's choice after five runs) measured
-    ~40 % slower for a 20,000-row tenant than a custom one."""
+    each query's values: the best plan depends on the scope's size, which a generic
+    plan of a prepared statement (PostgreSQL's choice after five runs) cannot know
+    (docs/learner.md)."""
     await conn.execute(
         "SELECT set_config('role', $1, true), set_config('alma.tenant_id', $2, true), "
         "set_config('alma.all_tenants', $3, true), "

@@ -103,12 +103,12 @@ class Inspector:
     """The pages, over one client's reads (and, with writes, its publishing)."""
 
     def __init__(
-        self, settings: Settings, access: Access, client: AlmaClient, *, owned: bool
+        self, settings: Settings, access: Access, client: AlmaClient, *, owns_client: bool
     ) -> None:
         self.settings = settings
         self.access = access
         self.client = client
-        self.owned = owned  # its client is the inspector's own, to stop with it
+        self.owns_client = owns_client  # its client is the inspector's own, to stop with it
         self.timeline = Timeline(client)
         self.env = _templates()
 
@@ -372,7 +372,7 @@ class Inspector:
             raise HTTPException(403, "a write must come from the inspector's own pages")
 
     async def close(self) -> None:
-        if self.owned:
+        if self.owns_client:
             await self.client.stop()
 
 
@@ -438,7 +438,7 @@ def create_app(
                 own = client or AlmaClient(settings)
                 if client is None and allow_writes:
                     await own.start()  # forks and replays publish through it
-                holder["it"] = Inspector(settings, access, own, owned=client is None)
+                holder["it"] = Inspector(settings, access, own, owns_client=client is None)
         return holder["it"]
 
     @contextlib.asynccontextmanager

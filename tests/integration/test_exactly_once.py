@@ -43,12 +43,12 @@ async def test_redelivered_batch_has_no_second_effect(database: str) -> None:
     docs = [completed("r", updates={"i": i}) for i in range(5)]
     async with connect(database) as pool:
         store = store_for(pool)
-        first = await store.apply("cluster-a", {(TOPIC, 0): records(docs)}, None)
+        first = await store.transact("cluster-a", {(TOPIC, 0): records(docs)}, None)
         assert first.progress.next_offsets == {(TOPIC, 0): 5}
         # The worker died before committing to Kafka: the same records come again,
         # and with them two new ones.
         more = [*docs, completed("r", updates={"i": 5}), completed("r", updates={"i": 6})]
-        again = await store.apply("cluster-a", {(TOPIC, 0): records(more)}, None)
+        again = await store.transact("cluster-a", {(TOPIC, 0): records(more)}, None)
         assert again.progress.already_applied == 5
         assert again.effects is not None
         assert len(again.effects.checkpoints) == 2
@@ -63,8 +63,8 @@ async def test_zombie_and_new_owner_apply_once(database: str) -> None:
         zombie, owner = store_for(pool), store_for(pool)
         # Both believe they own partition 0; they race on overlapping batches.
         results = await asyncio.gather(
-            zombie.apply("c", {(TOPIC, 0): records(docs[:40])}, None),
-            owner.apply("c", {(TOPIC, 0): records(docs)}, None),
+            zombie.transact("c", {(TOPIC, 0): records(docs[:40])}, None),
+            owner.transact("c", {(TOPIC, 0): records(docs)}, None),
         )
     assert sum(len(r.effects.checkpoints) for r in results if r.effects) == 60
     assert await count(database, "SELECT count(*) FROM checkpoints") == 60
@@ -80,9 +80,9 @@ async def test_republished_event_id_is_applied_once(database: str) -> None:
     doc = completed("r", state={"a": 1})
     async with connect(database) as pool:
         store = store_for(pool)
-        await store.apply("c", {(TOPIC, 0): records([doc])}, None)
+        await store.transact("c", {(TOPIC, 0): records([doc])}, None)
         # The producer retried: the same event at a new offset, on another partition.
-        result = await store.apply("c", {(TOPIC, 1): records([doc], partition=1)}, None)
+        result = await store.transact("c", {(TOPIC, 1): records([doc], partition=1)}, None)
     assert result.effects is not None
     assert result.effects.duplicates == 1
     assert await count(database, "SELECT count(*) FROM checkpoints") == 1
@@ -91,8 +91,8 @@ async def test_republished_event_id_is_applied_once(database: str) -> None:
 async def test_a_gap_sends_the_partition_back(database: str) -> None:
     async with connect(database) as pool:
         store = store_for(pool)
-        await store.apply("c", {(TOPIC, 0): records([completed("r", state={"a": 1})])}, None)
-        later = await store.apply(
+        await store.transact("c", {(TOPIC, 0): records([completed("r", state={"a": 1})])}, None)
+        later = await store.transact(
             "c", {(TOPIC, 0): records([completed("r", state={"a": 2})], 5)}, None
         )
     assert later.progress.seeks == {(TOPIC, 0): 1}
@@ -104,16 +104,16 @@ async def test_a_hole_the_consumer_read_across_is_moved_past(database: str) -> N
     marker, removed records): nothing exists to go back for."""
     async with connect(database) as pool:
         store = store_for(pool)
-        await store.apply("c", {(TOPIC, 0): records([completed("r", state={"a": 1})])}, None)
+        await store.transact("c", {(TOPIC, 0): records([completed("r", state={"a": 1})])}, None)
         docs = [completed("r", state={"a": 2}), completed("r", state={"a": 3})]
-        later = await store.apply("c", {(TOPIC, 0): records(docs, 3, read_from=1)}, None)
+        later = await store.transact("c", {(TOPIC, 0): records(docs, 3, read_from=1)}, None)
         assert later.progress.holes == {(TOPIC, 0): (1, 3)}
         assert later.progress.seeks == {}
         assert later.effects is not None
         assert [c.seq for c in later.effects.checkpoints] == [2, 3]
         assert await store.stored_offsets("c", [(TOPIC, 0)]) == {(TOPIC, 0): 5}
         # read from beyond the stored offset: not a hole, a gap to go back for
-        gap = await store.apply(
+        gap = await store.transact(
             "c", {(TOPIC, 0): records([completed("r", state={"a": 4})], 9, read_from=7)}, None
         )
         assert gap.progress.seeks == {(TOPIC, 0): 5}
@@ -123,10 +123,10 @@ async def test_a_hole_the_consumer_read_across_is_moved_past(database: str) -> N
 async def test_offsets_of_another_broker_cluster_are_kept_apart(database: str) -> None:
     async with connect(database) as pool:
         store = store_for(pool)
-        await store.apply(
+        await store.transact(
             "old-cluster", {(TOPIC, 0): records([completed("r", state={"a": 1})])}, None
         )
-        fresh = await store.apply(
+        fresh = await store.transact(
             "new-cluster", {(TOPIC, 0): records([completed("r", state={"a": 2})])}, None
         )
         assert fresh.effects is not None
@@ -141,7 +141,7 @@ async def test_dead_letters_of_another_broker_cluster_are_kept_apart(database: s
         store = store_for(pool)
         for cluster, junk in (("old-cluster", b"{not json"), ("new-cluster", b"[]")):
             bad = Incoming(TOPIC, 0, 0, b"r", junk, decode(junk, key=b"r"))
-            result = await store.apply(cluster, {(TOPIC, 0): [bad]}, None)
+            result = await store.transact(cluster, {(TOPIC, 0): [bad]}, None)
             assert result.effects is not None
             assert len(result.effects.dead_letters) == 1
     rows = await fetch(database, "SELECT reason, value FROM dead_letters ORDER BY id")

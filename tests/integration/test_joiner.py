@@ -235,7 +235,7 @@ async def test_reply_lost_to_a_crash_is_sent_on_recovery(settings: Settings) -> 
             ReducerRegistry(),
         )
         record = Incoming(settings.sequenced_topic, 0, 0, b"lost", raw, decode(raw))
-        result = await store.apply("crashed", {(settings.sequenced_topic, 0): [record]}, None)
+        result = await store.transact("crashed", {(settings.sequenced_topic, 0): [record]}, None)
     assert result.effects is not None
     assert result.effects.outcomes["ok"] == 1  # durable, but never published: the crash
     async with Worker.start(settings, ("joiner",)):

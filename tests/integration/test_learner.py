@@ -409,12 +409,12 @@ async def test_outcomes_of_one_batch_are_inserted_at_once_each_run_once(database
     async with connect(database) as pool:
         store = PostgresLearnStore(pool, LearnConfig("alma-learner", "learner", "dlq"))
         batch, prepared = _learner_batch([a, done("a"), b], 0)
-        first = await store.apply("cluster", batch, prepared)
+        first = await store.transact("cluster", batch, prepared)
         assert first.effects is not None
         assert (first.effects.outcomes, first.effects.duplicates) == (2, 1)
         # the next batch: b again (a redelivery, another offset), then a new run c
         batch, prepared = _learner_batch([done("b", b["event_id"]), c], 3)
-        second = await store.apply("cluster", batch, prepared)
+        second = await store.transact("cluster", batch, prepared)
         assert second.effects is not None
         assert (second.effects.outcomes, second.effects.duplicates) == (1, 1)
     rows = await fetch(

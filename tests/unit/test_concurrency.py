@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from alma_core import errors
-from alma_core.storage.batches import Applied, Batch, Effects, Incoming
+from alma_core.storage.batches import Batch, Committed, Effects, Incoming
 from alma_core.storage.offsets import Progress
 from consumers import handler
 from consumers.handler import SPLIT_BYTES, StoreHandler, partition_groups
@@ -116,14 +116,14 @@ class Outage(Offsets):
         super().__init__()
         self.committed: list[int] = []
 
-    async def apply(self, cluster_id: str, batch: Batch, prepared: None) -> Applied[Effects]:
+    async def transact(self, cluster_id: str, batch: Batch, prepared: None) -> Committed[Effects]:
         (tp,) = batch
         if tp[1] == 1:
             await asyncio.sleep(0)  # partition 0's transaction is under way
             raise errors.StorageError("the server went away")
         self.next_offset[tp] = batch[tp][-1].offset + 1
         self.committed.append(tp[1])
-        return Applied(Progress(next_offsets={tp: self.next_offset[tp]}), Effects())
+        return Committed(Progress(next_offsets={tp: self.next_offset[tp]}), Effects())
 
 
 class Split(StoreHandler[None, Effects]):
@@ -146,7 +146,7 @@ class Split(StoreHandler[None, Effects]):
     async def prepare(self, incoming: Batch) -> tuple[Batch, None]:
         return incoming, None
 
-    async def after_commit(self, applied: Applied[Effects]) -> None:
+    async def after_commit(self, applied: Committed[Effects]) -> None:
         self.post_committed.append(applied.progress.next_offsets)
 
 

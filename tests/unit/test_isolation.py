@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from alma_core import errors
-from alma_core.storage.batches import Applied, Batch, BatchStore, Effects, Incoming
+from alma_core.storage.batches import Batch, BatchStore, Committed, Effects, Incoming
 from alma_core.storage.dead_letters import dead_letter_for
 from alma_core.storage.offsets import PartitionKey, Progress
 from consumers.handler import StoreHandler
@@ -67,7 +67,7 @@ class Offsets(BatchStore[None, Effects]):
     ) -> dict[PartitionKey, int]:
         return {tp: self.next_offset[tp] for tp in partitions if tp in self.next_offset}
 
-    async def apply(self, cluster_id: str, batch: Batch, prepared: None) -> Applied[Effects]:
+    async def transact(self, cluster_id: str, batch: Batch, prepared: None) -> Committed[Effects]:
         records = [r for rs in batch.values() for r in rs]
         self.calls.append([r.offset for r in records])
         if self.outage:
@@ -85,7 +85,7 @@ class Offsets(BatchStore[None, Effects]):
         ]
         for tp, rs in batch.items():
             self.next_offset[tp] = max(r.offset for r in rs) + 1
-        return Applied(Progress(next_offsets=dict(self.next_offset)), Effects(letters))
+        return Committed(Progress(next_offsets=dict(self.next_offset)), Effects(letters))
 
     async def skip(self, cluster_id: str, batch: Batch) -> tuple[Progress, bool]:
         progress, left = Progress(), False
@@ -131,7 +131,9 @@ def handler(store: Offsets, relay: Sent | None = None) -> Handler:
 
 async def test_a_refused_record_is_dead_lettered_alone_and_the_rest_applied() -> None:
     store = Offsets(data=(1,), defect=(3,))
-    outcomes = await handler(store).apply("c", {TP: [record(i) for i in range(5)]}, None)
+    outcomes = await handler(store).commit_or_isolate(
+        "c", {TP: [record(i) for i in range(5)]}, None
+    )
     calls = store.calls
     assert calls[0] == [0, 1, 2, 3, 4]  # the batch, refused
     assert [0] in calls
@@ -149,7 +151,7 @@ async def test_a_refused_record_is_dead_lettered_alone_and_the_rest_applied() ->
 async def test_a_refused_dead_letter_moves_the_partition_past_it_and_out_to_the_topic() -> None:
     store, relay = Offsets(data=(2,), dead_letters=False), Sent()
     h = handler(store, relay)
-    outcomes = await h.apply("c", {TP: [record(i) for i in range(3)]}, None)
+    outcomes = await h.commit_or_isolate("c", {TP: [record(i) for i in range(3)]}, None)
     assert store.next_offset[TP] == 3
     assert outcomes[-1].progress.next_offsets == {TP: 3}
     [(topic, key, value, headers)] = relay.records
@@ -166,6 +168,6 @@ async def test_a_refused_dead_letter_moves_the_partition_past_it_and_out_to_the_
 async def test_an_outage_is_never_isolated() -> None:
     store = Offsets(outage=True)
     with pytest.raises(errors.StorageError):
-        await handler(store).apply("c", {TP: [record(i) for i in range(3)]}, None)
+        await handler(store).commit_or_isolate("c", {TP: [record(i) for i in range(3)]}, None)
     assert store.calls == [[0, 1, 2]]  # no record tried alone, nothing dead-lettered
     assert store.next_offset == {}

@@ -54,8 +54,8 @@ def sequencer(**kw: Any) -> Sequencer:
 def test_seq_counts_from_the_run_row() -> None:
     run = RunView("r", "acme", "wf", None, last_seq=7)
     seq = sequencer(runs={("acme", "r"): run})
-    seq.apply(ev(state={"a": 1}), AT)
-    seq.apply(ev(state={"a": 2}), AT)
+    seq.fold(ev(state={"a": 1}), AT)
+    seq.fold(ev(state={"a": 2}), AT)
     assert [c.seq for c in seq.effects.checkpoints] == [8, 9]
     assert [c.parent_seq for c in seq.effects.checkpoints] == [None, 8]
     assert run.last_seq == 9
@@ -64,7 +64,7 @@ def test_seq_counts_from_the_run_row() -> None:
 @given(st.lists(st.dictionaries(st.sampled_from("ab"), st.integers(0, 3), max_size=2), max_size=30))
 def test_gapless_and_unchanged_states_skipped(states: list[dict[str, int]]) -> None:
     seq = sequencer()
-    effects = [seq.apply(ev(state=s), AT) for s in states]
+    effects = [seq.fold(ev(state=s), AT) for s in states]
     written = [c.seq for c in seq.effects.checkpoints]
     assert written == list(range(1, len(written) + 1))
     expected = sum(1 for i, s in enumerate(states) if i == 0 or s != states[i - 1])
@@ -74,10 +74,10 @@ def test_gapless_and_unchanged_states_skipped(states: list[dict[str, int]]) -> N
 
 def test_duplicate_event_id_has_no_effect() -> None:
     seq = sequencer(known={("acme", "old"): "r"})
-    assert seq.apply(ev(state={"a": 1}, event_id="old"), AT) is None
+    assert seq.fold(ev(state={"a": 1}, event_id="old"), AT) is None
     e = ev(state={"a": 2})
-    seq.apply(e, AT)
-    assert seq.apply(e, AT) is None
+    seq.fold(e, AT)
+    assert seq.fold(e, AT) is None
     assert seq.effects.duplicates == 2
     assert len(seq.effects.checkpoints) == 1
 
@@ -87,11 +87,11 @@ def test_an_event_id_another_run_used_is_refused_not_dropped() -> None:
     with the other run's seq."""
     seq = sequencer(known={("acme", "taken"): "other-run"})
     with pytest.raises(errors.EventIdReused, match="other-run"):
-        seq.apply(ev(state={"a": 1}, event_id="taken"), AT)
+        seq.fold(ev(state={"a": 1}, event_id="taken"), AT)
     first = ev(state={"a": 1}, event_id="fresh")
-    seq.apply(first, AT)
+    seq.fold(first, AT)
     with pytest.raises(errors.EventIdReused):  # within one batch too
-        seq.apply(ev("node.completed", run="r2", state={"b": 1}, event_id="fresh"), AT)
+        seq.fold(ev("node.completed", run="r2", state={"b": 1}, event_id="fresh"), AT)
     assert [c.event_id for c in seq.effects.checkpoints] == ["fresh"]
 
 
@@ -99,19 +99,19 @@ def test_a_run_is_its_tenant_and_its_id() -> None:
     """Two tenants may name a run, and an event, alike: each is its own."""
     globex = RunView("r", "globex", "wf", None, last_seq=9)
     seq = sequencer(runs={("globex", "r"): globex}, known={("globex", "e1"): "r"})
-    assert seq.apply(ev(state={"a": 1}, event_id="e1"), AT) == "checkpointed"  # acme's r
+    assert seq.fold(ev(state={"a": 1}, event_id="e1"), AT) == "checkpointed"  # acme's r
     assert seq.effects.checkpoints[0].seq == 1
     assert (seq.effects.checkpoints[0].tenant_id, globex.last_seq) == ("acme", 9)
-    assert seq.apply(ev(state={"a": 1}, event_id="e1", tenant="globex"), AT) is None  # its own
+    assert seq.fold(ev(state={"a": 1}, event_id="e1", tenant="globex"), AT) is None  # its own
 
 
 def test_updates_fold_per_branch_with_the_workflow_reducers() -> None:
     config = ReducerConfig(field_reducers={"log": "append", "n": "sum"})
     seq = sequencer(configs={("acme", "wf"): config})
-    seq.apply(ev(updates={"log": ["main"], "n": 1}), AT)
-    seq.apply(ev(updates={"log": ["a1"], "n": 1}, branch="A"), AT)
-    seq.apply(ev(updates={"log": ["a2"], "n": 2}, branch="A"), AT)
-    seq.apply(ev(updates={"log": ["main2"]}), AT)
+    seq.fold(ev(updates={"log": ["main"], "n": 1}), AT)
+    seq.fold(ev(updates={"log": ["a1"], "n": 1}, branch="A"), AT)
+    seq.fold(ev(updates={"log": ["a2"], "n": 2}, branch="A"), AT)
+    seq.fold(ev(updates={"log": ["main2"]}), AT)
     states = [(c.branch_id, c.state, c.parent_seq) for c in seq.effects.checkpoints]
     assert states == [
         (None, {"log": ["main"], "n": 1}, None),
@@ -126,27 +126,27 @@ def test_rejections_change_nothing() -> None:
     head = Head(3, state_hash({"a": 1}), {"a": 1})
     seq = sequencer(runs={("acme", "r"): run}, heads={("acme", "r", MAIN): head}, limit=100)
     with pytest.raises(errors.StaleExpectedSeq, match="at seq 3"):
-        seq.apply(ev(state={"a": 2}, expected_seq=2), AT)
+        seq.fold(ev(state={"a": 2}, expected_seq=2), AT)
     with pytest.raises(errors.StateTooLarge):
-        seq.apply(ev(updates={"big": "x" * 200}), AT)
+        seq.fold(ev(updates={"big": "x" * 200}), AT)
     with pytest.raises(errors.ReducerTypeError):
         sequencer(
             runs={("acme", "r"): run},
             heads={("acme", "r", MAIN): head},
             configs={("acme", "wf"): ReducerConfig({"a": "sum"})},
-        ).apply(ev(updates={"a": "text"}), AT)
+        ).fold(ev(updates={"a": "text"}), AT)
     with pytest.raises(errors.RejectedEvent, match="belongs to workflow"):
-        seq.apply(ev(state={"a": 2}, workflow="other"), AT)
+        seq.fold(ev(state={"a": 2}, workflow="other"), AT)
     assert run.last_seq == 3
     assert seq.effects.checkpoints == []
     assert seq.effects.events == []
-    assert seq.apply(ev(state={"a": 2}, expected_seq=3), AT) == "checkpointed"
+    assert seq.fold(ev(state={"a": 2}, expected_seq=3), AT) == "checkpointed"
 
 
 def test_failure_checkpoint_and_status() -> None:
     seq = sequencer()
-    seq.apply(ev(updates={"a": 1}), AT)
-    seq.apply(ev("node.failed", error={"type": "E", "message": "boom"}), AT)
+    seq.fold(ev(updates={"a": 1}), AT)
+    seq.fold(ev("node.failed", error={"type": "E", "message": "boom"}), AT)
     failure = seq.effects.checkpoints[-1]
     assert (failure.kind, failure.state, failure.metadata["error"]["type"]) == (
         "failure",
@@ -155,11 +155,11 @@ def test_failure_checkpoint_and_status() -> None:
     )
     assert "attempt" not in failure.metadata
     assert seq.runs[("acme", "r")].status == "failed"
-    seq.apply(ev("node.failed", error={"type": "E", "message": "again"}, attempt=2), AT)
+    seq.fold(ev("node.failed", error={"type": "E", "message": "again"}, attempt=2), AT)
     assert seq.effects.checkpoints[-1].metadata["attempt"] == 2  # which retry failed
-    seq.apply(ev(updates={"a": 2}), AT)
+    seq.fold(ev(updates={"a": 2}), AT)
     assert seq.runs[("acme", "r")].status == "running"
-    seq.apply(
+    seq.fold(
         ev(
             "workflow.completed",
             outcome="success",
@@ -190,13 +190,13 @@ def test_a_langgraph_threads_events_are_recorded_in_order_once() -> None:
         ),
         ev("graph.upkeep", op="prune", strategy="keep_latest"),
     ]
-    assert [seq.apply(e, AT) for e in events] == ["recorded"] * 3
-    assert seq.apply(events[1], AT) is None
+    assert [seq.fold(e, AT) for e in events] == ["recorded"] * 3
+    assert seq.fold(events[1], AT) is None
     assert [r.event for r in seq.effects.graph] == events
     assert seq.effects.checkpoints == []
     assert (run.last_seq, run.event_count) == (3, 3)
     with pytest.raises(errors.RejectedEvent, match="belongs to workflow"):
-        seq.apply(ev("graph.upkeep", workflow="other", op="delete_thread"), AT)
+        seq.fold(ev("graph.upkeep", workflow="other", op="delete_thread"), AT)
 
 
 def test_a_deleted_thread_frees_its_id_for_another_graph_and_only_then() -> None:
@@ -206,16 +206,16 @@ def test_a_deleted_thread_frees_its_id_for_another_graph_and_only_then() -> None
     done = datetime(2026, 11, 22, tzinfo=UTC)
     run = RunView("r", "acme", "wf", None, status="succeeded", completed_at=done)
     seq = sequencer(runs={("acme", "r"): run})
-    seq.apply(ev("graph.upkeep", op="prune", strategy="keep_latest"), AT)
+    seq.fold(ev("graph.upkeep", op="prune", strategy="keep_latest"), AT)
     assert not run.released  # some checkpoints stay: still wf's
     with pytest.raises(errors.RejectedEvent, match="belongs to workflow 'wf'"):
-        seq.apply(ev("graph.upkeep", workflow="other", op="delete_thread"), AT)
-    seq.apply(ev("graph.upkeep", op="delete_thread"), AT)
+        seq.fold(ev("graph.upkeep", workflow="other", op="delete_thread"), AT)
+    seq.fold(ev("graph.upkeep", op="delete_thread"), AT)
     assert run.released
     with pytest.raises(errors.RejectedEvent, match="belongs to workflow 'wf'"):
-        seq.apply(ev("node.started", workflow="other"), AT)
+        seq.fold(ev("node.started", workflow="other"), AT)
     assert (run.released, run.workflow_id) == (True, "wf")  # a refused event changed nothing
-    seq.apply(ev("graph.checkpoint", workflow="other", checkpoint_id="c1", checkpoint={}), AT)
+    seq.fold(ev("graph.checkpoint", workflow="other", checkpoint_id="c1", checkpoint={}), AT)
     assert (run.workflow_id, run.status, run.completed_at, run.released) == (
         "other",
         "running",
@@ -223,9 +223,9 @@ def test_a_deleted_thread_frees_its_id_for_another_graph_and_only_then() -> None
         False,
     )
     with pytest.raises(errors.RejectedEvent, match="belongs to workflow 'other'"):
-        seq.apply(ev("graph.checkpoint", checkpoint_id="c2", checkpoint={}), AT)
-    seq.apply(ev("graph.upkeep", workflow="other", op="prune", strategy="delete"), AT)
-    seq.apply(ev("graph.checkpoint", workflow="other", checkpoint_id="c3", checkpoint={}), AT)
+        seq.fold(ev("graph.checkpoint", checkpoint_id="c2", checkpoint={}), AT)
+    seq.fold(ev("graph.upkeep", workflow="other", op="prune", strategy="delete"), AT)
+    seq.fold(ev("graph.checkpoint", workflow="other", checkpoint_id="c3", checkpoint={}), AT)
     assert (run.workflow_id, run.released) == ("other", False)  # its own graph goes on
 
 
@@ -234,17 +234,17 @@ def test_a_pruned_run_takes_no_more_events_but_a_known_one_stays_a_duplicate() -
     told from a new one, so the run refuses every event it does not still know."""
     run = RunView("r", "acme", "wf", None, last_seq=3, pruned=True)
     seq = sequencer(runs={("acme", "r"): run}, known={("acme", "kept"): "r"})
-    assert seq.apply(ev(state={"a": 1}, event_id="kept"), AT) is None
+    assert seq.fold(ev(state={"a": 1}, event_id="kept"), AT) is None
     for late in (
         ev(state={"a": 2}),
         ev("node.started"),
         ev("node.failed", error={"type": "X", "message": "m"}),
     ):
         with pytest.raises(errors.RunPruned, match="new run id"):
-            seq.apply(late, AT)
+            seq.fold(late, AT)
     assert (run.last_seq, seq.effects.checkpoints, seq.effects.events) == (3, [], [])
     other = sequencer(runs={("globex", "r"): RunView("r", "globex", "wf", None, pruned=True)})
-    assert other.apply(ev(state={"a": 1}), AT) == "checkpointed"  # another tenant's run
+    assert other.fold(ev(state={"a": 1}), AT) == "checkpointed"  # another tenant's run
 
 
 def completion(outcome: str = "success", **kw: Any) -> Event:
@@ -265,8 +265,8 @@ def test_a_completed_run_refuses_more_work_but_a_replay_stays_a_duplicate() -> N
     before the end and delivered again is still a duplicate; a second completion is
     recorded and the first outcome stands; a LangGraph thread's graph.* events go on."""
     seq = sequencer()
-    assert seq.apply(ev(updates={"total": 42}, event_id="before"), AT) == "checkpointed"
-    assert seq.apply(completion(), AT) == "handed_off"
+    assert seq.fold(ev(updates={"total": 42}, event_id="before"), AT) == "checkpointed"
+    assert seq.fold(completion(), AT) == "handed_off"
     run = seq.runs[("acme", "r")]
     for late in (
         ev(updates={"total": 42}),
@@ -275,11 +275,11 @@ def test_a_completed_run_refuses_more_work_but_a_replay_stays_a_duplicate() -> N
         ev("branch.join", join_id="j", branch_ids=["a"]),
     ):
         with pytest.raises(errors.RunCompleted, match="new run id"):
-            seq.apply(late, AT)
-    assert seq.apply(ev(updates={"total": 42}, event_id="before"), AT) is None
-    assert seq.apply(completion("failure"), AT) == "recorded"
+            seq.fold(late, AT)
+    assert seq.fold(ev(updates={"total": 42}, event_id="before"), AT) is None
+    assert seq.fold(completion("failure"), AT) == "recorded"
     assert run.status == "succeeded"
     assert [h.event.type for h in seq.effects.handoffs] == ["workflow.completed"]
     assert [c.seq for c in seq.effects.checkpoints] == [1]
     upkeep = ev("graph.upkeep", op="delete_thread")
-    assert seq.apply(upkeep, AT) == "recorded"
+    assert seq.fold(upkeep, AT) == "recorded"
