@@ -35,7 +35,9 @@ from alma_core.storage import effects, reducer_configs, runs
 from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.effects import EffectListener
 from alma_core.storage.embeddings import TextEmbedder, embedder_for
+from alma_core.storage.graphs import GraphReader
 from alma_core.storage.inflight import InFlight
+from alma_core.storage.migrations import Migrator
 from alma_core.storage.observer import ReadMetrics, ReadObserver
 from alma_core.storage.postgres import connect
 from alma_core.storage.reader import CheckpointReader
@@ -181,9 +183,21 @@ class AlmaClient:
             observer=self.observer,
         )
 
+    async def graph_reader(self, tenant_id: str, workflow_id: str | None) -> GraphReader:
+        """The tenant's reads of LangGraph threads (opened on first use), of the graph
+        ``workflow_id`` (:class:`~alma_core.storage.graphs.GraphReader`)."""
+        return GraphReader(await self._open_reads(), tenant_id, workflow_id)
+
+    async def upgrade_schema(self) -> None:
+        """Bring ALMA's schema to the version this code needs (what `alma up` and
+        `alma db upgrade` apply; nothing when it is there already)."""
+        pool = await self._open_reads()
+        async with pool.acquire() as conn:
+            await Migrator(conn).migrate()
+
     async def read_pool(self) -> asyncpg.Pool:
-        """The client's PostgreSQL pool for reads (opened on first use), for integrations
-        that read what the pipeline wrote (the LangGraph saver)."""
+        """The client's PostgreSQL pool for reads (opened on first use), for ALMA's own
+        tools that query across tables with the tenant in each query (the inspector)."""
         return await self._open_reads()
 
     async def in_flight(self) -> InFlight:

@@ -24,6 +24,7 @@ from typing import Any, TypeAlias
 import asyncpg
 
 from alma_core.sequencing import EventRow
+from alma_core.storage import runs
 from alma_core.storage.postgres import is_storage_failure, storage_error
 from schemas.events import (
     GraphCheckpoint,
@@ -261,69 +262,6 @@ _NOT_OTHERS = """NOT EXISTS (
                     AND r.released_at IS NULL)"""
 
 
-async def get(
-    pool: asyncpg.Pool,
-    tenant: str,
-    thread: str,
-    ns: str,
-    checkpoint_id: str | None,
-    workflow: str | None = None,
-) -> StoredCheckpoint | None:
-    """One checkpoint of the thread's namespace: by id, or the newest (``workflow``:
-    none of a thread another graph owns)."""
-    rows = await _guarded_fetch(
-        pool,
-        f"""{_SELECT}
-            WHERE c.tenant_id = $1 AND c.thread_id = $2 AND c.checkpoint_ns = $3
-              AND ($4::text IS NULL OR c.checkpoint_id = $4)
-              AND ($5::text IS NULL OR {_NOT_OTHERS.format(workflow="$5")})
-            ORDER BY c.checkpoint_id DESC LIMIT 1""",
-        tenant,
-        thread,
-        ns,
-        checkpoint_id,
-        workflow,
-    )
-    return _stored(rows[0]) if rows else None
-
-
-async def listing(
-    pool: asyncpg.Pool,
-    tenant: str,
-    *,
-    thread: str | None,
-    ns: str | None,
-    checkpoint_id: str | None,
-    metadata: dict[str, Any] | None,
-    before: str | None,
-    limit: int | None,
-    workflow: str | None = None,
-) -> list[StoredCheckpoint]:
-    """The tenant's checkpoints, newest first, narrowed as LangGraph's ``list`` asks
-    (``workflow``: not those of threads another graph owns)."""
-    rows = await _guarded_fetch(
-        pool,
-        f"""{_SELECT}
-            WHERE c.tenant_id = $1 AND ($2::text IS NULL OR c.thread_id = $2)
-              AND ($3::text IS NULL OR c.checkpoint_ns = $3)
-              AND ($4::text IS NULL OR c.checkpoint_id = $4)
-              AND ($5::jsonb IS NULL OR c.metadata @> $5::jsonb)
-              AND ($6::text IS NULL OR c.checkpoint_id < $6)
-              AND ($8::text IS NULL OR {_NOT_OTHERS.format(workflow="$8")})
-            ORDER BY c.checkpoint_id DESC
-            LIMIT $7""",
-        tenant,
-        thread,
-        ns,
-        checkpoint_id,
-        metadata,
-        before,
-        limit,
-        workflow,
-    )
-    return [_stored(r) for r in rows]
-
-
 async def outline(pool: asyncpg.Pool, tenant: str, thread: str, limit: int) -> list[asyncpg.Record]:
     """A thread's checkpoints, newest first, without their values (namespace, id,
     parent, LangGraph's step and source, when written): what `alma checkpoints` and
@@ -340,18 +278,6 @@ async def outline(pool: asyncpg.Pool, tenant: str, thread: str, limit: int) -> l
     )
 
 
-async def threads_of_runs(pool: asyncpg.Pool, tenant: str, run_ids: list[str]) -> list[str]:
-    """The threads holding checkpoints of these LangGraph runs."""
-    rows = await _guarded_fetch(
-        pool,
-        """SELECT DISTINCT thread_id FROM graph_checkpoints
-           WHERE tenant_id = $1 AND run_id = ANY($2::text[]) ORDER BY 1""",
-        tenant,
-        run_ids,
-    )
-    return [r["thread_id"] for r in rows]
-
-
 @dataclass(frozen=True)
 class ThreadSummary:
     """What a thread's outcome counts: each node whose tasks finished and whether one of
@@ -362,26 +288,113 @@ class ThreadSummary:
     started_at: datetime | None
 
 
-async def summary(pool: asyncpg.Pool, tenant: str, thread: str) -> ThreadSummary:
-    rows = await _guarded_fetch(
-        pool,
-        """SELECT e.node_id, e.payload->'error'->>'type' AS error_type,
-                  e.payload->'error'->>'message' AS error_message
-           FROM run_events e
-           WHERE e.tenant_id = $1 AND e.run_id = $2 AND e.type = 'graph.writes'
-             AND e.node_id IS NOT NULL
-           ORDER BY e.ordinal""",
-        tenant,
-        thread,
-    )
-    nodes: dict[str, bool] = {}
-    first_error = None
-    for r in rows:
-        failed = r["error_type"] is not None
-        nodes[r["node_id"]] = nodes.get(r["node_id"], False) or failed
-        if failed and first_error is None:
-            first_error = f"{r['node_id']}: {r['error_type']}: {r['error_message']}"
-    started = await _guarded_fetch(
-        pool, "SELECT created_at FROM runs WHERE tenant_id = $1 AND run_id = $2", tenant, thread
-    )
-    return ThreadSummary(nodes, first_error, started[0]["created_at"] if started else None)
+@dataclass(frozen=True)
+class GraphReader:
+    """One tenant's reads of LangGraph threads, for a saver: every query carries the
+    tenant, and with ``workflow`` a thread another graph owns (not released) is not
+    read. The saver holds this, never a pool."""
+
+    pool: asyncpg.Pool
+    tenant: str
+    workflow: str | None = None
+
+    async def get(
+        self, thread: str, ns: str, checkpoint_id: str | None, *, any_graph: bool = False
+    ) -> StoredCheckpoint | None:
+        """One checkpoint of the thread's namespace: by id, or the newest (of a thread
+        another graph owns too when ``any_graph``)."""
+        rows = await _guarded_fetch(
+            self.pool,
+            f"""{_SELECT}
+                WHERE c.tenant_id = $1 AND c.thread_id = $2 AND c.checkpoint_ns = $3
+                  AND ($4::text IS NULL OR c.checkpoint_id = $4)
+                  AND ($5::text IS NULL OR {_NOT_OTHERS.format(workflow="$5")})
+                ORDER BY c.checkpoint_id DESC LIMIT 1""",
+            self.tenant,
+            thread,
+            ns,
+            checkpoint_id,
+            None if any_graph else self.workflow,
+        )
+        return _stored(rows[0]) if rows else None
+
+    async def listing(
+        self,
+        *,
+        thread: str | None,
+        ns: str | None,
+        checkpoint_id: str | None,
+        metadata: dict[str, Any] | None,
+        before: str | None,
+        limit: int | None,
+    ) -> list[StoredCheckpoint]:
+        """The tenant's checkpoints, newest first, narrowed as LangGraph's ``list``
+        asks."""
+        rows = await _guarded_fetch(
+            self.pool,
+            f"""{_SELECT}
+                WHERE c.tenant_id = $1 AND ($2::text IS NULL OR c.thread_id = $2)
+                  AND ($3::text IS NULL OR c.checkpoint_ns = $3)
+                  AND ($4::text IS NULL OR c.checkpoint_id = $4)
+                  AND ($5::jsonb IS NULL OR c.metadata @> $5::jsonb)
+                  AND ($6::text IS NULL OR c.checkpoint_id < $6)
+                  AND ($8::text IS NULL OR {_NOT_OTHERS.format(workflow="$8")})
+                ORDER BY c.checkpoint_id DESC
+                LIMIT $7""",
+            self.tenant,
+            thread,
+            ns,
+            checkpoint_id,
+            metadata,
+            before,
+            limit,
+            self.workflow,
+        )
+        return [_stored(r) for r in rows]
+
+    async def threads_of_runs(self, run_ids: list[str]) -> list[str]:
+        """The threads holding checkpoints of these LangGraph runs."""
+        rows = await _guarded_fetch(
+            self.pool,
+            """SELECT DISTINCT thread_id FROM graph_checkpoints
+               WHERE tenant_id = $1 AND run_id = ANY($2::text[]) ORDER BY 1""",
+            self.tenant,
+            run_ids,
+        )
+        return [r["thread_id"] for r in rows]
+
+    async def owner(self, thread: str) -> str | None:
+        """The graph (workflow) that owns the thread's run, if any."""
+        return await runs.owner(self.pool, self.tenant, thread)
+
+    async def unrecorded(self, thread: str, event_ids: list[str]) -> list[str]:
+        """Those of ``event_ids`` the thread's run has no effect of yet."""
+        return await runs.unrecorded(self.pool, self.tenant, thread, event_ids)
+
+    async def summary(self, thread: str) -> ThreadSummary:
+        """What the thread's outcome counts (:class:`ThreadSummary`)."""
+        rows = await _guarded_fetch(
+            self.pool,
+            """SELECT e.node_id, e.payload->'error'->>'type' AS error_type,
+                      e.payload->'error'->>'message' AS error_message
+               FROM run_events e
+               WHERE e.tenant_id = $1 AND e.run_id = $2 AND e.type = 'graph.writes'
+                 AND e.node_id IS NOT NULL
+               ORDER BY e.ordinal""",
+            self.tenant,
+            thread,
+        )
+        nodes: dict[str, bool] = {}
+        first_error = None
+        for r in rows:
+            failed = r["error_type"] is not None
+            nodes[r["node_id"]] = nodes.get(r["node_id"], False) or failed
+            if failed and first_error is None:
+                first_error = f"{r['node_id']}: {r['error_type']}: {r['error_message']}"
+        started = await _guarded_fetch(
+            self.pool,
+            "SELECT created_at FROM runs WHERE tenant_id = $1 AND run_id = $2",
+            self.tenant,
+            thread,
+        )
+        return ThreadSummary(nodes, first_error, started[0]["created_at"] if started else None)

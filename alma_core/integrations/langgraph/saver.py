@@ -49,9 +49,9 @@ from langgraph.checkpoint.serde.types import ERROR, TASKS, _DeltaSnapshot
 from alma_core import errors
 from alma_core.sdk.client import AlmaClient, Wait
 from alma_core.settings import Settings
-from alma_core.storage import graphs, runs
+from alma_core.storage import graphs
+from alma_core.storage.graphs import GraphReader
 from alma_core.storage.inflight import TTL_S
-from alma_core.storage.migrations import Migrator
 from alma_core.types import WorkflowContext
 
 _PULL, _PUSH = "~__pregel_pull, ", "~__pregel_push, "
@@ -175,14 +175,16 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         """What LangGraph's savers do in ``setup()``: bring ALMA's schema to the version
         this code needs (the migrations `alma up` and `alma db upgrade` apply; nothing
         when it is there already)."""
-        pool = await self.client.read_pool()
-        async with pool.acquire() as conn:
-            await Migrator(conn).migrate()
+        await self.client.upgrade_schema()
 
     def setup(self) -> None:
         self._sync(self.asetup())
 
     # -- helpers --------------------------------------------------------------------
+
+    async def _graphs(self) -> GraphReader:
+        """This saver's reads: its tenant's, of its graph's threads."""
+        return await self.client.graph_reader(self.tenant_id, self.workflow_id)
 
     def _ctx(self, thread_id: str) -> WorkflowContext:
         return WorkflowContext(
@@ -232,8 +234,7 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         fan-out's tasks) may reach the partition in another order than they returned:
         wait for the last, then for any the log does not hold yet."""
         refused = [await self._refusal(thread, ids[-1])]  # the last first, then the rest
-        pool = await self.client.read_pool()
-        for event_id in await runs.unrecorded(pool, self.tenant_id, thread, ids[:-1]):
+        for event_id in await (await self._graphs()).unrecorded(thread, ids[:-1]):
             refused.append(await self._refusal(thread, event_id))
         if found := [r for r in refused if r is not None]:
             self._refused.setdefault(thread, []).extend(found)
@@ -255,7 +256,7 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         """Raise when another graph owns the thread: one ownership model for reads and
         writes (a write there is refused). The reads leave such threads out, so this
         runs only when they found nothing."""
-        owner = await runs.owner(await self.client.read_pool(), self.tenant_id, thread)
+        owner = await (await self._graphs()).owner(thread)
         if owner is not None and owner != self.workflow_id:
             raise errors.ContextError(
                 f"thread {thread!r} belongs to graph (workflow) {owner!r}, not "
@@ -275,8 +276,7 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         marked = [e for e in await in_flight.marked(self.tenant_id, thread) or () if e not in own]
         if not marked:
             return
-        pool = await self.client.read_pool()
-        waiting = await runs.unrecorded(pool, self.tenant_id, thread, marked)
+        waiting = await (await self._graphs()).unrecorded(thread, marked)
         deadline = asyncio.get_running_loop().time() + self.timeout
         for event_id in waiting:
             left = max(0.0, deadline - asyncio.get_running_loop().time())
@@ -320,9 +320,8 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         key = (thread, ns, checkpoint_id)
         sends = self._sends.get(key)
         if sends is None:
-            stored = await graphs.get(
-                await self.client.read_pool(), self.tenant_id, thread, ns, checkpoint_id
-            )
+            reads = await self._graphs()
+            stored = await reads.get(thread, ns, checkpoint_id, any_graph=True)
             if stored is not None:
                 sends = self._remember(key, self._tuple(stored).checkpoint)
             elif key in self._sends:  # its aput began while PostgreSQL was asked
@@ -409,13 +408,8 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         configurable = config["configurable"]
         thread = thread_of(configurable["thread_id"])
         await self._readable(thread)
-        stored = await graphs.get(
-            await self.client.read_pool(),
-            self.tenant_id,
-            thread,
-            configurable.get("checkpoint_ns", ""),
-            get_checkpoint_id(config),
-            self.workflow_id,
+        stored = await (await self._graphs()).get(
+            thread, configurable.get("checkpoint_ns", ""), get_checkpoint_id(config)
         )
         if stored is None:
             await self._not_others(thread)
@@ -436,14 +430,11 @@ class AlmaSaver(BaseCheckpointSaver[str]):
             await self._caught_up()
         else:
             await self._readable(thread)
-        rows = await graphs.listing(
-            await self.client.read_pool(),
-            self.tenant_id,
+        rows = await (await self._graphs()).listing(
             thread=thread,
             ns=configurable.get("checkpoint_ns"),
             checkpoint_id=get_checkpoint_id(config) if config else None,
             metadata=filter or None,
-            workflow=self.workflow_id,
             before=get_checkpoint_id(before) if before else None,
             limit=limit,
         )
@@ -554,8 +545,7 @@ class AlmaSaver(BaseCheckpointSaver[str]):
             raise TypeError("run_ids must be a sequence of run ids, not one string")
         await self._caught_up()
         ids = [str(r) for r in run_ids]
-        pool = await self.client.read_pool()
-        for thread in await graphs.threads_of_runs(pool, self.tenant_id, ids):
+        for thread in await (await self._graphs()).threads_of_runs(ids):
             await self._send("graph.upkeep", thread, {"op": "delete_runs", "run_ids": ids})
 
     async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
@@ -605,7 +595,7 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         ``event_id`` makes it idempotent. Returns the event id."""
         thread = thread_of(thread_id)
         await self._readable(thread)
-        summary = await graphs.summary(await self.client.read_pool(), self.tenant_id, thread)
+        summary = await (await self._graphs()).summary(thread)
         failed = sum(summary.nodes.values())
         if duration_ms is None:
             started = summary.started_at or datetime.now(UTC)
