@@ -23,7 +23,8 @@ from alma_core import errors
 from alma_core.cli import common
 from alma_core.logs import configure as configure_logs
 from alma_core.logs import redact
-from alma_core.sdk.client import AlmaClient, outcome
+from alma_core.sdk.client import AlmaClient
+from alma_core.sdk.publisher import outcome
 from alma_core.sdk.timeline import Timeline
 from alma_core.settings import Settings
 from alma_core.storage.cache import checkpoint_to_doc

@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from alma_core.sdk.client import AlmaClient, Wait
+from alma_core.sdk.client import AlmaClient
+from alma_core.sdk.publisher import Wait
 from alma_core.types import WorkflowContext
 
 

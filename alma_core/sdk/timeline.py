@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from alma_core import errors, history
-from alma_core.sdk.client import AlmaClient, Applied
+from alma_core.sdk.client import AlmaClient
+from alma_core.sdk.waiter import Applied
 from alma_core.types import Checkpoint, WorkflowContext
 
 if TYPE_CHECKING:

@@ -236,7 +236,7 @@ async def test_applied_wakes_on_the_commit_not_on_a_poll(
     async with Worker.start(settings, ("checkpointer",)), AlmaClient(settings) as client:
         run = WorkflowContext("acme", "wf", None, "notified-run", "n")
         await client.applied(run, await client.node_completed(run, state={"a": 0}), timeout=30)
-        listener = client._effects
+        listener = client.waiter.listening
         assert listener is not None
         assert listener.alive
         before, early = listener.wakeups, listener.early
@@ -290,7 +290,7 @@ async def test_without_notifications_applied_polls(settings: Settings) -> None:
                 event_id = await client.node_completed(run, state={"a": i})
                 applied = await client.applied(run, event_id, timeout=30)
                 assert (applied.effect, applied.seq) == ("checkpointed", i + 1)
-            assert client._effects is None
+            assert client.waiter.listening is None
             assert (await fetch(dsn, listening))[0]["n"] == 1  # the spy alone
     finally:
         await spy.close()

@@ -47,7 +47,8 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 from langgraph.checkpoint.serde.types import ERROR, TASKS, _DeltaSnapshot
 
 from alma_core import errors
-from alma_core.sdk.client import AlmaClient, Wait
+from alma_core.sdk.client import AlmaClient
+from alma_core.sdk.publisher import Wait
 from alma_core.settings import Settings
 from alma_core.storage import graphs
 from alma_core.storage.graphs import GraphReader

@@ -1,0 +1,170 @@
+"""Publishing lifecycle events: :class:`Publisher` checks each event against the
+contract before anything is sent (:meth:`Publisher.event`), and sends it keyed by its
+run id with acknowledgement from all in-sync replicas, so one caller's events of a run
+keep their order."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from pydantic import ValidationError
+
+from alma_core import errors
+from alma_core import settings as settings_mod
+from alma_core.logs import redact
+from alma_core.messaging import kafka
+from alma_core.settings import Settings
+from alma_core.storage.effects import EffectListener
+from alma_core.types import WorkflowContext
+from schemas.events import EVENT_MODELS, Event, EventType, encode
+
+Wait = Literal["published", "applied"]
+"""How long a publish waits: until the broker has the event (``published``), or until
+the checkpointer has had its effect too (``applied``: read-your-writes)."""
+
+
+class Publisher:
+    def __init__(self, settings: Settings, *, bootstrap: str | None = None) -> None:
+        self.settings = settings
+        chosen = bootstrap or settings.kafka_bootstrap
+        if not chosen:
+            raise errors.ConfigError(no_bootstrap(settings))
+        self.bootstrap: str = chosen
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=self.bootstrap,
+            **kafka.client_options(settings),
+            acks="all",
+            linger_ms=1,
+            max_request_size=settings.max_record_bytes + 64 * 1024,
+        )
+
+    async def start(self) -> None:
+        """Connect the producer; one that cannot is closed again (nothing left open) and
+        the error says where it dialled and what to do."""
+        try:
+            await self._producer.start()
+        except BaseException as exc:
+            await self._producer.stop()
+            if isinstance(exc, KafkaError):
+                raise errors.BrokerUnavailable(
+                    f"AlmaClient cannot reach Kafka at {redact(self.bootstrap)}: {exc!r}. "
+                    "What to do: check ALMA_KAFKA_BOOTSTRAP and that the broker runs, or "
+                    "start `alma up` and build the client from load_running()"
+                ) from exc
+            raise
+
+    async def stop(self) -> None:
+        await self._producer.stop()
+
+    def event(
+        self,
+        type_: str,
+        ctx: WorkflowContext,
+        payload: dict[str, Any],
+        *,
+        event_id: str | None = None,
+    ) -> Event:
+        """A contract event for ``ctx``, checked before anything is sent (a bad context or
+        payload raises ContextError). ``event_id`` makes it idempotent: an orchestrator
+        that derives it from its own identity of the step (Temporal's activity id, say)
+        can publish again after a crash and the event has its effect once."""
+        ctx.validate(require_tenant=self.settings.require_tenant)
+        if not (ctx.tenant_id and ctx.workflow_id and ctx.run_id):
+            raise errors.ContextError(f"{type_} needs tenant_id, workflow_id and run_id")
+        if type_.startswith("node.") and not ctx.node_id:
+            raise errors.ContextError(f"{type_} needs node_id")
+        doc = {
+            "event_id": event_id or uuid.uuid4().hex,
+            "type": type_,
+            "emitted_at": datetime.now(UTC),
+            "tenant_id": ctx.tenant_id,
+            "workflow_id": ctx.workflow_id,
+            "workflow_version": ctx.workflow_version,
+            "run_id": ctx.run_id,
+            "node_id": ctx.node_id,
+            "branch_id": ctx.branch_id,
+            "payload": {k: v for k, v in payload.items() if v is not None},
+        }
+        try:
+            return EVENT_MODELS[EventType(type_)].model_validate(doc, strict=False)  # type: ignore[return-value]
+        except ValidationError as exc:
+            raise errors.ContextError(f"invalid {type_}: {exc.errors()[0]['msg']}") from None
+
+    async def send(self, event: Event, *, watch: EffectListener | None = None) -> str:
+        """Send one event and wait for the broker's acknowledgement; its event_id.
+        ``watch``: a waiter's listener, told of the event before it is sent, so a wait
+        for its effect needs no read before it sleeps."""
+        record = encode(event)
+        if len(record) > self.settings.max_record_bytes:
+            raise errors.RecordTooLarge(
+                f"{event.type} {event.event_id} of run {event.run_id!r} is {len(record):,} "
+                f"bytes, over ALMA_MAX_RECORD_BYTES={self.settings.max_record_bytes:,}: keep "
+                "large values out of the state (an artifact reference), or raise the limit "
+                "on the broker's topic and in ALMA_MAX_RECORD_BYTES alike"
+            )
+        if watch is not None and event.tenant_id:
+            watch.expect(event.event_id, event.tenant_id, event.run_id)
+        try:
+            await self._producer.send_and_wait(
+                self.settings.lifecycle_topic, record, key=event.run_id.encode()
+            )
+        except BaseException:
+            if watch is not None:
+                watch.forget(event.event_id)
+            raise
+        return event.event_id
+
+    async def send_record(self, value: bytes, key: bytes | None) -> None:
+        """Send one record to the lifecycle topic as it is (a dead letter sent back:
+        :func:`alma_core.sdk.dead_letters.replay`); it is decoded like any other."""
+        await self._producer.send_and_wait(self.settings.lifecycle_topic, value, key=key)
+
+
+def outcome(
+    *,
+    success: bool,
+    duration_ms: int,
+    node_count: int,
+    nodes_succeeded: int,
+    nodes_failed: int,
+    error_message: str | None = None,
+    task: str | None = None,
+    artifacts: list[dict[str, Any]] | None = None,
+    cleanup_checkpoints: bool | None = None,
+) -> dict[str, Any]:
+    """A ``workflow.completed`` payload (for :meth:`AlmaClient.event`)."""
+    return {
+        "outcome": "success" if success else "failure",
+        "duration_ms": duration_ms,
+        "node_count": node_count,
+        "nodes_succeeded": nodes_succeeded,
+        "nodes_failed": nodes_failed,
+        "error_message": error_message,
+        "task": task,
+        "artifacts": artifacts,
+        "cleanup_checkpoints": cleanup_checkpoints,
+    }
+
+
+def no_bootstrap(s: Settings) -> str:
+    """Why a client has no broker, and what to do: use the running ``alma up`` (found
+    from any directory) through ``load_running()``, or start one, or set the variable."""
+    what = "AlmaClient needs a Kafka bootstrap (ALMA_KAFKA_BOOTSTRAP, or bootstrap=...)"
+    try:
+        stack = settings_mod.running(s)
+    except errors.ConfigError as several:
+        return f"{what}; {several.message}"
+    if stack is not None:
+        return (
+            f"{what}: an `alma up` is running on {stack.data_dir}. What to do: build the "
+            "client from load_running() (alma_core.settings), which takes its services"
+        )
+    return (
+        f"{what} and no `alma up` is running ({settings_mod.search(s).described()}). What "
+        "to do: start the embedded stack with `alma up` (in any directory) and build the "
+        "client from load_running(), or set ALMA_KAFKA_BOOTSTRAP"
+    )
