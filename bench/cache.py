@@ -18,7 +18,8 @@ import time
 import uuid
 
 from alma_core.cli.embedded import RedisClusterStack
-from alma_core.storage.cache import CacheEntry, RedisCheckpointCache
+from alma_core.storage.cache import RedisCheckpointCache
+from alma_core.storage.cache_entries import CacheEntry
 from bench.env import Env, scratch
 from bench.report import Section, Stat, pct
 

@@ -24,7 +24,7 @@ from typing import Any, Generic, Protocol
 
 from alma_core import errors
 from alma_core.storage.batches import Batch, BatchStore, Committed, EffectsT, Incoming, PreparedT
-from alma_core.storage.cache import CacheWriter
+from alma_core.storage.cache_writer import CacheWriter
 from alma_core.storage.dead_letters import dead_letter_for, dead_letter_headers
 from alma_core.storage.offsets import PartitionKey, Progress
 from consumers.metrics import Metrics

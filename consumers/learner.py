@@ -19,7 +19,7 @@ from alma_core.sequencing import Coordinates
 from alma_core.settings import RetentionPolicy
 from alma_core.storage import retention
 from alma_core.storage.batches import Batch
-from alma_core.storage.cache import CacheWriter
+from alma_core.storage.cache_writer import CacheWriter
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.storage.memories import LearnEffects, PostgresLearnStore, Prepared
 from consumers.handler import StoreHandler, as_rejected, failure_text, reraise_retriable

@@ -40,6 +40,18 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         _process_collectors(r)
+        self._batches(r)
+        self._consumers(r)
+        # the read side's families (a process that serves reads reports them here too)
+        self.reads = ReadMetrics(r)
+        self.embedded = EmbeddedMetrics(r)  # set by `alma up` only
+        self.cache = self.reads.cache
+        self.retrieval_seconds = self.reads.retrieval_seconds
+        self._merges_and_outbox(r)
+        self._learning(r)
+
+    def _batches(self, r: CollectorRegistry) -> None:
+        """Every consumer's records and batches: outcomes, dead letters, checkpoints, times."""
         self.events = Counter(
             "alma_events_total",
             "Events consumed, by consumer, event type and outcome",
@@ -96,6 +108,9 @@ class Metrics:
             buckets=E2E_BUCKETS,
             registry=r,
         )
+
+    def _consumers(self, r: CollectorRegistry) -> None:
+        """The Kafka side of a consumer: commits, lag, offsets, rebalances, polls, GC pauses."""
         self.commit_seconds = Histogram(
             "alma_offset_commit_seconds",
             "Kafka offset commit time",
@@ -158,11 +173,9 @@ class Metrics:
             ["consumer"],
             registry=r,
         )
-        # the read side's families (a process that serves reads reports them here too)
-        self.reads = ReadMetrics(r)
-        self.embedded = EmbeddedMetrics(r)  # set by `alma up` only
-        self.cache = self.reads.cache
-        self.retrieval_seconds = self.reads.retrieval_seconds
+
+    def _merges_and_outbox(self, r: CollectorRegistry) -> None:
+        """The joiner's merges and the outbox's publishing."""
         self.merges = Counter(
             "alma_merges_total",
             "Join requests answered, by outcome (ok, error, duplicate)",
@@ -185,6 +198,8 @@ class Metrics:
             "alma_outbox_failures_total", "Outbox publish attempts that failed", registry=r
         )
 
+    def _learning(self, r: CollectorRegistry) -> None:
+        """The learner: embeddings, outcomes, memories, retention."""
         self.embeddings = Counter(
             "alma_embeddings_total",
             "Texts embedded, by result (encoded, cached)",

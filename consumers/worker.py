@@ -27,10 +27,11 @@ from aiokafka.errors import KafkaError
 from alma_core import errors
 from alma_core.learning import LearningPolicy
 from alma_core.messaging import kafka
-from alma_core.reducers import default_registry
+from alma_core.reducers import ReducerRegistry, default_registry
 from alma_core.settings import Settings
 from alma_core.storage import postgres
-from alma_core.storage.cache import CacheWriter, RedisCheckpointCache
+from alma_core.storage.cache import RedisCheckpointCache
+from alma_core.storage.cache_writer import CacheWriter
 from alma_core.storage.checkpoints import PostgresCheckpointStore, StoreConfig
 from alma_core.storage.embeddings import AsyncEmbedder, load_embedder
 from alma_core.storage.joins import JoinConfig, PostgresJoinStore
@@ -312,118 +313,9 @@ async def _run(
                 },
             )
             await relay.sweep(force=True)
-            runtimes = []
             cache_writer = CacheWriter(cache)  # invalidates the partitions it is assigned
-
-            def group(name: str) -> str:
-                return f"{settings.group_prefix}-{name}"
-
-            def runtime(
-                name: str,
-                topic: str,
-                handler: BatchHandler,
-                *,
-                linger_ms: int = 0,
-                max_records: int = settings.max_batch_records,
-            ) -> ConsumerRuntime:
-                return ConsumerRuntime(
-                    RuntimeConfig(
-                        bootstrap=services.kafka_bootstrap,
-                        group_id=group(name),
-                        topics=[topic],
-                        max_records=max_records,
-                        linger_ms=linger_ms,
-                        session_timeout_ms=settings.session_timeout_ms,
-                        heartbeat_interval_ms=settings.heartbeat_interval_ms,
-                        fetch_max_wait_ms=settings.fetch_max_wait_ms,
-                        fetch_idle_wait_ms=settings.fetch_idle_wait_ms,
-                        client_options=kafka.client_options(settings),
-                    ),
-                    handler,
-                    metrics,
-                )
-
-            registry = default_registry()
-
-            if checkpointer.NAME in consumers:
-                store = PostgresCheckpointStore(
-                    pool,
-                    StoreConfig(
-                        group(checkpointer.GROUP),
-                        checkpointer.NAME,
-                        settings.sequenced_topic,
-                        settings.dlq_topic,
-                        settings.max_state_bytes,
-                        settings.notify_effects,
-                        settings.merged_topic,
-                    ),
-                    registry,
-                )
-                handler = checkpointer.CheckpointHandler(
-                    store,
-                    cache_writer,
-                    relay,
-                    metrics,
-                    max_state_bytes=settings.max_state_bytes,
-                    max_record_bytes=settings.max_record_bytes,
-                    concurrency=settings.checkpoint_transactions,
-                )
-                runtimes.append(runtime(checkpointer.GROUP, settings.lifecycle_topic, handler))
-            if joiner.NAME in consumers:
-                join_store = PostgresJoinStore(
-                    pool,
-                    JoinConfig(
-                        group(joiner.GROUP),
-                        joiner.NAME,
-                        settings.merged_topic,
-                        settings.dlq_topic,
-                        settings.max_state_bytes,
-                    ),
-                    registry,
-                )
-                join_handler = joiner.JoinHandler(
-                    join_store,
-                    cache_writer,
-                    relay,
-                    metrics,
-                    # the sequenced topic carries join states as the checkpointer accepted them
-                    max_state_bytes=settings.max_record_bytes,
-                    max_record_bytes=settings.max_record_bytes,
-                )
-                runtimes.append(runtime(joiner.GROUP, settings.sequenced_topic, join_handler))
-
-            if learner.NAME in consumers:
-                assert embedder is not None
-                learn_store = PostgresLearnStore(
-                    pool,
-                    LearnConfig(
-                        group(learner.GROUP),
-                        learner.NAME,
-                        settings.dlq_topic,
-                        LearningPolicy(min_occurrences=settings.learn_min_occurrences),
-                        settings.cleanup_checkpoints,
-                    ),
-                )
-                learn_handler = learner.LearnHandler(
-                    learn_store,
-                    cache_writer,
-                    relay,
-                    metrics,
-                    embedder,
-                    max_state_bytes=settings.max_record_bytes,
-                    max_record_bytes=settings.max_record_bytes,
-                    retention=settings.retention,
-                    prune_every_s=settings.prune_every_seconds,
-                )
-                runtimes.append(
-                    runtime(
-                        learner.GROUP,
-                        settings.sequenced_topic,
-                        learn_handler,
-                        linger_ms=settings.embed_max_wait_ms,
-                        max_records=min(settings.max_batch_records, 256),
-                    )
-                )
+            wiring = _Wiring(settings, services.kafka_bootstrap, pool, cache_writer, relay, metrics)
+            runtimes = wiring.runtimes(consumers, embedder)
 
             async def database_ok() -> bool:
                 return bool(await pool.fetchval("SELECT 1"))
@@ -455,3 +347,139 @@ async def _run(
         if own_embedder is not None:
             own_embedder.close()
         await pool.close()
+
+
+@dataclass(frozen=True)
+class _Wiring:
+    """What every consumer of a worker is built from: one pool, cache writer, outbox
+    relay and metrics, and the settings that name their groups and topics."""
+
+    settings: Settings
+    bootstrap: str
+    pool: asyncpg.Pool
+    cache_writer: CacheWriter
+    relay: OutboxRelay
+    metrics: Metrics
+
+    def group(self, name: str) -> str:
+        return f"{self.settings.group_prefix}-{name}"
+
+    def runtimes(
+        self, consumers: list[str], embedder: AsyncEmbedder | None
+    ) -> list[ConsumerRuntime]:
+        """The runtime of each consumer named, in the order checkpointer, joiner, learner."""
+        registry = default_registry()
+        built = []
+        if checkpointer.NAME in consumers:
+            built.append(self._checkpointer(registry))
+        if joiner.NAME in consumers:
+            built.append(self._joiner(registry))
+        if learner.NAME in consumers:
+            assert embedder is not None
+            built.append(self._learner(embedder))
+        return built
+
+    def _runtime(
+        self,
+        name: str,
+        topic: str,
+        handler: BatchHandler,
+        *,
+        linger_ms: int = 0,
+        max_records: int | None = None,
+    ) -> ConsumerRuntime:
+        s = self.settings
+        config = RuntimeConfig(
+            bootstrap=self.bootstrap,
+            group_id=self.group(name),
+            topics=[topic],
+            max_records=max_records or s.max_batch_records,
+            linger_ms=linger_ms,
+            session_timeout_ms=s.session_timeout_ms,
+            heartbeat_interval_ms=s.heartbeat_interval_ms,
+            fetch_max_wait_ms=s.fetch_max_wait_ms,
+            fetch_idle_wait_ms=s.fetch_idle_wait_ms,
+            client_options=kafka.client_options(s),
+        )
+        return ConsumerRuntime(config, handler, self.metrics)
+
+    def _checkpointer(self, registry: ReducerRegistry) -> ConsumerRuntime:
+        s = self.settings
+        store = PostgresCheckpointStore(
+            self.pool,
+            StoreConfig(
+                self.group(checkpointer.GROUP),
+                checkpointer.NAME,
+                s.sequenced_topic,
+                s.dlq_topic,
+                s.max_state_bytes,
+                s.notify_effects,
+                s.merged_topic,
+            ),
+            registry,
+        )
+        handler = checkpointer.CheckpointHandler(
+            store,
+            self.cache_writer,
+            self.relay,
+            self.metrics,
+            max_state_bytes=s.max_state_bytes,
+            max_record_bytes=s.max_record_bytes,
+            concurrency=s.checkpoint_transactions,
+        )
+        return self._runtime(checkpointer.GROUP, s.lifecycle_topic, handler)
+
+    def _joiner(self, registry: ReducerRegistry) -> ConsumerRuntime:
+        s = self.settings
+        store = PostgresJoinStore(
+            self.pool,
+            JoinConfig(
+                self.group(joiner.GROUP),
+                joiner.NAME,
+                s.merged_topic,
+                s.dlq_topic,
+                s.max_state_bytes,
+            ),
+            registry,
+        )
+        handler = joiner.JoinHandler(
+            store,
+            self.cache_writer,
+            self.relay,
+            self.metrics,
+            # the sequenced topic carries join states as the checkpointer accepted them
+            max_state_bytes=s.max_record_bytes,
+            max_record_bytes=s.max_record_bytes,
+        )
+        return self._runtime(joiner.GROUP, s.sequenced_topic, handler)
+
+    def _learner(self, embedder: AsyncEmbedder) -> ConsumerRuntime:
+        s = self.settings
+        store = PostgresLearnStore(
+            self.pool,
+            LearnConfig(
+                self.group(learner.GROUP),
+                learner.NAME,
+                s.dlq_topic,
+                LearningPolicy(min_occurrences=s.learn_min_occurrences),
+                s.cleanup_checkpoints,
+            ),
+        )
+        handler = learner.LearnHandler(
+            store,
+            self.cache_writer,
+            self.relay,
+            self.metrics,
+            embedder,
+            max_state_bytes=s.max_record_bytes,
+            max_record_bytes=s.max_record_bytes,
+            retention=s.retention,
+            prune_every_s=s.prune_every_seconds,
+        )
+        return self._runtime(
+            learner.GROUP,
+            s.sequenced_topic,
+            handler,
+            linger_ms=s.embed_max_wait_ms,
+            max_records=min(s.max_batch_records, 256),
+        )

@@ -27,7 +27,7 @@ from alma_core.sdk.client import AlmaClient
 from alma_core.sdk.publisher import outcome
 from alma_core.sdk.timeline import Timeline
 from alma_core.settings import Settings
-from alma_core.storage.cache import checkpoint_to_doc
+from alma_core.storage.cache_entries import checkpoint_to_doc
 from alma_core.types import RetrievalScope, WorkflowContext
 
 if TYPE_CHECKING:

@@ -12,7 +12,8 @@ from rich.table import Table
 from alma_core import errors
 from alma_core.cli import common
 from alma_core.storage import graphs, runs
-from alma_core.storage.cache import RedisCheckpointCache, checkpoint_to_doc
+from alma_core.storage.cache import RedisCheckpointCache
+from alma_core.storage.cache_entries import checkpoint_to_doc
 from alma_core.storage.observer import Tally
 from alma_core.storage.postgres import connect
 from alma_core.storage.reader import CheckpointReader

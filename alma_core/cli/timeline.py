@@ -16,7 +16,7 @@ from alma_core.cli.runs import TENANT_HELP, runs_app
 from alma_core.sdk.client import AlmaClient
 from alma_core.sdk.timeline import Timeline
 from alma_core.settings import Settings
-from alma_core.storage.cache import checkpoint_to_doc
+from alma_core.storage.cache_entries import checkpoint_to_doc
 from alma_core.storage.postgres import connect
 from alma_core.storage.reader import CheckpointReader
 from alma_core.types import WorkflowContext

@@ -23,7 +23,7 @@ import asyncpg
 
 from alma_core.sequencing import Coordinates
 from alma_core.storage import dead_letters, offsets, outbox
-from alma_core.storage.cache import CacheEntry
+from alma_core.storage.cache_entries import CacheEntry
 from alma_core.storage.dead_letters import DeadLetter, dead_letter_record
 from alma_core.storage.offsets import PartitionKey, Progress
 from alma_core.storage.outbox import OutboxRow

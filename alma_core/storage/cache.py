@@ -33,10 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
-from datetime import datetime
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import Any
 from urllib.parse import urlparse
 
@@ -49,18 +46,13 @@ from redis.exceptions import NoScriptError, RedisError
 
 from alma_core import errors
 from alma_core.settings import Settings
-from alma_core.types import Checkpoint
-from schemas import jsoncodec
+from alma_core.storage.cache_entries import COMPLETE_FIELD, LATEST_FIELD, CacheEntry, decode_value
 
 # What the Redis client raises when a server goes away under a command: its own errors,
 # the socket's, and the AttributeError or TypeError of a connection torn down while a
 # command was being sent (redis-py races: redis/redis-py#3546, #3835; seen here with a
 # cluster node stopped). Each is a cache failure: counted, never the pipeline's.
 CLIENT_FAILURES: tuple[type[Exception], ...] = (RedisError, OSError, AttributeError, TypeError)
-
-MAIN_FIELD = "@"
-LATEST_FIELD = "latest"
-COMPLETE_FIELD = "complete"
 
 EPOCH_FIELD = "_e"
 
@@ -110,140 +102,9 @@ return redis.call('HMGET', KEYS[2], unpack(ARGV))
 )
 
 
-def field_for(branch_id: str | None) -> str:
-    return MAIN_FIELD if branch_id is None else f"b:{branch_id}"
-
-
 def run_key(tenant_id: str, run_id: str) -> str:
     """A run's part of its Redis key: unambiguous whatever the tenant contains."""
     return f"{len(tenant_id)}:{tenant_id}:{run_id}"
-
-
-@dataclass(frozen=True)
-class CacheEntry:
-    """One cached checkpoint (a JSON object with at least run_id, tenant_id, seq).
-    ``state_json``: the document's ``state`` already as JSON text (the checkpointer's
-    canonical state), spliced in rather than encoded again. ``encoded``: the stored
-    value, ``<seq>:<json>``, made once (a head and ``latest`` share it)."""
-
-    tenant_id: str
-    run_id: str
-    field: str
-    seq: int
-    document: dict[str, Any]
-    state_json: str | None = None
-    encoded: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.encoded:
-            object.__setattr__(
-                self, "encoded", encode_value(self.seq, self.document, self.state_json)
-            )
-
-    def encode(self) -> str:
-        return self.encoded
-
-
-def encode_value(seq: int, document: Mapping[str, Any], state_json: str | None = None) -> str:
-    """A cached value: ``<seq>:<document as compact JSON>``, the state spliced in when
-    given as text (the same JSON value, its keys in canonical order)."""
-    if state_json is None or "state" not in document:
-        return f"{seq}:{jsoncodec.compact(document).decode()}"
-    rest = jsoncodec.compact({k: v for k, v in document.items() if k != "state"}).decode()
-    head = rest[:-1] + "," if rest != "{}" else "{"
-    return f'{seq}:{head}"state":{state_json}}}'
-
-
-def checkpoint_to_doc(cp: Checkpoint) -> dict[str, Any]:
-    return {
-        "run_id": cp.run_id,
-        "tenant_id": cp.tenant_id,
-        "seq": cp.seq,
-        "kind": cp.kind,
-        "node_id": cp.node_id,
-        "branch_id": cp.branch_id,
-        "parent_seq": cp.parent_seq,
-        "event_id": cp.event_id,
-        "state": cp.state,
-        "state_hash": cp.state_hash,
-        "size_bytes": cp.size_bytes,
-        "merged_from": list(cp.merged_from),
-        "metadata": cp.metadata,
-        "created_at": cp.created_at.isoformat() if cp.created_at else None,
-    }
-
-
-def checkpoint_from_doc(doc: Mapping[str, Any]) -> Checkpoint:
-    """A checkpoint from a database row or a cached document (``created_at`` a
-    datetime or an ISO string)."""
-    created = doc.get("created_at")
-    return Checkpoint(
-        run_id=doc["run_id"],
-        tenant_id=doc["tenant_id"],
-        seq=doc["seq"],
-        state=doc["state"],
-        state_hash=doc["state_hash"],
-        size_bytes=doc["size_bytes"],
-        kind=doc.get("kind") or "node",
-        node_id=doc.get("node_id"),
-        branch_id=doc.get("branch_id"),
-        parent_seq=doc.get("parent_seq"),
-        event_id=doc.get("event_id"),
-        merged_from=tuple(doc.get("merged_from") or ()),
-        metadata=doc.get("metadata") or {},
-        created_at=datetime.fromisoformat(created) if isinstance(created, str) else created,
-    )
-
-
-def cache_entries(
-    heads: Mapping[str | None, Checkpoint], state_json: Mapping[str | None, str] | None = None
-) -> list[CacheEntry]:
-    """Entries for a set of branch heads, plus the run's ``latest`` (the newest head's
-    value, encoded once). ``state_json``: heads' states already as JSON, by branch."""
-    texts = state_json or {}
-    entries = [
-        CacheEntry(
-            cp.tenant_id,
-            cp.run_id,
-            field_for(branch),
-            cp.seq,
-            checkpoint_to_doc(cp),
-            texts.get(branch),
-        )
-        for branch, cp in heads.items()
-    ]
-    if entries:
-        newest = max(entries, key=lambda e: e.seq)
-        entries.append(
-            CacheEntry(
-                newest.tenant_id,
-                newest.run_id,
-                LATEST_FIELD,
-                newest.seq,
-                newest.document,
-                newest.state_json,
-                newest.encoded,
-            )
-        )
-    return entries
-
-
-def consumed_entries(merge: Checkpoint, branches: Iterable[str]) -> list[CacheEntry]:
-    """Tombstones for the branches a join consumed, at the merge's seq: a reader sees
-    no head for them (a branch written again later has a higher seq and replaces it)."""
-    doc = {"run_id": merge.run_id, "tenant_id": merge.tenant_id, "seq": merge.seq, "consumed": True}
-    return [
-        CacheEntry(merge.tenant_id, merge.run_id, field_for(b), merge.seq, doc) for b in branches
-    ]
-
-
-def _decode(value: bytes | str | None) -> dict[str, Any] | None:
-    if value is None:
-        return None
-    raw = value if isinstance(value, bytes) else value.encode()
-    _, _, body = raw.partition(b":")
-    doc: dict[str, Any] = jsoncodec.parse(body)
-    return doc
 
 
 @functools.lru_cache(maxsize=65_536)
@@ -421,7 +282,7 @@ class RedisCheckpointCache:
         branch a join consumed is None when the heads are complete (it has no head)."""
         found = await self._read(tenant_id, run_id, [field, COMPLETE_FIELD])
         value, complete = found or (None, None)
-        doc = _decode(value)
+        doc = decode_value(value)
         if doc is not None and doc.get("consumed"):
             doc = None
         return doc, complete is not None
@@ -443,7 +304,7 @@ class RedisCheckpointCache:
         else:
             values = await self._read(tenant_id, run_id, fields) if fields else []
             pairs = list(zip(fields, values, strict=False))  # [] when the hash is stale
-        return {f: doc for f, v in pairs if (doc := _decode(v)) is not None}
+        return {f: doc for f, v in pairs if (doc := decode_value(v)) is not None}
 
     async def heads(self, tenant_id: str, run_id: str) -> dict[str, dict[str, Any]] | None:
         """Every cached head of the run, or None unless the cache holds all of them."""
@@ -454,100 +315,6 @@ class RedisCheckpointCache:
             f: doc
             for f, v in fields.items()
             if f not in (COMPLETE_FIELD, LATEST_FIELD)
-            and (doc := _decode(v)) is not None
+            and (doc := decode_value(v)) is not None
             and not doc.get("consumed")
         }
-
-
-class CacheWriter:
-    """The writers' side: count failures, skip Redis while it is down, and invalidate
-    the partitions whose entries may be stale (those newly assigned to this member,
-    those of writes that failed) as soon as Redis answers."""
-
-    def __init__(
-        self,
-        cache: RedisCheckpointCache,
-        *,
-        retry_after_s: float = 1.0,
-        repair_max_s: float = 10.0,
-    ) -> None:
-        self.cache = cache
-        self.retry_after_s = retry_after_s
-        self.repair_max_s = repair_max_s
-        self._stale: set[int] = set()  # partitions to invalidate before the next write
-        self._skip_until = 0.0
-        self._repair: asyncio.Task[None] | None = None
-        self.failures = 0
-
-    async def invalidate(self, partitions: Iterable[int]) -> None:
-        """Partitions newly assigned to this member: a member that died may have left
-        entries of them that its writes would not replace. Now, or once Redis answers."""
-        self._stale.update(partitions)
-        if self._stale:
-            await self._attempt(_nothing, ())
-
-    async def close(self) -> None:
-        """Stop the repair task (the next owner of the partitions invalidates them)."""
-        if self._repair is not None:
-            self._repair.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._repair
-            self._repair = None
-
-    def _schedule_repair(self) -> None:
-        """After a failed write Redis may still serve the entry that write should have
-        replaced: invalidate as soon as Redis answers, not at this writer's next write
-        (there may be none: the run's last event)."""
-        if self._repair is None or self._repair.done():
-            self._repair = asyncio.create_task(self._repair_loop())
-
-    async def _repair_loop(self) -> None:
-        delay = self.retry_after_s
-        while self._stale:
-            await asyncio.sleep(delay)
-            try:
-                await self._bump_stale()
-            except errors.CacheError:
-                delay = min(delay * 2, self.repair_max_s)
-
-    async def _bump_stale(self) -> None:
-        stale = set(self._stale)
-        await self.cache.bump_epoch(stale)
-        self._stale -= stale
-
-    async def forget(self, runs: list[tuple[str, str]]) -> bool:
-        """Drop runs whose checkpoints were deleted; when Redis is down, their
-        partitions are invalidated on its return all the same."""
-        parts = {self.cache.partition(r) for _, r in runs}
-        return await self._attempt(lambda: self.cache.delete(runs), parts)
-
-    async def write(self, entries: list[CacheEntry]) -> bool:
-        """True when written; False when Redis is down (counted, never raised)."""
-        parts = {self.cache.partition(e.run_id) for e in entries}
-        if time.monotonic() < self._skip_until:
-            # skipped: an entry this write should replace may be there (a reader may
-            # have filled it meanwhile), so it must become unreachable like a failure's
-            self.failures += 1
-            self._stale |= parts
-            self._schedule_repair()
-            return False
-        return await self._attempt(lambda: self.cache.put(entries), parts)
-
-    async def _attempt(self, operation: Callable[[], Awaitable[int]], parts: Iterable[int]) -> bool:
-        """Run one cache operation after any pending invalidation; on failure, remember
-        its partitions to invalidate on return and skip Redis for ``retry_after_s``."""
-        try:
-            if self._stale:
-                await self._bump_stale()
-            await operation()
-            return True
-        except errors.CacheError:
-            self._stale |= set(parts)
-            self.failures += 1
-            self._schedule_repair()
-            self._skip_until = time.monotonic() + self.retry_after_s
-            return False
-
-
-async def _nothing() -> int:
-    return 0

@@ -37,7 +37,7 @@ from alma_core.sequencing import (
 )
 from alma_core.storage import graphs
 from alma_core.storage.batches import RUN_SEQ_HEADER, Batch, BatchStore, Effects
-from alma_core.storage.cache import CacheEntry, cache_entries
+from alma_core.storage.cache_entries import CacheEntry, cache_entries
 from alma_core.storage.dead_letters import DeadLetter, dead_letter_for, headers_json
 from alma_core.storage.effects import CHANNEL, NOTIFY, announce, tokens
 from alma_core.storage.locked import load_locked, lock_runs

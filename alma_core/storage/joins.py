@@ -27,7 +27,7 @@ from alma_core.reducers import ReducerRegistry
 from alma_core.sequencing import MAIN, canonical_json
 from alma_core.storage import outbox
 from alma_core.storage.batches import RUN_SEQ_HEADER, Batch, BatchStore, Effects, Incoming
-from alma_core.storage.cache import cache_entries, consumed_entries
+from alma_core.storage.cache_entries import cache_entries, consumed_entries
 from alma_core.storage.dead_letters import dead_letter_for
 from alma_core.storage.locked import load_locked, lock_runs
 from alma_core.storage.outbox import OutboxRow

@@ -18,12 +18,8 @@ import asyncpg
 from alma_core import errors, joining
 from alma_core.reducers import ReducerConfig
 from alma_core.storage import reducer_configs
-from alma_core.storage.cache import (
-    RedisCheckpointCache,
-    cache_entries,
-    checkpoint_from_doc,
-    field_for,
-)
+from alma_core.storage.cache import RedisCheckpointCache
+from alma_core.storage.cache_entries import cache_entries, checkpoint_from_doc, field_for
 from alma_core.storage.observer import ReadMetrics, ReadObserver
 from alma_core.storage.postgres import is_storage_failure, storage_error
 from alma_core.types import Checkpoint

@@ -12,7 +12,9 @@ import redis.asyncio as aioredis
 
 from alma_core.cli.embedded import RedisClusterStack
 from alma_core.settings import Settings
-from alma_core.storage.cache import CacheEntry, CacheWriter, RedisCheckpointCache, partition_of
+from alma_core.storage.cache import RedisCheckpointCache, partition_of
+from alma_core.storage.cache_entries import CacheEntry
+from alma_core.storage.cache_writer import CacheWriter
 from tests.integration.conftest import Topology
 from tests.integration.harness import wait_for
 

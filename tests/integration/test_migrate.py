@@ -14,7 +14,7 @@ from alma_core.reducers import ReducerConfig
 from alma_core.sdk.client import AlmaClient
 from alma_core.settings import RetentionPolicy, Settings
 from alma_core.storage import reducer_configs, retention
-from alma_core.storage.cache import cache_entries
+from alma_core.storage.cache_entries import cache_entries
 from alma_core.storage.observer import Tally
 from alma_core.storage.postgres import connect
 from alma_core.storage.reader import CheckpointReader

@@ -20,7 +20,8 @@ from alma_core.cli.offsets import cluster_id
 from alma_core.reducers import default_registry
 from alma_core.settings import Settings
 from alma_core.storage import offsets, postgres
-from alma_core.storage.cache import CacheWriter, RedisCheckpointCache
+from alma_core.storage.cache import RedisCheckpointCache
+from alma_core.storage.cache_writer import CacheWriter
 from alma_core.storage.checkpoints import PostgresCheckpointStore, StoreConfig
 from alma_core.storage.offsets import PartitionKey
 from consumers.checkpointer import CheckpointHandler

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from alma_core.sequencing import canonical_state, state_hash
-from alma_core.storage.cache import encode_value
+from alma_core.storage.cache_entries import encode_value
 from schemas import jsoncodec
 from schemas.decoder import decode, json_size
 
