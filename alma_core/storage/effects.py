@@ -44,13 +44,14 @@ def tokens(runs: Iterable[tuple[str, str]]) -> list[str]:
 # One notification per token, as a statement's main query (the checkpointer's batch
 # write ends with it: no round trip of its own).
 NOTIFY = "SELECT pg_notify({channel}, t) FROM unnest({tokens}::text[]) AS t"
+_NOTIFY_ALONE = NOTIFY.format(channel="$1", tokens="$2")
 
 
 async def announce(conn: asyncpg.Connection, runs: Iterable[tuple[str, str]]) -> None:
     """Inside the batch transaction: name each run to the listeners on commit."""
     named = tokens(runs)
     if named:
-        await conn.execute(NOTIFY.format(channel="$1", tokens="$2"), CHANNEL, named)
+        await conn.execute(_NOTIFY_ALONE, CHANNEL, named)
 
 
 class EffectListener:

@@ -255,11 +255,12 @@ async def _guarded_fetch(pool: asyncpg.Pool, sql: str, *args: Any) -> list[async
     return rows
 
 
-# a thread another graph owns (not released) is not this graph's to read
-_NOT_OTHERS = """NOT EXISTS (
+# a thread another graph owns (not released) is not this graph's to read: $5 is the
+# graph (None: any), in every query that says it
+_NOT_OTHERS = """($5::text IS NULL OR NOT EXISTS (
                   SELECT 1 FROM runs r WHERE r.tenant_id = c.tenant_id
-                    AND r.run_id = c.thread_id AND r.workflow_id <> {workflow}
-                    AND r.released_at IS NULL)"""
+                    AND r.run_id = c.thread_id AND r.workflow_id <> $5
+                    AND r.released_at IS NULL))"""
 
 
 async def outline(pool: asyncpg.Pool, tenant: str, thread: str, limit: int) -> list[asyncpg.Record]:
@@ -308,7 +309,7 @@ class GraphReader:
             f"""{_SELECT}
                 WHERE c.tenant_id = $1 AND c.thread_id = $2 AND c.checkpoint_ns = $3
                   AND ($4::text IS NULL OR c.checkpoint_id = $4)
-                  AND ($5::text IS NULL OR {_NOT_OTHERS.format(workflow="$5")})
+                  AND {_NOT_OTHERS}
                 ORDER BY c.checkpoint_id DESC LIMIT 1""",
             self.tenant,
             thread,
@@ -336,19 +337,19 @@ class GraphReader:
                 WHERE c.tenant_id = $1 AND ($2::text IS NULL OR c.thread_id = $2)
                   AND ($3::text IS NULL OR c.checkpoint_ns = $3)
                   AND ($4::text IS NULL OR c.checkpoint_id = $4)
-                  AND ($5::jsonb IS NULL OR c.metadata @> $5::jsonb)
-                  AND ($6::text IS NULL OR c.checkpoint_id < $6)
-                  AND ($8::text IS NULL OR {_NOT_OTHERS.format(workflow="$8")})
+                  AND {_NOT_OTHERS}
+                  AND ($6::jsonb IS NULL OR c.metadata @> $6::jsonb)
+                  AND ($7::text IS NULL OR c.checkpoint_id < $7)
                 ORDER BY c.checkpoint_id DESC
-                LIMIT $7""",
+                LIMIT $8""",
             self.tenant,
             thread,
             ns,
             checkpoint_id,
+            self.workflow,
             metadata,
             before,
             limit,
-            self.workflow,
         )
         return [_stored(r) for r in rows]
 

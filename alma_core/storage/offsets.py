@@ -160,6 +160,9 @@ ADVANCE = """UPDATE consumer_offsets o SET next_offset = u.n, updated_at = now()
      AND o.partition = u.p"""
 
 
+_ADVANCE_ALONE = ADVANCE.format(topics="$1", partitions="$2", nexts="$3", group="$4", cluster="$5")
+
+
 def advance_args(
     group_id: str, cluster_id: str, nexts: dict[PartitionKey, int]
 ) -> tuple[list[str], list[int], list[int], str, str]:
@@ -173,10 +176,7 @@ async def advance(
 ) -> None:
     """Store, in the batch's transaction, each partition's next offset (:func:`ends`)."""
     if nexts:
-        await conn.execute(
-            ADVANCE.format(topics="$1", partitions="$2", nexts="$3", group="$4", cluster="$5"),
-            *advance_args(group_id, cluster_id, nexts),
-        )
+        await conn.execute(_ADVANCE_ALONE, *advance_args(group_id, cluster_id, nexts))
 
 
 async def listing(conn: asyncpg.Connection) -> list[asyncpg.Record]:
