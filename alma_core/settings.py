@@ -528,7 +528,7 @@ ENDPOINTS_FILE = stacks.ENDPOINTS_FILE
 # unless ALMA_FETCH_MAX_WAIT_MS says otherwise, and applications beside it too.
 EMBEDDED_FETCH_MAX_WAIT_MS = 20
 # ... and once a consumer has been idle a while, this one (bench --only hop)
-EMBEDDED_FETCH_IDLE_WAIT_MS = 500
+EMBEDDED_FETCH_IDLE_WAIT_MS = 2_000
 
 
 def search(s: Settings) -> stacks.Search:

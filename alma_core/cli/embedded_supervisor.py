@@ -166,25 +166,26 @@ async def _stopped(stop: asyncio.Event, seconds: float) -> bool:
     return stop.is_set()
 
 
-def resident_bytes(pid: int) -> int | None:
-    """What process group ``pid`` (a service and what it started: PostgreSQL's backends)
-    holds in memory: the sum of each process's proportional set size (shared memory
-    counted once overall), its resident set where that is not readable. None: no /proc."""
+def resident_bytes(groups: set[int]) -> dict[int, int] | None:
+    """What each process group of ``groups`` (a service and what it started:
+    PostgreSQL's backends) holds in memory: the sum of each process's proportional set
+    size (shared memory counted once overall), its resident set where that is not
+    readable. One pass over /proc for them all. None: no /proc."""
     proc = Path("/proc")
     if not proc.exists():
         return None
-    total = 0
+    totals = dict.fromkeys(groups, 0)
     for entry in proc.iterdir():
         if not entry.name.isdecimal():
             continue
         try:
             stat = (entry / "stat").read_text().rpartition(")")[2].split()
-            if int(stat[2]) != pid:  # its process group
-                continue
-            total += _pss(entry)
+            group = int(stat[2])
+            if group in totals:
+                totals[group] += _pss(entry)
         except (OSError, ValueError, IndexError):
             continue
-    return total
+    return totals
 
 
 def _pss(entry: Path) -> int:
@@ -240,13 +241,12 @@ class Watch:
 
     def sample(self) -> None:
         broker_bytes = 0
-        for service in self.stack.services:
-            pid = service.pid
-            held = None if pid is None else resident_bytes(pid)
-            if held is not None:
-                self.memory(service.name, held)
-                if service is self.stack.broker:
-                    broker_bytes = held
+        running = {service.pid: service for service in self.stack.services if service.pid}
+        for pid, held in (resident_bytes(set(running)) or {}).items():
+            service = running[pid]
+            self.memory(service.name, held)
+            if service is self.stack.broker:
+                broker_bytes = held
         lengths = self.logs()
         for (topic, partition), records in lengths.items():
             self.log_length(topic, partition, records)
