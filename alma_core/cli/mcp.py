@@ -24,7 +24,6 @@ from alma_core.cli import common
 from alma_core.logs import configure as configure_logs
 from alma_core.logs import redact
 from alma_core.sdk.client import AlmaClient
-from alma_core.sdk.publisher import outcome
 from alma_core.sdk.timeline import Timeline
 from alma_core.settings import Settings
 from alma_core.storage.cache_entries import checkpoint_to_doc
@@ -154,7 +153,8 @@ def build(client: AlmaClient) -> MCPServer:
         """Record a finished run's outcome; the learner stores it with an embedding and
         learns heuristics and anti-patterns from it and earlier runs."""
         ctx = WorkflowContext(tenant_id, workflow_id, None, run_id)
-        payload = outcome(
+        event_id = await client.workflow_completed(
+            ctx,
             success=success,
             duration_ms=duration_ms,
             node_count=node_count,
@@ -163,10 +163,10 @@ def build(client: AlmaClient) -> MCPServer:
             error_message=error_message,
             task=task,
             artifacts=artifacts,
+            wait="applied",
         )
-        event = client.event("workflow.completed", ctx, payload)
-        applied = await client.publish(event, wait="applied")
-        return {"event_id": applied.event_id, "effect": applied.effect}
+        applied = await client.applied(ctx, event_id)  # its effect, recorded by now
+        return {"event_id": event_id, "effect": applied.effect}
 
     @server.tool()
     @_tool_errors

@@ -23,7 +23,7 @@ import asyncpg
 from alma_core import errors
 from alma_core.memory import MemorySlice
 from alma_core.messaging import kafka
-from alma_core.sdk.publisher import Publisher, Wait, outcome
+from alma_core.sdk.publisher import Publisher, Wait
 from alma_core.sdk.reads import ReadConnections
 from alma_core.sdk.replies import ReplyListener
 from alma_core.sdk.waiter import Applied, EffectWaiter
@@ -94,6 +94,11 @@ class AlmaClient:
         self.bootstrap = self.publisher.bootstrap
         self.reads = ReadConnections(settings)
         self.waiter = EffectWaiter(self.reads)
+        # a contract event for a context, checked before anything is sent
+        self.event = self.publisher.event
+        # wait until the checkpointer has had an event's effect (read-your-writes): its
+        # Applied, its rejection raised if it was dead-lettered, EffectTimeout if neither
+        self.applied = self.waiter.applied
         self._replies = ReplyListener(
             self.bootstrap,
             settings.merged_topic,
@@ -162,18 +167,6 @@ class AlmaClient:
         ``wait="published"`` writers tell readers in other processes to wait for them."""
         return InFlight(await self.reads.cache())
 
-    async def applied(
-        self,
-        ctx: WorkflowContext,
-        event_id: str,
-        *,
-        timeout: float = 30.0,  # noqa: ASYNC109 - the SDK's documented parameter
-    ) -> Applied:
-        """Wait until the checkpointer has had ``event_id``'s effect (read-your-writes;
-        :meth:`EffectWaiter.applied`): raises its rejection if it was dead-lettered,
-        EffectTimeout if neither happened in ``timeout`` seconds."""
-        return await self.waiter.applied(ctx, event_id, timeout=timeout)
-
     async def retrieve(
         self,
         task: str,
@@ -224,18 +217,6 @@ class AlmaClient:
         return ResumePoint(ctx.run_id, latest, heads, await reader.status(ctx.run_id))
 
     # -- writes -----------------------------------------------------------------------
-
-    def event(
-        self,
-        type_: str,
-        ctx: WorkflowContext,
-        payload: dict[str, Any],
-        *,
-        event_id: str | None = None,
-    ) -> Event:
-        """A contract event for ``ctx``, checked before anything is sent
-        (:meth:`Publisher.event`)."""
-        return self.publisher.event(type_, ctx, payload, event_id=event_id)
 
     @overload
     async def publish(
@@ -355,18 +336,18 @@ class AlmaClient:
         wait: Wait = "published",
         timeout: float = 30.0,  # noqa: ASYNC109 - the SDK's documented parameter
     ) -> str:
-        """Publish a finished run's outcome (for the learner); see :func:`outcome`."""
-        payload = outcome(
-            success=success,
-            duration_ms=duration_ms,
-            node_count=node_count,
-            nodes_succeeded=nodes_succeeded,
-            nodes_failed=nodes_failed,
-            error_message=error_message,
-            task=task,
-            artifacts=artifacts,
-            cleanup_checkpoints=cleanup_checkpoints,
-        )
+        """Publish a finished run's outcome, for the learner."""
+        payload = {
+            "outcome": "success" if success else "failure",
+            "duration_ms": duration_ms,
+            "node_count": node_count,
+            "nodes_succeeded": nodes_succeeded,
+            "nodes_failed": nodes_failed,
+            "error_message": error_message,
+            "task": task,
+            "artifacts": artifacts,
+            "cleanup_checkpoints": cleanup_checkpoints,
+        }
         return await self._send("workflow.completed", ctx, payload, event_id, wait, timeout)
 
     async def _send(

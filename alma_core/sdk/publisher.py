@@ -124,32 +124,6 @@ class Publisher:
         await self._producer.send_and_wait(self.settings.lifecycle_topic, value, key=key)
 
 
-def outcome(
-    *,
-    success: bool,
-    duration_ms: int,
-    node_count: int,
-    nodes_succeeded: int,
-    nodes_failed: int,
-    error_message: str | None = None,
-    task: str | None = None,
-    artifacts: list[dict[str, Any]] | None = None,
-    cleanup_checkpoints: bool | None = None,
-) -> dict[str, Any]:
-    """A ``workflow.completed`` payload (for :meth:`AlmaClient.event`)."""
-    return {
-        "outcome": "success" if success else "failure",
-        "duration_ms": duration_ms,
-        "node_count": node_count,
-        "nodes_succeeded": nodes_succeeded,
-        "nodes_failed": nodes_failed,
-        "error_message": error_message,
-        "task": task,
-        "artifacts": artifacts,
-        "cleanup_checkpoints": cleanup_checkpoints,
-    }
-
-
 def no_bootstrap(s: Settings) -> str:
     """Why a client has no broker, and what to do: use the running ``alma up`` (found
     from any directory) through ``load_running()``, or start one, or set the variable."""

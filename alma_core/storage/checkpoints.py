@@ -38,14 +38,13 @@ from alma_core.sequencing import (
 from alma_core.storage import graphs
 from alma_core.storage.batches import RUN_SEQ_HEADER, Batch, BatchStore, Effects
 from alma_core.storage.cache_entries import CacheEntry, cache_entries
+from alma_core.storage.checkpoint_rows import ROWS, rows_args
 from alma_core.storage.dead_letters import DeadLetter, dead_letter_for, headers_json
 from alma_core.storage.effects import CHANNEL, NOTIFY, announce, tokens
 from alma_core.storage.locked import load_locked, lock_runs
 from alma_core.storage.offsets import ADVANCE, advance_args, ends
 from alma_core.storage.outbox import OutboxRow, join_reply
-from alma_core.storage.postgres import columns
 from alma_core.types import Checkpoint
-from schemas import jsoncodec
 from schemas.decoder import Decoded, Rejection
 from schemas.events import (
     BranchJoin,
@@ -118,13 +117,13 @@ def _needs_head_state(event: Decoded) -> bool:
 # main query names the batch's runs to the effect listeners (delivered on commit), and
 # the batch's offsets advance in it too (the batch transaction's last write otherwise).
 _WRITE = (
-    """
-WITH new_runs AS (
+    ROWS
+    + """, new_runs AS (
     INSERT INTO runs (run_id, tenant_id, workflow_id, workflow_version, status,
                       last_seq, event_count, completed_at, released_at)
-    SELECT u.r, u.t, u.w, u.v, u.s, u.l, u.c, u.d, CASE WHEN u.x THEN $21::timestamptz END
-    FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
-                $6::bigint[], $7::bigint[], $8::timestamptz[], $47::boolean[])
+    SELECT u.r, u.t, u.w, u.v, u.s, u.l, u.c, u.d, CASE WHEN u.x THEN $14::timestamptz END
+    FROM unnest($20::text[], $21::text[], $22::text[], $23::text[], $24::text[],
+                $25::bigint[], $26::bigint[], $27::timestamptz[], $28::boolean[])
          AS u(r, t, w, v, s, l, c, d, x)
     ON CONFLICT (tenant_id, run_id) DO UPDATE SET
       workflow_id = EXCLUDED.workflow_id, status = EXCLUDED.status,
@@ -134,35 +133,22 @@ WITH new_runs AS (
       event_count = EXCLUDED.event_count, completed_at = EXCLUDED.completed_at,
       workflow_version = coalesce(runs.workflow_version, EXCLUDED.workflow_version),
       updated_at = now()
-), new_checkpoints AS (
-    INSERT INTO checkpoints (run_id, seq, tenant_id, kind, node_id, branch_id, parent_seq,
-                             event_id, state, state_hash, size_bytes, metadata, created_at)
-    SELECT u.r, u.s, u.t, u.k, u.n, u.b, u.p, u.e, u.state::jsonb, u.h, u.z,
-           u.m::jsonb, $21
-    FROM unnest($9::text[], $10::bigint[], $11::text[], $12::text[], $13::text[],
-                $14::text[], $15::bigint[], $16::text[], $17::text[], $18::text[],
-                $19::int[], $20::text[]) AS u(r, s, t, k, n, b, p, e, state, h, z, m)
-), new_heads AS (
-    INSERT INTO run_heads (tenant_id, run_id, branch_key, seq, state_hash)
-    SELECT * FROM unnest($22::text[], $23::text[], $24::text[], $25::bigint[], $26::text[])
-    ON CONFLICT (tenant_id, run_id, branch_key) DO UPDATE
-    SET seq = EXCLUDED.seq, state_hash = EXCLUDED.state_hash
 ), new_events AS (
     INSERT INTO run_events (event_id, run_id, tenant_id, type, node_id, branch_id,
                             emitted_at, checkpoint_seq, effect, payload, source_topic,
                             source_partition, source_offset)
     SELECT u.i, u.r, u.t, u.y, u.n, u.b, u.at, u.s, u.x, u.p::jsonb, u.st, u.sp, u.so
-    FROM unnest($27::text[], $28::text[], $29::text[], $30::text[], $31::text[],
-                $32::text[], $33::timestamptz[], $34::bigint[], $35::text[], $36::text[],
-                $37::text[], $38::int[], $39::bigint[]) AS u(i, r, t, y, n, b, at, s, x, p,
+    FROM unnest($29::text[], $30::text[], $31::text[], $32::text[], $33::text[],
+                $34::text[], $35::timestamptz[], $36::bigint[], $37::text[], $38::text[],
+                $39::text[], $40::int[], $41::bigint[]) AS u(i, r, t, y, n, b, at, s, x, p,
                                                              st, sp, so)
 ), advanced AS (
 """
-    + ADVANCE.format(topics="$42", partitions="$43", nexts="$44", group="$45", cluster="$46")
+    + ADVANCE.format(topics="$44", partitions="$45", nexts="$46", group="$47", cluster="$48")
     + """
 )
 """
-    + NOTIFY.format(channel="$40", tokens="$41")
+    + NOTIFY.format(channel="$42", tokens="$43")
 )
 
 
@@ -264,6 +250,11 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
         if written:
             await conn.execute(
                 _WRITE,
+                *rows_args(
+                    cps,
+                    created_at,
+                    [(*key, row.seq, row.state_hash) for key, row in heads.items()],
+                ),
                 [r.run_id for r in runs],
                 [r.tenant_id for r in runs],
                 [r.workflow_id for r in runs],
@@ -272,22 +263,7 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
                 [r.last_seq for r in runs],
                 [r.event_count for r in runs],
                 [r.completed_at for r in runs],
-                [c.run_id for c in cps],
-                [c.seq for c in cps],
-                [c.tenant_id for c in cps],
-                [c.kind for c in cps],
-                [c.node_id for c in cps],
-                [c.branch_id for c in cps],
-                [c.parent_seq for c in cps],
-                [c.event_id for c in cps],
-                [c.state_json for c in cps],
-                [c.state_hash for c in cps],
-                [c.size_bytes for c in cps],
-                [jsoncodec.compact(c.metadata).decode() for c in cps],
-                created_at,
-                *columns(heads, 3),
-                [row.seq for row in heads.values()],
-                [row.state_hash for row in heads.values()],
+                [r.released for r in runs],
                 [e.event.event_id for e in events],
                 [e.event.run_id for e in events],
                 [e.event.tenant_id for e in events],
@@ -304,7 +280,6 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
                 CHANNEL,
                 notify,
                 *advance,
-                [r.released for r in runs],  # $47
             )
         await graphs.insert(conn, seq.effects.graph)
         return written

@@ -24,10 +24,11 @@ import asyncpg
 
 from alma_core.joining import JoinDecision, JoinPlanner, RunAtJoin
 from alma_core.reducers import ReducerRegistry
-from alma_core.sequencing import MAIN, canonical_json
+from alma_core.sequencing import MAIN, CheckpointRow, canonical_json
 from alma_core.storage import outbox
 from alma_core.storage.batches import RUN_SEQ_HEADER, Batch, BatchStore, Effects, Incoming
 from alma_core.storage.cache_entries import cache_entries, consumed_entries
+from alma_core.storage.checkpoint_rows import ROWS, rows_args
 from alma_core.storage.dead_letters import dead_letter_for
 from alma_core.storage.locked import load_locked, lock_runs
 from alma_core.storage.outbox import OutboxRow
@@ -97,7 +98,7 @@ class PostgresJoinStore(BatchStore[None, JoinEffects]):
                     effects.cache_writes += cache_entries({None: checkpoint})
                     effects.cache_writes += consumed_entries(checkpoint, decision.consumed)
                 effects.outbox.append(self._reply(decision))
-        await self._write(conn, decisions, planner, merged)
+        await self._write(conn, decisions, planner, merged, now)
         return effects
 
     # -- loads ----------------------------------------------------------------
@@ -168,81 +169,89 @@ class PostgresJoinStore(BatchStore[None, JoinEffects]):
         decisions: list[JoinDecision],
         planner: JoinPlanner,
         merged: list[tuple[str, Checkpoint]],
+        now: datetime,
     ) -> None:
-        if merged:
-            await conn.executemany(
-                """INSERT INTO checkpoints (run_id, seq, tenant_id, kind, node_id, branch_id,
-                       parent_seq, event_id, state, state_hash, size_bytes, merged_from,
-                       metadata, created_at)
-                   VALUES ($1, $2, $3, 'merge', $4, NULL, $5, $6, $7::jsonb, $8, $9, $10,
-                           $11::jsonb, $12)""",
-                [
-                    (
-                        cp.run_id,
-                        cp.seq,
-                        cp.tenant_id,
-                        cp.node_id,
-                        cp.parent_seq,
-                        cp.event_id,
-                        state_json,
-                        cp.state_hash,
-                        cp.size_bytes,
-                        list(cp.merged_from) or None,
-                        cp.metadata,
-                        cp.created_at,
-                    )
-                    for state_json, cp in merged
-                ],
+        """The batch's merged checkpoints (made ``now``), the runs' main-line heads and seqs, the
+        branches they consumed and every answer, in one statement (:data:`_WRITE`)."""
+        if not decisions:
+            return
+        rows = [_row(state_json, cp) for state_json, cp in merged]
+        moved = {
+            (cp.tenant_id, cp.run_id): planner.runs[(cp.tenant_id, cp.run_id)] for _, cp in merged
+        }
+        heads = [
+            (tenant, run_id, MAIN, run.last_seq, run.heads[MAIN].state_hash)
+            for (tenant, run_id), run in moved.items()
+        ]
+        consumed = [(d.event.tenant_id, d.event.run_id, b) for d in decisions for b in d.consumed]
+        answers = [
+            (
+                d.event.run_id,
+                d.event.payload.join_id,
+                d.event.tenant_id,
+                d.event.event_id,
+                d.reply["status"],
+                d.reply.get("checkpoint_seq"),
+                canonical_json(d.reply),
             )
-            moved = {
-                (cp.tenant_id, cp.run_id): planner.runs[(cp.tenant_id, cp.run_id)]
-                for _, cp in merged
-            }
-            await conn.executemany(
-                """INSERT INTO run_heads (tenant_id, run_id, branch_key, seq, state_hash)
-                   VALUES ($1, $2, $3, $4, $5)
-                   ON CONFLICT (tenant_id, run_id, branch_key) DO UPDATE
-                   SET seq = EXCLUDED.seq, state_hash = EXCLUDED.state_hash""",
-                [
-                    (tenant, run_id, MAIN, run.last_seq, run.heads[MAIN].state_hash)
-                    for (tenant, run_id), run in moved.items()
-                ],
-            )
-            await conn.executemany(
-                """UPDATE runs SET last_seq = $3, updated_at = now()
-                   WHERE tenant_id = $1 AND run_id = $2""",
-                [(tenant, run_id, run.last_seq) for (tenant, run_id), run in moved.items()],
-            )
-            consumed = [
-                (d.event.tenant_id, d.event.run_id, b) for d in decisions for b in d.consumed
-            ]
-            await conn.execute(  # a join consumes its branches: the next fan-out starts afresh
-                """DELETE FROM run_heads h
-                   USING unnest($1::text[], $2::text[], $3::text[]) AS u(t, r, b)
-                   WHERE h.tenant_id = u.t AND h.run_id = u.r AND h.branch_key = u.b""",
-                *columns(consumed, 3),
-            )
-        if decisions:
-            await conn.executemany(
-                """INSERT INTO joins (run_id, join_id, tenant_id, event_id, status,
-                                      checkpoint_seq, reply)
-                   VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb)""",
-                [
-                    (
-                        d.event.run_id,
-                        d.event.payload.join_id,
-                        d.event.tenant_id,
-                        d.event.event_id,
-                        d.reply["status"],
-                        d.reply.get("checkpoint_seq"),
-                        canonical_json(d.reply),
-                    )
-                    for d in decisions
-                ],
-            )
+            for d in decisions
+        ]
+        await conn.execute(
+            _WRITE,
+            *rows_args(
+                rows,
+                now,
+                heads,
+                [cp.merged_from for _, cp in merged],
+            ),
+            *columns([(t, r, run.last_seq) for (t, r), run in moved.items()], 3),
+            *columns(consumed, 3),
+            *columns(answers, 7),
+        )
 
     def _reply(self, decision: JoinDecision) -> OutboxRow:
         return outbox.join_reply(decision.event, decision.reply, self.config.reply_topic)
+
+
+# After the rows both writers share (storage/checkpoint_rows.py, $1 to $19): the runs'
+# new seqs, the branch heads a join consumed (the next fan-out starts afresh), and every
+# answer, remembered for a join delivered again. One round trip per batch.
+_WRITE = (
+    ROWS
+    + """, moved AS (
+    UPDATE runs SET last_seq = u.l, updated_at = now()
+    FROM unnest($20::text[], $21::text[], $22::bigint[]) AS u(t, r, l)
+    WHERE runs.tenant_id = u.t AND runs.run_id = u.r
+), consumed AS (
+    DELETE FROM run_heads h
+    USING unnest($23::text[], $24::text[], $25::text[]) AS u(t, r, b)
+    WHERE h.tenant_id = u.t AND h.run_id = u.r AND h.branch_key = u.b
+)
+INSERT INTO joins (run_id, join_id, tenant_id, event_id, status, checkpoint_seq, reply)
+SELECT u.r, u.j, u.t, u.e, u.s, u.c, u.reply::jsonb
+FROM unnest($26::text[], $27::text[], $28::text[], $29::text[], $30::text[], $31::bigint[],
+            $32::text[]) AS u(r, j, t, e, s, c, reply)
+"""
+)
+
+
+def _row(state_json: str, cp: Checkpoint) -> CheckpointRow:
+    """A merged checkpoint as the rows' statement takes it."""
+    return CheckpointRow(
+        run_id=cp.run_id,
+        seq=cp.seq,
+        tenant_id=cp.tenant_id,
+        kind=cp.kind,
+        node_id=cp.node_id,
+        branch_id=cp.branch_id,
+        parent_seq=cp.parent_seq,
+        event_id=cp.event_id or "",
+        state=cp.state,
+        state_json=state_json,
+        state_hash=cp.state_hash,
+        size_bytes=cp.size_bytes,
+        metadata=cp.metadata,
+    )
 
 
 def _outcome(decision: JoinDecision) -> str:
