@@ -82,14 +82,6 @@ class AlmaClient:
         observer: ReadObserver | None = None,
     ) -> None:
         self.settings = settings
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            raise errors.ConfigError(
-                "AlmaClient is built inside the event loop that uses it (async with "
-                "AlmaClient(...)); from synchronous code, use asyncio.run(...), or for "
-                "LangGraph's graph.invoke, AlmaSaver.from_settings_sync(...)"
-            ) from None
         self.publisher = Publisher(settings, bootstrap=bootstrap)
         self.bootstrap = self.publisher.bootstrap
         self.reads = ReadConnections(settings)

@@ -5,6 +5,7 @@ keep their order."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -34,6 +35,14 @@ class Publisher:
         if not chosen:
             raise errors.ConfigError(no_bootstrap(settings))
         self.bootstrap: str = chosen
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise errors.ConfigError(
+                "AlmaClient is built inside the event loop that uses it (async with "
+                "AlmaClient(...)); from synchronous code, use asyncio.run(...), or for "
+                "LangGraph's graph.invoke, AlmaSaver.from_settings_sync(...)"
+            ) from None
         self._producer = AIOKafkaProducer(
             bootstrap_servers=self.bootstrap,
             **kafka.client_options(settings),
