@@ -430,7 +430,7 @@ def _checkpoint(checkpoint_id: str) -> Any:
 
 
 async def test_send_tasks_waiting_for_checkpoints_are_never_cancelled_or_stalled(
-    settings: Settings, worker: AlmaWorker
+    settings: Settings, worker: AlmaWorker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A Send task learns its node from its checkpoint's ``aput``, which with
     ``durability="async"`` may begin after the task finished. A task whose checkpoint's
@@ -439,8 +439,14 @@ async def test_send_tasks_waiting_for_checkpoints_are_never_cancelled_or_stalled
     remembers checkpoints for, while a save is held up (its partition's offset row
     locked by another session): the oldest wait is let go with no node, never cancelled
     (the graph's task would die of a CancelledError nobody asked for)."""
+    from alma_core.integrations.langgraph import saver as saver_mod
     from alma_core.integrations.langgraph.saver import _SENDS_KEPT
     from tests.integration.test_overlapping_faults import offset_rows_locked
+
+    # the cap on one wait (5 s) is not what this test is about: the 1,025 tasks must all
+    # be waiting at once, which a loaded machine may take longer than 5 s to reach (the
+    # test lasts about this cap: the waits end by it once the held save is through)
+    monkeypatch.setattr(saver_mod, "_SEND_WAIT_S", 15.0)
 
     thread = f"t-{uuid.uuid4().hex[:8]}"
     dsn = settings.postgres_dsn or ""
