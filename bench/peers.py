@@ -17,7 +17,7 @@ from functools import partial
 from typing import Any
 
 import asyncpg
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from langgraph.checkpoint.base import empty_checkpoint
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from psycopg.rows import dict_row
@@ -30,6 +30,7 @@ from alma_core.types import WorkflowContext
 from bench.checkpointer import throughput
 from bench.cpu import GROUPS, CpuMeter, service_ports
 from bench.env import (
+    PARTITIONS,
     AlmaRun,
     Env,
     Waiters,
@@ -208,10 +209,10 @@ async def _hop(
 ) -> tuple[list[float], float]:
     topic = await env.topic("hop")
     waiters = Waiters()
+    # every partition assigned by hand, no group: the same fetches as a group member's,
+    # without a join and a leave (seconds each on this broker) around every loop
     consumer = AIOKafkaConsumer(
-        topic,
         bootstrap_servers=env.services.kafka_bootstrap,
-        group_id=f"hop-{uuid.uuid4().hex[:6]}",
         auto_offset_reset="earliest",
         fetch_max_wait_ms=FETCH_WAIT_MS,
         max_partition_fetch_bytes=4 * 2**20,
@@ -223,6 +224,7 @@ async def _hop(
         max_request_size=4 * 2**20,
     )
     await consumer.start()
+    consumer.assign([TopicPartition(topic, p) for p in range(PARTITIONS)])
     await producer.start()
 
     async def consume() -> None:
@@ -253,7 +255,6 @@ async def _hop(
 
     reader = asyncio.create_task(consume())
     try:
-        await asyncio.sleep(1.5)  # assignment
         await writer(-1, 3, record=False)  # warm: connections, the first fetches
         elapsed = await _timed(meter, *(writer(w, each, True) for w in range(writers)))
     finally:
