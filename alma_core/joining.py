@@ -28,7 +28,7 @@ from typing import Any
 
 from alma_core import errors
 from alma_core.reducers import ReducerConfig, ReducerRegistry, apply_updates, merge_states
-from alma_core.sequencing import MAIN, Head, RunKey, canonical_state
+from alma_core.sequencing import HASH_SCHEME, MAIN, Head, RunKey, canonical_state, hash_scheme
 from schemas.events import BranchJoin, BranchJoinPayload, MergeReply
 
 
@@ -84,12 +84,21 @@ def merge(
     else:
         assert payload.states is not None  # the contract requires one of them
         state = merge_states(payload.states, config, registry)
-    state_json, digest, size = canonical_state(state)
+    state_json, digest, size = canonical_state(state, _scheme(main, branches))
     if size > max_state_bytes:
         raise errors.StateTooLarge(
             f"the merged state is {size} bytes; the limit is {max_state_bytes}"
         )
     return Merge(state, state_json, digest, size, merged_from)
+
+
+def _scheme(main: Head | None, branches: Mapping[str, Head]) -> str:
+    """The merged state's hash scheme: the main line's, else the run's (its branches'),
+    else that of new runs."""
+    for head in (main, *branches.values()):
+        if head is not None:
+            return hash_scheme(head.state_hash)
+    return HASH_SCHEME
 
 
 @dataclass

@@ -23,7 +23,15 @@ from typing import Any
 
 from alma_core import errors, history, joining
 from alma_core.reducers import ReducerConfig, ReducerRegistry
-from alma_core.sequencing import MAIN, Coordinates, Head, RunView, Sequencer, branch_key
+from alma_core.sequencing import (
+    MAIN,
+    Coordinates,
+    Head,
+    RunView,
+    Sequencer,
+    branch_key,
+    hash_scheme,
+)
 from schemas.events import BranchJoin, Event
 
 _NOWHERE = Coordinates("replay", 0, 0)
@@ -110,6 +118,8 @@ def refold(
     (its identity; nothing of its stored progress) with ``config``; a join is merged
     again where ``stored`` has its merge."""
     fresh = RunView(run.run_id, run.tenant_id, run.workflow_id, run.workflow_version)
+    if stored:  # the run's new branches hash as its stored ones did
+        fresh.hash_scheme = hash_scheme(stored[min(stored)].state_hash)
     key = fresh.key
     configs = {(run.tenant_id, run.workflow_id): config} if config is not None else {}
     sequencer = Sequencer(

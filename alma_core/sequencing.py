@@ -32,7 +32,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Final, Literal
+
+from blake3 import blake3
 
 from alma_core import errors
 from alma_core.reducers import ReducerConfig, ReducerRegistry, apply_updates
@@ -63,15 +65,36 @@ def canonical_json(value: Any) -> str:
     return jsoncodec.canonical(value).decode()
 
 
-def state_hash(state: dict[str, Any]) -> str:
-    """SHA-256 of the canonical JSON (sorted keys, compact): equal states, equal hashes."""
-    return hashlib.sha256(jsoncodec.canonical(state)).hexdigest()
+# State hashes, in two schemes. A hash says its scheme: ``blake3:<64 hex>`` (BLAKE3 of
+# orjson's sorted compact JSON, the scheme of new runs) or bare ``<64 hex>`` (SHA-256 of
+# the standard library's canonical JSON: every hash stored before schemes). A state is
+# compared with its head in the head's scheme, and a run's new branches take the run's
+# scheme, so stored runs go on hashing as they did: skip-unchanged, replay and joins
+# compare like with like, and no stored hash is rewritten.
+BLAKE3: Final = "blake3"
+SHA256: Final = "sha256"
+HASH_SCHEME: Final = BLAKE3  # new runs
+_BLAKE3_PREFIX: Final = "blake3:"
 
 
-def canonical_state(state: dict[str, Any]) -> tuple[str, str, int]:
-    """The state's canonical JSON, its SHA-256 and its size in bytes, from one encoding."""
-    raw = jsoncodec.canonical(state)
-    return raw.decode(), hashlib.sha256(raw).hexdigest(), len(raw)
+def hash_scheme(digest: str) -> str:
+    """The scheme a stored state hash was made with."""
+    return BLAKE3 if digest.startswith(_BLAKE3_PREFIX) else SHA256
+
+
+def canonical_state(state: dict[str, Any], scheme: str = HASH_SCHEME) -> tuple[str, str, int]:
+    """The state's JSON text, its hash in ``scheme`` and the text's size in bytes, from
+    one encoding."""
+    if scheme == SHA256:
+        raw = jsoncodec.canonical(state)
+        return raw.decode(), hashlib.sha256(raw).hexdigest(), len(raw)
+    raw = jsoncodec.sorted_compact(state)
+    return raw.decode(), _BLAKE3_PREFIX + blake3(raw).hexdigest(), len(raw)
+
+
+def state_hash(state: dict[str, Any], scheme: str = HASH_SCHEME) -> str:
+    """The state's hash in ``scheme``: equal states, equal hashes."""
+    return canonical_state(state, scheme)[1]
 
 
 def branch_key(branch_id: str | None) -> str:
@@ -91,6 +114,7 @@ class RunView:
     pruned: bool = False  # retention began on this closed run: it takes no more events
     released: bool = False  # its LangGraph thread was deleted: another graph may take it
     changed: bool = False
+    hash_scheme: str = HASH_SCHEME  # of its new branches: its heads' (not stored)
 
     @property
     def key(self) -> RunKey:
@@ -169,6 +193,10 @@ class Sequencer:
         self.max_state_bytes = max_state_bytes
         self.effects = Effects()
         self.touched_heads: dict[HeadKey, Head] = {}
+        for (tenant_id, run_id, _), head in heads.items():
+            run = runs.get((tenant_id, run_id))
+            if run is not None:  # a stored run keeps its scheme on its new branches
+                run.hash_scheme = hash_scheme(head.state_hash)
 
     # -- public ---------------------------------------------------------------
 
@@ -251,6 +279,11 @@ class Sequencer:
             )
         return run
 
+    @staticmethod
+    def _scheme(run: RunView, head: Head | None) -> str:
+        """The hash scheme of a state on ``head``'s branch: the head's, else the run's."""
+        return hash_scheme(head.state_hash) if head is not None else run.hash_scheme
+
     def _config(self, run: RunView) -> ReducerConfig:
         return self.reducer_configs.get((run.tenant_id, run.workflow_id), ReducerConfig())
 
@@ -275,7 +308,7 @@ class Sequencer:
         new_state = self._next_state(run, key, payload.state, payload.updates)
         assert new_state is not None  # the contract requires state or updates
         head = self.heads.get((*run.key, key))
-        state_json, digest, size = canonical_state(new_state)
+        state_json, digest, size = canonical_state(new_state, self._scheme(run, head))
         if head is not None and head.state_hash == digest:
             effect: Effect = "unchanged"
             seq = head.seq
@@ -298,10 +331,10 @@ class Sequencer:
         payload = event.payload
         key = branch_key(event.branch_id)
         new_state = self._next_state(run, key, payload.state, payload.updates)
+        head = self.heads.get((*run.key, key))
         if new_state is None:
-            head = self.heads.get((*run.key, key))
             new_state = head.state if head else {}
-        encoded = canonical_state(new_state)
+        encoded = canonical_state(new_state, self._scheme(run, head))
         metadata: dict[str, Any] = {"error": payload.error.model_dump()}
         if payload.attempt is not None:
             metadata["attempt"] = payload.attempt

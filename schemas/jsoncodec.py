@@ -3,7 +3,10 @@
 library makes, so every hash and size stays what it was:
 
 * ``compact(value)``: compact UTF-8 JSON (the unit of the size limits);
-* ``canonical(value)``: the same with keys sorted (what state hashes are taken of);
+* ``canonical(value)``: the same with keys sorted (what ``sha256`` state hashes are
+  taken of);
+* ``sorted_compact(value)``: keys sorted, floats as orjson writes them (what
+  ``blake3`` state hashes are taken of: no byte-for-byte guard);
 * ``loads(raw)``: a record's value, or :data:`UNSURE` where orjson's reading could
   differ from the standard library's (the caller then parses with ``json``);
   ``parse(raw)`` does both.
@@ -56,6 +59,18 @@ def compact(value: Any) -> bytes:
 def canonical(value: Any) -> bytes:
     """:func:`compact` with keys sorted: equal values, equal bytes."""
     return _dumps(value, _SORTED, True)
+
+
+def sorted_compact(value: Any) -> bytes:
+    """Compact UTF-8 JSON with keys sorted, as orjson writes it (floats included:
+    ``0.00001`` where Python writes ``1e-05``): no search for the renderings the standard library writes otherwise, so
+    ~40 % cheaper than :func:`canonical`. What orjson refuses is written by ``json`` as
+    :func:`canonical` does. The text of the ``blake3`` state hashes."""
+    try:
+        return orjson.dumps(value, option=_SORTED)
+    except TypeError:  # orjson.JSONEncodeError: a big integer, NaN, a surrogate, ...
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return text.encode()
 
 
 def loads(raw: bytes) -> Any:

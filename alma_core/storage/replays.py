@@ -16,7 +16,7 @@ import asyncpg
 from alma_core import replay
 from alma_core.reducers import ReducerConfig, ReducerRegistry
 from alma_core.replay import Difference, Stored
-from alma_core.sequencing import RunView, canonical_state
+from alma_core.sequencing import RunView, canonical_state, hash_scheme, state_hash
 from alma_core.storage import reducer_configs
 from alma_core.storage.checkpoints import STATE_IN_CHECKPOINT
 from schemas.events import EVENT_MODELS, Event, EventType
@@ -179,7 +179,7 @@ async def migrate(
         plan = replay.rebuild(inputs.stored, folded)
         if plan.refused is not None or not plan.changed:
             return Migrated(tenant_id, run_id, inputs.projection, refused=plan.refused)
-        encoded = [canonical_state(cp.state) for cp in plan.changed]
+        encoded = [canonical_state(cp.state, hash_scheme(cp.state_hash)) for cp in plan.changed]
         await conn.execute(
             _SWITCH,
             tenant_id,
@@ -246,9 +246,6 @@ def _event(row: asyncpg.Record, run: RunView, stored: dict[int, Stored], folded:
     return model.model_validate(doc, strict=False)  # type: ignore[return-value]
 
 
-_EMPTY_HASH = canonical_state({})[1]
-
-
 def _folded_failures(checkpoints: list[asyncpg.Record]) -> set[int]:
     """Failures whose state is what folding their branch's head gives (the head's state,
     or ``{}`` on a branch with none yet): the seqs of failures recorded without a state
@@ -260,7 +257,8 @@ def _folded_failures(checkpoints: list[asyncpg.Record]) -> set[int]:
             continue
         parent = by_seq.get(c["parent_seq"])
         same_branch = parent is not None and parent["branch_id"] == c["branch_id"]
-        head_hash = parent["state_hash"] if same_branch and parent else _EMPTY_HASH
+        empty = state_hash({}, hash_scheme(c["state_hash"]))
+        head_hash = parent["state_hash"] if same_branch and parent else empty
         if c["state_hash"] == head_hash:
             folded.add(c["seq"])
     return folded

@@ -11,6 +11,7 @@ from typing import Any
 
 from alma_core.reducers import ReducerConfig
 from alma_core.sdk.client import AlmaClient
+from alma_core.sequencing import BLAKE3, SHA256, state_hash
 from alma_core.settings import Settings
 from alma_core.storage import reducer_configs
 from alma_core.storage.postgres import connect
@@ -106,3 +107,64 @@ async def test_replay_verifies_runs_and_shows_a_changed_reducers_differences(
     usage = alma("replay", "--tenant", TENANT, env=env_of(settings))
     assert usage.returncode == 2
     assert "choose the runs" in usage.stderr
+
+
+async def test_a_run_stored_before_hash_schemes_goes_on_in_its_own_scheme(
+    settings: Settings,
+) -> None:
+    """A run whose hashes are SHA-256 (as every run stored before hash schemes is) keeps
+    that scheme through the real checkpointer and joiner: a state equal to its head is
+    still ``unchanged``, its new checkpoints, a new branch and a merge hash with SHA-256,
+    and it replays the same; a new run beside it hashes with BLAKE3."""
+    dsn = settings.postgres_dsn or ""
+    old, new = (f"hs-{i}-{uuid.uuid4().hex[:6]}" for i in range(2))
+    async with connect(dsn, max_size=1) as pool, pool.acquire() as conn:
+        sums = ReducerConfig(field_reducers={"n": "sum", "notes": "append"})
+        await reducer_configs.save(conn, TENANT, WORKFLOW, sums)
+
+    def at(run: str, node: str, branch: str | None = None) -> WorkflowContext:
+        return WorkflowContext(TENANT, WORKFLOW, None, run, node, branch)
+
+    async with Worker.start(settings, ("checkpointer", "joiner")):
+        async with AlmaClient(settings) as client:
+            await make_run(client, old)
+        # as if stored before hash schemes: every hash of the run rewritten to SHA-256
+        async with connect(dsn, max_size=1) as pool, pool.acquire() as conn:
+            rows = await conn.fetch(
+                "SELECT seq, state FROM checkpoints WHERE tenant_id = $1 AND run_id = $2",
+                TENANT,
+                old,
+            )
+            for row in rows:
+                digest = state_hash(row["state"], SHA256)
+                for table in ("checkpoints", "run_heads"):
+                    await conn.execute(
+                        f"UPDATE {table} SET state_hash = $4 "
+                        "WHERE tenant_id = $1 AND run_id = $2 AND seq = $3",
+                        TENANT,
+                        old,
+                        row["seq"],
+                        digest,
+                    )
+        async with AlmaClient(settings) as client:
+            head = (await client.resume(at(old, "again"))).branch_heads[None]
+            same = await client.node_completed(at(old, "again"), state=head.state, wait="applied")
+            effect = await client.applied(at(old, "again"), same)
+            assert (effect.effect, effect.seq) == ("unchanged", head.seq)
+            await client.node_completed(at(old, "more"), updates={"n": 1}, wait="applied")
+            await client.node_completed(at(old, "c", "C"), updates={"n": 5}, wait="applied")
+            await client.merge(at(old, "join2"), branch_ids=["C"])
+            await client.node_completed(at(new, "plan"), state={"n": 1}, wait="applied")
+    async with connect(dsn, max_size=1) as pool, pool.acquire() as conn:
+        stored = await conn.fetch(
+            "SELECT run_id, seq, kind, state, state_hash FROM checkpoints "
+            "WHERE tenant_id = $1 AND run_id = ANY($2::text[]) ORDER BY run_id, seq",
+            TENANT,
+            [old, new],
+        )
+    kinds = [(r["run_id"], r["kind"]) for r in stored if r["run_id"] == new or r["seq"] > len(rows)]
+    assert kinds == [(old, "node"), (old, "node"), (old, "merge"), (new, "node")]
+    for row in stored:
+        scheme = SHA256 if row["run_id"] == old else BLAKE3
+        assert row["state_hash"] == state_hash(row["state"], scheme), row
+    assert await assert_replays_the_same(dsn, tenant=TENANT) >= 2

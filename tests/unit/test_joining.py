@@ -20,7 +20,7 @@ import pytest
 from alma_core import errors
 from alma_core.joining import JoinPlanner, RunAtJoin, config_for, merge
 from alma_core.reducers import ReducerConfig, ReducerRegistry
-from alma_core.sequencing import Head, state_hash
+from alma_core.sequencing import BLAKE3, SHA256, Head, hash_scheme, state_hash
 from schemas.events import BranchJoin, BranchJoinPayload
 
 
@@ -216,3 +216,31 @@ def test_a_pruned_run_answers_a_join_it_stored_and_refuses_any_other() -> None:
     assert late.checkpoint is None
     assert late.reply["status"] == "error"
     assert late.reply["error"].startswith("run_pruned: ")
+
+
+def test_a_merge_hashes_in_its_runs_scheme() -> None:
+    """The merged state is hashed as the main line's head (a run stored before hash
+    schemes keeps SHA-256), else as the branches', else with BLAKE3 (new runs)."""
+    old = {k: Head(h.seq, state_hash(h.state, SHA256), h.state) for k, h in BRANCHES.items()}
+    old_main = Head(1, state_hash(MAIN.state, SHA256), MAIN.state)
+    p = payload(branch_ids=["alpha", "beta"])
+    for main, branches, scheme in [
+        (old_main, old, SHA256),
+        (None, old, SHA256),
+        (MAIN, BRANCHES, BLAKE3),
+        (None, BRANCHES, BLAKE3),
+    ]:
+        merged = merge(
+            p,
+            main=main,
+            branches=branches,
+            registered=None,
+            registry=REGISTRY,
+            max_state_bytes=10_000,
+        )
+        assert merged.state_hash == state_hash(merged.state, scheme)
+    states = payload(states=[{"n": 1}, {"n": 2}])
+    merged = merge(
+        states, main=None, branches={}, registered=None, registry=REGISTRY, max_state_bytes=100
+    )
+    assert hash_scheme(merged.state_hash) == BLAKE3

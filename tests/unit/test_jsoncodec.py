@@ -1,6 +1,7 @@
 """schemas.jsoncodec writes and reads JSON exactly as the standard library did, so every
 stored state's hash (skip-unchanged compares it), every size against the limits and
-every decoded record stay what they were before orjson."""
+every decoded record stay what they were before orjson; the ``blake3`` hash scheme of
+new runs hashes orjson's own sorted text."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import json
 from typing import Any
 
 import pytest
+from blake3 import blake3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from alma_core.sequencing import canonical_state, state_hash
+from alma_core.sequencing import BLAKE3, SHA256, canonical_state, hash_scheme, state_hash
 from alma_core.storage.cache_entries import encode_value
 from schemas import jsoncodec
 from schemas.decoder import decode, json_size
@@ -66,11 +68,31 @@ def test_the_same_bytes_as_the_standard_library(value: Any) -> None:
 @settings(max_examples=settings().max_examples * 5 // 3)  # 250 in the suite
 @given(st.dictionaries(st.text(), json_values))
 def test_every_state_hashes_and_sizes_as_before(state: dict[str, Any]) -> None:
+    """The ``sha256`` scheme, every run's before hash schemes: stored runs go on hashing
+    byte for byte as they did."""
     before = hashlib.sha256(old_canonical(state)).hexdigest()
-    assert state_hash(state) == before
-    text, digest, size = canonical_state(state)
+    assert state_hash(state, SHA256) == before
+    text, digest, size = canonical_state(state, SHA256)
     assert (text.encode(), digest, size) == (old_canonical(state), before, len(text.encode()))
+    assert hash_scheme(digest) == SHA256
     assert json_size(state) == len(old_compact(state))
+
+
+@settings(max_examples=settings().max_examples * 5 // 3)  # 250 in the suite
+@given(st.dictionaries(st.text(), json_values))
+def test_new_runs_hash_a_canonical_text_with_blake3(state: dict[str, Any]) -> None:
+    """The ``blake3`` scheme (new runs): the text reads back as the same state, its keys
+    in one order whatever order the state's were in, the hash is BLAKE3 of it and says
+    its scheme; equal states, equal hashes, one bit of difference, another hash."""
+    text, digest, size = canonical_state(state)
+    assert same(json.loads(text), state)
+    assert size == len(text.encode())
+    assert digest == "blake3:" + blake3(text.encode()).hexdigest()
+    assert hash_scheme(digest) == BLAKE3
+    assert state_hash(state, BLAKE3) == digest
+    reordered = dict(reversed(list(state.items())))
+    assert canonical_state(reordered) == (text, digest, size)
+    assert state_hash({**state, "\x00extra": 1}) != digest
 
 
 @settings(max_examples=settings().max_examples * 5 // 3)  # 250 in the suite
@@ -98,7 +120,22 @@ def test_reading_gives_what_json_loads_gives(value: Any) -> None:
 )
 def test_known_states_hash_as_before(state: dict[str, Any]) -> None:
     assert jsoncodec.canonical(state) == old_canonical(state)
-    assert state_hash(state) == hashlib.sha256(old_canonical(state)).hexdigest()
+    assert state_hash(state, SHA256) == hashlib.sha256(old_canonical(state)).hexdigest()
+    text = jsoncodec.sorted_compact(state)
+    assert same(json.loads(text), state)
+    assert state_hash(state) == "blake3:" + blake3(text).hexdigest()
+
+
+def test_the_blake3_scheme_is_pinned() -> None:
+    """Stored hashes of new runs must hash the same in every later release."""
+    assert state_hash({}) == (
+        "blake3:6e46dd10defc9b56c29a6ec56b508c21f54c08192194e4df25bf36f0c9c3c279"
+    )
+    state = {"f": 1e-05, "a": [1]}  # orjson's rendering of a small float, keys sorted
+    assert jsoncodec.sorted_compact(state) == b'{"a":[1],"f":0.00001}'
+    assert state_hash(state) == (
+        "blake3:c63915337f566ad708d4d18c60d8b6ca61edbf195ad0a7e1bede27513974d37a"
+    )
 
 
 def test_long_integers_are_read_exactly() -> None:

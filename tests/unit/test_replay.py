@@ -9,7 +9,7 @@ from typing import Any
 
 from alma_core.reducers import ReducerConfig, ReducerRegistry
 from alma_core.replay import Stored, first_difference, rebuild, refold, replay
-from alma_core.sequencing import RunView, canonical_state
+from alma_core.sequencing import SHA256, RunView, canonical_state, hash_scheme, state_hash
 from tests.unit.test_sequencing import ev
 
 REGISTRY = ReducerRegistry()
@@ -130,3 +130,23 @@ def test_a_rebuild_that_would_change_the_runs_seqs_is_refused() -> None:
     refused = rebuild(stored, folded).refused
     assert refused is not None
     assert (refused.seq, refused.what) == (2, "refused")
+
+
+def test_a_run_stored_before_hash_schemes_replays_the_same() -> None:
+    """A run whose checkpoints hold SHA-256 hashes is refolded in its own scheme (its new
+    branches and its merge too): it verifies, and a rebuild changes nothing."""
+    events, blake = workload()
+    stored = {
+        s: Stored(s, cp.kind, state_hash(cp.state, SHA256), cp.state, cp.event_id)
+        for s, cp in blake.items()
+    }
+    for checkpoints in (stored, blake):
+        verdict = replay(
+            run_view(), events, checkpoints, config=SUMS, registry=REGISTRY, max_state_bytes=10_000
+        )
+        assert (verdict.events, verdict.checkpoints, verdict.difference) == (5, 5, None)
+        folded = refold(
+            run_view(), events, checkpoints, config=SUMS, registry=REGISTRY, max_state_bytes=10_000
+        )
+        assert rebuild(checkpoints, folded).changed == []
+    assert all(hash_scheme(cp.state_hash) == SHA256 for cp in stored.values())

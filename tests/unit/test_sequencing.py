@@ -13,7 +13,17 @@ from hypothesis import strategies as st
 
 from alma_core import errors
 from alma_core.reducers import ReducerConfig, ReducerRegistry
-from alma_core.sequencing import MAIN, Coordinates, Head, RunView, Sequencer, state_hash
+from alma_core.sequencing import (
+    BLAKE3,
+    MAIN,
+    SHA256,
+    Coordinates,
+    Head,
+    RunView,
+    Sequencer,
+    hash_scheme,
+    state_hash,
+)
 from schemas.decoder import decode
 from schemas.events import Event
 
@@ -283,3 +293,28 @@ def test_a_completed_run_refuses_more_work_but_a_replay_stays_a_duplicate() -> N
     assert [c.seq for c in seq.effects.checkpoints] == [1]
     upkeep = ev("graph.upkeep", op="delete_thread")
     assert seq.fold(upkeep, AT) == "recorded"
+
+
+def test_a_stored_run_keeps_its_hash_scheme_and_a_new_run_takes_blake3() -> None:
+    """Hash schemes (docs/guarantees.md): a run stored before them (SHA-256 heads) is
+    compared like with like, so an unchanged state stays unchanged, and its new checkpoints
+    and new branches hash as its old ones did; a new run hashes with BLAKE3."""
+    old_state = {"a": 1, "f": 1e-05}
+    stored = RunView("old", "acme", "wf", None, last_seq=3)
+    heads = {("acme", "old", MAIN): Head(3, state_hash(old_state, SHA256), old_state)}
+    seq = sequencer(runs={("acme", "old"): stored}, heads=heads)
+    assert seq.fold(ev(run="old", state=dict(reversed(old_state.items()))), AT) == "unchanged"
+    assert seq.fold(ev(run="old", state={"a": 2}), AT) == "checkpointed"
+    assert seq.fold(ev(run="old", updates={"b": 1}, branch="B"), AT) == "checkpointed"
+    seq.fold(ev("node.failed", run="old", error={"type": "E", "message": "m"}), AT)
+    seq.fold(ev(run="new", state=old_state), AT)
+    assert seq.fold(ev(run="new", state=dict(old_state)), AT) == "unchanged"
+    schemes = [(c.run_id, c.branch_id, hash_scheme(c.state_hash)) for c in seq.effects.checkpoints]
+    assert schemes == [
+        ("old", None, SHA256),
+        ("old", "B", SHA256),
+        ("old", None, SHA256),
+        ("new", None, BLAKE3),
+    ]
+    assert seq.effects.checkpoints[0].state_hash == state_hash({"a": 2}, SHA256)
+    assert seq.effects.checkpoints[-1].state_hash == state_hash(old_state, BLAKE3)
