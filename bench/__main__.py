@@ -133,6 +133,7 @@ async def main(args: argparse.Namespace) -> int:
                 await peers.run(env, side)
                 await run_state.run(env, side)
                 merges.run(env, side, curves=None)
+                peers.notes(side)
                 write([side], m, args.out, label)
             if "curves" in only:
                 cost = Section("curves")

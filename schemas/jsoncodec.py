@@ -63,9 +63,10 @@ def canonical(value: Any) -> bytes:
 
 def sorted_compact(value: Any) -> bytes:
     """Compact UTF-8 JSON with keys sorted, as orjson writes it (floats included:
-    ``0.00001`` where Python writes ``1e-05``): no search for the renderings the standard library writes otherwise, so
-    ~40 % cheaper than :func:`canonical`. What orjson refuses is written by ``json`` as
-    :func:`canonical` does. The text of the ``blake3`` state hashes."""
+    ``0.00001`` where Python writes ``1e-05``): no search for the renderings the
+    standard library writes otherwise, so ~40 % cheaper than :func:`canonical`. What
+    orjson refuses is written by ``json`` as :func:`canonical` does. The text of the
+    ``blake3`` state hashes."""
     try:
         return orjson.dumps(value, option=_SORTED)
     except TypeError:  # orjson.JSONEncodeError: a big integer, NaN, a surrogate, ...

@@ -86,6 +86,14 @@ async def test_quick_side_by_side_run_writes_every_table(
         "merge",
     }
     assert doc["peers"]["machine"]["services"]["PostgreSQL"]
+    # the sentences under the tables read their figures from this run's rows
+    ceiling_notes = tables["ceiling"]["notes"]
+    assert len(ceiling_notes) == 2
+    assert all("target ≥ 0.9×: " in n for n in ceiling_notes)
+    assert "target ≥ 3.0×: " in tables["capacity"]["notes"][0]
+    merge_note = tables["merge"]["notes"][0]
+    merge_ratio = tables["merge"]["rows"][0]["ALMA ÷ LangGraph"]["median"]
+    assert f"costs {merge_ratio:.2f}× LangGraph's reducer step" in merge_note
     # replay to verify and a fork (issue 38): every run replayed the same, a fork timed
     replay = {r["what"]: r for r in doc["replay"]["tables"]["replay"]["rows"]}
     assert replay["replay to verify (load, fold, compare)"]["events/s"]["median"] > 0
