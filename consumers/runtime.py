@@ -119,6 +119,7 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         self.runtime.assignment.noted(self.runtime.consumer, set(assigned))
+        self.runtime.reassigned.set()  # a long idle poll ends: place them now
         self.runtime.metrics.assigned_partitions.labels(self.runtime.handler.name).set(
             len(assigned)
         )
@@ -133,11 +134,13 @@ class ConsumerRuntime:
         self.cluster_id = ""
         self.last_poll = 0.0
         self.started = asyncio.Event()
+        self.reassigned = asyncio.Event()
         self.assignment = Assignment()
         self._admin: AIOKafkaAdminClient | None = None
         self._pending: dict[TopicPartition, int] = {}
         self._last_commit = 0.0
         self._last_periodic = 0.0
+        self._poll_ms = config.poll_timeout_ms
         self._pacer = (
             FetchPacer(config.fetch_max_wait_ms, config.fetch_idle_wait_ms)
             if config.fetch_idle_wait_ms > config.fetch_max_wait_ms
@@ -273,9 +276,7 @@ class ConsumerRuntime:
                 if placing:
                     await wait(stop, self._backoff(placing))  # then poll: stay a member
             generation = a.generation
-            batch = await consumer.getmany(
-                timeout_ms=self.config.poll_timeout_ms, max_records=self.config.max_records
-            )
+            batch = await self._poll(consumer, stop)
             self._pace(consumer, bool(batch))
             if batch and self.config.linger_ms > 0:
                 batch = await self._linger(consumer, batch)
@@ -300,16 +301,43 @@ class ConsumerRuntime:
             if time.monotonic() - self._last_periodic >= self.config.periodic_every_s:
                 await self._periodic()
 
+    async def _poll(self, consumer: AIOKafkaConsumer, stop: asyncio.Event) -> dict[Any, Any]:
+        """The next records. Under load, or without the idle pace, a poll of
+        ``poll_timeout_ms``. Idle, the poll lasts as long as the idle fetch wait: records
+        end it at once (aiokafka returns what a fetch brings), and so do a stop and a new
+        assignment; the loop no longer wakes five times a second for nothing."""
+        limit = self.config.max_records
+        if self._poll_ms <= self.config.poll_timeout_ms:
+            batch: dict[Any, Any] = await consumer.getmany(
+                timeout_ms=self._poll_ms, max_records=limit
+            )
+            return batch
+        self.reassigned.clear()
+        poll = asyncio.ensure_future(consumer.getmany(timeout_ms=self._poll_ms, max_records=limit))
+        ends = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.reassigned.wait())]
+        try:
+            await asyncio.wait([poll, *ends], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in ends:
+                task.cancel()
+            if not poll.done():
+                poll.cancel()  # waiting for a fetch: no record was taken
+                await asyncio.wait([poll])
+        records: dict[Any, Any] = {} if poll.cancelled() else poll.result()
+        return records
+
     def _pace(self, consumer: AIOKafkaConsumer, got_records: bool) -> None:
         """Set the fetch wait the pacer chooses: aiokafka reads it from its fetcher for
         each fetch request it builds (no public setter; an aiokafka without the
-        attribute keeps the wait it started with)."""
+        attribute keeps the wait it started with); and the next poll's length, the idle
+        wait while the pacer has chosen it."""
         if self._pacer is None:
             return
         fetcher = getattr(consumer, "_fetcher", None)
         wanted = self._pacer.wait_ms(time.monotonic(), got_records)
         if fetcher is not None and getattr(fetcher, "_fetch_max_wait_ms", wanted) != wanted:
             fetcher._fetch_max_wait_ms = wanted
+        self._poll_ms = max(self.config.poll_timeout_ms, wanted)
 
     def _backoff(self, attempt: int) -> float:
         return backoff_delay(attempt, self.config.backoff_initial_s, self.config.backoff_max_s)

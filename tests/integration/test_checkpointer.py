@@ -422,3 +422,28 @@ async def test_a_paced_worker_applies_what_comes_after_quiet_spells(settings: Se
     rows = await checkpoints_of(dsn, "paced")
     assert [r["seq"] for r in rows] == list(range(1, sent + 1))
     assert [r["state"]["i"] for r in rows] == list(range(sent))
+
+
+async def test_a_worker_idle_in_a_long_poll_stops_at_once(settings: Settings) -> None:
+    """Idle, a consumer polls as long as its idle fetch wait (it does not wake five times
+    a second for nothing); a stop ends such a poll rather than waiting it out."""
+    dsn = settings.postgres_dsn or ""
+    paced = settings.model_copy(update={"fetch_idle_wait_ms": 90_000})
+    async with Publisher(paced.kafka_bootstrap or "", paced.lifecycle_topic) as pub:
+        async with Worker.start(paced) as worker:
+            await pub.send(completed("long-poll", node="n0", updates={"i": 0}))
+            await pub.flush()
+
+            async def applied() -> bool:
+                return await count(dsn, "SELECT count(*) FROM checkpoints") == 1
+
+            await wait_for(applied, what="the checkpoint before the quiet spell")
+            await asyncio.sleep(4)  # quiet for 2 s: the next polls last 90 s
+            polls = worker.value("alma_last_poll_timestamp_seconds", {"consumer": "checkpointer"})
+            await asyncio.sleep(1.5)
+            assert polls == worker.value(
+                "alma_last_poll_timestamp_seconds", {"consumer": "checkpointer"}
+            )  # in one long poll: no poll ended meanwhile
+            stopping = asyncio.get_running_loop().time()
+        stopped_in = asyncio.get_running_loop().time() - stopping
+    assert stopped_in < 30, f"the stop waited {stopped_in:.0f} s for the 90 s poll"
