@@ -82,6 +82,12 @@ def hash_scheme(digest: str) -> str:
     return BLAKE3 if digest.startswith(_BLAKE3_PREFIX) else SHA256
 
 
+def short_hash(digest: str, hex_digits: int = 12) -> str:
+    """A hash to show: its scheme's prefix (if any) and its first ``hex_digits``."""
+    prefix, _, hex_part = digest.rpartition(":")
+    return f"{prefix}:{hex_part[:hex_digits]}" if prefix else hex_part[:hex_digits]
+
+
 def canonical_state(state: dict[str, Any], scheme: str = HASH_SCHEME) -> tuple[str, str, int]:
     """The state's JSON text, its hash in ``scheme`` and the text's size in bytes, from
     one encoding."""

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from alma_core import errors
 from alma_core.cli import common
+from alma_core.sequencing import short_hash
 from alma_core.storage import graphs, runs
 from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.cache_entries import checkpoint_to_doc
@@ -185,7 +186,7 @@ def _row(cp: Checkpoint) -> list[str]:
         cp.branch_id or "(main)",
         "" if cp.parent_seq is None else str(cp.parent_seq),
         str(cp.size_bytes),
-        cp.state_hash[:12],
+        short_hash(cp.state_hash),
         cp.created_at.isoformat(timespec="seconds") if cp.created_at else "",
     ]
 

@@ -22,6 +22,7 @@ from alma_core.sequencing import (
     RunView,
     Sequencer,
     hash_scheme,
+    short_hash,
     state_hash,
 )
 from schemas.decoder import decode
@@ -318,3 +319,10 @@ def test_a_stored_run_keeps_its_hash_scheme_and_a_new_run_takes_blake3() -> None
     ]
     assert seq.effects.checkpoints[0].state_hash == state_hash({"a": 2}, SHA256)
     assert seq.effects.checkpoints[-1].state_hash == state_hash(old_state, BLAKE3)
+
+
+def test_a_short_hash_keeps_its_scheme() -> None:
+    new, old = state_hash({"a": 1}), state_hash({"a": 1}, SHA256)
+    assert short_hash(new) == new[: len("blake3:") + 12]
+    assert short_hash(new).startswith("blake3:")
+    assert short_hash(old) == old[:12]
