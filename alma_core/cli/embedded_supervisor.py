@@ -5,7 +5,9 @@
   the workers pause and retry meanwhile and go on where they were. Each restart is
   logged with its cause and counted; more than :attr:`RestartPolicy.limit` within
   :attr:`RestartPolicy.window_s` ends the stack with a message saying what to do.
-* **The broker dies**: it kept its log in memory, so what was published and not yet
+* **Apache Kafka dies**: restarted in place like PostgreSQL (its log is on disk: every
+  record it acknowledged is still there, and the consumers go on from their offsets).
+* **Tansu dies**: it kept its log in memory, so what was published and not yet
   applied is gone. The stack stops, saying per partition how far the log went and how
   far ALMA had applied it (a fresh broker on the same port would race the clients'
   reconnections, which auto-create missing topics with the wrong partition count).
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from alma_core import errors
-from alma_core.cli.embedded import EmbeddedStack
+from alma_core.cli.embedded import EmbeddedStack, in_memory
 from alma_core.cli.embedded_process import Notify, Service, describe_status, tail
 
 log = logging.getLogger("alma.embedded")
@@ -56,7 +58,7 @@ class ServiceLost(errors.StackError):
 
 
 class Supervisor:
-    """Restarts the stack's PostgreSQL and Redis when they die (see the module
+    """Restarts the stack's PostgreSQL, Redis and Apache Kafka when they die (see the module
     docstring); ``unapplied()`` describes, when the broker dies, what it took with it."""
 
     def __init__(
@@ -83,7 +85,7 @@ class Supervisor:
             if died is None:
                 return
             service, status = died
-            if service is self.stack.broker:
+            if service is self.stack.broker and in_memory(self.stack):
                 raise ServiceLost(self._broker_lost(service, status))
             await self._revive(service, describe_status(status), stop)
 
@@ -138,8 +140,8 @@ class Supervisor:
             + (f":\n{lost}" if lost else " (nothing was waiting to be applied)")
             + f"\n{tail(broker.log_path)}\nWhat to do: read the log above, then start `alma "
             "up` again (a new, empty broker) and publish again what the lines above say was "
-            "lost; for a stack that keeps its log, point ALMA_KAFKA_BOOTSTRAP at an Apache "
-            "Kafka (docker compose up kafka)"
+            "lost; for a stack that keeps its log, use Apache Kafka (`alma up --broker "
+            "kafka`, after `make kafka`)"
         )
 
 
@@ -250,7 +252,7 @@ class Watch:
         lengths = self.logs()
         for (topic, partition), records in lengths.items():
             self.log_length(topic, partition, records)
-        if self.stack.broker is None:
+        if not in_memory(self.stack):  # Apache Kafka: its log on disk, its heap bounded
             return
         longest = max(lengths.items(), key=lambda item: item[1], default=(("", 0), 0))
         level = max(
@@ -269,8 +271,8 @@ class Watch:
             f"{self.limits.broker_bytes / 2**20:,.0f} MB or {self.limits.partition_records:,} "
             "records a partition; the latency from publish to checkpoint grows with the "
             "longest partition from here on). What to do: for a stack that runs for "
-            "hours, point ALMA_KAFKA_BOOTSTRAP at an Apache Kafka (`docker compose up -d "
-            "kafka`); or, once nothing is waiting (alma_consumer_lag 0 everywhere), restart "
+            "hours, use Apache Kafka (`alma up --broker kafka`, after `make kafka`, or "
+            "ALMA_KAFKA_BOOTSTRAP pointing at one); or, once nothing is waiting (alma_consumer_lag 0 everywhere), restart "
             "`alma up`: its broker starts empty, and nothing applied is lost"
         )
         self.notify(message)

@@ -17,7 +17,13 @@ from rich.table import Table
 
 from alma_core import errors, stacks
 from alma_core.cli import common
-from alma_core.cli.embedded import EmbeddedStack, Endpoints
+from alma_core.cli.embedded import (
+    BrokerKind,
+    EmbeddedStack,
+    Endpoints,
+    choose_broker,
+    in_memory,
+)
 from alma_core.cli.embedded_process import Notify, log_notice
 from alma_core.cli.embedded_supervisor import (
     Limits,
@@ -59,9 +65,15 @@ def up(
     ),
     data_dir: Path = typer.Option(None, help="Where embedded data lives (ALMA_DATA_DIR, .alma)."),
     check: bool = typer.Option(False, "--check", help="Bring everything up, report, then stop."),
+    broker: str = typer.Option(
+        None,
+        help="The broker to start when ALMA_KAFKA_BOOTSTRAP is unset: kafka (Apache Kafka, "
+        "on disk), tansu (in memory) or auto (ALMA_EMBEDDED_BROKER, default auto: kafka "
+        "where Java 17+ and `make kafka`'s jars are found).",
+    ),
 ) -> None:
     """Start the stack (embedded services for those not configured) until Ctrl-C."""
-    s = common.settings(partitions=partitions, data_dir=data_dir)
+    s = common.settings(partitions=partitions, data_dir=data_dir, embedded_broker=broker)
     configure_logs(s.log_format, "WARNING" if s.log_level == "INFO" else s.log_level)
 
     async def main() -> None:
@@ -71,13 +83,14 @@ def up(
         with common.out.status("starting broker, PostgreSQL and Redis..."):
             stack, endpoints = await bring_up(s, notify=common.note)
         elapsed = time.monotonic() - started
-        ws = for_broker(s, embedded=stack.broker is not None)
+        ws = for_broker(s, embedded=in_memory(stack))
         try:
             # The real DSNs, for the commands and applications beside this one: mode 0600.
             mine = {
                 **endpoints.as_dict(),
                 "pid": os.getpid(),
                 "fetch_max_wait_ms": ws.fetch_max_wait_ms,
+                "broker": stack.broker.kind if stack.broker else "configured",
             }
             common.write_private(endpoints_file, json.dumps(mine, indent=2))
             try:  # found from any directory
@@ -98,6 +111,8 @@ def up(
                 ("Redis", endpoints.redis_url, stack.redis),
             ):
                 table.add_row(name, redact(url), "embedded" if svc else "configured")
+            if stack.broker is not None:
+                table.add_row("broker", stack.broker.title, stack.broker_reason)
             table.add_row("topics", ", ".join(alma_topics(s)), f"{s.partitions} partitions")
             common.out.print(table)
             common.out.print(f"endpoints written to {endpoints_file} (readable by its owner only)")
@@ -275,6 +290,10 @@ async def bring_up(
 ) -> tuple[EmbeddedStack, Endpoints]:
     """Start what is not configured, create topics, migrate. The caller stops the stack.
     ``notify`` hears what the embedded services change on the host first."""
+    kind: BrokerKind = "tansu"
+    reason = ""
+    if not s.kafka_bootstrap:
+        kind, reason = choose_broker(s.embedded_broker, s.kafka_libs)
     stack = EmbeddedStack(
         s.data_dir,
         kafka_bootstrap=s.kafka_bootstrap,
@@ -282,6 +301,10 @@ async def bring_up(
         redis_url=s.redis_url,
         durable=durable,
         notify=notify,
+        broker=kind,
+        kafka_libs=s.kafka_libs,
+        kafka_heap_mb=s.embedded_kafka_heap_mb,
+        broker_reason=reason,
     )
     endpoints = await stack.start()
     try:

@@ -5,7 +5,10 @@ worth a warning. Against real processes: tests/integration/test_embedded.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from alma_core.cli.embedded_supervisor import Limits, RestartPolicy, Watch
 
@@ -25,7 +28,7 @@ class Stack:
     """What the watch reads of a stack: its services and which is the broker."""
 
     services: list[Any] = field(default_factory=list)
-    broker: Any = "a broker"
+    broker: Any = field(default_factory=lambda: SimpleNamespace(in_memory=True))  # Tansu
 
 
 def test_the_broker_is_warned_about_once_and_again_at_each_doubling() -> None:
@@ -53,15 +56,20 @@ def test_the_broker_is_warned_about_once_and_again_at_each_doubling() -> None:
     assert len(heard) == 2
 
 
-def test_a_configured_broker_is_never_warned_about() -> None:
+@pytest.mark.parametrize(
+    "broker", [None, SimpleNamespace(in_memory=False)], ids=["configured", "apache-kafka"]
+)
+def test_a_broker_that_keeps_its_log_on_disk_is_never_warned_about(broker: Any) -> None:
     heard: list[str] = []
+    seen: dict[tuple[str, int], int] = {}
     watch = Watch(
-        Stack(broker=None),  # type: ignore[arg-type]
+        Stack(broker=broker),  # type: ignore[arg-type]
         notify=heard.append,
         memory=lambda _name, _held: None,
         logs=lambda: {("t", 0): 10**6},
-        log_length=lambda _t, _p, _n: None,
+        log_length=lambda t, p, n: seen.__setitem__((t, p), n),
         limits=Limits(partition_records=10),
     )
     watch.sample()
     assert heard == []
+    assert seen == {("t", 0): 10**6}  # still sampled for the metrics

@@ -1,0 +1,260 @@
+"""Apache Kafka as the embedded broker: one KRaft process (broker and controller in
+one JVM) on free loopback ports, its log on disk in ``data_dir`` so that a restart,
+after a clean stop or a SIGKILL, comes back with every record it acknowledged.
+
+* **Jars**: the broker and its dependencies, copied by Maven from the pom beside this
+  module (``kafka/pom.xml``, which names the version) into :func:`default_libs`:
+  ``make kafka`` runs :func:`fetch_command`. Nothing is downloaded at run time.
+* **First start**: the data directory is formatted (``kafka.tools.StorageTool
+  format``) with a new cluster id, kept in ``meta.properties``; every later start
+  reads it back, so offsets stored in PostgreSQL stay valid (they are keyed by it).
+* **Ports**: chosen free at each start and written into ``server.properties``; a
+  restart by the supervisor asks for the same client port (the controller's port is
+  the broker's own business and chosen again).
+* **Ready**: the broker answers ``describe_cluster`` with its own cluster id (a
+  taken port or another broker is never mistaken for it).
+* Settings for one node on a developer's machine, each a difference from a
+  production cluster written down in docs/kafka.md: replication 1, the internal
+  topics with 4 partitions (50 by default: slow to create on 2 cores), no
+  auto-creation of topics, no delay before a group's first rebalance, group
+  session timeouts from 1 s (the tests use 2 s), and a 2 s broker session (a
+  restart after a SIGKILL waits for the dead one's to expire: 9 s by default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+from alma_core import errors
+from alma_core.cli.embedded_process import Service, free_port, port_open
+
+HERE = Path(__file__).with_name("kafka")
+POM = HERE / "pom.xml"
+LOG_CONFIG = HERE / "log4j2.yaml"
+MIN_JAVA = 17  # Kafka 4's broker needs Java 17 or newer
+DEFAULT_HEAP_MB = 512
+MAIN_CLASS = "kafka.Kafka"
+STORAGE_TOOL = "kafka.tools.StorageTool"
+FORMAT_TIMEOUT_S = 120.0
+
+
+def version() -> str:
+    """The Apache Kafka version the pom names (the one place it is written)."""
+    found = re.search(r"<kafka\.version>([^<]+)</kafka\.version>", POM.read_text())
+    assert found, f"{POM} names no <kafka.version>"
+    return found.group(1)
+
+
+def default_libs() -> Path:
+    """Where ``make kafka`` puts the broker's jars (shared by every clone and stack)."""
+    return Path.home() / ".cache" / "alma-stream" / f"kafka-{version()}"
+
+
+def fetch_command(libs: Path) -> list[str]:
+    """The Maven command that copies the broker's jars into ``libs`` (``make kafka``)."""
+    return [
+        "mvn",
+        "-B",
+        "-q",
+        "-f",
+        str(POM),
+        "dependency:copy-dependencies",
+        "-DincludeScope=runtime",
+        f"-DoutputDirectory={libs}",
+    ]
+
+
+def java_major(java: str) -> int | None:
+    """The major version of the ``java`` at that path (None: it does not run)."""
+    try:
+        shown = subprocess.run(
+            [java, "-version"], capture_output=True, text=True, timeout=30, check=False
+        ).stderr
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r'version "(\d+)(?:\.(\d+))?', shown)
+    if not found:
+        return None
+    major = int(found.group(1))
+    return int(found.group(2) or 0) if major == 1 else major  # "1.8" is Java 8
+
+
+def problem(libs: Path) -> str | None:
+    """Why Apache Kafka cannot start here, with what to do; None: it can."""
+    java = shutil.which("java")
+    if java is None:
+        return (
+            f"Apache Kafka needs Java {MIN_JAVA} or newer and no `java` is on PATH. What to "
+            f"do: install a JDK or JRE {MIN_JAVA}+ (Debian: apt-get install "
+            "openjdk-17-jre-headless), or use the in-memory broker (ALMA_EMBEDDED_BROKER=tansu)"
+        )
+    major = java_major(java)
+    if major is None or major < MIN_JAVA:
+        return (
+            f"Apache Kafka needs Java {MIN_JAVA} or newer; {java} is "
+            f"{'unusable' if major is None else f'Java {major}'}. What to do: put a Java "
+            f"{MIN_JAVA}+ first on PATH, or use the in-memory broker (ALMA_EMBEDDED_BROKER=tansu)"
+        )
+    if not any(libs.glob("kafka_2.13-*.jar")):
+        return (
+            f"Apache Kafka {version()}'s jars are not in {libs}. What to do: run `make kafka` "
+            f"(Maven copies them there: {' '.join(fetch_command(libs))}), or set "
+            "ALMA_KAFKA_LIBS to a folder that holds them"
+        )
+    return None
+
+
+def new_cluster_id() -> str:
+    """A KRaft cluster id: 16 random bytes, URL-safe base64 without padding (Kafka's Uuid)."""
+    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+
+
+class KafkaBroker(Service):
+    """Apache Kafka in KRaft mode, one process, its log kept in ``data_dir``."""
+
+    name = "broker"
+    title = "Kafka broker (Apache Kafka)"
+    kind = "kafka"
+    in_memory = False  # its log is on disk: a restart keeps every acknowledged record
+
+    def __init__(
+        self, data_dir: Path, run_dir: Path, *, libs: Path, heap_mb: int = DEFAULT_HEAP_MB
+    ) -> None:
+        super().__init__(run_dir)
+        self.data_dir = data_dir.resolve()
+        self.libs = libs
+        self.heap_mb = heap_mb
+        self.cluster_id = ""
+        self.controller_port = 0
+
+    @property
+    def log_dir(self) -> Path:
+        return self.data_dir / "log"
+
+    @property
+    def config_path(self) -> Path:
+        return self.data_dir / "server.properties"
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self, port: int | None = None) -> None:
+        found = problem(self.libs)
+        if found:
+            raise errors.StackError(found)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.cluster_id = self._stored_cluster_id() or await self._format()
+        await super().start(port)
+
+    def _stored_cluster_id(self) -> str | None:
+        try:
+            text = (self.log_dir / "meta.properties").read_text()
+        except OSError:
+            return None
+        found = re.search(r"^cluster\.id=(\S+)$", text, re.MULTILINE)
+        return found.group(1) if found else None
+
+    async def _format(self) -> str:
+        """Format the (new) log directory under a new cluster id, once."""
+        cluster_id = new_cluster_id()
+        self._write_config(free_port(), free_port())
+        command = [*self._java(), STORAGE_TOOL, "format", "-t", cluster_id]
+        command += ["-c", str(self.config_path)]
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        done = await asyncio.to_thread(
+            subprocess.run,
+            command,
+            capture_output=True,
+            text=True,
+            timeout=FORMAT_TIMEOUT_S,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise errors.StackError(
+                f"formatting Apache Kafka's log directory {self.log_dir} failed:\n"
+                f"{(done.stdout + done.stderr)[-2000:]}\nWhat to do: read the lines above; "
+                f"remove {self.data_dir} to start a new broker"
+            )
+        return cluster_id
+
+    def _java(self) -> list[str]:
+        java = shutil.which("java") or "java"
+        return [
+            java,
+            f"-Xmx{self.heap_mb}m",
+            f"-Xms{min(self.heap_mb, 128)}m",
+            # Kafka's own launcher's collector settings (kafka-run-class.sh)
+            "-XX:+UseG1GC",
+            "-XX:MaxGCPauseMillis=20",
+            "-XX:InitiatingHeapOccupancyPercent=35",
+            "-XX:+ExplicitGCInvokesConcurrent",
+            "-XX:+ExitOnOutOfMemoryError",
+            "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={LOG_CONFIG}",
+            "-cp",
+            f"{self.libs}/*",
+        ]
+
+    def _write_config(self, port: int, controller_port: int) -> None:
+        self.controller_port = controller_port
+        host = "127.0.0.1"
+        settings = {
+            "process.roles": "broker,controller",
+            "node.id": "1",
+            "controller.quorum.voters": f"1@{host}:{controller_port}",
+            "listeners": f"PLAINTEXT://{host}:{port},CONTROLLER://{host}:{controller_port}",
+            "advertised.listeners": f"PLAINTEXT://{host}:{port}",
+            "controller.listener.names": "CONTROLLER",
+            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "log.dirs": str(self.log_dir),
+            "auto.create.topics.enable": "false",
+            "offsets.topic.replication.factor": "1",
+            "offsets.topic.num.partitions": "4",
+            "transaction.state.log.replication.factor": "1",
+            "transaction.state.log.min.isr": "1",
+            "transaction.state.log.num.partitions": "4",
+            "share.coordinator.state.topic.replication.factor": "1",
+            "share.coordinator.state.topic.min.isr": "1",
+            "group.initial.rebalance.delay.ms": "0",
+            "group.min.session.timeout.ms": "1000",
+            # A restart after a SIGKILL waits for the dead incarnation's session to
+            # expire before the broker serves (9 s by default)
+            "broker.session.timeout.ms": "2000",
+            "broker.heartbeat.interval.ms": "500",
+            "log.retention.hours": "168",
+        }
+        text = "".join(f"{k}={v}\n" for k, v in settings.items())
+        self.config_path.write_text(
+            "# Written by alma up at each start (alma_core/cli/embedded_kafka.py)\n" + text
+        )
+
+    def _command(self, port: int) -> list[str]:
+        self._write_config(port, free_port())
+        return [*self._java(), MAIN_CLASS, str(self.config_path)]
+
+    async def _ready(self) -> bool:
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        if not port_open(self.port):
+            return False
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.url, request_timeout_ms=2000)
+        try:
+            await admin.start()
+            cluster = await admin.describe_cluster()
+        finally:
+            await admin.close()
+        return bool(cluster.get("cluster_id") == self.cluster_id)
+
+    def _advice(self) -> str:
+        return (
+            f"a damaged log directory can be removed ({self.log_dir}: its records are lost) "
+            "to start a new broker"
+        )
