@@ -125,6 +125,12 @@ class Settings(BaseSettings):
     kafka_ssl_keyfile: Path | None = Field(default=None, description="its private key (PEM)")
     kafka_ssl_key_password: SecretStr | None = None
     kafka_ssl_check_hostname: bool = True
+    kafka_idempotence: bool = Field(
+        default=True,
+        description="ALMA's producers are idempotent (the broker drops a batch a retry sent "
+        "twice, and keeps each partition's order through retries); off on the in-memory "
+        "embedded broker, which does not support it",
+    )
 
     # The tenant `alma` commands act for when --tenant is not given.
     tenant: str | None = Field(default=None, min_length=1)
@@ -590,13 +596,16 @@ def with_running(loaded: Settings) -> Settings:
 
 
 def for_broker(s: Settings, *, embedded: bool, wait: object = None) -> Settings:
-    """``s`` with the fetch waits for its broker: on the embedded one, ``wait`` (what a
-    running ``alma up`` wrote) or :data:`EMBEDDED_FETCH_MAX_WAIT_MS`, unless
-    ALMA_FETCH_MAX_WAIT_MS was set, and :data:`EMBEDDED_FETCH_IDLE_WAIT_MS` once idle,
-    unless ALMA_FETCH_IDLE_WAIT_MS was set."""
+    """``s`` fitted to its broker: on the in-memory embedded one (Tansu), ``wait`` (what
+    a running ``alma up`` wrote) or :data:`EMBEDDED_FETCH_MAX_WAIT_MS`, unless
+    ALMA_FETCH_MAX_WAIT_MS was set, :data:`EMBEDDED_FETCH_IDLE_WAIT_MS` once idle,
+    unless ALMA_FETCH_IDLE_WAIT_MS was set, and producers without idempotence unless
+    ALMA_KAFKA_IDEMPOTENCE was set. Apache Kafka (embedded or not) needs none of it."""
     if not embedded:
         return s
-    update: dict[str, int] = {}
+    update: dict[str, int | bool] = {}
+    if "kafka_idempotence" not in s.model_fields_set:
+        update["kafka_idempotence"] = False  # Tansu answers an idempotent producer UnknownError
     if "fetch_max_wait_ms" not in s.model_fields_set:
         update["fetch_max_wait_ms"] = wait if isinstance(wait, int) else EMBEDDED_FETCH_MAX_WAIT_MS
     if "fetch_idle_wait_ms" not in s.model_fields_set:

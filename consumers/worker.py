@@ -130,8 +130,7 @@ async def _producer(
     """A started producer, or None when stopped before the broker answered."""
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap,
-        **kafka.client_options(settings),
-        acks="all",
+        **kafka.producer_options(settings),
         linger_ms=2,
         max_request_size=settings.max_record_bytes + 64 * 1024,
         max_batch_size=1024 * 1024,

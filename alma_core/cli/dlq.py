@@ -86,7 +86,7 @@ def dlq_replay(
     async def main() -> None:
         conn = await common.connect(common.dsn(s))
         producer = AIOKafkaProducer(
-            bootstrap_servers=common.bootstrap(s), acks="all", **kafka.client_options(s)
+            bootstrap_servers=common.bootstrap(s), **kafka.producer_options(s)
         )
 
         async def send(value: bytes, key: bytes | None) -> None:

@@ -272,7 +272,8 @@ class Watch:
             "records a partition; the latency from publish to checkpoint grows with the "
             "longest partition from here on). What to do: for a stack that runs for "
             "hours, use Apache Kafka (`alma up --broker kafka`, after `make kafka`, or "
-            "ALMA_KAFKA_BOOTSTRAP pointing at one); or, once nothing is waiting (alma_consumer_lag 0 everywhere), restart "
+            "ALMA_KAFKA_BOOTSTRAP pointing at one); or, once nothing is waiting "
+            "(alma_consumer_lag 0 everywhere), restart "
             "`alma up`: its broker starts empty, and nothing applied is lost"
         )
         self.notify(message)

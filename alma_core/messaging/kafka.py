@@ -65,6 +65,13 @@ def ssl_context(s: Settings) -> ssl.SSLContext:
     return context
 
 
+def producer_options(s: Settings) -> dict[str, Any]:
+    """What every producer of ALMA's is made with: :func:`client_options`, every write
+    acknowledged by all in-sync replicas, and idempotence where the broker supports it
+    (``ALMA_KAFKA_IDEMPOTENCE``: a retried batch is written once, in order)."""
+    return {**client_options(s), "acks": "all", "enable_idempotence": s.kafka_idempotence}
+
+
 def client_options(s: Settings) -> dict[str, Any]:
     """Keyword arguments for ``AIOKafkaProducer``, ``AIOKafkaConsumer`` and
     ``AIOKafkaAdminClient``: the security protocol and what it needs. Plain

@@ -45,8 +45,7 @@ class Publisher:
             ) from None
         self._producer = AIOKafkaProducer(
             bootstrap_servers=self.bootstrap,
-            **kafka.client_options(settings),
-            acks="all",
+            **kafka.producer_options(settings),
             linger_ms=1,
             max_request_size=settings.max_record_bytes + 64 * 1024,
         )

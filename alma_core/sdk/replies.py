@@ -19,6 +19,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from pydantic import ValidationError
 
 from alma_core import errors
+from alma_core.messaging.broker_view import BrokerView
 from schemas.events import MergeReply
 
 log = logging.getLogger("alma.sdk")
@@ -73,14 +74,17 @@ class ReplyListener:
             enable_auto_commit=False,
             fetch_max_wait_ms=self.fetch_max_wait_ms,
         )
-        await consumer.start()
-        partitions = consumer.partitions_for_topic(self.topic)
-        if not partitions:
-            await consumer.stop()
+        # Asked of the broker: a consumer's metadata holds only the topics it was told
+        # of (Apache Kafka answers an empty topic list with none; Tansu with all)
+        try:
+            async with BrokerView(self.bootstrap, self.client_options) as broker:
+                partitions = await broker.partitions(self.topic)
+        except errors.ConfigError:
             raise errors.ConfigError(
                 f"reply topic {self.topic!r} does not exist: run `alma topics create`"
-            )
-        tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
+            ) from None
+        await consumer.start()
+        tps = [TopicPartition(self.topic, p) for p in partitions]
         consumer.assign(tps)
         await consumer.seek_to_end(*tps)
         for tp in tps:  # resolve positions now, before any join is sent

@@ -20,7 +20,7 @@ from alma_core.settings import Settings, load
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.storage.migrations import Migrator
 from tests.integration.harness import Worker
-from tests.services import Services, real_services
+from tests.services import BrokerKind, Services, real_services, suite_broker
 
 TEMPLATE_DB = "alma_test_template"
 TEST_PARTITIONS = 4
@@ -111,7 +111,15 @@ async def topics(services: Services) -> Topics:
     return names
 
 
-def settings_for(kafka: str, postgres: str, redis: str, topics: Topics, **extra: Any) -> Settings:
+def settings_for(
+    kafka: str,
+    postgres: str,
+    redis: str,
+    topics: Topics,
+    partitions: int = TEST_PARTITIONS,
+    broker: BrokerKind | None = None,
+    **extra: Any,
+) -> Settings:
     """Settings for one test: its topics, its own Redis prefix and group ids, fast group
     timings."""
     return load(
@@ -128,7 +136,9 @@ def settings_for(kafka: str, postgres: str, redis: str, topics: Topics, **extra:
         heartbeat_interval_ms=200,
         fetch_max_wait_ms=50,
         metrics_port=0,
-        partitions=TEST_PARTITIONS,  # the cache is partitioned as the topics are
+        partitions=partitions,  # the cache is partitioned as the topics are
+        # Tansu answers an idempotent producer UnknownError (docs/kafka.md)
+        kafka_idempotence=(broker or suite_broker()) == "kafka",
         **extra,
     )
 

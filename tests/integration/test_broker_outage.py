@@ -26,7 +26,7 @@ async def test_commits_to_a_dead_broker_are_counted_not_fatal(
         suffix = uuid.uuid4().hex[:10]
         topics = Topics(f"lc-{suffix}", f"mg-{suffix}", f"dl-{suffix}", f"sq-{suffix}")
         await ensure_topics(broker.url, topics.all, partitions=TEST_PARTITIONS)
-        settings = settings_for(broker.url, database, services.redis_url, topics)
+        settings = settings_for(broker.url, database, services.redis_url, topics, broker="tansu")
         async with Publisher(broker.url, topics.lifecycle) as pub:
             for i in range(RECORDS):  # a backlog the worker fetches ahead of applying
                 await pub.send(completed(f"run-{i % 40}", updates={"i": i, "pad": "x" * 600}))

@@ -201,6 +201,7 @@ async def tls_settings(
             database,
             services.redis_url,
             topics,
+            broker="tansu",
             kafka_security_protocol="SSL",
             kafka_ssl_cafile=pki.ca,
             kafka_ssl_certfile=pki.client_cert,
