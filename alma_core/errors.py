@@ -19,6 +19,7 @@
     │   └── StorageRejected     Postgres refused the data itself (not retriable)
     ├── CacheError              Redis failed (retriable; callers fall back to Postgres)
     ├── BrokerUnavailable       Kafka did not answer (retriable: check it runs, try again)
+    ├── BrokerDenied            Kafka refused an operation: the principal lacks an ACL
     ├── MergeFailed             a join was answered with status "error"
     ├── MergeTimeout            no reply to a join in time (retriable: same join_id)
     ├── EffectTimeout           an event had no effect in time (retriable)
@@ -195,6 +196,12 @@ class BrokerUnavailable(AlmaError):
 
     retriable = True
     reason = "broker_unavailable"
+
+
+class BrokerDenied(AlmaError):
+    """Kafka refused the operation: the principal lacks an ACL (docs/kafka.md, Security)."""
+
+    reason = "broker_denied"
 
 
 class StackError(AlmaError):

@@ -14,6 +14,9 @@ from typing import Any
 
 from aiokafka.errors import KafkaError
 
+from alma_core import errors
+from alma_core.messaging import acls
+
 log = logging.getLogger("alma.consumers")
 
 
@@ -52,14 +55,23 @@ async def wait(stop: asyncio.Event, seconds: float) -> bool:
     return stop.is_set()
 
 
-async def retry_start(start: Callable[[], Awaitable[Any]], stop: asyncio.Event, what: str) -> bool:
+async def retry_start(
+    start: Callable[[], Awaitable[Any]],
+    stop: asyncio.Event,
+    what: str,
+    refused: Callable[[KafkaError], errors.BrokerDenied] | None = None,
+) -> bool:
     """Start a Kafka client, retrying with backoff while the broker is unreachable.
-    False when ``stop`` was set first (the caller leaves quietly)."""
+    False when ``stop`` was set first (the caller leaves quietly). A refusal by the
+    broker's authorizer is not retried: waiting grants no ACL; ``refused`` says which
+    one is missing."""
     attempt = 0
     while not stop.is_set():
         try:
             await start()
             return True
+        except acls.REFUSALS as exc:
+            raise (refused or _refused)(exc) from exc
         except KafkaError as exc:
             attempt += 1
             delay = backoff_delay(attempt, 0.5, 10.0)
@@ -74,3 +86,10 @@ async def retry_start(start: Callable[[], Awaitable[Any]], stop: asyncio.Event, 
             )
             await wait(stop, delay)
     return False
+
+
+def _refused(exc: KafkaError) -> errors.BrokerDenied:
+    return errors.BrokerDenied(
+        f"Kafka refused this client ({exc!r}): its principal lacks an ACL. What to do: "
+        "grant what `alma topics acls --role worker` prints"
+    )

@@ -40,9 +40,10 @@ from typing import Any, Protocol
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError
+from aiokafka.errors import GroupAuthorizationFailedError, KafkaError
 
 from alma_core import errors
+from alma_core.messaging import acls
 from alma_core.storage.offsets import PartitionKey, Progress
 from consumers.assignment import Assignment, key
 from consumers.metrics import Metrics
@@ -99,6 +100,7 @@ class RuntimeConfig:
     periodic_every_s: float = 1.0  # the handler's periodic work runs under load too
     # TLS/SASL options for every Kafka client (alma_core.messaging.kafka.client_options)
     client_options: dict[str, Any] = field(default_factory=dict)
+    principal: str = "this client"  # who the broker sees, as an ACL names it
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -218,7 +220,7 @@ class ConsumerRuntime:
         try:
             await self._refresh_cluster_id()
             consumer.subscribe(cfg.topics, listener=_Listener(self))
-            if not await retry_start(consumer.start, stop, "consumer"):
+            if not await retry_start(consumer.start, stop, "consumer", self._refused):
                 return
             self.last_poll = time.monotonic()
             self.started.set()
@@ -230,6 +232,15 @@ class ConsumerRuntime:
             with contextlib.suppress(Exception):
                 await self._admin.close()
             self.metrics.assigned_partitions.labels(self.handler.name).set(0)
+
+    def _refused(self, exc: KafkaError) -> errors.BrokerDenied:
+        """What a consumer of this group lacks when the authorizer refuses it."""
+        cfg = self.config
+        if isinstance(exc, GroupAuthorizationFailedError):
+            needs = acls.Acl("READ", "group", cfg.group_id)
+        else:
+            needs = acls.Acl("READ", "topic", ", ".join(cfg.topics))
+        return acls.denied(cfg.principal, needs, exc)
 
     async def _leave(self, consumer: AIOKafkaConsumer) -> None:
         """Leave the group, but never wait on it for long: aiokafka's ``stop()`` first

@@ -26,7 +26,7 @@ from aiokafka.errors import KafkaError
 
 from alma_core import errors
 from alma_core.learning import LearningPolicy
-from alma_core.messaging import kafka
+from alma_core.messaging import acls, kafka
 from alma_core.reducers import ReducerRegistry, default_registry
 from alma_core.settings import Settings
 from alma_core.storage import postgres
@@ -128,6 +128,12 @@ async def _producer(
     settings: Settings, bootstrap: str, stop: asyncio.Event
 ) -> AsyncIterator[AIOKafkaProducer | None]:
     """A started producer, or None when stopped before the broker answered."""
+
+    def refused(exc: KafkaError) -> errors.BrokerDenied:
+        # an idempotent producer's id is refused to a principal that may write no topic
+        needs = acls.Acl("WRITE", "topic", settings.sequenced_topic)
+        return acls.denied(acls.principal(settings), needs, exc)
+
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap,
         **kafka.producer_options(settings),
@@ -135,7 +141,7 @@ async def _producer(
         max_request_size=settings.max_record_bytes + 64 * 1024,
         max_batch_size=1024 * 1024,
     )
-    started = await retry_start(producer.start, stop, "producer")
+    started = await retry_start(producer.start, stop, "producer", refused)
     try:
         yield producer if started else None
     finally:
@@ -399,6 +405,7 @@ class _Wiring:
             fetch_max_wait_ms=s.fetch_max_wait_ms,
             fetch_idle_wait_ms=s.fetch_idle_wait_ms,
             client_options=kafka.client_options(s),
+            principal=acls.principal(s),
         )
         return ConsumerRuntime(config, handler, self.metrics)
 

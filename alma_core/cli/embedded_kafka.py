@@ -29,7 +29,9 @@ import re
 import shutil
 import subprocess
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from alma_core import errors
 from alma_core.cli.embedded_process import Service, free_port, port_open
@@ -115,6 +117,66 @@ def new_cluster_id() -> str:
     return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
 
 
+@dataclass(frozen=True)
+class Security:
+    """SASL/SCRAM-SHA-512 over TLS, with Kafka's own authorizer (StandardAuthorizer,
+    nothing allowed that no ACL allows): the users and their passwords, the first the
+    broker's own (a super user, which grants the others' ACLs), and the server's
+    certificate and unencrypted PKCS#8 key (PEM), issued for 127.0.0.1."""
+
+    users: dict[str, str]
+    certificate: Path
+    key: Path
+    ca: Path  # what signed ``certificate``: how clients verify the broker
+
+    def client_options(self, user: str) -> dict[str, Any]:
+        """aiokafka's keyword arguments to connect as ``user``."""
+        from aiokafka.helpers import create_ssl_context
+
+        return {
+            "security_protocol": "SASL_SSL",
+            "sasl_mechanism": "SCRAM-SHA-512",
+            "sasl_plain_username": user,
+            "sasl_plain_password": self.users[user],
+            "ssl_context": create_ssl_context(cafile=str(self.ca)),
+        }
+
+    @property
+    def admin(self) -> str:
+        return next(iter(self.users))
+
+    def scram_arguments(self) -> list[str]:
+        """``kafka.tools.StorageTool format``'s arguments that store the users."""
+        out: list[str] = []
+        for user, password in self.users.items():
+            out += ["--add-scram", f"SCRAM-SHA-512=[name={user},password={password}]"]
+        return out
+
+    def properties(self, keystore: Path) -> dict[str, str]:
+        admin = self.admin
+        jaas = (
+            "org.apache.kafka.common.security.scram.ScramLoginModule required "
+            f'username="{admin}" password="{self.users[admin]}";'
+        )
+        return {
+            "listener.security.protocol.map": "SASL_SSL:SASL_SSL,CONTROLLER:PLAINTEXT",
+            "inter.broker.listener.name": "SASL_SSL",
+            "sasl.enabled.mechanisms": "SCRAM-SHA-512",
+            "sasl.mechanism.inter.broker.protocol": "SCRAM-SHA-512",
+            "listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config": jaas,
+            "ssl.keystore.type": "PEM",
+            "ssl.keystore.location": str(keystore),
+            # the broker checks, at start, that a client trusting this CA could connect
+            "ssl.truststore.type": "PEM",
+            "ssl.truststore.location": str(self.ca),
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            # the broker's own connections: to itself as the admin, to its controller
+            # (a loopback PLAINTEXT listener) anonymously
+            "super.users": f"User:{admin};User:ANONYMOUS",
+            "allow.everyone.if.no.acl.found": "false",
+        }
+
+
 class KafkaBroker(Service):
     """Apache Kafka in KRaft mode, one process, its log kept in ``data_dir``."""
 
@@ -124,12 +186,19 @@ class KafkaBroker(Service):
     in_memory = False  # its log is on disk: a restart keeps every acknowledged record
 
     def __init__(
-        self, data_dir: Path, run_dir: Path, *, libs: Path, heap_mb: int = DEFAULT_HEAP_MB
+        self,
+        data_dir: Path,
+        run_dir: Path,
+        *,
+        libs: Path,
+        heap_mb: int = DEFAULT_HEAP_MB,
+        security: Security | None = None,
     ) -> None:
         super().__init__(run_dir)
         self.data_dir = data_dir.resolve()
         self.libs = libs
         self.heap_mb = heap_mb
+        self.security = security
         self.cluster_id = ""
         self.controller_port = 0
 
@@ -167,6 +236,8 @@ class KafkaBroker(Service):
         self._write_config(free_port(), free_port())
         command = [*self._java(), STORAGE_TOOL, "format", "-t", cluster_id]
         command += ["-c", str(self.config_path)]
+        if self.security is not None:
+            command += self.security.scram_arguments()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         done = await asyncio.to_thread(
             subprocess.run,
@@ -231,6 +302,16 @@ class KafkaBroker(Service):
             "broker.heartbeat.interval.ms": "500",
             "log.retention.hours": "168",
         }
+        if self.security is not None:
+            keystore = self.data_dir / "keystore.pem"  # Kafka's PEM keystore: key, then chain
+            keystore.write_bytes(
+                self.security.key.read_bytes() + self.security.certificate.read_bytes()
+            )
+            keystore.chmod(0o600)
+            scheme = "SASL_SSL"
+            settings |= self.security.properties(keystore)
+            settings["listeners"] = settings["listeners"].replace("PLAINTEXT://", f"{scheme}://", 1)
+            settings["advertised.listeners"] = f"{scheme}://{host}:{port}"
         text = "".join(f"{k}={v}\n" for k, v in settings.items())
         self.config_path.write_text(
             "# Written by alma up at each start (alma_core/cli/embedded_kafka.py)\n" + text
@@ -245,7 +326,8 @@ class KafkaBroker(Service):
 
         if not port_open(self.port):
             return False
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.url, request_timeout_ms=2000)
+        options = {} if self.security is None else self.security.client_options(self.security.admin)
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.url, request_timeout_ms=2000, **options)
         try:
             await admin.start()
             cluster = await admin.describe_cluster()

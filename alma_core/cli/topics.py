@@ -14,7 +14,7 @@ from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 from rich.table import Table
 
 from alma_core.cli import common
-from alma_core.messaging import kafka
+from alma_core.messaging import acls, kafka
 from alma_core.settings import Settings
 
 topics_app = common.app(help="Kafka topics.")
@@ -130,3 +130,23 @@ def topics_describe(as_json: bool = common.json_option("the topics")) -> None:
             common.fail("some topics are missing: run `alma topics create`")
 
     common.run(main)
+
+
+@topics_app.command("acls")
+def topics_acls(
+    role: str = typer.Option(..., help="worker or orchestrator."),
+    principal: str = typer.Option(
+        None, help="The principal to grant (default: User:<ALMA_KAFKA_SASL_USERNAME>)."
+    ),
+    bootstrap: str = typer.Option("BROKER:9092", help="The --bootstrap-server to print."),
+) -> None:
+    """Print the kafka-acls.sh lines that give a role the least it needs on an Apache
+    Kafka with an authorizer (topics and groups from ALMA_* settings)."""
+    s = common.settings()
+    if role not in acls.ROLES:
+        common.fail(f"--role {role!r}: expected one of {', '.join(acls.ROLES)}", common.USAGE)
+    who = principal or acls.principal(s)
+    if not who.startswith("User:"):
+        who = "User:<name>"
+    for acl in acls.for_role(role, s):
+        print(acl.command(who, bootstrap))

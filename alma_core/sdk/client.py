@@ -22,7 +22,7 @@ import asyncpg
 
 from alma_core import errors
 from alma_core.memory import MemorySlice
-from alma_core.messaging import kafka
+from alma_core.messaging import acls, kafka
 from alma_core.sdk.publisher import Publisher, Wait
 from alma_core.sdk.reads import ReadConnections
 from alma_core.sdk.replies import ReplyListener
@@ -96,6 +96,7 @@ class AlmaClient:
             settings.merged_topic,
             fetch_max_wait_ms=settings.fetch_max_wait_ms,
             client_options=kafka.client_options(settings),
+            principal=acls.principal(settings),
         )
         self._embedder = embedder
         self._own_embedder = False

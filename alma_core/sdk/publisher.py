@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from alma_core import errors
 from alma_core import settings as settings_mod
 from alma_core.logs import redact
-from alma_core.messaging import kafka
+from alma_core.messaging import acls, kafka
 from alma_core.settings import Settings
 from alma_core.storage.effects import EffectListener
 from alma_core.types import WorkflowContext
@@ -57,6 +57,9 @@ class Publisher:
             await self._producer.start()
         except BaseException as exc:
             await self._producer.stop()
+            if isinstance(exc, acls.REFUSALS):  # an idempotent producer's id: WRITE on a topic
+                topic = acls.Acl("WRITE", "topic", self.settings.lifecycle_topic)
+                raise acls.denied(acls.principal(self.settings), topic, exc) from exc
             if isinstance(exc, KafkaError):
                 raise errors.BrokerUnavailable(
                     f"AlmaClient cannot reach Kafka at {redact(self.bootstrap)}: {exc!r}. "
@@ -117,9 +120,7 @@ class Publisher:
         if watch is not None and event.tenant_id:
             watch.expect(event.event_id, event.tenant_id, event.run_id)
         try:
-            await self._producer.send_and_wait(
-                self.settings.lifecycle_topic, record, key=event.run_id.encode()
-            )
+            await self._send(record, event.run_id.encode())
         except BaseException:
             if watch is not None:
                 watch.forget(event.event_id)
@@ -129,7 +130,15 @@ class Publisher:
     async def send_record(self, value: bytes, key: bytes | None) -> None:
         """Send one record to the lifecycle topic as it is (a dead letter sent back:
         :func:`alma_core.sdk.dead_letters.replay`); it is decoded like any other."""
-        await self._producer.send_and_wait(self.settings.lifecycle_topic, value, key=key)
+        await self._send(value, key)
+
+    async def _send(self, value: bytes, key: bytes | None) -> None:
+        topic = self.settings.lifecycle_topic
+        try:
+            await self._producer.send_and_wait(topic, value, key=key)
+        except acls.REFUSALS as exc:
+            who = acls.principal(self.settings)
+            raise acls.denied(who, acls.Acl("WRITE", "topic", topic), exc) from exc
 
 
 def no_bootstrap(s: Settings) -> str:

@@ -19,6 +19,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from pydantic import ValidationError
 
 from alma_core import errors
+from alma_core.messaging import acls
 from alma_core.messaging.broker_view import BrokerView
 from schemas.events import MergeReply
 
@@ -35,6 +36,7 @@ class ReplyListener:
         *,
         fetch_max_wait_ms: int,
         client_options: dict[str, Any] | None = None,
+        principal: str = "this client",
     ) -> None:
         self.bootstrap = bootstrap
         self.client_options = client_options or {}
@@ -44,12 +46,16 @@ class ReplyListener:
         self._task: asyncio.Task[None] | None = None
         self._waiting: dict[JoinKey, asyncio.Future[MergeReply]] = {}
         self._lock = asyncio.Lock()
+        self.principal = principal
+        self._refused: errors.BrokerDenied | None = None  # the broker will not let it read
 
     async def expect(self, key: JoinKey) -> asyncio.Future[MergeReply]:
         """A future for the reply to join ``key`` (tenant, run, join id); call before
         publishing the join (positions are resolved first, so the reply cannot slip
         past)."""
         async with self._lock:  # concurrent merges share one listener
+            if self._refused is not None:
+                raise self._refused
             if self._task is None:
                 await self._start()
         future: asyncio.Future[MergeReply] = asyncio.get_running_loop().create_future()
@@ -58,6 +64,15 @@ class ReplyListener:
 
     def forget(self, key: JoinKey) -> None:
         self._waiting.pop(key, None)
+
+    def _refuse(self, refused: errors.BrokerDenied) -> None:
+        """The broker will not let this client read its replies: every join waiting, and
+        every join asked later, fails with what to grant."""
+        log.error(refused.message, extra={"action": "reply_refused", "topic": self.topic})
+        self._refused = refused
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(refused)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -81,7 +96,9 @@ class ReplyListener:
                 partitions = await broker.partitions(self.topic)
         except errors.ConfigError:
             raise errors.ConfigError(
-                f"reply topic {self.topic!r} does not exist: run `alma topics create`"
+                f"reply topic {self.topic!r} does not exist, or {self.principal} may not "
+                "DESCRIBE it: run `alma topics create`, or grant the orchestrator's ACLs "
+                "(`alma topics acls --role orchestrator`)"
             ) from None
         await consumer.start()
         tps = [TopicPartition(self.topic, p) for p in partitions]
@@ -94,7 +111,13 @@ class ReplyListener:
 
     async def _listen(self, consumer: AIOKafkaConsumer) -> None:
         while True:
-            batch = await consumer.getmany(timeout_ms=500)
+            try:
+                batch = await consumer.getmany(timeout_ms=500)
+            except acls.REFUSALS as exc:
+                self._refuse(
+                    acls.denied(self.principal, acls.Acl("READ", "topic", self.topic), exc)
+                )
+                return
             for records in batch.values():
                 for record in records:
                     join_id = dict(record.headers or []).get("alma.join_id", b"").decode()

@@ -22,7 +22,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from typer.testing import CliRunner
 
-from alma_core.cli import app
+from alma_core.cli import app, embedded_kafka
 from alma_core.settings import Settings
 from consumers.metrics import ExporterMetrics, Metrics
 
@@ -257,6 +257,8 @@ def test_docker_compose_services_and_settings() -> None:
     assert {"kafka", "postgres", "redis", "prometheus", "grafana", *alma} <= set(services)
     assert "KAFKA_PROCESS_ROLES" in services["kafka"]["environment"]  # KRaft, no ZooKeeper
     assert services["postgres"]["image"] == "pgvector/pgvector:pg18"  # as the embedded stack
+    # the Apache Kafka the suite runs on (make kafka's pom names it)
+    assert services["kafka"]["image"] == f"apache/kafka:{embedded_kafka.version()}"
     # acknowledged events survive `docker compose down`: the log is in a named volume
     kafka = services["kafka"]
     log_dirs = kafka["environment"]["KAFKA_LOG_DIRS"]
