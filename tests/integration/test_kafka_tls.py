@@ -5,9 +5,9 @@ bootstrap and partition leaders alike, goes through TLS). The workers, the SDK
 (publish and a merge's reply reader), the CLI and the lag exporter all connect
 with ALMA's settings alone; a client without the certificate is refused.
 
-The embedded broker's own TLS flags do not start a TLS listener in the build we
-ship, and its SASL needs users that only an authenticated client can create, so
-SASL is covered by the settings tests (tests/unit/test_kafka_security.py).
+Tansu's own TLS flags do not start a TLS listener in the build we ship, hence the
+proxy; SASL/SCRAM over TLS on Apache Kafka's own listener, with its authorizer, is in
+tests/integration/test_kafka_security.py.
 """
 
 from __future__ import annotations

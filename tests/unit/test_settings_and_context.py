@@ -247,6 +247,30 @@ def test_the_embedded_broker_gets_a_short_fetch_wait_unless_one_is_set(
     assert settings_mod.for_broker(settings_mod.load(), embedded=True).fetch_idle_wait_ms == 0
 
 
+def test_producers_are_idempotent_except_on_tansu(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Idempotence is on by default (Apache Kafka); alma up's Tansu and the applications
+    beside it turn it off (Tansu answers UnknownError); an alma up on Apache Kafka leaves
+    it on, and ALMA_KAFKA_IDEMPOTENCE always wins."""
+    for name in ("ALMA_KAFKA_IDEMPOTENCE", "ALMA_KAFKA_BOOTSTRAP", "ALMA_FETCH_MAX_WAIT_MS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ALMA_DATA_DIR", str(tmp_path))
+    s = settings_mod.load()
+    assert s.kafka_idempotence is True
+    assert settings_mod.for_broker(s, embedded=True).kafka_idempotence is False
+    assert settings_mod.for_broker(s, embedded=False).kafka_idempotence is True
+    endpoints = tmp_path / settings_mod.ENDPOINTS_FILE
+    for broker, idempotent, wait in (("tansu", False, 20), ("kafka", True, 100), (None, False, 20)):
+        shown = {"kafka_bootstrap": "127.0.0.1:9", "fetch_max_wait_ms": wait}
+        endpoints.write_text(json.dumps(shown | ({"broker": broker} if broker else {})))
+        running = settings_mod.load_running()
+        assert running.kafka_idempotence is idempotent, broker  # no key: an older alma up
+        assert running.fetch_idle_wait_ms == (0 if broker == "kafka" else 2000), broker
+    monkeypatch.setenv("ALMA_KAFKA_IDEMPOTENCE", "true")
+    assert settings_mod.load_running().kafka_idempotence is True
+
+
 def test_checkpoint_concurrency_fits_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     """The default (2) shrinks to what a small pool allows (one connection to spare); a
     concurrency set explicitly that the pool cannot hold is refused, naming both."""
