@@ -123,7 +123,7 @@ async def main(args: argparse.Namespace) -> int:
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console) as progress:
-        async with stack(args.quick, reps, args.full, progress) as env:
+        async with stack(args.quick, reps, args.full, progress, args.broker) as env:
             env.smoke = args.smoke
             progress.update(env.task, total=steps(env, only, length))
             m = machine(await services_versions(env))
@@ -181,6 +181,13 @@ if __name__ == "__main__":
         default=[],
         metavar="ALMA_X=VALUE",
         help="a setting of the soak's `alma up` (repeatable): a lever to measure",
+    )
+    parser.add_argument(
+        "--broker",
+        choices=("tansu", "kafka"),
+        default="tansu",
+        help="the embedded broker the suites run on (the soak: --up-setting "
+        "ALMA_EMBEDDED_BROKER=kafka); ALMA_KAFKA_BOOTSTRAP: a broker of one's own",
     )
     parser.add_argument("--out", type=Path, help="markdown file (JSON and PNGs beside it)")
     sys.exit(asyncio.run(main(parser.parse_args())))

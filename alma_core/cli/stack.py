@@ -314,6 +314,7 @@ async def bring_up(
             partitions=s.partitions,
             replication_factor=s.replication_factor,
             client_options=kafka.client_options(s),
+            max_record_bytes=s.max_record_bytes,
         )
         conn = await common.connect(endpoints.postgres_dsn)
         try:

@@ -40,6 +40,12 @@ def alma_topics(settings: Settings) -> list[str]:
     ]
 
 
+# What a record may carry beside its value (key, headers, batch framing): ALMA's
+# producers ask for ALMA_MAX_RECORD_BYTES plus this (their max_request_size).
+RECORD_OVERHEAD = 64 * 1024
+DEFAULT_RECORD_BYTES: int = Settings.model_fields["max_record_bytes"].default
+
+
 async def ensure_topics(
     bootstrap: str,
     names: list[str],
@@ -47,8 +53,13 @@ async def ensure_topics(
     partitions: int,
     replication_factor: int = 1,
     client_options: dict[str, Any] | None = None,
+    max_record_bytes: int = DEFAULT_RECORD_BYTES,
 ) -> list[str]:
-    """Create the topics that do not exist yet; returns the names created."""
+    """Create the topics that do not exist yet; returns the names created. Each takes
+    records as large as ALMA accepts (``max.message.bytes``: Apache Kafka's default is
+    1 MB, under ALMA_MAX_RECORD_BYTES' 8 MB, and a record over it is refused at the
+    producer, so a bad one could not even reach the dead letters)."""
+    configs = {"max.message.bytes": str(max_record_bytes + RECORD_OVERHEAD)}
     admin = AIOKafkaAdminClient(
         bootstrap_servers=bootstrap, request_timeout_ms=10_000, **(client_options or {})
     )
@@ -59,7 +70,10 @@ async def ensure_topics(
         if missing:
             with contextlib.suppress(TopicAlreadyExistsError):  # created meanwhile
                 await admin.create_topics(
-                    [NewTopic(n, partitions, replication_factor) for n in missing]
+                    [
+                        NewTopic(n, partitions, replication_factor, topic_configs=configs)
+                        for n in missing
+                    ]
                 )
         return missing
     except KafkaError as exc:
@@ -104,6 +118,7 @@ def topics_create(
             partitions=s.partitions,
             replication_factor=s.replication_factor,
             client_options=kafka.client_options(s),
+            max_record_bytes=s.max_record_bytes,
         )
         common.out.print(f"created: {', '.join(created)}" if created else "all topics exist")
 

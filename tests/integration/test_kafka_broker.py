@@ -250,3 +250,36 @@ async def _partition_of(bootstrap: str, topic: str, key: str) -> TopicPartition:
     n = len(described[0]["partitions"])
     index = DefaultPartitioner()(key.encode(), list(range(n)), list(range(n)))
     return TopicPartition(topic, index)
+
+
+async def test_the_topics_alma_creates_take_the_records_it_accepts(
+    services: Services, settings: Settings
+) -> None:
+    """Apache Kafka refuses records over 1 MB by default, ALMA accepts 8 MB: the topics
+    ALMA creates take what it accepts (a 3 MB record lands, and reaches the dead
+    letters as too large for the state limit rather than being refused at the door)."""
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka_bootstrap)
+    await admin.start()
+    try:
+        (described,) = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, settings.lifecycle_topic)]
+        )
+    finally:
+        await admin.close()
+    configs = {e[0]: e[1] for r in described.resources for e in r[4]}
+    assert int(configs["max.message.bytes"]) >= settings.max_record_bytes
+    big = completed("big-one", state={"blob": "x" * (3 << 20)})
+    async with Publisher(services.kafka_bootstrap, settings.lifecycle_topic) as pub:
+        await pub.send(big)
+        await pub.flush()  # MessageSizeTooLargeError here on a topic of Kafka's defaults
+    dsn = settings.postgres_dsn
+    assert dsn
+    async with Worker.start(settings):
+        await wait_for(
+            lambda: count(
+                dsn, "SELECT count(*) FROM dead_letters WHERE reason = 'state_too_large'"
+            ),
+            what="the 3 MB state dead-lettered as too large",
+        )
