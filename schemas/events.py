@@ -112,7 +112,13 @@ class BranchJoinPayload(_Model):
     """Merge the latest states of ``branch_ids`` (in that order) or the given ``states``."""
 
     join_id: Id
-    branch_ids: Annotated[list[Id], Field(min_length=1, max_length=1024)] | None = None
+    branch_ids: (
+        Annotated[
+            list[Id],
+            Field(min_length=1, max_length=1024, json_schema_extra={"uniqueItems": True}),
+        ]
+        | None
+    ) = None
     states: Annotated[list[JsonObject], Field(min_length=1, max_length=1024)] | None = None
     reducers: dict[str, ReducerName] | None = Field(
         default=None,
@@ -131,6 +137,11 @@ class BranchJoinPayload(_Model):
     def _exactly_one(self) -> BranchJoinPayload:
         if (self.branch_ids is None) == (self.states is None):
             raise ValueError("exactly one of 'branch_ids' or 'states' is required")
+        seen: set[str] = set()
+        for branch in self.branch_ids or ():
+            if branch in seen:  # a reducer like sum would count it twice
+                raise ValueError(f"'branch_ids' names {branch!r} twice: each branch merges once")
+            seen.add(branch)
         return self
 
 

@@ -136,6 +136,18 @@ def test_join_state_over_the_limit_names_the_index() -> None:
     assert result.path == "payload.states.1"
 
 
+def test_a_join_naming_a_branch_twice_is_a_schema_violation_naming_it() -> None:
+    """`sum` would add the branch twice (issue 51, item 6): refused, not merged."""
+    value = raw(envelope("branch.join", join_id="j", branch_ids=["b0", "b1", "b0"]))
+    result = decode(value)
+    assert isinstance(result, Rejection), result
+    assert result.reason == RejectReason.SCHEMA_VIOLATION
+    assert "'b0'" in result.detail
+    assert "twice" in result.detail
+    ok = raw(envelope("branch.join", join_id="j", branch_ids=["b0", "b1"]))
+    assert not isinstance(decode(ok), Rejection)
+
+
 def test_record_over_the_record_limit_is_not_parsed() -> None:
     result = decode(b"{" + b" " * 10_000 + b"}", max_record_bytes=5000)
     assert isinstance(result, Rejection)
