@@ -2,7 +2,7 @@
 every checkpoint with the stored one (:mod:`alma_core.replay`); with ``--apply``, rebuild
 the runs that differ as their next projection (:func:`alma_core.storage.replays.migrate`).
 Exit codes: 0 every run replayed the same (with ``--apply``: every run is current now),
-1 a run differs (is refused) or a service failed, 2 bad input."""
+1 a run differs (is refused), no run was chosen, or a service failed, 2 bad input."""
 
 from __future__ import annotations
 
@@ -56,6 +56,12 @@ def replay(
             "--tenant T for one tenant's)",
             common.USAGE,
         )
+    if everything and (run or workflow or since):
+        common.fail(
+            "--all chooses every run: give it alone (with --tenant T for one tenant's), or "
+            "drop it to replay what --run, --workflow or --since choose",
+            common.USAGE,
+        )
     s = common.settings()
     who = common.tenant(s, tenant, required=False)
     registry = default_registry()
@@ -69,6 +75,14 @@ def replay(
                     conn, tenant_id=who, workflow_id=workflow, run_id=run, since=since
                 )
             ]
+            if not keys:  # a typo must not pass as "0 different"
+                of = f" of tenant {who!r}" if who else ""
+                common.fail(
+                    f"no run {run!r}{of} to replay: check the id (`alma runs list` shows them)"
+                    if run
+                    else f"no runs chosen{of}: nothing matches --workflow/--since (`alma "
+                    "runs list` shows the runs there are)"
+                )
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
             with Progress(*columns, console=common.err, transient=True) as bar:
                 task = bar.add_task("migrating" if apply else "replaying", total=len(keys))

@@ -226,13 +226,17 @@ def test_the_build_context_holds_only_what_the_image_copies(tmp_path: Path) -> N
 
 def test_the_makefile_installs_the_cpu_build_of_torch_alone_first(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
-    plan = subprocess.run(
-        ["make", "-n", f"VENV={venv}", f"{venv}/.installed"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.replace("\\\n", " ").splitlines()  # one line per command
+    plan = (
+        subprocess.run(
+            ["make", "-n", f"VENV={venv}", f"{venv}/.installed"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        .stdout.replace("\\\n", " ")
+        .splitlines()
+    )  # one line per command
     torch = next(i for i, line in enumerate(plan) if "pip install" in line and "torch" in line)
     first, _, fallback = plan[torch].partition("||")
     assert first.split()[-1] == f"torch=={lock()['torch']}"  # the image's build

@@ -107,6 +107,17 @@ async def test_replay_verifies_runs_and_shows_a_changed_reducers_differences(
     usage = alma("replay", "--tenant", TENANT, env=env_of(settings))
     assert usage.returncode == 2
     assert "choose the runs" in usage.stderr
+    # issue 51, item 7: --run with --all is two choices at once; a run that is not there
+    # is not "0 different"
+    both = alma("replay", "--run", runs[1], "--all", "--tenant", TENANT, env=env_of(settings))
+    assert both.returncode == 2
+    assert "--all" in both.stderr
+    typo = alma("replay", "--run", "typo", "--tenant", TENANT, env=env_of(settings))
+    assert typo.returncode == 1, typo.stdout
+    assert f"no run 'typo' of tenant {TENANT!r}" in typo.stderr
+    none = alma("replay", "--workflow", "nope", "--tenant", TENANT, env=env_of(settings))
+    assert none.returncode == 1, none.stdout
+    assert "no runs chosen" in none.stderr
 
 
 async def test_a_run_stored_before_hash_schemes_goes_on_in_its_own_scheme(
