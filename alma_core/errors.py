@@ -3,6 +3,7 @@
     AlmaError
     ├── ConfigError             a setting is missing or wrong (names the variable)
     ├── ContextError            a WorkflowContext breaks the tenant > workflow > run > node rules
+    │   └── NotFound            what it names is not there (a run, a checkpoint, a merge)
     ├── RejectedEvent           an event that can never succeed: it goes to the dead letters
     │   ├── ReducerError
     │   │   ├── UnknownReducer
@@ -58,6 +59,13 @@ class ContextError(AlmaError):
     """The workflow context is inconsistent."""
 
     reason = "context"
+
+
+class NotFound(ContextError):
+    """What the context names is not there (a run, a checkpoint, a merge): a failure to
+    look again for, not wrong usage (the CLI exits 1, not 2)."""
+
+    reason = "not_found"
 
 
 class RejectedEvent(AlmaError):

@@ -78,11 +78,14 @@ _debug = False  # ALMA_LOG_LEVEL=DEBUG: unexpected errors show their (masked) tr
 
 def run(make: Callable[[], Awaitable[T]]) -> T:
     """Run a coroutine; an error becomes one line and an exit code: settings and usage
-    (:class:`errors.ConfigError`, :class:`errors.ContextError`) 2, any other failure 1.
+    (:class:`errors.ConfigError`, :class:`errors.ContextError`) 2, any other failure 1
+    (:class:`errors.NotFound` included).
     An unexpected exception (a defect, or a malformed value a driver choked on) is one
     line too; its traceback, passwords masked, only with ``ALMA_LOG_LEVEL=DEBUG``."""
     try:
         return asyncio.run(make())  # type: ignore[arg-type]
+    except errors.NotFound as exc:  # asked right, not there: look again (1), not usage (2)
+        fail(exc.message, FAILED)
     except (errors.ConfigError, errors.ContextError) as exc:
         fail(exc.message, USAGE)
     except errors.AlmaError as exc:

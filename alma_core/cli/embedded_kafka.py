@@ -234,7 +234,8 @@ class KafkaBroker(Service):
         """Format the (new) log directory under a new cluster id, once."""
         cluster_id = new_cluster_id()
         self._write_config(free_port(), free_port())
-        command = [*self._java(), STORAGE_TOOL, "format", "-t", cluster_id]
+        # one argument: an id may begin with "-" (base64), which argparse takes for an option
+        command = [*self._java(), STORAGE_TOOL, "format", f"--cluster-id={cluster_id}"]
         command += ["-c", str(self.config_path)]
         if self.security is not None:
             command += self.security.scram_arguments()

@@ -93,7 +93,7 @@ class Timeline:
         found = await (await self.reader(tenant)).get_many(run, seqs)
         for seq in seqs:
             if seq not in found:
-                raise errors.ContextError(
+                raise errors.NotFound(
                     f"run {run!r} of tenant {tenant!r} has no checkpoint {seq}: "
                     "`alma checkpoints RUN` lists those it has"
                 )
@@ -109,7 +109,7 @@ class Timeline:
         tenant, run = self._run(ctx)
         parts = await (await self.reader(tenant)).merge_parts(run, seq)
         if parts is None:
-            raise errors.ContextError(
+            raise errors.NotFound(
                 f"checkpoint {seq} of run {run!r} is no merge: `alma runs show RUN` lists "
                 "the run's joins and their checkpoints"
             )
@@ -144,7 +144,7 @@ class Timeline:
         source = await reader.state_at(run, at_seq, branch_id)
         if source is None:
             where = f"branch {branch_id!r}" if branch_id else "the main line"
-            raise errors.ContextError(
+            raise errors.NotFound(
                 f"run {run!r} of tenant {tenant!r} has no checkpoint on {where} at or "
                 f"before seq {at_seq}: nothing to fork (`alma checkpoints {run}`)"
             )

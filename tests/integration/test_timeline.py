@@ -127,3 +127,15 @@ async def test_a_runs_past_is_read_compared_explained_and_forked(settings: Setti
     assert shown["forked_from"]["seq"] == 1
     merged = await asyncio.to_thread(cli, settings, "runs", "merge", run, "5")
     assert merged["inputs"] == ["A@4", "B@3"]
+    # what is not there is a failure (1), the same for every command; 2 is wrong usage
+    env = env_of(settings)
+    for args in (
+        ("runs", "state", "no-such-run", "--seq", "1"),
+        ("runs", "diff", "no-such-run", "1", "2"),
+        ("runs", "diff", run, "1", "99"),
+        ("runs", "merge", run, "1"),  # a checkpoint that is no merge
+        ("runs", "fork", "no-such-run", "--seq", "1", "--as", f"z-{uuid.uuid4().hex[:6]}"),
+    ):
+        missing = await asyncio.to_thread(alma, *args, "--tenant", "acme", env=env)
+        assert missing.returncode == 1, (args, missing.stderr)
+        assert "alma " in missing.stderr, missing.stderr  # says where to look
