@@ -163,6 +163,16 @@ class Timeline:
         }
         payload = {"state": source.state, "expected_seq": 0, "metadata": {"forked_from": lineage}}
         event_id = history.fork_event_id(tenant, run, at_seq, new_run_id)
+        # Checked before publishing where it can be: a refused fork must write nothing
+        # into the record of the run that holds that id (a dead letter would)
+        first = (await reader.get_many(new_run_id, [1])).get(1)
+        if first is not None and first.event_id == event_id:
+            return Applied(event_id, "checkpointed", first.seq)  # the same fork, asked again
+        if first is not None:
+            raise errors.StaleExpectedSeq(
+                f"run {new_run_id!r} has checkpoints already: a fork starts a new run. "
+                "Choose another new run id"
+            )
         event = self.client.event("node.completed", new, payload, event_id=event_id)
         try:
             return await self.client.publish(event, wait="applied", timeout=timeout)

@@ -110,8 +110,12 @@ async def test_a_runs_past_is_read_compared_explained_and_forked(settings: Setti
         assert await count(dsn, sql, fork) == 2
         assert await count(dsn, sql, run) == 5
         # a fork onto a run that has checkpoints is refused, naming what to do
+        letters = "SELECT count(*) FROM dead_letters WHERE run_id = $1"
+        before = await count(dsn, letters, fork)
         with pytest.raises(errors.StaleExpectedSeq, match="has checkpoints already"):
             await step.fork(ctx, 4, fork)
+        # refused before anything is published: no dead letter in that run's record
+        assert await count(dsn, letters, fork) == before
         with pytest.raises(errors.ContextError, match="nothing to fork"):
             await step.fork(WorkflowContext("acme", "research", None, "no-such-run"), 1, "z")
 
