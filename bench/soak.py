@@ -132,6 +132,7 @@ async def alma_up(root: Path, settings: dict[str, str]) -> AsyncIterator[dict[st
     for it), its endpoints once it is up (and its process id, ``pid``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ALMA_")}
     env |= {"ALMA_DATA_DIR": str(root / ".alma"), "ALMA_METRICS_PORT": "0", "COLUMNS": "200"}
+    env |= {"ALMA_EMBEDDED_BROKER": "tansu"}  # not `auto`: the broker measured is chosen
     env |= settings
     endpoints = root / ".alma" / "endpoints.json"
     with (root / "up.log").open("ab") as log:
@@ -222,7 +223,8 @@ async def run(env: Env, section: Section, length: Length) -> None:
     )
     with scratch("alma-soak-") as root:
         env.step("soak: starting alma up")
-        async with alma_up(root, length.settings) as up:
+        chosen = {"ALMA_EMBEDDED_BROKER": env.broker_kind, **length.settings}
+        async with alma_up(root, chosen) as up:
             env.done()
             conn = await asyncpg.connect(up["postgres_dsn"])
             try:
