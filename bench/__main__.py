@@ -122,6 +122,14 @@ async def main(args: argparse.Namespace) -> int:
         TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(),
     )
+
+    def named(base: str, broker: str = args.broker) -> Section:
+        """A suite's section; on Apache Kafka its own (``peers-kafka``), beside Tansu's."""
+        return Section(base if broker == "tansu" else f"{base}-{broker}")
+
+    soak_broker = dict(s.partition("=")[::2] for s in args.up_setting).get(
+        "ALMA_EMBEDDED_BROKER", args.broker
+    )
     with Progress(*columns, console=console) as progress:
         async with stack(args.quick, reps, args.full, progress, args.broker) as env:
             env.smoke = args.smoke
@@ -129,25 +137,25 @@ async def main(args: argparse.Namespace) -> int:
             m = machine(await services_versions(env))
             # Each suite is written as soon as it ends: a later failure keeps it.
             if "peers" in only:
-                side = Section("peers")
+                side = named("peers")
                 await peers.run(env, side)
                 await run_state.run(env, side)
                 merges.run(env, side, curves=None)
                 peers.notes(side)
                 write([side], m, args.out, label)
             if "curves" in only:
-                cost = Section("curves")
+                cost = named("curves")
                 merges.run(env, None, curves=cost)
                 await curves.run(env, cost)
                 write([cost], m, args.out, label)
             # suites of one module each: its run(env, section)
             for name, suite in SINGLE_MODULE_SUITES.items():
                 if name in only:
-                    section = Section(name)
+                    section = named(name)
                     await suite(env, section)
                     write([section], m, args.out, label)
             if "soak" in only:
-                section = Section("soak")
+                section = named("soak", soak_broker)
                 await soak.run(env, section, length)
                 write([section], m, args.out, label)
     if args.out is not None:
