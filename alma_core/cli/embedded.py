@@ -39,7 +39,7 @@ from alma_core.cli import embedded_kafka
 from alma_core.cli.embedded_kafka import KafkaBroker
 from alma_core.cli.embedded_pg import PG_USER as PG_USER
 from alma_core.cli.embedded_pg import Postgres as Postgres
-from alma_core.cli.embedded_process import READY_TIMEOUT_S, Notify, Service, log_notice, port_open
+from alma_core.cli.embedded_process import READY_TIMEOUT_S, Notify, Service, log_notice
 from alma_core.cli.embedded_process import free_port as free_port
 from alma_core.pids import alive
 
@@ -80,17 +80,7 @@ class Broker(Service):
         return f"127.0.0.1:{self.port}"
 
     async def _ready(self) -> bool:
-        from aiokafka.admin import AIOKafkaAdminClient
-
-        if not port_open(self.port):
-            return False
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.url, request_timeout_ms=2000)
-        try:
-            await admin.start()
-            cluster = await admin.describe_cluster()
-        finally:
-            await admin.close()
-        return bool(cluster.get("cluster_id") == self.cluster_id)
+        return await embedded_kafka.answers_as(self.port, self.cluster_id)
 
 
 class Redis(Service):

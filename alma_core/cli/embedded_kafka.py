@@ -112,6 +112,24 @@ def problem(libs: Path) -> str | None:
     return None
 
 
+async def answers_as(port: int, cluster_id: str, options: dict[str, Any] | None = None) -> bool:
+    """Whether the broker on ``port`` (loopback) is the one of ``cluster_id``: a port
+    taken by another program or broker, or a broker still starting, is not."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    if not port_open(port):
+        return False
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=f"127.0.0.1:{port}", request_timeout_ms=2000, **(options or {})
+    )
+    try:
+        await admin.start()
+        cluster = await admin.describe_cluster()
+    finally:
+        await admin.close()
+    return bool(cluster.get("cluster_id") == cluster_id)
+
+
 def new_cluster_id() -> str:
     """A KRaft cluster id: 16 random bytes, URL-safe base64 without padding (Kafka's Uuid)."""
     return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
@@ -323,18 +341,8 @@ class KafkaBroker(Service):
         return [*self._java(), MAIN_CLASS, str(self.config_path)]
 
     async def _ready(self) -> bool:
-        from aiokafka.admin import AIOKafkaAdminClient
-
-        if not port_open(self.port):
-            return False
         options = {} if self.security is None else self.security.client_options(self.security.admin)
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.url, request_timeout_ms=2000, **options)
-        try:
-            await admin.start()
-            cluster = await admin.describe_cluster()
-        finally:
-            await admin.close()
-        return bool(cluster.get("cluster_id") == self.cluster_id)
+        return await answers_as(self.port, self.cluster_id, options)
 
     def _advice(self) -> str:
         return (
