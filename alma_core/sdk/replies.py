@@ -103,9 +103,13 @@ class ReplyListener:
         await consumer.start()
         tps = [TopicPartition(self.topic, p) for p in partitions]
         consumer.assign(tps)
-        await consumer.seek_to_end(*tps)
-        for tp in tps:  # resolve positions now, before any join is sent
-            await consumer.position(tp)
+        try:
+            await consumer.seek_to_end(*tps)
+            for tp in tps:  # resolve positions now, before any join is sent
+                await consumer.position(tp)
+        except acls.REFUSALS as exc:
+            await consumer.stop()
+            raise acls.denied(self.principal, acls.Acl("READ", "topic", self.topic), exc) from exc
         self._consumer = consumer
         self._task = asyncio.create_task(self._listen(consumer))
 

@@ -246,6 +246,21 @@ async def test_a_worker_refused_its_group_stops_saying_which_acl(
     assert "to User:worker (GroupAuthorizationFailedError)" in message
 
 
+async def test_an_orchestrator_that_may_not_read_its_replies_is_told_so(
+    secured: Secured, services: Services, database: str
+) -> None:
+    """It may publish, but not read the reply topic: a merge fails at once with the READ
+    it lacks, not after its timeout as if no reply came."""
+    topics = await _topics(secured)
+    writer = secured.settings("orch-reads-only", services, database, topics)
+    granted = [a for a in acls.for_role("orchestrator", writer) if a.operation != "READ"]
+    await grant(secured, "orch-reads-only", granted)
+    async with AlmaClient(writer) as client:
+        with pytest.raises(errors.BrokerDenied) as refused:
+            await client.merge(_ctx("no-replies"), branch_ids=["a", "b"], timeout=60)
+    assert f"Kafka refused READ on topic {topics.merged!r}" in refused.value.message
+
+
 def test_the_acls_printed_are_the_ones_granted(tmp_path: Path) -> None:
     """`alma topics acls` prints, for each role, one kafka-acls.sh line per ACL of
     acls.for_role: what the tests above grant is what an operator is told to run."""
