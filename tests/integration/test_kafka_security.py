@@ -8,6 +8,7 @@ ACL that is missing and the line that grants it."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from aiokafka.errors import (
 )
 from confluent_kafka.admin import (
     AclBinding,
+    AclBindingFilter,
     AclOperation,
     AclPermissionType,
     AdminClient,
@@ -137,6 +139,28 @@ async def grant(secured: Secured, user: str, granted: list[acls.Acl]) -> None:
         for acl in granted
     ]
     await asyncio.to_thread(_as_admin, secured, lambda a: a.create_acls(bindings))
+    # The controller has them; the broker's authorizer applies them a moment later (its
+    # DescribeAcls answers from that authorizer): wait until it lists them all
+    wanted = {(b.name, b.operation) for b in bindings}
+    everyone = AclBindingFilter(
+        ResourceType.ANY,
+        None,
+        ResourcePatternType.ANY,
+        f"User:{user}",
+        None,
+        AclOperation.ANY,
+        AclPermissionType.ANY,
+    )
+
+    def listed() -> set[tuple[str, Any]]:
+        admin = secured.admin()  # held until the answer comes
+        found = admin.describe_acls(everyone).result(30)
+        return {(b.name, b.operation) for b in found}
+
+    deadline = time.monotonic() + 15
+    while not wanted <= await asyncio.to_thread(listed):
+        assert time.monotonic() < deadline, "the broker never listed the ACLs granted"
+        await asyncio.sleep(0.1)
 
 
 def _ctx(run: str, branch: str | None = None, node: str = "n") -> WorkflowContext:
