@@ -28,8 +28,8 @@ from typing import Any
 
 from alma_core import errors
 from alma_core.reducers import ReducerConfig, ReducerRegistry, apply_updates, merge_states
+from alma_core.schemas.events import BranchJoin, BranchJoinPayload, MergeReply
 from alma_core.sequencing import HASH_SCHEME, MAIN, Head, RunKey, canonical_state, hash_scheme
-from schemas.events import BranchJoin, BranchJoinPayload, MergeReply
 
 
 @dataclass(frozen=True)

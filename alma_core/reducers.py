@@ -24,7 +24,7 @@ from importlib import metadata
 from typing import Any
 
 from alma_core import errors
-from schemas import jsoncodec
+from alma_core.schemas import jsoncodec
 
 ENTRY_POINT_GROUP = "alma.reducers"
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from alma_core import errors, history, joining
 from alma_core.reducers import ReducerConfig, ReducerRegistry
+from alma_core.schemas.events import BranchJoin, Event
 from alma_core.sequencing import (
     MAIN,
     Coordinates,
@@ -32,7 +33,6 @@ from alma_core.sequencing import (
     branch_key,
     hash_scheme,
 )
-from schemas.events import BranchJoin, Event
 
 _NOWHERE = Coordinates("replay", 0, 0)
 

@@ -38,8 +38,8 @@ from blake3 import blake3
 
 from alma_core import errors
 from alma_core.reducers import ReducerConfig, ReducerRegistry, apply_updates
-from schemas import jsoncodec
-from schemas.events import (
+from alma_core.schemas import jsoncodec
+from alma_core.schemas.events import (
     GRAPH_EVENTS,
     BranchJoin,
     Event,
@@ -61,7 +61,7 @@ Effect = Literal["checkpointed", "unchanged", "recorded", "handed_off"]
 
 
 def canonical_json(value: Any) -> str:
-    """Compact JSON with sorted keys (:func:`schemas.jsoncodec.canonical`)."""
+    """Compact JSON with sorted keys (:func:`alma_core.schemas.jsoncodec.canonical`)."""
     return jsoncodec.canonical(value).decode()
 
 

@@ -27,13 +27,13 @@ from rich.progress import Progress
 
 from alma_core import settings as settings_mod
 from alma_core.cli.topics import ensure_topics
+from alma_core.consumers.worker import Services, run_worker
 from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.observer import Tally
 from alma_core.storage.postgres import connect
 from alma_core.storage.reader import CheckpointReader
 from bench.env import PARTITIONS, AlmaRun, checkpoint_worker, durable_floor, stack
 from bench.report import console, ms, pct, report
-from consumers.worker import Services, run_worker
 
 PRODUCER_SETTINGS: dict[str, Any] = {"acks": "all", "linger_ms": 5}
 FETCH_MAX_WAIT_MS = 50

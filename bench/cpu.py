@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import psutil
 
-from consumers.worker import Services
+from alma_core.consumers.worker import Services
 
 # Process groups, in the order the tables show them.
 GROUPS = ("benchmark process", "worker processes", "broker", "PostgreSQL", "Redis")

@@ -31,16 +31,16 @@ from alma_core import settings as settings_mod
 from alma_core.cli import embedded_kafka
 from alma_core.cli.embedded import BrokerKind, EmbeddedStack, free_port, in_memory
 from alma_core.cli.topics import alma_topics, ensure_topics
+from alma_core.consumers import checkpointer
+from alma_core.consumers.worker import Services, run_worker
 from alma_core.reducers import ReducerRegistry
+from alma_core.schemas import jsoncodec
+from alma_core.schemas.decoder import decode
 from alma_core.storage import offsets
 from alma_core.storage.batches import Incoming
 from alma_core.storage.checkpoints import PostgresCheckpointStore, StoreConfig
 from alma_core.storage.migrations import Migrator
 from alma_core.storage.reader import CheckpointReader
-from consumers import checkpointer
-from consumers.worker import Services, run_worker
-from schemas import jsoncodec
-from schemas.decoder import decode
 
 PARTITIONS = 12
 PEER_DB = "alma_bench_peers"

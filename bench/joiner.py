@@ -16,13 +16,13 @@ from typing import Any
 from rich.progress import Progress
 
 from alma_core import settings as settings_mod
+from alma_core.consumers.worker import Services, run_worker
+from alma_core.schemas.events import NodeCompleted
 from alma_core.sdk.client import AlmaClient
 from alma_core.types import WorkflowContext
 from bench import merges
 from bench.env import stack
 from bench.report import console, ms, report
-from consumers.worker import Services, run_worker
-from schemas.events import NodeCompleted
 
 REDUCERS = {"log": "append", "cost": "sum", "score": "max", "facts": "merge_dict"}
 

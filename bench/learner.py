@@ -34,6 +34,8 @@ from rich.progress import Progress
 from alma_core import scopes
 from alma_core import settings as settings_mod
 from alma_core.cli.topics import ensure_topics
+from alma_core.consumers import learner
+from alma_core.consumers.worker import Services, run_worker
 from alma_core.storage import offsets
 from alma_core.storage.embeddings import AsyncEmbedder, Vector, load_embedder
 from alma_core.storage.postgres import connect
@@ -41,8 +43,6 @@ from alma_core.storage.retrieval import Retriever
 from alma_core.types import RetrievalScope, WorkflowContext
 from bench.env import PARTITIONS, stack
 from bench.report import console, ms, report
-from consumers import learner
-from consumers.worker import Services, run_worker
 
 DIM = 384
 TENANTS = 50

@@ -16,10 +16,10 @@ from langgraph.channels import BinaryOperatorAggregate
 
 from alma_core.joining import merge
 from alma_core.reducers import ReducerRegistry
+from alma_core.schemas.events import BranchJoinPayload
 from alma_core.sequencing import Head, state_hash
 from bench.env import Env
 from bench.report import Section, Stat, pct, ratio
-from schemas.events import BranchJoinPayload
 
 REDUCERS = {"log": "append", "cost": "sum", "score": "max", "facts": "merge_dict"}
 LG_REDUCERS: dict[str, tuple[type, Callable[[Any, Any], Any]]] = {

@@ -28,6 +28,7 @@ from typing import Any
 import asyncpg
 from aiokafka import AIOKafkaProducer
 
+from alma_core.consumers.worker import run_worker
 from alma_core.scoring import ScoringWeights
 from alma_core.storage.embeddings import AsyncEmbedder, load_embedder
 from alma_core.storage.postgres import connect
@@ -35,7 +36,6 @@ from alma_core.storage.retrieval import Retriever
 from alma_core.types import RetrievalScope, WorkflowContext
 from bench.env import Env
 from bench.report import Section
-from consumers.worker import run_worker
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import asyncpg
 
 from alma_core import replay as replaying
 from alma_core.reducers import ReducerRegistry
+from alma_core.schemas.decoder import decode
 from alma_core.sdk.client import AlmaClient
 from alma_core.sdk.timeline import Timeline
 from alma_core.storage import postgres, replays
@@ -36,7 +37,6 @@ from alma_core.types import WorkflowContext
 from bench.env import Env
 from bench.report import Section, Stat, pct
 from bench.temporal import alma_workers
-from schemas.decoder import decode
 
 EVENTS_PER_RUN = 50
 BATCH = 250

@@ -27,13 +27,13 @@ from typing import Any
 import asyncpg
 
 from alma_core.reducers import ReducerRegistry
+from alma_core.schemas.decoder import decode
 from alma_core.settings import RetentionPolicy
 from alma_core.storage import postgres, retention
 from alma_core.storage.batches import Incoming
 from alma_core.storage.checkpoints import PostgresCheckpointStore, StoreConfig
 from bench.env import Env
 from bench.report import Section, Stat, pct
-from schemas.decoder import decode
 
 STEPS_PER_REP = 3
 EVENTS_PER_RUN = 9

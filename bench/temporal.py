@@ -35,11 +35,11 @@ from temporalio.worker import (
     Worker,
 )
 
+from alma_core.consumers.worker import run_worker
 from alma_core.integrations.temporal.worker import AlmaPlugin
 from bench.env import Env
 from bench.report import Section, Stat, pct, ratio
 from bench.temporal_app import Chain, step
-from consumers.worker import run_worker
 
 MODES = ("without ALMA", "ALMA, durable=False", "ALMA, durable=True")
 

@@ -1,7 +1,7 @@
 """The checkpointer (group ``<prefix>-checkpointer``): lifecycle events in, ordered
 exactly-once checkpoints out. Decode, apply in one transaction
 (:mod:`alma_core.storage.checkpoints`), then the shared post-commit step (cache,
-outbox, offsets) of :class:`~consumers.handler.StoreHandler`.
+outbox, offsets) of :class:`~alma_core.consumers.handler.StoreHandler`.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from alma_core.consumers.handler import StoreHandler
 from alma_core.storage.batches import Batch
 from alma_core.storage.checkpoints import CheckpointEffects
-from consumers.handler import StoreHandler
 
 NAME = "checkpointer"
 GROUP = "checkpointer"  # the group id is f"{ALMA_GROUP_PREFIX}-checkpointer"

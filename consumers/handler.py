@@ -23,12 +23,12 @@ from dataclasses import replace
 from typing import Any, Generic, Protocol
 
 from alma_core import errors
+from alma_core.consumers.metrics import Metrics
+from alma_core.schemas.decoder import Rejection, RejectReason, decode
 from alma_core.storage.batches import Batch, BatchStore, Committed, EffectsT, Incoming, PreparedT
 from alma_core.storage.cache_writer import CacheWriter
 from alma_core.storage.dead_letters import dead_letter_for, dead_letter_headers
 from alma_core.storage.offsets import PartitionKey, Progress
-from consumers.metrics import Metrics
-from schemas.decoder import Rejection, RejectReason, decode
 
 log = logging.getLogger("alma.consumers")
 
@@ -39,7 +39,8 @@ SPLIT_BYTES = 256 * 1024
 
 
 class Relay(Protocol):
-    """What the handler asks of the outbox relay (:class:`~consumers.outbox.OutboxRelay`)."""
+    """What the handler asks of the outbox relay
+    (:class:`~alma_core.consumers.outbox.OutboxRelay`)."""
 
     async def publish(self, ids: list[int]) -> int: ...
 

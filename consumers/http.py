@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from alma_core import errors
+from alma_core.consumers.runtime import ConsumerRuntime
 from alma_core.logs import redact
 from alma_core.storage.embeddings import MAX_SERVED_TEXTS, AsyncEmbedder
-from consumers.runtime import ConsumerRuntime
 
 log = logging.getLogger("alma.http")
 

@@ -5,9 +5,9 @@ its offsets past them."""
 
 from __future__ import annotations
 
+from alma_core.consumers.handler import StoreHandler
 from alma_core.storage.batches import Batch
 from alma_core.storage.joins import JoinEffects
-from consumers.handler import StoreHandler
 
 NAME = "joiner"
 GROUP = "joiner"

@@ -26,11 +26,11 @@ from typing import Any
 from aiokafka.errors import KafkaError
 
 from alma_core import errors
+from alma_core.consumers import http
+from alma_core.consumers.metrics import ExporterMetrics
 from alma_core.messaging import kafka
 from alma_core.messaging.broker_view import BrokerView
 from alma_core.settings import Settings
-from consumers import http
-from consumers.metrics import ExporterMetrics
 
 log = logging.getLogger("alma.lag")
 

@@ -15,6 +15,11 @@ import logging
 import time
 
 from alma_core import learning
+from alma_core.consumers.handler import StoreHandler, as_rejected, failure_text, reraise_retriable
+from alma_core.consumers.metrics import Metrics
+from alma_core.consumers.outbox import OutboxRelay
+from alma_core.schemas.decoder import RejectReason
+from alma_core.schemas.events import WorkflowCompleted
 from alma_core.sequencing import Coordinates
 from alma_core.settings import RetentionPolicy
 from alma_core.storage import retention
@@ -22,11 +27,6 @@ from alma_core.storage.batches import Batch
 from alma_core.storage.cache_writer import CacheWriter
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.storage.memories import LearnEffects, PostgresLearnStore, Prepared
-from consumers.handler import StoreHandler, as_rejected, failure_text, reraise_retriable
-from consumers.metrics import Metrics
-from consumers.outbox import OutboxRelay
-from schemas.decoder import RejectReason
-from schemas.events import WorkflowCompleted
 
 log = logging.getLogger("alma.learner")
 

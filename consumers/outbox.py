@@ -29,9 +29,9 @@ import asyncpg
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
+from alma_core.consumers.metrics import Metrics
 from alma_core.storage import outbox
 from alma_core.storage.postgres import STORAGE_FAILURES
-from consumers.metrics import Metrics
 
 log = logging.getLogger("alma.outbox")
 

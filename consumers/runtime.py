@@ -20,7 +20,7 @@ What the runtime guarantees the handler:
   keep-alive polls consume nothing (whatever they return is put back), and a
   rebalance during the retry drops the batch in hand: every partition of the new
   assignment starts again from its stored offset once placed;
-* what is paused, and why, is decided in one place (:mod:`consumers.assignment`):
+* what is paused, and why, is decided in one place (:mod:`alma_core.consumers.assignment`):
   a partition paused for one reason is never resumed for another;
 * a partition whose log ends before the offset the handler already applied (the
   broker lost or replaced its log: a restart without its data, a new cluster with
@@ -43,11 +43,11 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import GroupAuthorizationFailedError, KafkaError
 
 from alma_core import errors
+from alma_core.consumers.assignment import Assignment, key
+from alma_core.consumers.metrics import Metrics
+from alma_core.consumers.retry import FetchPacer, backoff_delay, retry_start, wait
 from alma_core.messaging import acls
 from alma_core.storage.offsets import PartitionKey, Progress
-from consumers.assignment import Assignment, key
-from consumers.metrics import Metrics
-from consumers.retry import FetchPacer, backoff_delay, retry_start, wait
 
 log = logging.getLogger("alma.consumers")
 

@@ -25,6 +25,11 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 
 from alma_core import errors
+from alma_core.consumers import checkpointer, http, joiner, learner
+from alma_core.consumers.metrics import Metrics, gc_pauses
+from alma_core.consumers.outbox import OutboxRelay
+from alma_core.consumers.retry import backoff_delay, retry_start, wait
+from alma_core.consumers.runtime import BatchHandler, ConsumerRuntime, RuntimeConfig
 from alma_core.learning import LearningPolicy
 from alma_core.messaging import acls, kafka
 from alma_core.reducers import ReducerRegistry, default_registry
@@ -37,11 +42,6 @@ from alma_core.storage.embeddings import AsyncEmbedder, load_embedder
 from alma_core.storage.joins import JoinConfig, PostgresJoinStore
 from alma_core.storage.memories import LearnConfig, PostgresLearnStore, check_dimension
 from alma_core.storage.migrations import Migrator, compatibility, load_migrations
-from consumers import checkpointer, http, joiner, learner
-from consumers.metrics import Metrics, gc_pauses
-from consumers.outbox import OutboxRelay
-from consumers.retry import backoff_delay, retry_start, wait
-from consumers.runtime import BatchHandler, ConsumerRuntime, RuntimeConfig
 
 log = logging.getLogger("alma.worker")
 

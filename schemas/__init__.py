@@ -1,7 +1,7 @@
 """The ALMA Stream event contract (version 1): pydantic models and a decoder."""
 
-from schemas.decoder import Decoded, Rejection, RejectReason, decode
-from schemas.events import (
+from alma_core.schemas.decoder import Decoded, Rejection, RejectReason, decode
+from alma_core.schemas.events import (
     CONTRACT_VERSION,
     ArtifactRef,
     BranchJoin,

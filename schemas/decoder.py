@@ -15,8 +15,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from schemas import jsoncodec
-from schemas.events import EVENT_MODELS, Event, EventType
+from alma_core.schemas import jsoncodec
+from alma_core.schemas.events import EVENT_MODELS, Event, EventType
 
 DEFAULT_MAX_STATE_BYTES = 1_000_000
 DEFAULT_MAX_RECORD_BYTES = 8 * 1024 * 1024

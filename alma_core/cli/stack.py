@@ -33,6 +33,15 @@ from alma_core.cli.embedded_supervisor import (
     Watch,
 )
 from alma_core.cli.topics import alma_topics, ensure_topics
+from alma_core.consumers.lag import run_lag_exporter
+from alma_core.consumers.worker import (
+    KNOWN_CONSUMERS,
+    WorkerStatus,
+    freeze_heap,
+    freeze_when_ready,
+    run_worker,
+)
+from alma_core.consumers.worker import Services as WorkerServices
 from alma_core.logs import configure as configure_logs
 from alma_core.logs import redact
 from alma_core.messaging import kafka
@@ -40,15 +49,6 @@ from alma_core.pids import alive
 from alma_core.settings import Settings, for_broker
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.storage.migrations import Migrator
-from consumers.lag import run_lag_exporter
-from consumers.worker import (
-    KNOWN_CONSUMERS,
-    WorkerStatus,
-    freeze_heap,
-    freeze_when_ready,
-    run_worker,
-)
-from consumers.worker import Services as WorkerServices
 
 WORKERS_DRAIN_S = 30.0  # how long the workers get to stop after a service died
 
@@ -335,6 +335,10 @@ async def start_workers(
 ) -> tuple[asyncio.Task[None], WorkerStatus]:
     """Every consumer group in this process on ``endpoints``, once ready (their
     error, if they fail first); they run until ``stop`` is set."""
+    if "metrics_port" not in s.model_fields_set:
+        # A stack's ports are all chosen free, /metrics's too (ALMA_METRICS_PORT pins
+        # it; `alma up` and `alma demo` print it), so a second stack starts beside one.
+        s = s.model_copy(update={"metrics_port": 0})
     ready, status = asyncio.Event(), WorkerStatus()
     services = WorkerServices(
         endpoints.kafka_bootstrap, endpoints.postgres_dsn, endpoints.redis_url

@@ -23,6 +23,7 @@ import asyncpg
 from alma_core import errors
 from alma_core.memory import MemorySlice
 from alma_core.messaging import acls, kafka
+from alma_core.schemas.events import Event, MergeReply
 from alma_core.sdk.publisher import Publisher, Wait
 from alma_core.sdk.reads import ReadConnections
 from alma_core.sdk.replies import ReplyListener
@@ -37,7 +38,6 @@ from alma_core.storage.observer import ReadMetrics, ReadObserver
 from alma_core.storage.reader import CheckpointReader
 from alma_core.storage.retrieval import Retriever
 from alma_core.types import Checkpoint, RetrievalScope, WorkflowContext
-from schemas.events import Event, MergeReply
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable
 import asyncpg
 
 from alma_core import errors
+from alma_core.schemas.decoder import Rejection, decode
 from alma_core.storage import dead_letters
-from schemas.decoder import Rejection, decode
 
 Send = Callable[[bytes, bytes | None], Awaitable[None]]  # (value, key) to the lifecycle topic
 

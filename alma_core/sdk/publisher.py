@@ -18,10 +18,10 @@ from alma_core import errors
 from alma_core import settings as settings_mod
 from alma_core.logs import redact
 from alma_core.messaging import acls, kafka
+from alma_core.schemas.events import EVENT_MODELS, Event, EventType, encode
 from alma_core.settings import Settings
 from alma_core.storage.effects import EffectListener
 from alma_core.types import WorkflowContext
-from schemas.events import EVENT_MODELS, Event, EventType, encode
 
 Wait = Literal["published", "applied"]
 """How long a publish waits: until the broker has the event (``published``), or until

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from alma_core import errors
 from alma_core.messaging import acls
 from alma_core.messaging.broker_view import BrokerView
-from schemas.events import MergeReply
+from alma_core.schemas.events import MergeReply
 
 log = logging.getLogger("alma.sdk")
 

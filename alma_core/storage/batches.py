@@ -21,6 +21,7 @@ from typing import Generic, TypeVar
 
 import asyncpg
 
+from alma_core.schemas.decoder import Decoded
 from alma_core.sequencing import Coordinates
 from alma_core.storage import dead_letters, offsets, outbox
 from alma_core.storage.cache_entries import CacheEntry
@@ -28,7 +29,6 @@ from alma_core.storage.dead_letters import DeadLetter, dead_letter_record
 from alma_core.storage.offsets import PartitionKey, Progress
 from alma_core.storage.outbox import OutboxRow
 from alma_core.storage.postgres import is_storage_failure, storage_error
-from schemas.decoder import Decoded
 
 T = TypeVar("T")
 Batch = dict[PartitionKey, list["Incoming"]]

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from alma_core.schemas import jsoncodec
 from alma_core.types import Checkpoint
-from schemas import jsoncodec
 
 MAIN_FIELD = "@"
 LATEST_FIELD = "latest"

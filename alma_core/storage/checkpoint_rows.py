@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from alma_core.schemas import jsoncodec
 from alma_core.sequencing import CheckpointRow
 from alma_core.storage.postgres import columns
-from schemas import jsoncodec
 
 ROWS = """
 WITH new_checkpoints AS (

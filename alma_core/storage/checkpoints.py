@@ -1,5 +1,5 @@
 """PostgresCheckpointStore: one transaction per polled batch (or per group of its
-partitions: ``consumers.handler.partition_groups``), exactly-once effects.
+partitions: ``alma_core.consumers.handler.partition_groups``), exactly-once effects.
 
 How a batch becomes effects exactly once, without Kafka transactions:
 
@@ -28,6 +28,15 @@ import asyncpg
 from alma_core import errors
 from alma_core.joining import error_reply
 from alma_core.reducers import ReducerRegistry
+from alma_core.schemas.decoder import Decoded, Rejection
+from alma_core.schemas.events import (
+    BranchJoin,
+    Event,
+    GraphCheckpoint,
+    GraphWrites,
+    NodeCompleted,
+    NodeFailed,
+)
 from alma_core.sequencing import (
     CheckpointRow,
     HeadKey,
@@ -45,15 +54,6 @@ from alma_core.storage.locked import load_locked, lock_runs
 from alma_core.storage.offsets import ADVANCE, advance_args, ends
 from alma_core.storage.outbox import OutboxRow, join_reply
 from alma_core.types import Checkpoint
-from schemas.decoder import Decoded, Rejection
-from schemas.events import (
-    BranchJoin,
-    Event,
-    GraphCheckpoint,
-    GraphWrites,
-    NodeCompleted,
-    NodeFailed,
-)
 
 # the audit log's mark of an event whose state was given in full (kept in its checkpoint)
 STATE_IN_CHECKPOINT = "state_in_checkpoint"

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 import asyncpg
 
 from alma_core import errors
+from alma_core.schemas.decoder import Decoded, Rejection
 from alma_core.storage.outbox import OutboxRow
-from schemas.decoder import Decoded, Rejection
 
 
 class Source(Protocol):

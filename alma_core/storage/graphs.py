@@ -23,16 +23,16 @@ from typing import Any, TypeAlias
 
 import asyncpg
 
-from alma_core.sequencing import EventRow
-from alma_core.storage import runs
-from alma_core.storage.postgres import is_storage_failure, storage_error
-from schemas.events import (
+from alma_core.schemas.events import (
     GraphCheckpoint,
     GraphCheckpointPayload,
     GraphUpkeep,
     GraphWrites,
     GraphWritesPayload,
 )
+from alma_core.sequencing import EventRow
+from alma_core.storage import runs
+from alma_core.storage.postgres import is_storage_failure, storage_error
 
 Conn: TypeAlias = asyncpg.Connection
 

@@ -24,6 +24,8 @@ import asyncpg
 
 from alma_core.joining import JoinDecision, JoinPlanner, RunAtJoin
 from alma_core.reducers import ReducerRegistry
+from alma_core.schemas.decoder import Rejection
+from alma_core.schemas.events import BranchJoin
 from alma_core.sequencing import MAIN, CheckpointRow, canonical_json
 from alma_core.storage import outbox
 from alma_core.storage.batches import RUN_SEQ_HEADER, Batch, BatchStore, Effects, Incoming
@@ -34,8 +36,6 @@ from alma_core.storage.locked import load_locked, lock_runs
 from alma_core.storage.outbox import OutboxRow
 from alma_core.storage.postgres import columns
 from alma_core.types import Checkpoint
-from schemas.decoder import Rejection
-from schemas.events import BranchJoin
 
 
 @dataclass(frozen=True)

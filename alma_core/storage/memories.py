@@ -25,14 +25,14 @@ import asyncpg
 
 from alma_core import errors, learning
 from alma_core.learning import LearningPolicy, OutcomeDraft
+from alma_core.schemas.decoder import Rejection
+from alma_core.schemas.events import ArtifactRef, WorkflowCompleted
 from alma_core.sequencing import Coordinates
 from alma_core.storage import retention
 from alma_core.storage.batches import Batch, BatchStore, Effects, guarded
 from alma_core.storage.dead_letters import dead_letter_for
 from alma_core.storage.embeddings import Vector, vector_literal
 from alma_core.storage.postgres import columns
-from schemas.decoder import Rejection
-from schemas.events import ArtifactRef, WorkflowCompleted
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 A row is written with the effects it announces (:func:`insert`, inside the batch's
 transaction), claimed by one relay (:func:`claim`, :func:`claim_left_behind`),
-published by it (:mod:`consumers.outbox`) and marked; a row Kafka refused keeps its
+published by it (:mod:`alma_core.consumers.outbox`) and marked; a row Kafka refused keeps its
 place with ``attempts``, ``last_error`` and a ``next_attempt_at`` that doubles; rows
 published long ago are pruned.
 
@@ -27,8 +27,8 @@ from typing import Any
 
 import asyncpg
 
-from schemas import jsoncodec
-from schemas.events import BranchJoin
+from alma_core.schemas import jsoncodec
+from alma_core.schemas.events import BranchJoin
 
 OutboxRow = tuple[str, bytes | None, bytes, str]  # topic, key, value, headers (JSON pairs)
 

@@ -26,7 +26,7 @@ import asyncpg
 from asyncpg import exceptions as pgx
 
 from alma_core import errors
-from schemas import jsoncodec
+from alma_core.schemas import jsoncodec
 
 _RETRIABLE_PG = (
     pgx.PostgresConnectionError,

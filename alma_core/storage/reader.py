@@ -17,13 +17,13 @@ import asyncpg
 
 from alma_core import errors, joining
 from alma_core.reducers import ReducerConfig
+from alma_core.schemas.events import BranchJoinPayload
 from alma_core.storage import reducer_configs
 from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.cache_entries import cache_entries, checkpoint_from_doc, field_for
 from alma_core.storage.observer import ReadMetrics, ReadObserver
 from alma_core.storage.postgres import is_storage_failure, storage_error
 from alma_core.types import Checkpoint
-from schemas.events import BranchJoinPayload
 
 _COLUMNS = """run_id, tenant_id, seq, kind, node_id, branch_id, parent_seq, event_id, state,
               state_hash, size_bytes, merged_from, metadata, created_at"""

@@ -16,10 +16,10 @@ import asyncpg
 from alma_core import replay
 from alma_core.reducers import ReducerConfig, ReducerRegistry
 from alma_core.replay import Difference, Stored
+from alma_core.schemas.events import EVENT_MODELS, Event, EventType
 from alma_core.sequencing import RunView, canonical_state, hash_scheme, state_hash
 from alma_core.storage import reducer_configs
 from alma_core.storage.checkpoints import STATE_IN_CHECKPOINT
-from schemas.events import EVENT_MODELS, Event, EventType
 
 BATCH = 500  # runs listed per query
 

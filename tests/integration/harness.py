@@ -20,14 +20,14 @@ import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from alma_core import replay as replaying
+from alma_core.consumers.metrics import Metrics
+from alma_core.consumers.worker import Services as WorkerServices
+from alma_core.consumers.worker import WorkerStatus, run_worker
 from alma_core.reducers import default_registry
 from alma_core.settings import Settings
 from alma_core.storage import replays
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.storage.postgres import connect
-from consumers.metrics import Metrics
-from consumers.worker import Services as WorkerServices
-from consumers.worker import WorkerStatus, run_worker
 from tests.services import without_alma_settings
 
 T = TypeVar("T")

@@ -10,12 +10,12 @@ from typing import Any
 import asyncpg
 import pytest
 
+from alma_core.consumers import handler
 from alma_core.settings import Settings
 from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.observer import Tally
 from alma_core.storage.postgres import connect
 from alma_core.storage.reader import CheckpointReader
-from consumers import handler
 from tests.integration.harness import (
     Publisher,
     Worker,

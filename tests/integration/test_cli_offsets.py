@@ -15,9 +15,9 @@ from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from alma_core.cli.offsets import cluster_id
+from alma_core.consumers import worker as worker_module
+from alma_core.consumers.runtime import RuntimeConfig
 from alma_core.settings import Settings
-from consumers import worker as worker_module
-from consumers.runtime import RuntimeConfig
 from tests.integration.harness import Publisher, Worker, completed, count, fetch, wait_for
 from tests.integration.test_cli import alma
 from tests.integration.test_cli_runs import env_of

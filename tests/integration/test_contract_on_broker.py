@@ -8,7 +8,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from schemas import NodeCompleted, Rejection, RejectReason, decode, encode
+from alma_core.schemas import NodeCompleted, Rejection, RejectReason, decode, encode
 from tests.integration.conftest import Topics
 from tests.services import Services
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from alma_core.consumers.metrics import ExporterMetrics
 from alma_core.sdk.client import AlmaClient
 from alma_core.settings import Settings
 from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.types import RetrievalScope, WorkflowContext
-from consumers.metrics import ExporterMetrics
 from tests.integration.harness import Publisher, Worker, count, wait_for
 
 DEPLOY = Path(__file__).parents[2] / "deploy"

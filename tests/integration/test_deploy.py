@@ -23,8 +23,8 @@ from packaging.utils import canonicalize_name
 from typer.testing import CliRunner
 
 from alma_core.cli import app, embedded_kafka
+from alma_core.consumers.metrics import ExporterMetrics, Metrics
 from alma_core.settings import Settings
-from consumers.metrics import ExporterMetrics, Metrics
 
 ROOT = Path(__file__).parents[2]
 DEPLOY = ROOT / "deploy"

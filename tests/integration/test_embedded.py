@@ -105,8 +105,9 @@ def test_a_stale_pid_file_is_removed_and_a_running_postgres_is_not_started_besid
 class AlmaUp:
     """`alma up` as a user runs it, in a directory of its own, its output in files."""
 
-    def __init__(self, home: Path, **env: str) -> None:
+    def __init__(self, home: Path, *, python: Path | None = None, **env: str) -> None:
         self.home = home
+        self.python = python or Path(sys.executable)  # the checkout's, or an installed wheel's
         clean = without_alma_settings()
         self.env = {
             **clean,
@@ -122,7 +123,7 @@ class AlmaUp:
     async def start(self) -> dict[str, Any]:
         with self.out.open("ab") as out, self.err.open("ab") as err:
             self.proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once
-                [sys.executable, "-m", "alma_core.cli", "up"],
+                [self.python, "-m", "alma_core.cli", "up"],
                 env=self.env,
                 cwd=self.home,
                 stdout=out,

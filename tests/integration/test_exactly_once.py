@@ -9,10 +9,10 @@ import json
 from typing import Any
 
 from alma_core.reducers import ReducerRegistry
+from alma_core.schemas.decoder import decode
 from alma_core.storage.batches import Incoming
 from alma_core.storage.checkpoints import PostgresCheckpointStore, StoreConfig
 from alma_core.storage.postgres import connect
-from schemas.decoder import decode
 from tests.integration.harness import completed, count, fetch
 
 TOPIC = "lifecycle"

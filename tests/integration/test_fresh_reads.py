@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from alma_core.reducers import ReducerRegistry
+from alma_core.schemas.decoder import decode
 from alma_core.sdk.client import AlmaClient
 from alma_core.sdk.run_state import RunState
 from alma_core.settings import RetentionPolicy, Settings
@@ -25,7 +26,6 @@ from alma_core.storage.observer import Tally
 from alma_core.storage.postgres import connect
 from alma_core.storage.reader import CheckpointReader
 from alma_core.types import WorkflowContext
-from schemas.decoder import decode
 from tests.integration.harness import Publisher, Worker, WorkerProcess, completed, count, wait_for
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from alma_core.consumers import http
 from alma_core.settings import Settings, load
 from alma_core.storage.embeddings import AsyncEmbedder
-from consumers import http
 from tests.integration.conftest import PrivateStack
 from tests.integration.harness import Publisher, Worker, completed, count, wait_for
 

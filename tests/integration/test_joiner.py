@@ -18,13 +18,13 @@ import pytest
 
 from alma_core import errors
 from alma_core.reducers import ReducerRegistry, default_registry
+from alma_core.schemas.decoder import decode
 from alma_core.sdk.client import AlmaClient
 from alma_core.settings import Settings
 from alma_core.storage.batches import Incoming
 from alma_core.storage.joins import JoinConfig, PostgresJoinStore
 from alma_core.storage.postgres import connect
 from alma_core.types import WorkflowContext
-from schemas.decoder import decode
 from tests.integration.harness import (
     Publisher,
     Worker,
@@ -296,8 +296,8 @@ async def test_a_reply_for_another_tenant_never_answers_a_join(settings: Setting
     """The reply topic is shared by every tenant and a join_id is unique only per run:
     a reply naming the same run and join of another tenant (or a garbled one) must not
     resolve the wait; the right one does."""
+    from alma_core.schemas.events import MergeReply
     from alma_core.sdk.replies import ReplyListener
-    from schemas.events import MergeReply
 
     bootstrap = settings.kafka_bootstrap or ""
     listener = ReplyListener(bootstrap, settings.merged_topic, fetch_max_wait_ms=50)

@@ -33,12 +33,12 @@ from cryptography.x509.oid import NameOID
 from alma_core import errors
 from alma_core.cli.embedded import free_port
 from alma_core.cli.topics import ensure_topics
+from alma_core.consumers.lag import run_lag_exporter
+from alma_core.consumers.metrics import ExporterMetrics
 from alma_core.messaging import kafka
 from alma_core.sdk.client import AlmaClient
 from alma_core.settings import Settings
 from alma_core.types import WorkflowContext
-from consumers.lag import run_lag_exporter
-from consumers.metrics import ExporterMetrics
 from tests.integration.conftest import TEST_PARTITIONS, Topics, settings_for
 from tests.integration.harness import Worker, count, wait_for
 from tests.integration.test_cli import alma

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from alma_core.consumers.lag import lag_of, run_lag_exporter
+from alma_core.consumers.metrics import ExporterMetrics
 from alma_core.settings import Settings
-from consumers.lag import lag_of, run_lag_exporter
-from consumers.metrics import ExporterMetrics
 from tests.integration.harness import Publisher, Worker, completed, wait_for
 from tests.integration.test_http import get
 

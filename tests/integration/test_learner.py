@@ -14,6 +14,7 @@ import asyncpg
 import pytest
 
 from alma_core import errors
+from alma_core.consumers.worker import Services, run_worker
 from alma_core.memory import ArtifactLink
 from alma_core.settings import RetentionPolicy, Settings
 from alma_core.storage import retention
@@ -21,7 +22,6 @@ from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.storage.postgres import connect
 from alma_core.storage.retrieval import Retriever
 from alma_core.types import RetrievalScope, WorkflowContext
-from consumers.worker import Services, run_worker
 from tests.integration.harness import (
     Publisher,
     Worker,
@@ -371,9 +371,9 @@ def _learner_batch(docs: list[dict[str, Any]], start: int) -> Any:
     drafted and embedded (vectors made up, one per text: the store writes what it is
     given)."""
     from alma_core import learning
+    from alma_core.schemas.decoder import decode
     from alma_core.storage.batches import Incoming
     from alma_core.storage.memories import Prepared
-    from schemas.decoder import decode
 
     records, prepared = [], {}
     for i, doc in enumerate(docs):

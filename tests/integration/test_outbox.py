@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 import asyncpg
 from aiokafka import AIOKafkaProducer
 
+from alma_core.consumers.metrics import Metrics
+from alma_core.consumers.outbox import OutboxRelay
 from alma_core.storage import outbox
 from alma_core.storage.dead_letters import headers_json
 from alma_core.storage.postgres import connect
-from consumers.metrics import Metrics
-from consumers.outbox import OutboxRelay
 from tests.integration.conftest import Topics
 from tests.integration.harness import fetch, read_topic
 from tests.services import Services

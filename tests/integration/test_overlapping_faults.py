@@ -17,6 +17,10 @@ import asyncpg
 from aiokafka import AIOKafkaProducer
 
 from alma_core.cli.offsets import cluster_id
+from alma_core.consumers.checkpointer import CheckpointHandler
+from alma_core.consumers.metrics import Metrics
+from alma_core.consumers.outbox import OutboxRelay
+from alma_core.consumers.runtime import ConsumerRuntime, RuntimeConfig
 from alma_core.reducers import default_registry
 from alma_core.settings import Settings
 from alma_core.storage import offsets, postgres
@@ -24,10 +28,6 @@ from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.cache_writer import CacheWriter
 from alma_core.storage.checkpoints import PostgresCheckpointStore, StoreConfig
 from alma_core.storage.offsets import PartitionKey
-from consumers.checkpointer import CheckpointHandler
-from consumers.metrics import Metrics
-from consumers.outbox import OutboxRelay
-from consumers.runtime import ConsumerRuntime, RuntimeConfig
 from tests.integration.conftest import TEST_PARTITIONS
 from tests.integration.harness import (
     Publisher,

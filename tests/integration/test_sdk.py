@@ -15,6 +15,7 @@ import pytest
 
 from alma_core import errors
 from alma_core.cli.demo_workflows import research
+from alma_core.consumers.metrics import Metrics
 from alma_core.sdk.client import AlmaClient
 from alma_core.sdk.dag import Orchestrator, SimulatedCrash
 from alma_core.sdk.hooks import WorkflowHooks
@@ -23,7 +24,6 @@ from alma_core.settings import Settings
 from alma_core.storage import effects
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.types import RetrievalScope, WorkflowContext
-from consumers.metrics import Metrics
 from tests.integration.harness import Worker, count, fetch, wait_for, worker_env
 
 # plan 120 + searches (web 330, papers 360, news 340) + draft 900, summed

@@ -20,9 +20,9 @@ import pytest
 
 from alma_core import errors
 from alma_core.cli.embedded import free_port
+from alma_core.consumers.worker import Services, WorkerStatus, run_worker
 from alma_core.settings import Settings
 from alma_core.storage.migrations import Migration, Migrator, load_migrations
-from consumers.worker import Services, WorkerStatus, run_worker
 from tests.integration.harness import Publisher, Worker, completed, count, wait_for
 from tests.integration.test_http import get
 

@@ -14,12 +14,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from alma_core import errors
+from alma_core.consumers import handler
+from alma_core.consumers.handler import SPLIT_BYTES, StoreHandler, partition_groups
+from alma_core.consumers.metrics import Metrics
+from alma_core.schemas.decoder import decode
 from alma_core.storage.batches import Batch, Committed, Effects, Incoming
 from alma_core.storage.offsets import Progress
-from consumers import handler
-from consumers.handler import SPLIT_BYTES, StoreHandler, partition_groups
-from consumers.metrics import Metrics
-from schemas.decoder import decode
 from tests.unit.test_isolation import Offsets, Sent
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from schemas import export
+from alma_core.schemas import export
 
 
 def test_schema_files_match_models() -> None:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schemas import (
+from alma_core.schemas import (
     BranchJoin,
     NodeCompleted,
     Rejection,
@@ -18,7 +18,7 @@ from schemas import (
     decode,
     encode,
 )
-from schemas.events import EVENT_MODELS, EventType
+from alma_core.schemas.events import EVENT_MODELS, EventType
 
 
 def envelope(type_: str = "node.completed", **payload: Any) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from consumers.retry import FetchPacer
+from alma_core.consumers.retry import FetchPacer
 
 
 def test_the_fetch_pace_is_short_under_load_and_long_once_idle() -> None:

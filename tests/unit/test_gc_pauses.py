@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import gc
 
-from consumers.metrics import Metrics, gc_pauses
-from consumers.worker import freeze_heap
+from alma_core.consumers.metrics import Metrics, gc_pauses
+from alma_core.consumers.worker import freeze_heap
 
 
 def full_collections(metrics: Metrics) -> float:

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 import pytest
 
 from alma_core import errors
+from alma_core.consumers.handler import StoreHandler
+from alma_core.consumers.metrics import Metrics
+from alma_core.schemas.decoder import Rejection, decode
 from alma_core.storage.batches import Batch, BatchStore, Committed, Effects, Incoming
 from alma_core.storage.dead_letters import dead_letter_for
 from alma_core.storage.offsets import PartitionKey, Progress
-from consumers.handler import StoreHandler
-from consumers.metrics import Metrics
-from schemas.decoder import Rejection, decode
 
 TP = ("lifecycle", 0)
 

@@ -20,8 +20,8 @@ import pytest
 from alma_core import errors
 from alma_core.joining import JoinPlanner, RunAtJoin, config_for, merge
 from alma_core.reducers import ReducerConfig, ReducerRegistry
+from alma_core.schemas.events import BranchJoin, BranchJoinPayload
 from alma_core.sequencing import BLAKE3, SHA256, Head, hash_scheme, state_hash
-from schemas.events import BranchJoin, BranchJoinPayload
 
 
 def head(seq: int, state: dict[str, Any]) -> Head:

@@ -14,10 +14,10 @@ from blake3 import blake3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from alma_core.schemas import jsoncodec
+from alma_core.schemas.decoder import decode, json_size
 from alma_core.sequencing import BLAKE3, SHA256, canonical_state, hash_scheme, state_hash
 from alma_core.storage.cache_entries import encode_value
-from schemas import jsoncodec
-from schemas.decoder import decode, json_size
 
 
 def old_compact(value: Any) -> bytes:

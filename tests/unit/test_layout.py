@@ -11,6 +11,10 @@ module's imports (with ``ast``, importing nothing).
 * ``consumers`` never imports the command line or the SDK; ``integrations`` never
   the command line or ``consumers``, and the Temporal workflow side no service client.
 * Only ``alma_core/cli/stack.py`` imports ``consumers``.
+* ``schemas/`` and ``consumers/`` stay at the top of the repository (the design's
+  layout) but are imported, and installed, as ``alma_core.schemas`` and
+  ``alma_core.consumers`` (``alma_core/schemas`` and ``alma_core/consumers`` are links
+  to them): a wheel takes no generic top-level name from the application it joins.
 * ``ui`` (the run inspector) stands on the SDK and storage, never on the command
   line, the workers or an integration.
 * Optional extras stay optional: a module imports an extra's library at its top
@@ -27,13 +31,15 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# the repository's top-level folders that are installed inside alma_core
+LINKED = ("schemas", "consumers")
 IO_LIBRARIES = ("asyncio", "asyncpg", "redis", "aiokafka")
 
 
 def imports_of(path: Path) -> set[str]:
     """Every module name ``path`` imports, absolute, relative imports resolved."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    package = ".".join(module_parts(path)[:-1])
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -46,6 +52,12 @@ def imports_of(path: Path) -> set[str]:
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)
     return names
+
+
+def module_parts(path: Path) -> tuple[str, ...]:
+    """The dotted name of the module at ``path``, as installed."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ("alma_core", *parts) if parts[0] in LINKED else parts
 
 
 def top_level_imports_of(path: Path) -> set[str]:
@@ -72,7 +84,8 @@ def top_level_imports_of(path: Path) -> set[str]:
 
 def modules(folder: str, *, recursive: bool = True) -> list[Path]:
     pattern = "**/*.py" if recursive else "*.py"
-    found = sorted((ROOT / folder).glob(pattern))
+    # each module once, at its real path (not again through alma_core's links)
+    found = sorted(p for p in (ROOT / folder).glob(pattern) if p.resolve() == p)
     assert found, f"no modules in {folder}: the layout moved, and this test checks nothing"
     return found
 
@@ -97,17 +110,21 @@ def test_the_root_of_alma_core_is_pure() -> None:
         "alma_core.sdk",
         "alma_core.integrations",
         "alma_core.cli",
-        "consumers",
+        "alma_core.consumers",
     )
     assert offenders(modules("alma_core", recursive=False), forbidden) == {}
 
 
 def test_schemas_import_nothing_of_ours() -> None:
-    assert offenders(modules("schemas"), ("alma_core", "consumers")) == {}
+    found = {
+        where: [n for n in names if not reaches(n, ("alma_core.schemas",))]
+        for where, names in offenders(modules("schemas"), ("alma_core",)).items()
+    }
+    assert {where: names for where, names in found.items() if names} == {}
 
 
 def test_storage_never_reaches_up() -> None:
-    forbidden = ("alma_core.sdk", "alma_core.cli", "alma_core.integrations", "consumers")
+    forbidden = ("alma_core.sdk", "alma_core.cli", "alma_core.integrations", "alma_core.consumers")
     assert offenders(modules("alma_core/storage"), forbidden) == {}
 
 
@@ -118,25 +135,25 @@ def test_messaging_is_an_edge_below_everything_that_talks_to_kafka() -> None:
         "alma_core.sdk",
         "alma_core.cli",
         "alma_core.integrations",
-        "consumers",
+        "alma_core.consumers",
     )
     assert offenders(modules("alma_core/messaging"), forbidden) == {}
 
 
 def test_sdk_never_reaches_the_command_line_or_the_workers() -> None:
-    assert offenders(modules("alma_core/sdk"), ("alma_core.cli", "consumers")) == {}
+    assert offenders(modules("alma_core/sdk"), ("alma_core.cli", "alma_core.consumers")) == {}
 
 
 def test_the_inspector_stands_on_the_sdk_and_storage() -> None:
     """The run inspector reads as the SDK reads: never through the command line, the
     workers or an integration."""
-    forbidden = ("alma_core.cli", "consumers", "alma_core.integrations")
+    forbidden = ("alma_core.cli", "alma_core.consumers", "alma_core.integrations")
     assert offenders(modules("alma_core/ui"), forbidden) == {}
 
 
 def test_integrations_never_reach_the_command_line_or_the_workers() -> None:
     """An integration is a library for someone else's worker: it stands on the SDK."""
-    forbidden = ("alma_core.cli", "consumers")
+    forbidden = ("alma_core.cli", "alma_core.consumers")
     assert offenders(modules("alma_core/integrations"), forbidden) == {}
 
 
@@ -155,7 +172,7 @@ def test_consumers_never_import_the_command_line_or_the_sdk() -> None:
 
 
 def test_only_the_stack_command_imports_consumers() -> None:
-    importers = offenders(modules("alma_core") + modules("schemas"), ("consumers",))
+    importers = offenders(modules("alma_core") + modules("schemas"), ("alma_core.consumers",))
     assert set(importers) == {"alma_core/cli/stack.py"}
 
 
@@ -190,10 +207,30 @@ def test_the_checker_sees_what_it_must() -> None:
     assert "redis.asyncio" in imports_of(sample)
     assert "alma_core.errors" in imports_of(sample)
     stack = imports_of(ROOT / "alma_core" / "cli" / "stack.py")
-    assert any(reaches(n, ("consumers",)) for n in stack)
+    assert any(reaches(n, ("alma_core.consumers",)) for n in stack)
+    assert "alma_core.schemas.events" in imports_of(ROOT / "schemas" / "decoder.py")
     # a top-level import is seen, one inside a function or under TYPE_CHECKING is not
     common = top_level_imports_of(ROOT / "alma_core" / "cli" / "common.py")
     assert "typer" in common
     embeddings = ROOT / "alma_core" / "storage" / "embeddings.py"
     assert "sentence_transformers" in imports_of(embeddings)
     assert "sentence_transformers" not in top_level_imports_of(embeddings)
+
+
+def test_the_top_level_folders_are_installed_inside_alma_core() -> None:
+    for folder in LINKED:
+        link = ROOT / "alma_core" / folder
+        assert link.is_symlink(), f"alma_core/{folder} must link to ../{folder}"
+        assert link.resolve() == ROOT / folder
+
+
+def test_nothing_imports_a_generic_top_level_name() -> None:
+    """``import schemas`` works only in a checkout (and would load a second copy of the
+    contract beside ``alma_core.schemas``); installed, only ``alma_core`` exists."""
+    found = {}
+    for folder in ("alma_core", *LINKED, "tests", "bench", "examples"):
+        for path in modules(folder):
+            bad = sorted(n for n in imports_of(path) if reaches(n, LINKED))
+            if bad:
+                found[str(path.relative_to(ROOT))] = bad
+    assert found == {}

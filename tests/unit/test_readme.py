@@ -74,6 +74,14 @@ def test_every_command_of_the_shell_blocks_exists() -> None:
                 called = tuple(w for w in words[1:3] if not w.startswith("-"))
                 assert called[:1] in commands or called in commands, line
                 assert called[:2] in commands or called[:1] in commands, line
+            elif words[:2] == ["pip", "install"]:
+                extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+                    "optional-dependencies"
+                ]
+                for spec in words[2:]:
+                    named = re.fullmatch(r"alma-stream\[([a-z,]+)\]", spec)
+                    assert named, line
+                    assert set(named.group(1).split(",")) <= set(extras), line
             elif words[0] == "make":
                 assert words[1] in targets, line
             elif words[0].endswith("python"):

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from alma_core import errors
 from alma_core.reducers import ReducerConfig, ReducerRegistry
+from alma_core.schemas.decoder import decode
+from alma_core.schemas.events import Event
 from alma_core.sequencing import (
     BLAKE3,
     MAIN,
@@ -25,8 +27,6 @@ from alma_core.sequencing import (
     short_hash,
     state_hash,
 )
-from schemas.decoder import decode
-from schemas.events import Event
 
 AT = Coordinates("t", 0, 0)
 

@@ -289,7 +289,7 @@ def test_checkpoint_concurrency_fits_the_pool(monkeypatch: pytest.MonkeyPatch) -
 
 def test_the_consumer_groups_are_the_consumers_groups() -> None:
     """`alma offsets list` and the lag exporter list the groups the workers join."""
-    from consumers import checkpointer, joiner, learner
+    from alma_core.consumers import checkpointer, joiner, learner
 
     groups = load(group_prefix="team").consumer_groups()
     assert set(groups) == {f"team-{c.GROUP}" for c in (checkpointer, joiner, learner)}

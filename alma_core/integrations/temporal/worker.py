@@ -65,7 +65,7 @@ from alma_core.types import RetrievalScope, WorkflowContext
 
 log = logging.getLogger("alma.temporal")
 
-PASSTHROUGH = ("alma_core", "schemas")
+PASSTHROUGH = ("alma_core",)
 
 
 @dataclass(frozen=True)
