@@ -43,6 +43,7 @@ IMAGE ?= alma-stream:$(VERSION)
 LOCK := deploy/requirements.lock
 LOCK_PYTHON ?= python3.11
 IMAGE_TORCH := torch==2.13.0+cpu
+IMAGE_TORCH_VERSION := $(patsubst torch==%+cpu,%,$(IMAGE_TORCH))
 IMAGE_TORCH_INDEX := https://download.pytorch.org/whl/cpu
 
 # Apache Kafka's broker (the embedded stack's, the suite's): its jars, copied by Maven
@@ -52,7 +53,7 @@ KAFKA_VERSION := $(shell sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:
 KAFKA_LIBS ?= $(HOME)/.cache/alma-stream/kafka-$(KAFKA_VERSION)
 KAFKA_STAMP := $(KAFKA_LIBS)/.fetched
 
-.PHONY: up demo bench test check lint typecheck unit integration clean-venv tools lock image kafka kafka-if-java
+.PHONY: up demo bench test check lint typecheck docs unit integration clean-venv tools lock image kafka kafka-if-java
 
 $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) (PyTorch: $(TORCH))"
@@ -116,7 +117,13 @@ tools:
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends \
 	    prometheus chromium chromium-driver; }
 
-test: lint typecheck tools kafka
+# The documentation site (mkdocs.yml): the README as its front page, docs/, the changelog
+# and the API reference from the docstrings, into build/site. Strict: a broken link, a
+# missing page or a docstring the reference cannot read fails the build (and `make test`).
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict --quiet
+
+test: lint typecheck docs tools kafka
 	$(PY) -m pytest
 
 check: lint typecheck kafka
@@ -125,27 +132,24 @@ check: lint typecheck kafka
 clean-venv:
 	rm -rf $(VENV)
 
-# Resolves `.[all]` afresh (newest versions pyproject.toml allows) in a throwaway venv on
-# Python 3.11 with the image's PyTorch, from a copy of the source (no build/ left here),
-# and pins what it installed. The image installs exactly these (--no-deps) and fails
-# its build (`pip check`) when the file is stale.
+# Resolves `.[all]` afresh (newest versions pyproject.toml allows) beside PyPI's build of
+# the image's PyTorch version, on Python 3.11, from a copy of the source (no build/ left
+# here), with `pip install --dry-run --report`: only metadata is fetched, and PyTorch's
+# CPU index need not be reachable. deploy/lock.py pins the CPU build in its place and
+# leaves out the CUDA libraries only PyPI's build needs. The image installs exactly
+# these (--no-deps) and fails its build (`pip check`) when the file is stale.
 lock:
 	@set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
-	echo "==> resolving '.[all]' in $$tmp (Python: $(LOCK_PYTHON), PyTorch: $(IMAGE_TORCH))"; \
+	echo "==> resolving '.[all]' with torch==$(IMAGE_TORCH_VERSION) on $(LOCK_PYTHON) (metadata only; about a minute)"; \
 	$(LOCK_PYTHON) -m venv "$$tmp/venv"; \
 	"$$tmp/venv/bin/python" -c 'import sys; assert sys.version_info[:2] == (3, 11), "the image runs Python 3.11: set LOCK_PYTHON"'; \
 	"$$tmp/venv/bin/pip" install --quiet --upgrade pip; \
-	"$$tmp/venv/bin/pip" install --quiet --no-deps --index-url $(IMAGE_TORCH_INDEX) $(IMAGE_TORCH); \
 	mkdir "$$tmp/src" && cp -R pyproject.toml README.md schemas alma_core consumers "$$tmp/src/"; \
-	"$$tmp/venv/bin/pip" install --quiet "$$tmp/src[all]"; \
-	"$$tmp/venv/bin/pip" check; \
-	{ echo "# The worker image's dependencies, pinned: what \`pip install '.[all]'\` installs on"; \
-	  echo "# Python 3.11 (Linux) with PyTorch's CPU build. deploy/Dockerfile installs these with"; \
-	  echo "# --no-deps, then the project itself. Regenerate with \`make lock\` (after changing the"; \
-	  echo "# dependencies in pyproject.toml, or to take upgrades); do not edit by hand."; \
-	  "$$tmp/venv/bin/pip" freeze --all --exclude pip --exclude alma-stream; } > $(LOCK).new; \
+	"$$tmp/venv/bin/pip" install --quiet --dry-run --ignore-installed --report "$$tmp/report.json" \
+	  "$$tmp/src[all]" "torch==$(IMAGE_TORCH_VERSION)"; \
+	"$$tmp/venv/bin/python" deploy/lock.py "$$tmp/report.json" $(IMAGE_TORCH) > $(LOCK).new; \
 	mv $(LOCK).new $(LOCK); \
 	echo "==> $(LOCK): $$(grep -vc '^#' $(LOCK)) packages"
 
 image:
-	docker build -f deploy/Dockerfile --build-arg TORCH=$(IMAGE_TORCH) -t $(IMAGE) .
+	docker build -f deploy/Dockerfile --build-arg TORCH=$(IMAGE_TORCH) --build-arg VERSION=$(VERSION) -t $(IMAGE) .

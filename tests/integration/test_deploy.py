@@ -252,7 +252,9 @@ def test_the_makefile_installs_the_cpu_build_of_torch_alone_first(tmp_path: Path
         ["make", "-n", "lock"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
     assert f"torch=={lock()['torch']}" in lock_plan
-    assert "freeze --all --exclude pip --exclude alma-stream" in lock_plan
+    assert "--dry-run --ignore-installed --report" in lock_plan  # metadata only
+    assert f"torch=={version}" in lock_plan  # PyPI's build resolves; lock.py pins the CPU's
+    assert "deploy/lock.py" in lock_plan
     assert "> deploy/requirements.lock" in lock_plan
 
 
@@ -279,6 +281,7 @@ def test_docker_compose_services_and_settings() -> None:
     built = [name for name, service in services.items() if "build" in service]
     assert built == ["init"]
     assert services["init"]["build"]["dockerfile"] == "deploy/Dockerfile"
+    assert services["init"]["build"]["args"] == {"VERSION": VERSION}  # its OCI label
     assert services["init"]["pull_policy"] == "build"
     for name in alma:
         assert services[name]["image"] == IMAGE, name
