@@ -6,7 +6,11 @@ by field, and the identity of a fork.
   one added at the end: positions are what a reducer such as ``append`` works on).
   Paths are JSON Pointers (RFC 6901: ``/plan/steps/2``, ``~1`` for ``/`` in a key).
   A value that changes type (``1`` to ``"1"``, ``1`` to ``true``) is changed even
-  where Python calls them equal.
+  where Python calls them equal. The changes apply one after another in the order
+  given, as JSON Patch operations (RFC 6902: ``changed`` is ``replace``, ``added`` is
+  ``add``, ``removed`` is ``remove``; :meth:`Change.to_operation`): within a list, its
+  kept items' changes come first, then the items removed from the last index down, then
+  those added from the first up.
 * :func:`explain_merge` lays a merged checkpoint beside its inputs: for each field,
   the reducer that folded it, the main line's value before, each input's value and
   the result.
@@ -17,15 +21,28 @@ by field, and the identity of a fork.
 
 from __future__ import annotations
 
+import enum
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from alma_core.reducers import ReducerConfig
 
 ChangeKind = Literal["added", "removed", "changed"]
-MISSING: Any = None  # how an absent value is shown beside a present one
+
+
+class Absent(enum.Enum):
+    """A field a state does not have, told apart from one that holds ``null``
+    (``null`` under ``last_value`` overwrites; an absent field does not)."""
+
+    ABSENT = "absent"
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+ABSENT: Final = Absent.ABSENT
 _FORKS = uuid.UUID("6f1d3c1e-5a0b-4c55-9f43-2f7c9e1b8a10")  # namespace of fork event ids
 
 
@@ -35,8 +52,16 @@ class Change:
 
     path: str
     kind: ChangeKind
-    before: Any = None
-    after: Any = None
+    before: Any = ABSENT  # ABSENT where added
+    after: Any = ABSENT  # ABSENT where removed
+
+    def to_operation(self) -> dict[str, Any]:
+        """This change as a JSON Patch (RFC 6902) operation; a diff's operations, in
+        its order, turn the state before into the state after."""
+        if self.kind == "removed":
+            return {"op": "remove", "path": self.path}
+        op = "add" if self.kind == "added" else "replace"
+        return {"op": op, "path": self.path, "value": self.after}
 
     def to_doc(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"path": self.path, "kind": self.kind}
@@ -57,7 +82,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def diff(before: Any, after: Any, path: str = "") -> list[Change]:
-    """Every difference from ``before`` to ``after``, in path order (keys sorted)."""
+    """Every difference from ``before`` to ``after``, keys sorted, in an order that
+    applies one change after another (a list's removals from its end)."""
     if isinstance(before, Mapping) and isinstance(after, Mapping):
         changes: list[Change] = []
         for key in sorted(set(before) | set(after), key=str):
@@ -70,37 +96,45 @@ def diff(before: Any, after: Any, path: str = "") -> list[Change]:
                 changes += diff(before[key], after[key], here)
         return changes
     if isinstance(before, list) and isinstance(after, list):
+        kept = min(len(before), len(after))
         changes = []
-        for i in range(max(len(before), len(after))):
-            here = pointer(path, i)
-            if i >= len(after):
-                changes.append(Change(here, "removed", before=before[i]))
-            elif i >= len(before):
-                changes.append(Change(here, "added", after=after[i]))
-            else:
-                changes += diff(before[i], after[i], here)
+        for i in range(kept):
+            changes += diff(before[i], after[i], pointer(path, i))
+        # removed from the end down, so each index still names its item when applied
+        for i in reversed(range(kept, len(before))):
+            changes.append(Change(pointer(path, i), "removed", before=before[i]))
+        for i in range(kept, len(after)):
+            changes.append(Change(pointer(path, i), "added", after=after[i]))
         return changes
     return [] if _same(before, after) else [Change(path, "changed", before, after)]
 
 
 @dataclass(frozen=True)
 class FieldMerge:
-    """How one field of a merged state came to be."""
+    """How one field of a merged state came to be; ``ABSENT`` where a side has no
+    such field (``None`` is a field set to ``null``)."""
 
     field: str
     reducer: str
-    before: Any  # the main line's value before the merge (None: absent)
-    inputs: tuple[Any, ...]  # each input's value, in the merge's order (None: absent)
+    before: Any  # the main line's value before the merge
+    inputs: tuple[Any, ...]  # each input's value, in the merge's order
     result: Any
 
     def to_doc(self, labels: Sequence[str]) -> dict[str, Any]:
-        return {
-            "field": self.field,
-            "reducer": self.reducer,
-            "before": self.before,
-            "inputs": dict(zip(labels, self.inputs, strict=True)),
-            "result": self.result,
+        """As JSON: a side without the field has no entry (``before``, an input's label,
+        ``result``) and is named in ``absent``; ``null`` is a field set to null."""
+        sides = {"before": self.before, **dict(zip(labels, self.inputs, strict=True))}
+        sides["result"] = self.result
+        doc: dict[str, Any] = {"field": self.field, "reducer": self.reducer}
+        if self.before is not ABSENT:
+            doc["before"] = self.before
+        doc["inputs"] = {
+            label: v for label, v in zip(labels, self.inputs, strict=True) if v is not ABSENT
         }
+        if self.result is not ABSENT:
+            doc["result"] = self.result
+        doc["absent"] = [side for side, v in sides.items() if v is ABSENT]
+        return doc
 
 
 def explain_merge(
@@ -117,9 +151,9 @@ def explain_merge(
         FieldMerge(
             field=f,
             reducer=config.field_reducers.get(f, config.default_reducer),
-            before=base.get(f, MISSING),
-            inputs=tuple(s.get(f, MISSING) for s in inputs),
-            result=result.get(f, MISSING),
+            before=base.get(f, ABSENT),
+            inputs=tuple(s.get(f, ABSENT) for s in inputs),
+            result=result.get(f, ABSENT),
         )
         for f in fields
     ]

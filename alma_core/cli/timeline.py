@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import typer
 from rich.table import Table
 
+from alma_core import history
 from alma_core.cli import common
 from alma_core.cli.runs import TENANT_HELP, runs_app
 from alma_core.sdk.client import AlmaClient
@@ -43,7 +44,9 @@ def _read(s: Settings, make: Callable[[Timeline], Awaitable[T]]) -> T:
 
 
 def _show(value: Any) -> str:
-    return "(absent)" if value is None else json.dumps(value)[:120]
+    """A value in a table: ``(absent)`` where the side has no such field, ``null``
+    where it holds null."""
+    return "(absent)" if value is history.ABSENT else json.dumps(value)[:120]
 
 
 @runs_app.command("state")
@@ -103,8 +106,8 @@ def runs_diff(
         table.add_row(
             c.path or "(the whole state)",
             c.kind,
-            "" if c.kind == "added" else _show(c.before),
-            "" if c.kind == "removed" else _show(c.after),
+            _show(c.before),
+            _show(c.after),
         )
     common.out.print(table)
 

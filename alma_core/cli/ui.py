@@ -28,6 +28,13 @@ def ui(
     allow_writes: bool = typer.Option(
         False, "--allow-writes", help="Enable forking from a checkpoint and replaying dead letters."
     ),
+    allowed_host: list[str] = typer.Option(
+        None,
+        "--allowed-host",
+        help="A host name people open the inspector by (repeat for several; *.example.com "
+        "for a domain's). Default: 127.0.0.1, localhost, ::1 and --host's address. Other "
+        "names are refused (DNS rebinding).",
+    ),
 ) -> None:
     """Serve the run inspector: runs, a run's timeline by branch, each checkpoint's
     state, diffs and merges, dead letters, memory retrieval."""
@@ -35,16 +42,38 @@ def ui(
         import uvicorn
 
         from alma_core.ui import create_app
+        from alma_core.ui.views import LOOPBACK_HOSTS
     except ImportError:
         common.fail("`alma ui` needs the ui extra: pip install 'alma-stream[ui]'", common.USAGE)
     s = common.resolved(common.settings())
     pinned = None if tenant_header else common.tenant(s, tenant, required=False)
+    names = allowed_hosts(host, allowed_host or [], LOOPBACK_HOSTS)
     try:
-        app = create_app(s, tenant=pinned, tenant_header=tenant_header, allow_writes=allow_writes)
+        app = create_app(
+            s,
+            tenant=pinned,
+            tenant_header=tenant_header,
+            allow_writes=allow_writes,
+            allowed_hosts=names,
+        )
     except errors.ConfigError as exc:
         common.fail(exc.message, common.USAGE)
     where = f"http://{host}:{port}/"
     mode = "reads and writes" if allow_writes else "read-only"
-    common.err.print(f"run inspector at {where} ({mode}; Ctrl-C stops)")
+    common.err.print(
+        f"run inspector at {where} ({mode}; answers to {', '.join(names)}; Ctrl-C stops)",
+        markup=False,
+    )
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
     common.run(uvicorn.Server(config).serve)
+
+
+def allowed_hosts(host: str, given: list[str], loopback: tuple[str, ...]) -> list[str]:
+    """The names the inspector answers to: those given, else loopback and the address it
+    listens on (a wildcard address names none: people reach it by names given)."""
+    if given:
+        return given
+    names = list(loopback)
+    if host not in ("0.0.0.0", "::", "") and host not in names:
+        names.append(host)
+    return names

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,11 +31,14 @@ from urllib.parse import urlencode, urlsplit
 import asyncpg
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from alma_core import errors, history
 from alma_core.sdk import dead_letters as letters
@@ -83,7 +86,9 @@ def _templates() -> Environment:
         autoescape=select_autoescape(default=True, default_for_string=True),
         trim_blocks=True,
         lstrip_blocks=True,
+        finalize=views.visible,  # control and bidirectional characters as escapes, everywhere
     )
+    env.tests["absent"] = lambda value: value is history.ABSENT  # beside a null
     env.filters["json"] = views.shown_json
     env.filters["raw"] = views.shown_bytes
     env.filters["when"] = _when
@@ -367,6 +372,8 @@ class Inspector:
             raise HTTPException(
                 403, "writes are off: start `alma ui --allow-writes` to fork or replay"
             )
+        # the Host was checked against the allowed names (KnownHosts): the page that
+        # posted must be of that same origin
         origin = request.headers.get("origin") or request.headers.get("referer") or ""
         if urlsplit(origin).netloc != request.headers.get("host"):
             raise HTTPException(403, "a write must come from the inspector's own pages")
@@ -410,6 +417,31 @@ def _time(raw: str | None, name: str) -> datetime | None:
     return at if at.tzinfo else at.replace(tzinfo=UTC)
 
 
+class KnownHosts:
+    """Answer only requests addressed to one of the inspector's host names (the
+    ``Host`` header): a page of another site whose name resolves to this address (DNS
+    rebinding) is refused before it reads anything."""
+
+    def __init__(self, app: ASGIApp, allowed: Sequence[str]) -> None:
+        self.app = app
+        self.allowed = tuple(allowed)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            host = Headers(scope=scope).get("host", "")
+            if not views.host_allowed(host, self.allowed):
+                refused = PlainTextResponse(
+                    f"this inspector answers to {', '.join(self.allowed)}, not to "
+                    f"{views.visible(host[:100])!r}. Open it by one of those names; whoever "
+                    "runs it adds a name with `alma ui --allowed-host NAME`",
+                    status_code=400,
+                    headers={"Content-Security-Policy": _CSP, "X-Content-Type-Options": "nosniff"},
+                )
+                await refused(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(
     settings: Settings,
     *,
@@ -417,9 +449,14 @@ def create_app(
     tenant_header: str | None = None,
     allow_writes: bool = False,
     client: AlmaClient | None = None,
+    allowed_hosts: Sequence[str] = views.LOOPBACK_HOSTS,
 ) -> Starlette:
     """The inspector as an ASGI app. In multi-tenant mode it must be pinned to a tenant
-    or given the header that names each request's tenant."""
+    or given the header that names each request's tenant. It answers only requests
+    addressed to ``allowed_hosts`` (loopback by default; ``*.example.com`` for a
+    domain's names, ``*`` for any, where a proxy in front checks the name)."""
+    if not allowed_hosts:
+        raise errors.ConfigError("the inspector needs at least one allowed host name")
     if settings.require_tenant and not (tenant or tenant_header):
         raise errors.ConfigError(
             "the inspector shows one tenant's runs in multi-tenant mode "
@@ -486,4 +523,5 @@ def create_app(
             Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
         ],
         lifespan=lifespan,
+        middleware=[Middleware(KnownHosts, allowed=allowed_hosts)],
     )

@@ -10,10 +10,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 MAIN_LANE = "main"
 SHOWN_CHARS = 20_000  # of a state or record on a page; the rest is cut, and said so
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+# Shown as escapes wherever text from events is shown: C0 and C1 controls (but tab and
+# newline), DEL, the line and paragraph separators, and the bidirectional controls
+# (embeddings, overrides, isolates, marks): `invoice\u202egpj.exe` must not read
+# `invoice...exe.jpg`.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True)
@@ -47,8 +53,34 @@ def shown_bytes(raw: bytes | None, limit: int = SHOWN_CHARS) -> Shown:
 
 
 def _visible(text: str) -> str:
-    """Control characters (but newline and tab) as ``\\xNN``/``\\uNNNN`` escapes."""
+    """Control and bidirectional characters (but newline and tab) as ``\\xNN`` or
+    ``\\uNNNN`` escapes."""
     return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+
+
+def visible(value: Any) -> Any:
+    """Every value a template shows (Jinja's ``finalize``): text with its control and
+    bidirectional characters as escapes; anything else as it is."""
+    return _visible(value) if isinstance(value, str) else value
+
+
+def host_allowed(host: str, allowed: Iterable[str]) -> bool:
+    """Whether a request's ``Host`` (a name or address, a port perhaps, IPv6 in
+    brackets) names one of ``allowed``: exact names, ``*.example.com`` for its
+    subdomains, ``*`` for any. Against DNS rebinding: a page of another site whose name
+    resolves to this address sends its own name."""
+    try:
+        name = urlsplit(f"//{host}").hostname
+    except ValueError:
+        return False
+    if not name:
+        return False
+    for pattern in (a.lower().strip("[]") for a in allowed):
+        if pattern == "*" or name == pattern:
+            return True
+        if pattern.startswith("*.") and name.endswith(pattern[1:]):
+            return True
+    return False
 
 
 @dataclass

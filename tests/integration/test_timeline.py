@@ -83,6 +83,7 @@ async def test_a_runs_past_is_read_compared_explained_and_forked(settings: Setti
             "before": 1,
             "inputs": {"A@4": 2, "B@3": 3},
             "result": 6,
+            "absent": [],
         }
         with pytest.raises(errors.ContextError, match="is no merge"):
             await step.merge(ctx, 4)

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -45,6 +46,7 @@ pytestmark = pytest.mark.slow
 WORKFLOW = "inspect"
 HOSTILE = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+BIDI = "invoice\u202egpj.exe"  # reads "invoice...exe.jpg" where U+202E is not escaped
 
 
 def inspector(settings: Settings, *args: str) -> contextlib.AbstractAsyncContextManager[str]:
@@ -54,7 +56,7 @@ def inspector(settings: Settings, *args: str) -> contextlib.AbstractAsyncContext
 
 
 @contextlib.contextmanager
-def browser() -> Iterator[WebDriver]:
+def browser(*flags: str) -> Iterator[WebDriver]:
     if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
         raise AssertionError(
             "the browser tests need Debian's chromium and chromium-driver: `make tools` "
@@ -72,6 +74,7 @@ def browser() -> Iterator[WebDriver]:
         "--disable-sync",
         "--no-first-run",
         "--window-size=1400,1000",
+        *flags,
     ):
         options.add_argument(flag)
     driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
@@ -129,6 +132,11 @@ async def make_runs(settings: Settings, client: AlmaClient, run: str, hostile: s
     await client.applied(at("end"), finished)
 
     await done(at("open", r=hostile), state={"html": HOSTILE, "tail": "y" * 60_000})
+    # bidirectional and control characters, in a node id and an error message
+    spoof = await client.node_failed(
+        at(BIDI, r=hostile), error_type="Spoof\u2066", message=f"open {BIDI}\x1b[2J", attempt=1
+    )
+    await client.applied(at(BIDI, r=hostile), spoof)
     async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
         # 300 KB of hostile text: over the state limit, a dead letter of 300 KB
         await pub.send(completed(hostile, node="huge", state={"s": HOSTILE * 4000}))
@@ -229,6 +237,13 @@ def read_only_pages(acme: str, beta: str, run: str, hostile: str, out: Path) -> 
         assert driver.find_elements(By.CSS_SELECTOR, "main img, main script") == []
         assert driver.execute_script("return window.__pwned === undefined")
         assert "more characters not shown" in driver.find_element(By.ID, "state-cut").text
+        # bidirectional and control characters: escapes, in the timeline and the page
+        driver.get(f"{acme}/run?id={hostile}")
+        page = driver.find_element(By.TAG_NAME, "body").text
+        assert "invoice\\u202egpj.exe" in page
+        assert "Spoof\\u2066" in page
+        assert "\\x1b[2J" in page
+        assert not {"\u202e", "\u2066", "\x1b"} & set(page + driver.title)
         driver.get(f"{acme}/dead-letters")
         records = texts(driver, "pre.record")
         assert any(HOSTILE[:30] in r for r in records)
@@ -271,6 +286,23 @@ def writes(acme: str, writable: str, run: str, out: Path) -> None:
         headers={"origin": "http://evil.example"},
     )
     assert forged.status_code == 403
+    # DNS rebinding: a page of another site whose name resolves to the inspector's
+    # address reads nothing and writes nothing, Origin and Host agreeing or not
+    port = urlsplit(writable).port
+    rebound = f"http://rebound.test:{port}"
+    rebound_fork = httpx.post(
+        f"{writable}/fork",
+        data={"id": run, "seq": "1", "new_run_id": "rebound"},
+        headers={"host": f"rebound.test:{port}", "origin": rebound},
+    )
+    assert rebound_fork.status_code == 400
+    with browser("--host-resolver-rules=MAP rebound.test 127.0.0.1") as driver:
+        driver.get(f"{rebound}/runs")
+        body = driver.find_element(By.TAG_NAME, "body").text
+        assert "answers to 127.0.0.1, localhost, ::1, not to 'rebound.test:" in body
+        assert run not in body
+        driver.get(f"{rebound}/run?id={run}")
+        assert run not in driver.find_element(By.TAG_NAME, "body").text
     with browser() as driver:
         driver.get(f"{writable}/checkpoint?id={run}&seq=1")
         forked = f"{run}-fork"
@@ -298,7 +330,9 @@ async def test_mounted_in_a_host_app_the_inspector_takes_the_tenant_from_a_proxy
         for tenant in ("acme", "beta"):
             ctx = WorkflowContext(tenant, WORKFLOW, None, f"{tenant}-mounted", "n")
             await client.applied(ctx, await client.node_completed(ctx, state={"t": tenant}))
-        inspector_app = create_app(settings, tenant_header="X-Alma-Tenant", client=client)
+        inspector_app = create_app(
+            settings, tenant_header="X-Alma-Tenant", client=client, allowed_hosts=["host"]
+        )
         host = Starlette(routes=[Mount("/inspect", inspector_app)])
         transport = httpx.ASGITransport(app=host)
         acme = {"X-Alma-Tenant": "acme"}
@@ -320,3 +354,7 @@ async def test_mounted_in_a_host_app_the_inspector_takes_the_tenant_from_a_proxy
                 data={"id": "acme-mounted", "seq": "1", "new_run_id": "x"},
             )
             assert fork.status_code == 403  # writes are off
+            # a name the deployment did not give is refused before any page is read
+            other = await http.get("/inspect/runs", headers={**acme, "host": "rebound.test"})
+            assert other.status_code == 400
+            assert "answers to host, not to 'rebound.test'" in other.text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import jsonpatch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -20,44 +21,31 @@ JSON = st.recursive(
 )
 
 
-def _unescape(token: str) -> str:
-    return token.replace("~1", "/").replace("~0", "~")
-
-
-def _index(token: str) -> int:
-    return int(token) if token.isascii() and token.isdigit() else 0
-
-
 def patch(doc: Any, changes: list[history.Change]) -> Any:
-    """Apply ``changes`` (removals of list items from the highest index down)."""
-    if any(c.path == "" for c in changes):
-        return copy.deepcopy(changes[-1].after)
-    doc = copy.deepcopy(doc)
-    ordered = [c for c in changes if c.kind != "removed"] + sorted(
-        (c for c in changes if c.kind == "removed"),
-        key=lambda c: (c.path.rsplit("/", 1)[0], _index(c.path.rsplit("/", 1)[1])),
-        reverse=True,
-    )
-    for c in ordered:
-        *parents, last = [_unescape(t) for t in c.path.split("/")[1:]]
-        here = doc
-        for token in parents:
-            here = here[int(token)] if isinstance(here, list) else here[token]
-        key: Any = int(last) if isinstance(here, list) else last
-        if c.kind == "removed":
-            del here[key]
-        elif isinstance(here, list) and key == len(here):
-            here.append(c.after)
-        else:
-            here[key] = c.after
-    return doc
+    """Apply ``changes`` in the order given, as JSON Patch operations, by an independent
+    implementation (the ``jsonpatch`` library): no reordering here."""
+    return jsonpatch.apply_patch(doc, [c.to_operation() for c in changes])
 
 
 @given(JSON, JSON)
-def test_a_diff_applied_to_the_first_gives_the_second(a: Any, b: Any) -> None:
+def test_a_diff_applied_in_its_order_gives_the_second(a: Any, b: Any) -> None:
     changes = history.diff(a, b)
     assert patch(a, changes) == b
     assert (changes == []) == (history.diff(b, a) == [])
+
+
+def test_a_lists_removals_come_from_its_end() -> None:
+    """Applied lowest index first, removing 1 then 2 of a 3-item list fails: index 2 is
+    gone once 1 is."""
+    changes = history.diff({"l": ["a", "b", "c"]}, {"l": ["x"]})
+    assert [c.to_operation() for c in changes] == [
+        {"op": "replace", "path": "/l/0", "value": "x"},
+        {"op": "remove", "path": "/l/2"},
+        {"op": "remove", "path": "/l/1"},
+    ]
+    assert patch({"l": ["a", "b", "c"]}, changes) == {"l": ["x"]}
+    grown = history.diff({"l": []}, {"l": [1, 2]})
+    assert [c.path for c in grown] == ["/l/0", "/l/1"]
 
 
 @given(JSON)
@@ -93,13 +81,14 @@ def test_a_merge_is_explained_field_by_field_with_its_reducer() -> None:
             "before": 1,
             "inputs": {"a@3": 2, "b@4": 3},
             "result": 6,
+            "absent": [],
         },
         {
             "field": "note",
             "reducer": "last_value",
-            "before": None,
             "inputs": {"a@3": "a", "b@4": "b"},
             "result": "b",
+            "absent": ["before"],
         },
         {
             "field": "tags",
@@ -107,8 +96,52 @@ def test_a_merge_is_explained_field_by_field_with_its_reducer() -> None:
             "before": ["m"],
             "inputs": {"a@3": ["x"], "b@4": ["y"]},
             "result": ["m", "x", "y"],
+            "absent": [],
         },
     ]
+
+
+def test_a_null_is_told_apart_from_an_absent_field() -> None:
+    """``null`` under ``last_value`` overwrites; an absent field does not: the merge
+    explained, the diff and their JSON say which is which."""
+    fields = history.explain_merge(
+        {"a": None, "b": 1},
+        {"a": 1, "b": 1},
+        [{"a": None}, {}],
+        ReducerConfig(),
+    )
+    a, b = (f.to_doc(["x@2", "y@3"]) for f in fields)
+    assert a == {
+        "field": "a",
+        "reducer": "last_value",
+        "before": 1,
+        "inputs": {"x@2": None},
+        "result": None,
+        "absent": ["y@3"],
+    }
+    assert b["absent"] == ["x@2", "y@3"]
+    assert fields[0].inputs == (None, history.ABSENT)
+    changes = history.diff({"gone": 1, "nulled": 1}, {"nulled": None, "new": None})
+    assert [(c.path, c.kind, c.before, c.after) for c in changes] == [
+        ("/gone", "removed", 1, history.ABSENT),
+        ("/new", "added", history.ABSENT, None),
+        ("/nulled", "changed", 1, None),
+    ]
+    assert [c.to_doc() for c in changes][1:] == [
+        {"path": "/new", "kind": "added", "after": None},
+        {"path": "/nulled", "kind": "changed", "before": 1, "after": None},
+    ]
+
+
+def test_the_inspector_shows_absent_beside_null() -> None:
+    from alma_core.ui.app import _templates
+
+    changes = history.diff({"gone": 1, "nulled": 1}, {"nulled": None})
+    html = _templates().get_template("changes.html").render(changes=changes)
+    rows = html.split("<tr class=")[1:]
+    assert 'class="absent">absent</em>' in rows[0]  # /gone: nothing after
+    assert "absent" not in rows[1]  # /nulled: null after
+    assert "<pre>null</pre>" in rows[1]
 
 
 def test_a_fork_asked_again_is_the_same_event_and_each_fork_its_own() -> None:

@@ -71,3 +71,42 @@ def test_the_cursor_round_trips_and_a_foreign_one_is_the_first_page() -> None:
     assert views.parse_cursor("garbage") is None
     assert views.parse_cursor("not-a-time|r") is None
     assert views.parse_cursor(None) is None
+
+
+def test_control_and_bidirectional_characters_are_shown_as_escapes() -> None:
+    """`invoice\\u202egpj.exe` must not read `invoice…exe.jpg`: every control, separator
+    and bidirectional character is an escape wherever event text is shown."""
+    hostile = "invoice\u202egpj.exe"
+    assert views.visible(hostile) == "invoice\\u202egpj.exe"
+    for char in ("\u202a", "\u202b", "\u202c", "\u202d", "\u2066", "\u2067", "\u2068", "\u2069"):
+        assert char not in views.visible(f"a{char}b")
+    for char in ("\u200e", "\u200f", "\u061c", "\u2028", "\u2029", "\x00", "\x1b", "\x85"):
+        assert char not in views.visible(f"a{char}b")
+    assert views.visible("tab\tand\nnewline, ünïcödé, 日本") == "tab\tand\nnewline, ünïcödé, 日本"
+    assert views.visible(42) == 42
+    assert "\\u202e" in views.shown_json({"name": hostile}).text
+
+
+def test_every_template_value_goes_through_the_escapes() -> None:
+    """The templates' ``finalize``: a value shown in a title, a table cell or an
+    attribute is made visible, then HTML-escaped."""
+    from alma_core.ui.app import _templates
+
+    page = _templates().from_string("<title>{{ run }}</title><td title='{{ run }}'>{{ run }}")
+    html = page.render(run="<b>x</b>\u202egpj.exe")
+    assert "\u202e" not in html
+    assert html.count("\\u202egpj.exe") == 3
+    assert "<b>" not in html
+
+
+def test_only_the_inspectors_own_host_names_are_answered() -> None:
+    loopback = views.LOOPBACK_HOSTS
+    for host in ("127.0.0.1:8765", "localhost:8765", "LOCALHOST", "[::1]:8765", "127.0.0.1"):
+        assert views.host_allowed(host, loopback), host
+    # DNS rebinding: another site's name that resolves here; and what is no name at all
+    for host in ("evil.test:8765", "127.0.0.1.evil.test", "", "[::1", "localhost@evil.test"):
+        assert not views.host_allowed(host, loopback), host
+    assert views.host_allowed("ops.example.com", ["*.example.com"])
+    assert not views.host_allowed("example.com.evil.test", ["*.example.com"])
+    assert not views.host_allowed("example.com", ["*.example.com"])
+    assert views.host_allowed("anything:1", ["*"])
