@@ -55,6 +55,31 @@ MAIN = ""  # branch key of the main line
 AFTER_THE_END = (NodeStarted, NodeCompleted, NodeFailed, BranchJoin)
 
 RunKey = tuple[str, str]  # (tenant_id, run_id): a run's identity
+
+
+def refused_now(
+    event: Event, *, status: str | None, completed: bool, last_seq: int
+) -> errors.RejectedEvent | None:
+    """What the sequencer would refuse ``event`` for, its run standing as given
+    (``status`` None: no such run yet): the run's end, or an ``expected_seq`` the run
+    has moved past. The rules :meth:`Sequencer.apply` applies, for a dead letter about
+    to be sent back (``alma dlq replay``, the inspector), which would else return to the
+    dead letters at once."""
+    if status is None:
+        return None
+    if completed and isinstance(event, AFTER_THE_END):
+        return errors.RunCompleted(
+            f"run {event.run_id!r} is completed ({status}): it takes no {event.type} any more"
+        )
+    if isinstance(event, NodeCompleted):
+        expected = event.payload.expected_seq
+        if expected is not None and expected != last_seq:
+            return errors.StaleExpectedSeq(
+                f"run {event.run_id!r} is at seq {last_seq}, the event expects {expected}"
+            )
+    return None
+
+
 HeadKey = tuple[str, str, str]  # (tenant_id, run_id, branch key)
 
 Effect = Literal["checkpointed", "unchanged", "recorded", "handed_off"]

@@ -3,8 +3,10 @@ which gives 4 partitions on the embedded broker) and describe them."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +15,9 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 from rich.table import Table
 
+from alma_core import errors
 from alma_core.cli import common
+from alma_core.logs import redact
 from alma_core.messaging import acls, kafka
 from alma_core.settings import Settings
 
@@ -43,6 +47,7 @@ def alma_topics(settings: Settings) -> list[str]:
 # What a record may carry beside its value (key, headers, batch framing): ALMA's
 # producers ask for ALMA_MAX_RECORD_BYTES plus this (their max_request_size).
 RECORD_OVERHEAD = 64 * 1024
+LEADERS_S = 30.0  # how long newly created topics may take to have every partition led
 DEFAULT_RECORD_BYTES: int = Settings.model_fields["max_record_bytes"].default
 
 
@@ -55,9 +60,11 @@ async def ensure_topics(
     client_options: dict[str, Any] | None = None,
     max_record_bytes: int = DEFAULT_RECORD_BYTES,
 ) -> list[str]:
-    """Create the topics that do not exist yet; returns the names created. Each takes
-    records as large as ALMA accepts (``max.message.bytes``: Apache Kafka's default is
-    1 MB, under ALMA_MAX_RECORD_BYTES' 8 MB, and a record over it is refused at the
+    """Create the topics that do not exist yet; returns the names created, once every
+    partition of theirs has a leader (Apache Kafka answers CreateTopics before it has
+    elected them, and a producer's first records would be refused and retried). Each
+    takes records as large as ALMA accepts (``max.message.bytes``: Apache Kafka's default
+    is 1 MB, under ALMA_MAX_RECORD_BYTES' 8 MB, and a record over it is refused at the
     producer, so a bad one could not even reach the dead letters)."""
     configs = {"max.message.bytes": str(max_record_bytes + RECORD_OVERHEAD)}
     admin = AIOKafkaAdminClient(
@@ -75,11 +82,38 @@ async def ensure_topics(
                         for n in missing
                     ]
                 )
+            await _until_led(admin, bootstrap, missing)
         return missing
     except KafkaError as exc:
         raise common.kafka_unavailable(bootstrap, "create topics", exc) from exc
     finally:
         await admin.close()
+
+
+async def _until_led(
+    admin: AIOKafkaAdminClient, bootstrap: str, names: list[str], limit_s: float = LEADERS_S
+) -> None:
+    """Wait until every partition of ``names`` has a leader (``limit_s`` at most)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        described = await admin.describe_topics(names)
+        waiting = sorted(
+            d["topic"]
+            for d in described
+            if d["error_code"]
+            or not d["partitions"]
+            or any(p["error_code"] or p["leader"] < 0 for p in d["partitions"])
+        )
+        if not waiting:
+            return
+        if time.monotonic() > deadline:
+            raise errors.BrokerUnavailable(
+                f"created {', '.join(waiting)} at {redact(bootstrap)}, but after {limit_s:.0f} "
+                "s some of their partitions still have no leader. What to do: check the "
+                "broker's log (a controller that cannot elect one, too few brokers for "
+                "ALMA_REPLICATION_FACTOR), then run `alma topics create` again"
+            )
+        await asyncio.sleep(0.05)
 
 
 async def describe_topics(

@@ -10,6 +10,7 @@ import asyncpg
 
 from alma_core import errors
 from alma_core.schemas.decoder import Rejection, decode
+from alma_core.sequencing import refused_now
 from alma_core.storage import dead_letters
 
 Send = Callable[[bytes, bytes | None], Awaitable[None]]  # (value, key) to the lifecycle topic
@@ -26,21 +27,44 @@ async def replay(
     force: bool = False,
 ) -> None:
     """Send dead letter ``letter_id`` (of ``tenant_id``, when given) back through ``send``:
-    ``corrected`` instead of its value when given. A value that would be rejected again
-    is refused unless ``force``; a valid one is keyed by its run id (its partition)."""
-    row = await dead_letters.original(conn, letter_id, tenant_id)
-    if row is None:
-        raise errors.AlmaError(f"no dead letter {letter_id}: see `alma dlq list`")
-    value: bytes = corrected if corrected is not None else (row["value"] or b"")
-    key: bytes | None = row["key"]
-    decoded = decode(value, max_state_bytes=max_state_bytes)
-    if isinstance(decoded, Rejection):
-        if not force:
+    ``corrected`` instead of its value when given, keyed by its run id (its partition).
+    Refused, unless ``force``: a letter replayed already (twice would send the event
+    twice; two asking at once, one is refused), and a value that would be rejected
+    again, by the decoder or by its run as it stands now (completed, or at another seq
+    than the event's ``expected_seq``)."""
+    async with conn.transaction():
+        row = await dead_letters.original(conn, letter_id, tenant_id, for_update=True)
+        if row is None:
+            raise errors.AlmaError(f"no dead letter {letter_id}: see `alma dlq list`")
+        if row["replayed_at"] is not None and not force:
             raise errors.AlmaError(
-                f"the value would be rejected again ({decoded.describe()}); "
-                "correct it and pass --value-file, or pass --force"
+                f"dead letter {letter_id} was replayed already (at "
+                f"{row['replayed_at']:%Y-%m-%d %H:%M:%S %Z}): sending it again would send its "
+                "event twice. What to do: nothing, or pass --force to send it once more"
             )
-    else:
-        key = decoded.run_id.encode()
-    await send(value, key)
-    await dead_letters.mark_replayed(conn, letter_id)
+        value: bytes = corrected if corrected is not None else (row["value"] or b"")
+        key: bytes | None = row["key"]
+        decoded = decode(value, max_state_bytes=max_state_bytes)
+        if isinstance(decoded, Rejection):
+            if not force:
+                raise errors.AlmaError(
+                    f"the value would be rejected again ({decoded.describe()}); "
+                    "correct it and pass --value-file, or pass --force"
+                )
+        else:
+            key = decoded.run_id.encode()
+            run = await dead_letters.run_standing(conn, decoded.tenant_id, decoded.run_id)
+            refusal = refused_now(
+                decoded,
+                status=run["status"] if run else None,
+                completed=bool(run and run["completed_at"] is not None),
+                last_seq=run["last_seq"] if run else 0,
+            )
+            if refusal is not None and not force:
+                raise errors.AlmaError(
+                    f"the event would be refused again: {refusal.message}. What to do: "
+                    "correct it (a new run id, or the run's current seq as expected_seq) "
+                    "and pass --value-file, or pass --force"
+                )
+        await send(value, key)
+        await dead_letters.mark_replayed(conn, letter_id)

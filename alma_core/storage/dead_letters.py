@@ -143,15 +143,34 @@ async def of_run(conn: asyncpg.Connection, run_id: str, tenant_id: str) -> list[
 
 
 async def original(
-    conn: asyncpg.Connection, letter_id: int, tenant_id: str | None = None
+    conn: asyncpg.Connection,
+    letter_id: int,
+    tenant_id: str | None = None,
+    *,
+    for_update: bool = False,
 ) -> asyncpg.Record | None:
     """A dead letter's key and value as they came, and when it was last replayed; with
-    ``tenant_id``, only a letter of that tenant."""
+    ``tenant_id``, only a letter of that tenant. ``for_update`` (in a transaction): the
+    row locked until it ends, so two replays of one letter go one after the other."""
+    lock = " FOR UPDATE" if for_update else ""
     row: asyncpg.Record | None = await conn.fetchrow(
-        """SELECT key, value, replayed_at FROM dead_letters
-           WHERE id = $1 AND ($2::text IS NULL OR tenant_id = $2)""",
+        f"""SELECT key, value, replayed_at FROM dead_letters
+            WHERE id = $1 AND ($2::text IS NULL OR tenant_id = $2){lock}""",
         letter_id,
         tenant_id,
+    )
+    return row
+
+
+async def run_standing(
+    conn: asyncpg.Connection, tenant_id: str, run_id: str
+) -> asyncpg.Record | None:
+    """A run's status, end and last seq as they stand (None: no such run yet): what a
+    replayed event would meet."""
+    row: asyncpg.Record | None = await conn.fetchrow(
+        "SELECT status, completed_at, last_seq FROM runs WHERE tenant_id = $1 AND run_id = $2",
+        tenant_id,
+        run_id,
     )
     return row
 

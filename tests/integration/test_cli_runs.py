@@ -116,6 +116,10 @@ async def test_dlq_list_and_replay(settings: Settings, worker: Worker, tmp_path:
     await wait_for(six, what="the replayed event's checkpoint")
     letters = json.loads(alma("dlq", "list", "--json", env=env).stdout)
     assert letters[0]["replayed_at"] is not None
+    twice = alma("dlq", "replay", str(letter), "--value-file", str(fixed), env=env)
+    assert twice.returncode == 1
+    assert "was replayed already" in twice.stderr
+    assert "--force" in twice.stderr
     bad = alma("dlq", "replay", "99999", env=env)
     assert bad.returncode == 1
     assert "no dead letter 99999" in bad.stderr

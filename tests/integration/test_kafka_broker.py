@@ -204,10 +204,22 @@ async def test_records_removed_by_retention_before_the_group_read_them_are_count
 
 
 async def test_more_partitions_than_the_suite_uses(services: Services, database: str) -> None:
-    """24 partitions (the suite's topics have 4): every run lands whole in one, and
-    the checkpointer applies them all in order."""
+    """24 partitions (the suite's topics have 4): created, every one has its leader at
+    once (Kafka answers CreateTopics before electing them); every run lands whole in
+    one, and the checkpointer applies them all in order."""
     topics = _topics()
     await ensure_topics(services.kafka_bootstrap, topics.all, partitions=24)
+    admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka_bootstrap)
+    await admin.start()
+    try:
+        described = await admin.describe_topics(topics.all)
+    finally:
+        await admin.close()
+    leaders = {
+        (d["topic"], p["partition"]): p["leader"] for d in described for p in d["partitions"]
+    }
+    assert len(leaders) == 24 * len(topics.all)
+    assert all(leader >= 0 for leader in leaders.values()), leaders
     settings = settings_for(
         services.kafka_bootstrap, database, services.redis_url, topics, partitions=24
     )

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,6 +147,14 @@ async def make_runs(settings: Settings, client: AlmaClient, run: str, hostile: s
         await pub.send(nul, key=b"k\x00\x01" + hostile.encode())
         await pub.flush()
     await done(at("solo", r=f"beta-run-{run}", t="beta"), state={"beta": True})
+    # a write that came early (it expects seq 2, the run is at 1): dead-lettered; then
+    # the run reaches seq 2, and the letter, replayed, would apply
+    early = f"{run}-early"
+    await done(at("first", r=early), state={"k": 1})
+    ahead = await client.node_completed(at("ahead", r=early), updates={"k": 9}, expected_seq=2)
+    with pytest.raises(errors.RejectedEvent, match="expected 2"):
+        await client.applied(at("ahead", r=early), ahead)
+    await done(at("second", r=early), updates={"k": 2})
 
 
 async def test_the_inspector_shows_runs_timelines_diffs_and_keeps_tenants_apart(
@@ -182,9 +191,9 @@ def read_only_pages(acme: str, beta: str, run: str, hostile: str, out: Path) -> 
         driver.get(f"{acme}/runs")
         assert driver.find_element(By.ID, "tenant").text == "acme"
         listed = texts(driver, "#runs a.run")
-        assert set(listed) == {run, hostile}
+        assert set(listed) == {run, hostile, f"{run}-early"}
         assert texts(driver, "#count-succeeded") == ["1"]
-        assert texts(driver, "#count-running") == ["1"]
+        assert texts(driver, "#count-running") == ["2"]
         driver.save_screenshot(str(out / "ui-runs.png"))
         Select(driver.find_element(By.NAME, "status")).select_by_value("succeeded")
         follow(driver, By.ID, "filter")
@@ -311,12 +320,42 @@ def writes(acme: str, writable: str, run: str, out: Path) -> None:
         assert driver.find_element(By.ID, "run-id").text == forked
         assert run in driver.find_element(By.CSS_SELECTOR, ".facts").text  # forked from
         driver.save_screenshot(str(out / "ui-fork.png"))
+        # a dead letter that would be refused again is not sent back, and says why
         driver.get(f"{writable}/dead-letters?reason=stale_expected_seq")
-        follow(driver, By.CSS_SELECTOR, "button.replay")
-        note = driver.find_element(By.ID, "replayed").text
-        assert "sent back" in note
-        letter = note.split("#")[1].split()[0]
-        assert "replayed" in driver.find_element(By.CSS_SELECTOR, f"#letter-{letter} h2").text
+        late, early = (letter_of(driver, r) for r in (run, f"{run}-early"))
+        follow(driver, By.CSS_SELECTOR, f"#{late} button.replay")
+        refused = driver.find_element(By.ID, "error").text
+        assert "would be refused again" in refused
+        assert "is completed (succeeded)" in refused
+        driver.get(f"{writable}/dead-letters?reason=stale_expected_seq")
+        assert "replayed" not in driver.find_element(By.CSS_SELECTOR, f"#{late} h2").text
+        # one that would apply now is sent back once: its button goes, and a second ask
+        # (another tab, a resent form) is refused
+        follow(driver, By.CSS_SELECTOR, f"#{early} button.replay")
+        assert "sent back" in driver.find_element(By.ID, "replayed").text
+        assert "replayed" in driver.find_element(By.CSS_SELECTOR, f"#{early} h2").text
+        assert driver.find_elements(By.CSS_SELECTOR, f"#{early} button.replay") == []
+        driver.save_screenshot(str(out / "ui-dead-letters-replayed.png"))
+    again = httpx.post(
+        f"{writable}/dead-letters/{early.removeprefix('letter-')}/replay",
+        headers={"origin": writable},
+    )
+    assert again.status_code == 409
+    assert "replayed already" in again.text
+    # the replayed write applied: the early run is at seq 3
+    for _ in range(300):
+        page = httpx.get(f"{writable}/run?id={run}-early").text
+        if "<dt>checkpoints</dt><dd>3</dd>" in page:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the replayed write was not applied within 30 s")
+
+
+def letter_of(driver: WebDriver, run: str) -> str:
+    """The element id of the dead letter of ``run`` on the dead-letters page."""
+    found = driver.find_element(By.XPATH, f"//section[.//a[text()='{run}']]")
+    return str(found.get_attribute("id"))
 
 
 async def test_mounted_in_a_host_app_the_inspector_takes_the_tenant_from_a_proxy_header(

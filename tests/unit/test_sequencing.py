@@ -24,6 +24,7 @@ from alma_core.sequencing import (
     RunView,
     Sequencer,
     hash_scheme,
+    refused_now,
     short_hash,
     state_hash,
 )
@@ -326,3 +327,20 @@ def test_a_short_hash_keeps_its_scheme() -> None:
     assert short_hash(new) == new[: len("blake3:") + 12]
     assert short_hash(new).startswith("blake3:")
     assert short_hash(old) == old[:12]
+
+
+def test_what_a_replayed_dead_letter_would_meet_is_told_before_it_is_sent() -> None:
+    """refused_now applies the sequencer's own rules to the run as it stands: the run's
+    end and a stale expected_seq refuse; a run that caught up, or is not there yet, not."""
+    early = ev(updates={"k": 1}, expected_seq=2)
+    assert refused_now(early, status="running", completed=False, last_seq=2) is None
+    stale = refused_now(early, status="running", completed=False, last_seq=3)
+    assert isinstance(stale, errors.StaleExpectedSeq)
+    assert "is at seq 3, the event expects 2" in stale.message
+    ended = refused_now(ev(state={}), status="succeeded", completed=True, last_seq=5)
+    assert isinstance(ended, errors.RunCompleted)
+    assert refused_now(early, status=None, completed=False, last_seq=0) is None
+    # the sequencer refuses the same events for the same reasons
+    run = RunView("r", "acme", "wf", None, last_seq=3)
+    with pytest.raises(errors.StaleExpectedSeq):
+        sequencer(runs={("acme", "r"): run}).fold(early, AT)
