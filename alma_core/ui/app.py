@@ -489,6 +489,9 @@ def create_app(
             started = time.perf_counter()
             it = await inspector()
             try:
+                if any("\x00" in k or "\x00" in v for k, v in request.query_params.multi_items()):
+                    # PostgreSQL's text cannot hold one: refused here, not a 500 later
+                    raise HTTPException(400, "a query parameter holds a NUL character (%00)")
                 response: Response = await getattr(it, name)(request)
             except HTTPException as exc:
                 response = it.page(

@@ -60,8 +60,11 @@ def _visible(text: str) -> str:
 
 def visible(value: Any) -> Any:
     """Every value a template shows (Jinja's ``finalize``): text with its control and
-    bidirectional characters as escapes; anything else as it is."""
-    return _visible(value) if isinstance(value, str) else value
+    bidirectional characters as escapes; markup the templates made (``__html__``: a
+    macro's output, already escaped and made visible) and anything else as it is."""
+    if isinstance(value, str) and not hasattr(value, "__html__"):
+        return _visible(value)
+    return value
 
 
 def host_allowed(host: str, allowed: Iterable[str]) -> bool:

@@ -387,6 +387,11 @@ async def test_mounted_in_a_host_app_the_inspector_takes_the_tenant_from_a_proxy
             for other in ("/inspect/runs?tenant=beta", "/inspect/run?id=beta-mounted"):
                 assert (await http.get(other, headers=acme)).status_code == 404
             assert (await http.get("/inspect/static/style.css")).status_code == 200
+            # a NUL in a query: a page that says so (400, the CSP on it), never a 500
+            nul = await http.get("/inspect/runs?q=a%00b", headers=acme)
+            assert nul.status_code == 400
+            assert "NUL character" in nul.text
+            assert "default-src 'none'" in nul.headers["content-security-policy"]
             fork = await http.post(
                 "/inspect/fork",
                 headers={**acme, "origin": "http://host"},

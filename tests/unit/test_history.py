@@ -156,3 +156,12 @@ def test_a_fork_asked_again_is_the_same_event_and_each_fork_its_own() -> None:
     assert one not in others
     assert len(others) == 4
     assert len(one) <= 256
+
+
+def test_a_cut_value_says_so() -> None:
+    from alma_core.ui.app import _templates
+
+    changes = history.diff({"long": "a"}, {"long": "b" * 5000})
+    html = _templates().get_template("changes.html").render(changes=changes)
+    assert "more characters not shown (of 5002)" in html
+    assert "b" * 5000 not in html
