@@ -31,7 +31,8 @@ from alma_core.consumers.outbox import OutboxRelay
 from alma_core.consumers.retry import backoff_delay, retry_start, wait
 from alma_core.consumers.runtime import BatchHandler, ConsumerRuntime, RuntimeConfig
 from alma_core.learning import LearningPolicy
-from alma_core.messaging import acls, kafka
+from alma_core.messaging import acls, kafka, topic_checks
+from alma_core.messaging.topic_checks import TopicFacts
 from alma_core.reducers import ReducerRegistry, default_registry
 from alma_core.settings import Settings
 from alma_core.storage import postgres
@@ -162,9 +163,8 @@ async def _check_replay_window(settings: Settings, bootstrap: str) -> None:
         await admin.start()
         resource = ConfigResource(ConfigResourceType.TOPIC, topic)
         (response,) = await admin.describe_configs([resource])
-        configs = {e[0]: e[1] for r in response.resources for e in r[4]}
-        retention_ms = int(configs["retention.ms"]) if "retention.ms" in configs else None
-        largest = int(configs["max.message.bytes"]) if "max.message.bytes" in configs else None
+        configs = {e[0]: e[1] for r in response.resources for e in r[4] if e[1] is not None}
+        facts = TopicFacts(topic, 0, 0, configs)  # partitions and replicas not read here
     except (KafkaError, OSError, ValueError, IndexError) as exc:
         log.info(
             "the lifecycle topic's retention could not be read",
@@ -173,20 +173,17 @@ async def _check_replay_window(settings: Settings, bootstrap: str) -> None:
         return
     finally:
         await admin.close()
+    retention_ms = facts.config_int("retention.ms")
     problem = (
         None if retention_ms is None else settings.retention.replay_problem(topic, retention_ms)
     )
     if problem:
         log.warning(problem, extra={"action": "replay_window", "topic": topic})
-    if largest is not None and largest < settings.max_record_bytes:
+    limit = topic_checks.record_limit_problem(facts, settings)
+    if limit:
+        largest = facts.config_int("max.message.bytes")
         log.warning(
-            f"the topic {topic} refuses records over {largest:,} bytes (max.message.bytes), "
-            f"under ALMA_MAX_RECORD_BYTES={settings.max_record_bytes:,}: a larger event is "
-            "refused at its producer and never reaches the dead letters. What to do: raise "
-            f"the topic's max.message.bytes to {settings.max_record_bytes + 65536} "
-            "(kafka-configs.sh --alter --entity-type topics ...), or lower "
-            "ALMA_MAX_RECORD_BYTES to what the topic takes",
-            extra={"action": "record_limit", "topic": topic, "max_message_bytes": largest},
+            limit, extra={"action": "record_limit", "topic": topic, "max_message_bytes": largest}
         )
 
 

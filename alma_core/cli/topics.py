@@ -7,18 +7,19 @@ import asyncio
 import contextlib
 import json
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import typer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 from rich.table import Table
 
 from alma_core import errors
 from alma_core.cli import common
 from alma_core.logs import redact
-from alma_core.messaging import acls, kafka
+from alma_core.messaging import acls, kafka, topic_checks
+from alma_core.messaging.topic_checks import TopicFacts
 from alma_core.settings import Settings
 
 topics_app = common.app(help="Kafka topics.")
@@ -26,13 +27,6 @@ topics_app = common.app(help="Kafka topics.")
 
 def register(app: typer.Typer) -> None:
     app.add_typer(topics_app, name="topics")
-
-
-@dataclass(frozen=True)
-class TopicInfo:
-    name: str
-    partitions: int
-    error: str | None = None
 
 
 def alma_topics(settings: Settings) -> list[str]:
@@ -44,9 +38,6 @@ def alma_topics(settings: Settings) -> list[str]:
     ]
 
 
-# What a record may carry beside its value (key, headers, batch framing): ALMA's
-# producers ask for ALMA_MAX_RECORD_BYTES plus this (their max_request_size).
-RECORD_OVERHEAD = 64 * 1024
 LEADERS_S = 30.0  # how long newly created topics may take to have every partition led
 DEFAULT_RECORD_BYTES: int = Settings.model_fields["max_record_bytes"].default
 
@@ -66,7 +57,7 @@ async def ensure_topics(
     takes records as large as ALMA accepts (``max.message.bytes``: Apache Kafka's default
     is 1 MB, under ALMA_MAX_RECORD_BYTES' 8 MB, and a record over it is refused at the
     producer, so a bad one could not even reach the dead letters)."""
-    configs = {"max.message.bytes": str(max_record_bytes + RECORD_OVERHEAD)}
+    configs = topic_checks.creation_configs(max_record_bytes, replication_factor)
     admin = AIOKafkaAdminClient(
         bootstrap_servers=bootstrap, request_timeout_ms=10_000, **(client_options or {})
     )
@@ -118,7 +109,9 @@ async def _until_led(
 
 async def describe_topics(
     bootstrap: str, names: list[str], client_options: dict[str, Any] | None = None
-) -> list[TopicInfo]:
+) -> dict[str, TopicFacts | None]:
+    """What the broker says of each topic (its partitions, replication and
+    configuration); None for one that does not exist."""
     admin = AIOKafkaAdminClient(
         bootstrap_servers=bootstrap, request_timeout_ms=10_000, **(client_options or {})
     )
@@ -126,12 +119,23 @@ async def describe_topics(
         await admin.start()
         existing = set(await admin.list_topics())
         present = [n for n in names if n in existing]
-        described = await admin.describe_topics(present) if present else []
-        by_name = {d["topic"]: len(d["partitions"]) for d in described}
-        return [
-            TopicInfo(n, by_name.get(n, 0), None if n in existing else "does not exist")
-            for n in names
-        ]
+        if not present:
+            return dict.fromkeys(names)
+        described = {d["topic"]: d for d in await admin.describe_topics(present)}
+        configs = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, n) for n in present]
+        )
+        by_topic = {
+            r[3]: {e[0]: e[1] for e in r[4] if e[1] is not None}
+            for response in configs
+            for r in response.resources
+        }
+        facts: dict[str, TopicFacts | None] = dict.fromkeys(names)
+        for name in present:
+            partitions = described[name]["partitions"]
+            replicas = min((len(p["replicas"]) for p in partitions), default=0)
+            facts[name] = TopicFacts(name, len(partitions), replicas, by_topic.get(name, {}))
+        return facts
     except KafkaError as exc:
         raise common.kafka_unavailable(bootstrap, "describe topics", exc) from exc
     finally:
@@ -161,24 +165,64 @@ def topics_create(
 
 @topics_app.command("describe")
 def topics_describe(as_json: bool = common.json_option("the topics")) -> None:
-    """Partition counts of ALMA's topics."""
+    """ALMA's topics as the broker has them (partitions, replication,
+    min.insync.replicas, retention, largest record), checked against what ALMA needs:
+    exit 1 when one is missing or falls short, each problem saying what to do."""
     s = common.settings()
 
     async def main() -> None:
-        infos = await describe_topics(common.bootstrap(s), alma_topics(s), kafka.client_options(s))
+        names = alma_topics(s)
+        facts = await describe_topics(common.bootstrap(s), names, kafka.client_options(s))
+        missing = [n for n, f in facts.items() if f is None]
+        found = {
+            n: topic_checks.problems(f, s, lifecycle=n == s.lifecycle_topic)
+            for n, f in facts.items()
+            if f is not None
+        }
         if as_json:
-            print(json.dumps([i.__dict__ for i in infos]))
+            docs = [
+                {**f.to_doc(), "error": None, "problems": found[n]}
+                if f is not None
+                else {"name": n, "partitions": 0, "error": "does not exist", "problems": []}
+                for n, f in facts.items()
+            ]
+            print(json.dumps(docs))
         else:
             table = Table(title="topics")
-            for col in ("topic", "partitions", "note"):
+            for col in ("topic", "partitions", "replicas", "min in sync", "retention", "largest"):
                 table.add_column(col)
-            for i in infos:
-                table.add_row(i.name, str(i.partitions), i.error or "")
+            for n, f in facts.items():
+                if f is None:
+                    table.add_row(n, "does not exist", "", "", "", "")
+                    continue
+                doc = f.to_doc()
+                table.add_row(
+                    n,
+                    str(f.partitions),
+                    str(f.replication),
+                    _shown(doc["min_insync_replicas"]),
+                    _days(f.config_int("retention.ms")),
+                    _shown(doc["max_message_bytes"]),
+                )
             common.out.print(table)
-        if any(i.error for i in infos):
-            common.fail("some topics are missing: run `alma topics create`")
+            for problem in (p for ps in found.values() for p in ps):
+                common.err.print(f"- {problem}", markup=False)
+        if missing:
+            common.fail(f"missing: {', '.join(missing)}. What to do: run `alma topics create`")
+        if any(found.values()):
+            common.fail("some topics fall short of what ALMA needs (above)")
 
     common.run(main)
+
+
+def _shown(value: object) -> str:
+    return "" if value is None else f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def _days(retention_ms: int | None) -> str:
+    if retention_ms is None:
+        return ""
+    return "forever" if retention_ms < 0 else f"{retention_ms / 86_400_000:g} days"
 
 
 @topics_app.command("acls")

@@ -311,3 +311,49 @@ async def test_a_cluster_id_that_begins_with_a_dash_formats(
         assert broker.cluster_id == "-" + "A" * 21
     finally:
         await broker.stop()
+
+
+async def test_alma_topics_describe_checks_the_topics_on_the_broker(
+    services: Services, settings: Settings
+) -> None:
+    """`alma topics describe` on the real broker: the partitions, replication,
+    min.insync.replicas, retention and largest record of ALMA's topics (created as `alma
+    topics create` creates them), with the deploy files' retention, find nothing wrong;
+    a lifecycle topic that keeps records forever is named, with what to do (exit 1)."""
+    import json
+
+    import yaml
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    from tests.integration.test_cli import alma
+    from tests.integration.test_cli_runs import env_of
+    from tests.readme_blocks import ROOT
+
+    env = env_of(settings)
+    described = await asyncio.to_thread(alma, "topics", "describe", "--json", env=env)
+    assert described.returncode == 0, described.stderr
+    docs = {d["name"]: d for d in json.loads(described.stdout)}
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    hours = compose["services"]["kafka"]["environment"]["KAFKA_LOG_RETENTION_HOURS"]
+    for topic in (settings.lifecycle_topic, settings.merged_topic, settings.dlq_topic):
+        doc = docs[topic]
+        assert doc["partitions"] == settings.partitions, doc
+        assert doc["replication_factor"] == settings.replication_factor == 1
+        assert doc["max_message_bytes"] == settings.max_record_bytes + 64 * 1024
+        assert doc["retention_ms"] == hours * 3_600_000  # the deploy files' retention
+        assert doc["problems"] == [], doc
+    admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka_bootstrap)
+    await admin.start()
+    try:
+        forever = {"retention.ms": "-1"}
+        await admin.alter_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, settings.lifecycle_topic, forever)]
+        )
+    finally:
+        await admin.close()
+
+    async def told() -> bool:
+        again = await asyncio.to_thread(alma, "topics", "describe", env=env)
+        return again.returncode == 1 and "keeps records forever" in again.stderr
+
+    await wait_for(told, what="the lifecycle topic's infinite retention named")
