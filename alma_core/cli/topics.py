@@ -73,7 +73,7 @@ async def ensure_topics(
                         for n in missing
                     ]
                 )
-            await _until_led(admin, bootstrap, missing)
+            await until_led(admin, bootstrap, missing)
         return missing
     except KafkaError as exc:
         raise common.kafka_unavailable(bootstrap, "create topics", exc) from exc
@@ -81,7 +81,7 @@ async def ensure_topics(
         await admin.close()
 
 
-async def _until_led(
+async def until_led(
     admin: AIOKafkaAdminClient, bootstrap: str, names: list[str], limit_s: float = LEADERS_S
 ) -> None:
     """Wait until every partition of ``names`` has a leader (``limit_s`` at most)."""

@@ -12,6 +12,7 @@ import asyncpg
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+from alma_core.cli.topics import until_led
 from alma_core.sdk.client import AlmaClient
 from alma_core.settings import Settings
 from alma_core.storage import retention
@@ -218,6 +219,9 @@ async def test_a_worker_warns_when_the_topic_outlives_run_rows(
                 for name, ms in (("forever", "-1"), ("week", str(7 * 86_400_000)))
             ]
         )
+        # led before a worker reads their configuration (Kafka elects after answering)
+        names = [f"{settings.lifecycle_topic}-{n}" for n in ("forever", "week")]
+        await until_led(admin, bootstrap, names)
     finally:
         await admin.close()
     warned = {}
