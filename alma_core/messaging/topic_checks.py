@@ -28,7 +28,7 @@ RECORD_OVERHEAD = 64 * 1024
 @dataclass(frozen=True)
 class TopicFacts:
     """What the broker says of one topic: its partitions, its replication factor (the
-    replicas of its first partition) and its configuration (``retention.ms``,
+    fewest replicas any partition has) and its configuration (``retention.ms``,
     ``min.insync.replicas``, ``max.message.bytes``, ...)."""
 
     name: str
