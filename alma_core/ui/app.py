@@ -96,7 +96,8 @@ def _templates() -> Environment:
 
 
 def _when(at: datetime | None) -> str:
-    return at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") if at else ""
+    """A time as shown: in UTC, and saying so (the forms' times are UTC too)."""
+    return at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if at else ""
 
 
 def _url(path: str, **params: Any) -> str:

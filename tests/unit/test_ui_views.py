@@ -3,7 +3,7 @@ bytes cut and made visible (the templates escape them), the list's paging cursor
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 
 from alma_core.ui import views
 
@@ -110,3 +110,11 @@ def test_only_the_inspectors_own_host_names_are_answered() -> None:
     assert not views.host_allowed("example.com.evil.test", ["*.example.com"])
     assert not views.host_allowed("example.com", ["*.example.com"])
     assert views.host_allowed("anything:1", ["*"])
+
+
+def test_times_are_shown_in_utc_and_say_so() -> None:
+    from alma_core.ui.app import _templates
+
+    at = datetime(2026, 11, 27, 23, 30, tzinfo=timezone(timedelta(hours=2)))
+    shown = _templates().from_string("{{ at | when }}").render(at=at)
+    assert shown == "2026-11-27 21:30:00 UTC"
