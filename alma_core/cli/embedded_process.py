@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import importlib.util
 import logging
 import os
 import signal
@@ -102,10 +103,19 @@ class Service:
     def _command(self, port: int) -> list[str]:
         raise NotImplementedError
 
+    # the module of the 'embedded' extra this service runs from, its distribution, and
+    # the setting that names a service of one's own instead (for the message that
+    # says what to install)
+    module: str | None = None
+    wheel = ""
+    setting = ""
+
     def lacks(self) -> str | None:
-        """The package (of the 'embedded' extra) this service needs and this environment
-        has not; None when it can start."""
-        return None
+        """The distribution this service needs and this environment has not; None when
+        it can start."""
+        if self.module is None or importlib.util.find_spec(self.module) is not None:
+            return None
+        return self.wheel
 
     def _popen_kwargs(self) -> dict[str, Any]:
         return {}

@@ -421,7 +421,9 @@ def _time(raw: str | None, name: str) -> datetime | None:
 class KnownHosts:
     """Answer only requests addressed to one of the inspector's host names (the
     ``Host`` header): a page of another site whose name resolves to this address (DNS
-    rebinding) is refused before it reads anything."""
+    rebinding) is refused before it reads anything. Not Starlette's
+    TrustedHostMiddleware: it cuts the port at the first colon, so ``[::1]:8765``
+    never matches."""
 
     def __init__(self, app: ASGIApp, allowed: Sequence[str]) -> None:
         self.app = app
