@@ -22,6 +22,7 @@ by field, and the identity of a fork.
 from __future__ import annotations
 
 import enum
+import math
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -72,13 +73,36 @@ class Change:
         return doc
 
 
+def at_pointer(doc: Any, path: str) -> Any:
+    """The value at the RFC 6901 pointer ``path`` (``""``: the whole); KeyError naming
+    the first step that is not there."""
+    if path == "":
+        return doc
+    if not path.startswith("/"):
+        raise KeyError(f"a JSON Pointer starts with '/': {path!r}")
+    here = doc
+    for raw in path[1:].split("/"):
+        step = raw.replace("~1", "/").replace("~0", "~")
+        if isinstance(here, Mapping) and step in here:
+            here = here[step]
+        elif isinstance(here, list) and step.isdigit() and int(step) < len(here):
+            here = here[int(step)]
+        else:
+            raise KeyError(f"nothing at {step!r} of {path!r}")
+    return here
+
+
 def pointer(parent: str, key: str | int) -> str:
     """``parent`` extended by one key or index, escaped as RFC 6901 says."""
     return f"{parent}/{str(key).replace('~', '~0').replace('/', '~1')}"
 
 
 def _same(a: Any, b: Any) -> bool:
-    return type(a) is type(b) and a == b
+    """The same JSON value: of one type (``1`` is not ``1.0`` nor ``true``) and equal,
+    floats by their sign too (``-0.0`` is not ``0.0``, though Python says equal)."""
+    if type(a) is not type(b) or a != b:
+        return False
+    return not isinstance(a, float) or math.copysign(1.0, a) == math.copysign(1.0, b)
 
 
 def diff(before: Any, after: Any, path: str = "") -> list[Change]:

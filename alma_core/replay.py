@@ -230,12 +230,15 @@ def first_difference(stored: Mapping[int, Stored], made: Mapping[int, Stored]) -
             return Difference(seq, "kind", stored=theirs.kind, replayed=ours.kind)
         if theirs.state_hash != ours.state_hash:
             changes = history.diff(theirs.state, ours.state)
-            first = changes[0] if changes else None
+            if not changes:  # the same values, hashed otherwise (its scheme, its text)
+                return Difference(
+                    seq,
+                    "state",
+                    detail=f"the same values with another hash: stored {theirs.state_hash}, "
+                    f"replayed {ours.state_hash}",
+                )
+            first = changes[0]
             return Difference(
-                seq,
-                "state",
-                path=first.path if first else None,
-                stored=first.before if first else None,
-                replayed=first.after if first else None,
+                seq, "state", path=first.path, stored=first.before, replayed=first.after
             )
     return None

@@ -193,10 +193,9 @@ def _migrate(
 def _where(d: replaying.Difference) -> str:
     """A difference in words: where, what, both sides."""
     path = f" at {d.path}" if d.path else ""
-    return (
-        f"at seq {d.seq} ({d.what}{path}): stored {_show(d.stored)}, replayed "
-        f"{_show(d.replayed)}" + (f"; {d.detail}" if d.detail else "")
-    )
+    sides = d.path is not None or d.what == "kind"  # else there are no values to show
+    told = [f"stored {_show(d.stored)}, replayed {_show(d.replayed)}"] if sides else []
+    return f"at seq {d.seq} ({d.what}{path}): " + "; ".join([*told, *filter(None, [d.detail])])
 
 
 def _summary(verdicts: list[replaying.Verdict]) -> dict[str, Any]:

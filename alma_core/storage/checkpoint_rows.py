@@ -22,7 +22,7 @@ WITH new_checkpoints AS (
     INSERT INTO checkpoints (run_id, seq, tenant_id, kind, node_id, branch_id, parent_seq,
                              event_id, state, state_hash, size_bytes, merged_from, metadata,
                              created_at)
-    SELECT u.r, u.s, u.t, u.k, u.n, u.b, u.p, u.e, u.state::jsonb, u.h, u.z,
+    SELECT u.r, u.s, u.t, u.k, u.n, u.b, u.p, u.e, u.state::json, u.h, u.z,
            u.mf::bigint[], u.m::jsonb, $14
     FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[], $5::text[],
                 $6::text[], $7::bigint[], $8::text[], $9::text[], $10::text[],

@@ -137,7 +137,7 @@ _WRITE = (
     INSERT INTO run_events (event_id, run_id, tenant_id, type, node_id, branch_id,
                             emitted_at, checkpoint_seq, effect, payload, source_topic,
                             source_partition, source_offset)
-    SELECT u.i, u.r, u.t, u.y, u.n, u.b, u.at, u.s, u.x, u.p::jsonb, u.st, u.sp, u.so
+    SELECT u.i, u.r, u.t, u.y, u.n, u.b, u.at, u.s, u.x, u.p::json, u.st, u.sp, u.so
     FROM unnest($29::text[], $30::text[], $31::text[], $32::text[], $33::text[],
                 $34::text[], $35::timestamptz[], $36::bigint[], $37::text[], $38::text[],
                 $39::text[], $40::int[], $41::bigint[]) AS u(i, r, t, y, n, b, at, s, x, p,

@@ -228,7 +228,7 @@ _WRITE = (
     WHERE h.tenant_id = u.t AND h.run_id = u.r AND h.branch_key = u.b
 )
 INSERT INTO joins (run_id, join_id, tenant_id, event_id, status, checkpoint_seq, reply)
-SELECT u.r, u.j, u.t, u.e, u.s, u.c, u.reply::jsonb
+SELECT u.r, u.j, u.t, u.e, u.s, u.c, u.reply::json
 FROM unnest($26::text[], $27::text[], $28::text[], $29::text[], $30::text[], $31::bigint[],
             $32::text[]) AS u(r, j, t, e, s, c, reply)
 """

@@ -107,7 +107,7 @@ class PostgresLearnStore(BatchStore[dict[Coordinates, Prepared], LearnEffects]):
                 # completion, or its failure when they hold an error.
                 """SELECT e.tenant_id, e.run_id, e.node_id, e.branch_id,
                           CASE WHEN e.type <> 'graph.writes' THEN e.type
-                               WHEN e.payload ? 'error' THEN 'node.failed'
+                               WHEN e.payload->'error' IS NOT NULL THEN 'node.failed'
                                ELSE 'node.completed' END AS type,
                           e.payload->'error'->>'type' AS error_type,
                           e.payload->'error'->>'message' AS error_message

@@ -206,7 +206,7 @@ WITH rebuilt AS (
     FROM checkpoints c JOIN rebuilt ON c.seq = rebuilt.s
     WHERE c.tenant_id = $1 AND c.run_id = $2
 ), rewritten AS (
-    UPDATE checkpoints c SET state = rebuilt.j::jsonb, state_hash = rebuilt.h,
+    UPDATE checkpoints c SET state = rebuilt.j::json, state_hash = rebuilt.h,
                              size_bytes = rebuilt.z
     FROM rebuilt WHERE c.tenant_id = $1 AND c.run_id = $2 AND c.seq = rebuilt.s
 ), heads AS (

@@ -136,7 +136,8 @@ async def count(dsn: str, sql: str, *args: Any) -> int:
 
 async def fetch(dsn: str, sql: str, *args: Any) -> list[asyncpg.Record]:
     conn = await asyncpg.connect(dsn)
-    await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+    for kind in ("json", "jsonb"):
+        await conn.set_type_codec(kind, encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
     try:
         rows: list[asyncpg.Record] = await conn.fetch(sql, *args)
         return rows

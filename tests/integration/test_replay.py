@@ -179,3 +179,78 @@ async def test_a_run_stored_before_hash_schemes_goes_on_in_its_own_scheme(
         scheme = SHA256 if row["run_id"] == old else BLAKE3
         assert row["state_hash"] == state_hash(row["state"], scheme), row
     assert await assert_replays_the_same(dsn, tenant=TENANT) >= 2
+
+
+# Issue 51, item 1: every JSON number comes back as it was sent. Each is a float or an
+# int whose JSON text PostgreSQL's jsonb would change (numeric has no -0.0, writes 1e308
+# as 309 digits, and 1.0 stays 1.0 but 1E+2 loses its float-ness), or an int beyond 64
+# bits.
+NUMBERS: dict[str, Any] = {
+    "v": 1e308,
+    "z": -0.0,
+    "big": 10**40,
+    "tiny": 5e-324,
+    "small": 2.5e-7,
+    "hundred": 1e2,
+    "one": 1.0,
+    "list": [-0.0, 1e308, -1.5e-300, 12345678901234567890],
+}
+
+
+def as_sent(value: Any) -> str:
+    """The value's JSON text, floats by repr: -0.0 and 0.0 differ, as do 1e308 and 10**308."""
+    return json.dumps(value, sort_keys=True)
+
+
+async def test_every_number_comes_back_as_sent_from_the_cache_and_postgres_alike(
+    settings: Settings,
+) -> None:
+    dsn = settings.postgres_dsn or ""
+    run = f"num-{uuid.uuid4().hex[:6]}"
+
+    def at(node: str, branch: str | None = None) -> WorkflowContext:
+        return WorkflowContext(TENANT, "numbers", None, run, node, branch)
+
+    async with (
+        Worker.start(settings, ("checkpointer", "joiner")),
+        AlmaClient(settings) as client,
+    ):
+        await client.applied(at("plan"), await client.node_completed(at("plan"), state=NUMBERS))
+        await client.applied(
+            at("a", "A"),
+            await client.node_completed(at("a", "A"), updates={"z2": -0.0, "v2": 1e308}),
+        )
+        first = await client.merge(at("join"), branch_ids=["A"], join_id="j-numbers")
+        # a retried join is answered from the stored reply
+        again = await client.merge(at("join"), branch_ids=["A"], join_id="j-numbers")
+        reader = await client.reader(TENANT)
+        cached = await reader.latest(run)
+        stored = await reader.get(run, 1)
+    expected = dict(NUMBERS, z2=-0.0, v2=1e308)
+    assert cached is not None
+    assert stored is not None
+    assert as_sent(stored.state) == as_sent(NUMBERS)
+    assert as_sent(cached.state) == as_sent(expected)
+    assert first.merged_state is not None
+    assert again.merged_state is not None
+    assert as_sent(first.merged_state) == as_sent(expected)
+    assert as_sent(again.merged_state) == as_sent(expected)
+    async with connect(dsn, max_size=1) as pool, pool.acquire() as conn:
+        rows = await conn.fetch(
+            "SELECT seq, state, state_hash FROM checkpoints "
+            "WHERE tenant_id = $1 AND run_id = $2 ORDER BY seq",
+            TENANT,
+            run,
+        )
+        payload = await conn.fetchval(
+            "SELECT payload FROM run_events WHERE tenant_id = $1 AND run_id = $2 AND node_id = 'a'",
+            TENANT,
+            run,
+        )
+    for row in rows:  # what PostgreSQL holds hashes to what was hashed when written
+        assert row["state_hash"] == state_hash(row["state"]), row["seq"]
+    assert as_sent(rows[-1]["state"]) == as_sent(expected)
+    assert as_sent(payload["updates"]) == as_sent({"z2": -0.0, "v2": 1e308})
+    code, verdict = await asyncio.to_thread(replay_cli, settings, "--run", run)
+    assert code == 0, verdict
+    assert verdict["summary"]["same"] == 1

@@ -5,6 +5,7 @@ change)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from alma_core.reducers import ReducerConfig, ReducerRegistry
@@ -150,3 +151,19 @@ def test_a_run_stored_before_hash_schemes_replays_the_same() -> None:
         )
         assert rebuild(checkpoints, folded).changed == []
     assert all(hash_scheme(cp.state_hash) == SHA256 for cp in stored.values())
+
+
+def test_a_state_that_differs_only_in_a_numbers_text_names_it() -> None:
+    """Issue 51, item 1: -0.0 and 0.0 are equal in Python but not the same JSON (nor the
+    same hash); 1e308 and 10**308 are not even equal. Replay names the path and both
+    values, never "stored null, replayed null"."""
+    for theirs, ours in ((0.0, -0.0), (10**308, 1e308), ([1, 0.0], [1, -0.0])):
+        stored = {1: Stored(1, "node", state_hash({"v": theirs}), {"v": theirs}, "e1")}
+        made = {1: Stored(1, "node", state_hash({"v": ours}), {"v": ours}, "e1")}
+        found = first_difference(stored, made)
+        assert found is not None
+        assert found.path is not None
+        assert found.path.startswith("/v")
+        assert json.dumps(found.stored) != json.dumps(found.replayed)
+    same = {1: Stored(1, "node", state_hash({"v": -0.0}), {"v": -0.0}, "e1")}
+    assert first_difference(same, dict(same)) is None
