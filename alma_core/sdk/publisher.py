@@ -13,11 +13,13 @@ from typing import Any, Literal
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from pydantic import ValidationError
+from pydantic_core import PydanticSerializationError
 
 from alma_core import errors
 from alma_core import settings as settings_mod
 from alma_core.logs import redact
 from alma_core.messaging import acls, kafka
+from alma_core.schemas import jsoncodec
 from alma_core.schemas.events import EVENT_MODELS, Event, EventType, encode
 from alma_core.settings import Settings
 from alma_core.storage.effects import EffectListener
@@ -109,7 +111,18 @@ class Publisher:
         """Send one event and wait for the broker's acknowledgement; its event_id.
         ``watch``: a waiter's listener, told of the event before it is sent, so a wait
         for its effect needs no read before it sleeps."""
-        record = encode(event)
+        try:
+            record = encode(event)
+        except PydanticSerializationError:
+            where = jsoncodec.lone_surrogate(event.payload.model_dump())
+            if where is None:
+                raise
+            raise errors.ContextError(
+                f"{event.type} {event.event_id} of run {event.run_id!r} cannot be sent: the "
+                f"text at {where or '/'} of its payload holds a lone surrogate (half of a "
+                "UTF-16 pair), which UTF-8, and so the event's JSON, cannot carry; decode "
+                "that text with errors='replace' (or drop the character) before sending"
+            ) from None
         if len(record) > self.settings.max_record_bytes:
             raise errors.RecordTooLarge(
                 f"{event.type} {event.event_id} of run {event.run_id!r} is {len(record):,} "

@@ -182,10 +182,13 @@ async def with_records(
     reason: str | None,
     limit: int,
     head_bytes: int,
+    before: int | None = None,
+    letter: int | None = None,
 ) -> tuple[list[asyncpg.Record], dict[str, int]]:
-    """The tenant's dead letters newest first (``reason``'s, when given), each with the
-    first ``head_bytes`` of its key and value and their full sizes; and how many the
-    tenant has of each reason."""
+    """The tenant's dead letters newest first (``reason``'s, when given; those older
+    than the letter ``before``, a page's last; the one ``letter``), each with the first
+    ``head_bytes`` of its key and value and their full sizes; and how many the tenant
+    has of each reason."""
     rows: list[asyncpg.Record] = await conn.fetch(
         """SELECT id, consumer, reason, detail, event_id, run_id, source_topic,
                   source_partition, source_offset, created_at, replayed_at,
@@ -193,11 +196,14 @@ async def with_records(
                   substring(value FROM 1 FOR $4) AS value_head,
                   octet_length(value) AS value_bytes
            FROM dead_letters WHERE tenant_id = $1 AND ($2::text IS NULL OR reason = $2)
+             AND ($5::bigint IS NULL OR id < $5) AND ($6::bigint IS NULL OR id = $6)
            ORDER BY id DESC LIMIT $3""",
         tenant_id,
         reason,
         limit,
         head_bytes,
+        before,
+        letter,
     )
     reasons = {
         r["reason"]: int(r["n"])

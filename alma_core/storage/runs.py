@@ -123,10 +123,18 @@ async def listing(
     return rows
 
 
+_HAS_CHECKPOINT = (
+    "EXISTS (SELECT 1 FROM checkpoints c WHERE c.tenant_id = runs.tenant_id "
+    "AND c.run_id = runs.run_id AND {})"
+)
+
+
 @dataclass(frozen=True)
 class RunFilter:
     """Which of a tenant's runs a list shows: each condition set narrows it (``text``:
-    a part of the run id; ``since``/``until``: when the run was created)."""
+    a part of the run id; ``node``: a part of a node's id that checkpointed in it;
+    ``error``: a part of a failure's type or message; all three in any case;
+    ``since``/``until``: when the run was created)."""
 
     tenant_id: str
     workflow_id: str | None = None
@@ -134,6 +142,8 @@ class RunFilter:
     since: datetime | None = None
     until: datetime | None = None
     text: str | None = None
+    node: str | None = None
+    error: str | None = None
 
     def where(self, *, status: bool = True) -> tuple[str, list[Any]]:
         """The conditions as SQL over parameters $1.. (only those set: each combination
@@ -145,7 +155,16 @@ class RunFilter:
             ("status = ${}", self.status if status else None),
             ("created_at >= ${}", self.since),
             ("created_at < ${}", self.until),
-            ("strpos(run_id, ${}) > 0", self.text),
+            ("strpos(lower(run_id), lower(${})) > 0", self.text),
+            (_HAS_CHECKPOINT.format("strpos(lower(c.node_id), lower(${})) > 0"), self.node),
+            (
+                _HAS_CHECKPOINT.format(
+                    "c.kind = 'failure' AND strpos(lower(concat_ws(': ', "
+                    "c.metadata->'error'->>'type', c.metadata->'error'->>'message')), "
+                    "lower(${})) > 0"
+                ),
+                self.error,
+            ),
         ):
             if value is not None and value != "":
                 args.append(value)
@@ -154,23 +173,32 @@ class RunFilter:
 
 
 async def page(
-    conn: Conn, f: RunFilter, *, before: tuple[datetime, str] | None, limit: int
+    conn: Conn,
+    f: RunFilter,
+    *,
+    before: tuple[datetime, str] | None,
+    limit: int,
+    newer_than: tuple[datetime, str] | None = None,
 ) -> list[asyncpg.Record]:
-    """Up to ``limit`` runs matching ``f``, newest first (by creation, then run id),
-    those created before ``before`` (the last of the previous page) when given."""
+    """Up to ``limit`` runs matching ``f``, newest first (by creation, then run id):
+    those created before ``before`` (the last of the next newer page) when given, or
+    the ``limit`` oldest of those newer than ``newer_than`` (the first of the next
+    older page: the page before it)."""
     where, args = f.where()
-    if before is not None:
-        args += list(before)
-        where += f" AND (created_at, run_id) < (${len(args) - 1}, ${len(args)})"
+    cursor, order = (before, "<") if newer_than is None else (newer_than, ">")
+    if cursor is not None:
+        args += list(cursor)
+        where += f" AND (created_at, run_id) {order} (${len(args) - 1}, ${len(args)})"
     args.append(limit)
+    direction = "DESC" if order == "<" else "ASC"
     rows: list[asyncpg.Record] = await conn.fetch(
         f"""SELECT run_id, workflow_id, workflow_version, status, last_seq, event_count,
                    projection, created_at, updated_at, completed_at
             FROM runs WHERE {where}
-            ORDER BY created_at DESC, run_id DESC LIMIT ${len(args)}""",
+            ORDER BY created_at {direction}, run_id {direction} LIMIT ${len(args)}""",
         *args,
     )
-    return rows
+    return rows if order == "<" else rows[::-1]
 
 
 async def status_counts(conn: Conn, f: RunFilter) -> dict[str, int]:
@@ -196,6 +224,21 @@ async def tenants(conn: Conn, limit: int = 1000) -> list[str]:
     return [r["tenant_id"] for r in rows]
 
 
+async def event_payloads(
+    conn: Conn, tenant_id: str, run_id: str, event_ids: list[str]
+) -> dict[str, Any]:
+    """The recorded payloads of the run's ``event_ids`` (a state a node sent is its
+    checkpoint's, not here), by event id: one page of the run's history."""
+    rows = await conn.fetch(
+        """SELECT event_id, payload FROM run_events
+           WHERE tenant_id = $1 AND run_id = $2 AND event_id = ANY($3::text[])""",
+        tenant_id,
+        run_id,
+        event_ids,
+    )
+    return {r["event_id"]: r["payload"] for r in rows}
+
+
 async def report(conn: asyncpg.Connection, run_id: str, tenant_id: str | None) -> dict[str, Any]:
     """Everything about one run: the run, its events, checkpoints (without states),
     joins, outcome and dead letters; ``{}`` when the tenant has no such run. Without a
@@ -214,13 +257,19 @@ async def report(conn: asyncpg.Connection, run_id: str, tenant_id: str | None) -
     tenant = run["tenant_id"]
     events = await conn.fetch(
         """SELECT event_id, type, node_id, branch_id, effect, checkpoint_seq, emitted_at,
-                  recorded_at FROM run_events WHERE tenant_id = $1 AND run_id = $2
+                  recorded_at, (payload->>'attempt')::int AS attempt,
+                  CASE WHEN type = 'workflow.completed'
+                       THEN (payload->>'duration_ms')::bigint END AS duration_ms,
+                  CASE WHEN type = 'workflow.completed'
+                       THEN payload->>'error_message' END AS error_message
+           FROM run_events WHERE tenant_id = $1 AND run_id = $2
            ORDER BY ordinal""",
         tenant,
         run_id,
     )
     checkpoints = await conn.fetch(
         """SELECT seq, kind, node_id, branch_id, parent_seq, size_bytes, state_hash, created_at,
+                  event_id,
                   merged_from, metadata->'error'->>'type' AS error_type,
                   metadata->'error'->>'message' AS error_message,
                   (metadata->>'attempt')::int AS attempt

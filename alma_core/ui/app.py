@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import shlex
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from alma_core import errors, history
+from alma_core.schemas import jsoncodec
 from alma_core.sdk import dead_letters as letters
 from alma_core.sdk.client import AlmaClient
 from alma_core.sdk.timeline import Timeline
@@ -51,9 +53,12 @@ from alma_core.ui import views
 
 HERE = Path(__file__).parent
 PAGE_SIZE = 50
+EVENTS_PAGE = 100  # a run's history, per page
+CHANGES_PAGE = 200  # a diff's changes, per page
 STATUSES = ("running", "succeeded", "failed")
 _CSP = (
-    "default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; "
+    "default-src 'none'; script-src 'self'; connect-src 'self'; style-src 'self'; "
+    "img-src 'self' data:; form-action 'self'; "
     "frame-ancestors 'none'; base-uri 'none'"
 )
 
@@ -92,6 +97,8 @@ def _templates() -> Environment:
     env.filters["json"] = views.shown_json
     env.filters["raw"] = views.shown_bytes
     env.filters["when"] = _when
+    env.filters["took"] = views.took
+    env.filters["sh"] = shlex.quote  # an id in a command to copy
     return env
 
 
@@ -175,15 +182,28 @@ class Inspector:
             since=_time(q.get("since"), "since"),
             until=_time(q.get("until"), "until"),
             text=q.get("q") or None,
+            node=q.get("node") or None,
+            error=q.get("error") or None,
         )
         pool = await self.pool()
+        older_than = views.parse_cursor(q.get("after"))
+        newer_than = views.parse_cursor(q.get("newer"))
         listed = await runs.page(
-            pool, chosen, before=views.parse_cursor(q.get("after")), limit=PAGE_SIZE + 1
+            pool, chosen, before=older_than, newer_than=newer_than, limit=PAGE_SIZE + 1
         )
         counts = await runs.status_counts(pool, chosen)
         more = len(listed) > PAGE_SIZE
-        listed = listed[:PAGE_SIZE]
-        after = views.cursor(listed[-1]["created_at"], listed[-1]["run_id"]) if more else None
+        if newer_than is not None:  # the page before: the oldest PAGE_SIZE of the newer
+            listed = listed[-PAGE_SIZE:]
+            more_older, more_newer = True, more
+        else:
+            listed = listed[:PAGE_SIZE]
+            more_older, more_newer = more, older_than is not None
+        after = before = None
+        if listed and more_older:
+            after = views.cursor(listed[-1]["created_at"], listed[-1]["run_id"])
+        if listed and more_newer:
+            before = views.cursor(listed[0]["created_at"], listed[0]["run_id"])
         live = q.get("live") == "1"
         return self.page(
             request,
@@ -195,6 +215,7 @@ class Inspector:
             statuses=STATUSES,
             query=dict(q),
             after=after,
+            newer=before,
             refresh=5 if live else None,
         )
 
@@ -211,13 +232,21 @@ class Inspector:
         completion = (
             {"at": completed["recorded_at"], "outcome": run["status"]} if completed else None
         )
+        steps = views.steps(report["events"])
         laid_out = views.timeline(
             report["checkpoints"],
             report["joins"],
             report["dead_letters"],
             completion,
             link=self.url(request, "/checkpoint", tenant=tenant, id=run_id) + "&seq={seq}",
+            took={s.event_id: s.took_ms for s in steps if s.took_ms is not None},
         )
+        start, previous, following = views.page_of(
+            len(steps), _int_value(request.query_params.get("events") or "0", "events"), EVENTS_PAGE
+        )
+        shown = steps[start : start + EVENTS_PAGE]
+        async with pool.acquire() as conn:
+            payloads = await runs.event_payloads(conn, tenant, run_id, [s.event_id for s in shown])
         outcome, fed = await retrieval.learned_from_run(pool, tenant, run_id)
         return self.page(
             request,
@@ -229,6 +258,16 @@ class Inspector:
             outcome=outcome,
             fed=fed,
             seqs=[c["seq"] for c in report["checkpoints"]],
+            failure=completed["error_message"] if completed else None,
+            first_sent=steps[0].emitted_at if steps else None,
+            steps=shown,
+            payloads=payloads,
+            events_page={
+                "start": start,
+                "previous": previous,
+                "next": following,
+                "total": len(steps),
+            },
             refresh=3 if run["status"] == "running" and completed is None else None,
         )
 
@@ -247,6 +286,7 @@ class Inspector:
         else:
             before = None
         changes = history.diff(before.state if before else {}, cp.state)
+        paged = self._changes(request, changes, "/checkpoint", id=run_id, seq=seq)
         merge = None
         if cp.kind == "merge":
             merge = await self.timeline.merge(self._ctx(tenant, run_id), seq)
@@ -257,9 +297,51 @@ class Inspector:
             run_id=run_id,
             cp=cp,
             before=before,
-            changes=changes,
             merge=merge,
+            before_seq=before.seq if before else None,
+            after_seq=cp.seq,
+            **paged,
         )
+
+    async def checkpoint_json(self, request: Request) -> Response:
+        """A checkpoint's whole state as JSON, as stored (the page cuts it), or the value
+        at ``pointer`` (a JSON Pointer) in it: the address to copy, and where "more
+        characters not shown" leads."""
+        tenant = self.tenant(request)
+        run_id, seq = _required(request, "id"), _int(request, "seq")
+        cp = await (await self.client.reader(tenant)).get(run_id, seq)
+        if cp is None:
+            raise HTTPException(404, f"run {run_id!r} of tenant {tenant!r} has no checkpoint {seq}")
+        pointer = request.query_params.get("pointer") or ""
+        try:
+            value = history.at_pointer(cp.state, pointer)
+        except KeyError as exc:
+            raise HTTPException(404, f"checkpoint {seq} of run {run_id!r}: {exc.args[0]}") from exc
+        return Response(jsoncodec.compact(value), media_type="application/json")
+
+    def _changes(
+        self, request: Request, changes: list[history.Change], path: str, **params: Any
+    ) -> dict[str, Any]:
+        """One page of a diff's changes (``?changes=`` its start) and the links to the
+        others: a 10,000-key state's diff is 50 pages, not 2 MB of HTML."""
+        asked = _int_value(request.query_params.get("changes") or "0", "changes")
+        start, previous, following = views.page_of(len(changes), asked, CHANGES_PAGE)
+
+        def at(first: int | None) -> str | None:
+            if first is None:
+                return None
+            tenant = self.tenant(request)
+            return self.url(request, path, tenant=tenant, **params, changes=first) + "#changes"
+
+        return {
+            "changes": changes[start : start + CHANGES_PAGE],
+            "changes_page": {
+                "start": start,
+                "total": len(changes),
+                "previous": at(previous),
+                "next": at(following),
+            },
+        }
 
     async def diff_page(self, request: Request) -> Response:
         tenant = self.tenant(request)
@@ -269,8 +351,17 @@ class Inspector:
             changes = await self.timeline.diff(self._ctx(tenant, run_id), a, b)
         except errors.ContextError as exc:
             raise HTTPException(404, exc.message) from exc
+        paged = self._changes(request, changes, "/diff", id=run_id, a=a, b=b)
         return self.page(
-            request, "diff.html", tenant=tenant, run_id=run_id, a=a, b=b, changes=changes
+            request,
+            "diff.html",
+            tenant=tenant,
+            run_id=run_id,
+            a=a,
+            b=b,
+            before_seq=a,
+            after_seq=b,
+            **paged,
         )
 
     async def fork(self, request: Request) -> Response:
@@ -291,14 +382,21 @@ class Inspector:
 
     async def dead_letters_page(self, request: Request) -> Response:
         tenant = self.tenant(request)
-        reason = request.query_params.get("reason") or None
+        q = request.query_params
+        reason = q.get("reason") or None
+        before = _int_value(q["before"], "before") if q.get("before") else None
+        letter = _int_value(q["letter"], "letter") if q.get("letter") else None
         rows, reasons = await dead_letters.with_records(
             await self.pool(),
             tenant_id=tenant,
             reason=reason,
-            limit=PAGE_SIZE,
+            limit=PAGE_SIZE + 1,
             head_bytes=views.SHOWN_CHARS,
+            before=before,
+            letter=letter,
         )
+        older = rows[PAGE_SIZE - 1]["id"] if len(rows) > PAGE_SIZE else None
+        rows = rows[:PAGE_SIZE]
         return self.page(
             request,
             "dead_letters.html",
@@ -306,7 +404,9 @@ class Inspector:
             letters=rows,
             reasons=reasons,
             reason=reason,
-            replayed=request.query_params.get("replayed"),
+            replayed=q.get("replayed"),
+            older=older,
+            paged=before is not None or letter is not None,
         )
 
     async def replay_letter(self, request: Request) -> Response:
@@ -498,10 +598,14 @@ def create_app(
                 response: Response = await getattr(it, name)(request)
             except HTTPException as exc:
                 response = it.page(
-                    request, "error.html", status=exc.status_code, message=exc.detail
+                    request,
+                    "error.html",
+                    status=exc.status_code,
+                    message=exc.detail,
+                    code=exc.status_code,
                 )
             except errors.StorageError as exc:
-                response = it.page(request, "error.html", status=503, message=exc.message)
+                response = it.page(request, "error.html", status=503, message=exc.message, code=503)
             response.headers["Content-Security-Policy"] = _CSP
             response.headers["X-Content-Type-Options"] = "nosniff"
             response.headers["Referrer-Policy"] = "same-origin"
@@ -520,6 +624,7 @@ def create_app(
             Route("/runs", handler("runs_page")),
             Route("/run", handler("run_page")),
             Route("/checkpoint", handler("checkpoint_page")),
+            Route("/checkpoint.json", handler("checkpoint_json")),
             Route("/diff", handler("diff_page")),
             Route("/fork", handler("fork"), methods=["POST"]),
             Route("/dead-letters", handler("dead_letters_page")),

@@ -98,6 +98,7 @@ class Item:
     title: str = ""
     detail: str = ""
     link: str | None = None
+    took_ms: float | None = None  # how long the node ran (from its events), where known
 
 
 @dataclass
@@ -118,11 +119,14 @@ def timeline(
     completion: Mapping[str, Any] | None,
     *,
     link: str,
+    took: Mapping[str, float] | None = None,
 ) -> Timeline:
     """A run's timeline: its checkpoints in seq order, each in its branch's lane (the
     main line first, then branches as they began); its refused joins and dead letters
     placed by time among them; its completion last. ``link`` formats a checkpoint's
-    address from its seq (``{seq}``)."""
+    address from its seq (``{seq}``); ``took`` gives how long the node whose event made a
+    checkpoint ran, by event id (:func:`steps`)."""
+    took = took or {}
     items: list[Item] = []
     lanes: dict[str, None] = {MAIN_LANE: None}
     for cp in checkpoints:
@@ -139,9 +143,9 @@ def timeline(
         else:
             title = cp["node_id"] or "(no node)"
             detail = f"{cp['size_bytes']} bytes" if cp.get("size_bytes") is not None else ""
-        items.append(
-            Item(lane, kind, cp["created_at"], cp["seq"], title, detail, link.format(seq=cp["seq"]))
-        )
+        ran = took.get(cp.get("event_id") or "")
+        at, seq = cp["created_at"], cp["seq"]
+        items.append(Item(lane, kind, at, seq, title, detail, link.format(seq=seq), ran))
     extras: list[Item] = []
     for j in joins:
         if j["status"] != "ok":
@@ -196,3 +200,80 @@ def parse_cursor(token: str | None) -> tuple[datetime, str] | None:
         return datetime.fromisoformat(at), run_id
     except ValueError:
         return None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One event of a run's history: what it was, when it was sent and recorded, what
+    it did, and (for a node's end) how long the node ran."""
+
+    index: int  # from 1, in the order the run recorded its events
+    event_id: str
+    type: str
+    node_id: str | None
+    branch_id: str | None
+    attempt: int | None
+    emitted_at: datetime | None
+    recorded_at: datetime | None
+    effect: str
+    seq: int | None
+    took_ms: float | None  # node.completed/failed: since its node.started; the run's own
+
+
+def steps(events: Iterable[Mapping[str, Any]]) -> list[Step]:
+    """A run's events as its history. A node's end (``node.completed`` or
+    ``node.failed``) took the time since the latest ``node.started`` of the same node
+    and branch before it, both by the publisher's clock (``emitted_at``); a
+    ``workflow.completed`` took the duration it reports (``duration_ms``). ``attempt``
+    is the event's own, where it gave one."""
+    started: dict[tuple[str | None, str | None], datetime] = {}
+    out: list[Step] = []
+    for i, e in enumerate(events, start=1):
+        at = e.get("emitted_at")
+        where = (e.get("node_id"), e.get("branch_id"))
+        took: float | None = None
+        kind = e["type"]
+        if kind == "node.started" and at is not None:
+            started[where] = at
+        elif kind in ("node.completed", "node.failed") and at is not None and where in started:
+            took = (at - started.pop(where)).total_seconds() * 1000
+        elif kind == "workflow.completed" and e.get("duration_ms") is not None:
+            took = float(e["duration_ms"])
+        attempt = e.get("attempt")
+        out.append(
+            Step(
+                index=i,
+                event_id=e["event_id"],
+                type=kind,
+                node_id=e.get("node_id"),
+                branch_id=e.get("branch_id"),
+                attempt=attempt if isinstance(attempt, int) else None,
+                emitted_at=at,
+                recorded_at=e.get("recorded_at"),
+                effect=e.get("effect") or "",
+                seq=e.get("checkpoint_seq"),
+                took_ms=took,
+            )
+        )
+    return out
+
+
+def took(ms: float | None) -> str:
+    """A duration to read: ``840 ms``, ``2.4 s``, ``3 min 05 s``; empty for none."""
+    if ms is None:
+        return ""
+    if ms < 1000:
+        return f"{ms:.0f} ms"
+    if ms < 60_000:
+        return f"{ms / 1000:.1f} s"
+    minutes, seconds = divmod(round(ms / 1000), 60)
+    return f"{minutes} min {seconds:02d} s"
+
+
+def page_of(total: int, start: int, size: int) -> tuple[int, int | None, int | None]:
+    """A page of ``size`` items from ``start`` (0-based, clamped to what exists): the
+    start, and the starts of the previous and next pages (None at either end)."""
+    start = min(max(start, 0), max(total - 1, 0)) // size * size
+    previous = max(start - size, 0) if start > 0 else None
+    following = start + size if start + size < total else None
+    return start, previous, following

@@ -295,3 +295,17 @@ async def test_without_notifications_applied_polls(settings: Settings) -> None:
     finally:
         await spy.close()
     assert heard == [], "the worker notified with ALMA_NOTIFY_EFFECTS=false"
+
+
+async def test_a_lone_surrogate_is_refused_before_sending_with_where_it_is(
+    settings: Settings,
+) -> None:
+    """Issue 51, item 11: text no UTF-8 can carry is a clear error naming its place (not
+    pydantic's serialization error), nothing is sent, and the client goes on."""
+    ctx = WorkflowContext("acme", "wf", None, "surrogate-run", "n")
+    async with Worker.start(settings, ("checkpointer",)), AlmaClient(settings) as client:
+        with pytest.raises(errors.ContextError, match=r"text at /state/notes/1 .*lone surrogate"):
+            await client.node_completed(ctx, state={"notes": ["ok", "half \ud83d"]})
+        done = await client.node_completed(ctx, state={"notes": ["ok", "whole \U0001f600"]})
+        effect = await client.applied(ctx, done)
+    assert effect.seq == 1  # the refused event never reached the run

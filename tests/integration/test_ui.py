@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -100,6 +101,10 @@ def follow(driver: WebDriver, by: str, what: str) -> None:
     WebDriverWait(driver, 30).until(
         lambda d: d.execute_script("return document.readyState") == "complete"
     )
+
+
+def counted(driver: WebDriver, css: str) -> int:
+    return int(driver.execute_script("return document.querySelectorAll(arguments[0]).length", css))
 
 
 def texts(driver: WebDriver, css: str) -> list[str]:
@@ -351,6 +356,203 @@ def writes(acme: str, writable: str, run: str, out: Path) -> None:
         time.sleep(0.1)
     else:
         raise AssertionError("the replayed write was not applied within 30 s")
+
+
+async def test_big_runs_page_their_history_and_live_pages_keep_what_the_user_typed(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Issue 51, items 10 and 11 and the event history: a 10,000-key state's changes come
+    a page at a time, with the whole state one link away; dead letters page past 50; a
+    256-character run id and a 400-pixel window widen no page; a run's history says when
+    each event came, its attempt and how long each node ran; a live page updates without
+    a reload, keeping what the user typed and unfolded."""
+    settings = settings.model_copy(update={"max_state_bytes": 1_000_000})  # 10,000 keys
+    run, tag = f"big-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:6]
+    long_id = f"long-{tag}-" + "x" * (256 - len(f"long-{tag}-"))
+    live = f"live-{tag}"
+
+    def at(node: str, r: str = run, branch: str | None = None) -> WorkflowContext:
+        return WorkflowContext("acme", WORKFLOW, None, r, node, branch)
+
+    async with (
+        Worker.start(settings, ("checkpointer", "joiner")),
+        AlmaClient(settings) as client,
+    ):
+
+        async def done(ctx: WorkflowContext, **kw: Any) -> None:
+            await client.applied(ctx, await client.node_completed(ctx, **kw))
+
+        await done(at("plan"), state={"k": 0})
+        wide = {f"key-{i:05d}": i for i in range(9_999)}
+        await done(at("wide"), updates={"a-long": "z" * 3000, **wide})  # 10,000 changes
+        stale = [
+            await client.node_completed(at(f"stale-{i}"), updates={"n": i}, expected_seq=99)
+            for i in range(55)
+        ]
+        for event_id in stale:
+            with pytest.raises(errors.RejectedEvent):
+                await client.applied(at("stale"), event_id)
+        await done(at("solo", r=long_id), state={"id": long_id})
+        # a run with a retry, its starts included: how long each node ran
+        await client.node_started(at("plan", live), attempt=1)
+        await done(at("plan", live), state={"n": 1})
+        await client.node_started(at("fetch", live), attempt=1)
+        failed = await client.node_failed(
+            at("fetch", live), error_type="Timeout", message="upstream slow", attempt=1
+        )
+        await client.applied(at("fetch", live), failed)
+        await client.node_started(at("fetch", live), attempt=2)
+        await done(at("fetch", live), updates={"n": 2})
+
+        out = shots(tmp_path)
+        async with inspector(settings, "--tenant", "acme") as acme:
+            await asyncio.to_thread(big_pages, acme, run, long_id, out)
+            opened, seen = threading.Event(), threading.Event()
+            watching = asyncio.create_task(
+                asyncio.to_thread(live_pages, acme, live, out, opened, seen)
+            )
+            # what the open pages see arrive, without a reload
+            await wait_for(lambda: _flag(opened, watching), what="the live pages open")
+            await done(at("check", live), updates={"n": 3})
+            await done(at("solo", r=f"new-{tag}"), state={"new": True})
+            await wait_for(lambda: _flag(seen, watching), what="the live pages updated")
+            finished = await client.workflow_completed(
+                at("end", live),
+                success=False,
+                duration_ms=4200,
+                node_count=3,
+                nodes_succeeded=2,
+                nodes_failed=1,
+                error_message="fetch gave up after 2 attempts",
+            )
+            await client.applied(at("end", live), finished)
+            await watching
+
+
+async def _flag(reached: threading.Event, browsing: asyncio.Task[None]) -> bool:
+    """The browser's thread got so far, or ended (its failure is raised where it is
+    awaited)."""
+    return reached.is_set() or browsing.done()
+
+
+def big_pages(acme: str, run: str, long_id: str, out: Path) -> None:
+    with browser() as driver:
+        # 10,000 changes: 200 to a page, the rest a link away
+        driver.get(f"{acme}/checkpoint?id={run}&seq=2")
+        shown = driver.find_elements(By.CSS_SELECTOR, "#changes tbody tr")
+        assert len(shown) == 200, driver.find_element(By.TAG_NAME, "main").text[:500]
+        paging = driver.find_element(By.ID, "changes-paging").text
+        assert "changes 1–200 of 10000" in paging
+        assert len(driver.page_source) < 400_000  # not 2 MB of HTML
+        # a value cut in the table links to the whole of it
+        more = driver.find_element(By.CSS_SELECTOR, "#changes a.more").get_attribute("href")
+        assert httpx.get(more or "").json() == "z" * 3000
+        follow(driver, By.ID, "changes-later")
+        assert "changes 201–400 of 10000" in driver.find_element(By.ID, "changes-paging").text
+        assert texts(driver, "#changes td.path")[0] == "/key-00199"
+        assert "more characters not shown" in driver.find_element(By.ID, "state-cut").text
+        whole = httpx.get(driver.find_element(By.ID, "state-json").get_attribute("href") or "")
+        assert whole.headers["content-type"] == "application/json"
+        assert len(whole.json()) == 10_001
+        command = driver.find_element(By.ID, "state-cli").text
+        assert command.startswith(f"alma runs state {run} --seq 2")
+        # its copy button puts it on the clipboard
+        driver.execute_cdp_cmd(
+            "Browser.grantPermissions",
+            {"origin": acme, "permissions": ["clipboardReadWrite", "clipboardSanitizedWrite"]},
+        )
+        driver.find_element(By.CSS_SELECTOR, "button[data-copy=state-cli]").click()
+        WebDriverWait(driver, 10).until(
+            lambda d: (
+                d.find_element(By.CSS_SELECTOR, "button[data-copy=state-cli]").text == "copied"
+            )
+        )
+        pasted = driver.execute_async_script(
+            "navigator.clipboard.readText().then(arguments[arguments.length - 1])"
+        )
+        assert pasted == command
+        driver.save_screenshot(str(out / "ui-changes-paged.png"))
+        # dead letters past the first 50, and each one's own address
+        driver.get(f"{acme}/dead-letters")
+        assert len(driver.find_elements(By.CSS_SELECTOR, "section.letter")) == 50
+        follow(driver, By.ID, "letters-older")
+        assert len(driver.find_elements(By.CSS_SELECTOR, "section.letter")) == 5
+        follow(driver, By.CSS_SELECTOR, "section.letter a.permalink")
+        assert len(driver.find_elements(By.CSS_SELECTOR, "section.letter")) == 1
+        assert driver.find_elements(By.ID, "letters-newest")
+        # a 256-character id and a phone-sized window: nothing wider than the window
+        driver.set_window_size(400, 900)
+        for page in (
+            "/runs",
+            f"/run?id={long_id}",
+            f"/run?id={run}",
+            f"/checkpoint?id={run}&seq=2",
+            "/dead-letters",
+            "/memory",
+        ):
+            driver.get(f"{acme}{page}")
+            wide = driver.execute_script(
+                "return [document.documentElement.scrollWidth, window.innerWidth]"
+            )
+            assert wide[0] <= wide[1], (page, wide)
+        driver.get(f"{acme}/runs")
+        driver.save_screenshot(str(out / "ui-narrow.png"))
+
+
+def live_pages(
+    acme: str, live: str, out: Path, opened: threading.Event, seen: threading.Event
+) -> None:
+    with browser() as driver, browser() as runs_driver:
+        driver.get(f"{acme}/run?id={live}")
+        assert driver.find_element(By.TAG_NAME, "body").get_attribute("data-refresh") == "3"
+        # the history: every event, its attempt, how long each node ran
+        rows = driver.find_elements(By.CSS_SELECTOR, "#events tbody tr")
+        kinds = [r.find_elements(By.TAG_NAME, "td")[1].text for r in rows]
+        assert kinds == [
+            "node.started",
+            "node.completed",
+            "node.started",
+            "node.failed",
+            "node.started",
+            "node.completed",
+        ]
+        attempts = [r.find_elements(By.TAG_NAME, "td")[4].text for r in rows]
+        assert attempts[3:5] == ["1", "2"]
+        ran = texts(driver, "#events td.took")
+        assert ran[1].endswith(("ms", " s"))
+        assert ran[3].endswith(("ms", " s"))
+        assert ran[0] == ""
+        assert any("ran " in t for t in texts(driver, "#timeline td.item"))
+        driver.find_element(By.CSS_SELECTOR, "#event-2 summary").click()  # unfold a payload
+        driver.execute_script("window.__kept = 1")
+        driver.save_screenshot(str(out / "ui-history.png"))
+        # the runs list, live, with a half-typed filter in focus
+        runs_driver.get(f"{acme}/runs?live=1")
+        runs_driver.execute_script("window.__kept = 1")
+        typed = runs_driver.find_element(By.NAME, "q")
+        typed.send_keys("half-typ")
+        before = len(texts(runs_driver, "#runs a.run"))
+        opened.set()
+
+        # (counted by script: a part swapped while read would be a stale element)
+        WebDriverWait(driver, 30).until(lambda d: counted(d, "#events tbody tr") == 7)
+        WebDriverWait(runs_driver, 30).until(lambda d: counted(d, "#runs a.run") == before + 1)
+        seen.set()
+        for d in (driver, runs_driver):
+            assert d.execute_script("return window.__kept") == 1  # never reloaded
+        assert typed.get_attribute("value") == "half-typ"
+        assert runs_driver.switch_to.active_element == typed
+        assert driver.find_element(By.CSS_SELECTOR, "#event-2 details").get_attribute("open")
+        # the run completes: the page says so, and stops updating
+        WebDriverWait(driver, 30).until(lambda d: d.find_elements(By.ID, "run-failure"))
+        assert "fetch gave up" in driver.find_element(By.ID, "run-failure").text
+        WebDriverWait(driver, 30).until(
+            lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-refresh") is None
+        )
+        assert driver.execute_script("return window.__kept") == 1
+        # a failure's error reads as its type and message, not a Python dict
+        driver.get(f"{acme}/checkpoint?id={live}&seq=2")
+        assert driver.find_element(By.ID, "cp-error").text.startswith("Timeout: upstream slow")
 
 
 def letter_of(driver: WebDriver, run: str) -> str:

@@ -6,6 +6,7 @@ import copy
 from typing import Any
 
 import jsonpatch
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -165,3 +166,14 @@ def test_a_cut_value_says_so() -> None:
     html = _templates().get_template("changes.html").render(changes=changes)
     assert "more characters not shown (of 5002)" in html
     assert "b" * 5000 not in html
+
+
+def test_a_pointer_finds_what_a_diff_names() -> None:
+    doc = {"a/b": {"~x": [10, {"y": None}]}, "": 1}
+    for change in history.diff({}, doc):
+        assert history.at_pointer(doc, change.path) == change.after
+    assert history.at_pointer(doc, "/a~1b/~0x/1/y") is None
+    assert history.at_pointer(doc, "") == doc
+    for missing in ("/nope", "/a~1b/~0x/2", "/a~1b/~0x/-1", "no-slash"):
+        with pytest.raises(KeyError):
+            history.at_pointer(doc, missing)

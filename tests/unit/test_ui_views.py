@@ -118,3 +118,68 @@ def test_times_are_shown_in_utc_and_say_so() -> None:
     at = datetime(2026, 11, 27, 23, 30, tzinfo=timezone(timedelta(hours=2)))
     shown = _templates().from_string("{{ at | when }}").render(at=at)
     assert shown == "2026-11-27 21:30:00 UTC"
+
+
+def ev(i: int, kind: str, node: str | None, at: float, **kw: object) -> dict[str, object]:
+    return {
+        "event_id": f"e{i}",
+        "type": kind,
+        "node_id": node,
+        "branch_id": kw.pop("branch", None),
+        "emitted_at": T0 + timedelta(seconds=at),
+        "recorded_at": T0 + timedelta(seconds=at + 0.01),
+        "effect": kw.pop("effect", "recorded"),
+        "checkpoint_seq": kw.pop("seq", None),
+        **kw,
+    }
+
+
+def test_a_runs_history_says_how_long_each_node_ran_retries_and_branches_apart() -> None:
+    events = [
+        ev(1, "node.started", "plan", 0),
+        ev(2, "node.started", "fetch", 1, branch="A"),
+        ev(3, "node.started", "fetch", 1.2, branch="B"),
+        ev(4, "node.completed", "plan", 0.5, seq=1),
+        ev(5, "node.failed", "fetch", 3.0, branch="A", attempt=1, seq=2),
+        ev(6, "node.started", "fetch", 3.1, branch="A", attempt=2),
+        ev(7, "node.completed", "fetch", 3.4, branch="A", attempt=2, seq=3),
+        ev(8, "node.completed", "fetch", 2.2, branch="B", seq=4),
+        ev(9, "node.completed", "orphan", 5, seq=5),  # no node.started: no duration
+        ev(10, "workflow.completed", None, 6, duration_ms=6000),
+    ]
+    steps = views.steps(events)
+    took = {s.event_id: s.took_ms for s in steps}
+    assert [s.index for s in steps] == list(range(1, 11))
+    assert took["e4"] == 500
+    assert took["e5"] == 2000  # the first attempt, from its own start
+    assert took["e7"] is not None
+    assert round(took["e7"]) == 300  # the retry, from the retry's start
+    assert took["e8"] == 1000  # branch B's fetch, not A's
+    assert took["e9"] is None
+    assert took["e10"] == 6000
+    assert steps[5].attempt == 2
+    assert steps[0].took_ms is None
+    laid = views.timeline(
+        [cp(1, event_id="e4"), cp(2, "failure", branch="A", event_id="e5")],
+        [],
+        [],
+        None,
+        link="/c?seq={seq}",
+        took={s.event_id: s.took_ms for s in steps if s.took_ms is not None},
+    )
+    assert [item.took_ms for item, _ in laid.rows()] == [500, 2000]
+
+
+def test_durations_read_in_their_unit_and_pages_clamp() -> None:
+    assert [views.took(v) for v in (None, 12.4, 2400, 185_000)] == [
+        "",
+        "12 ms",
+        "2.4 s",
+        "3 min 05 s",
+    ]
+    assert views.page_of(450, 0, 200) == (0, None, 200)
+    assert views.page_of(450, 200, 200) == (200, 0, 400)
+    assert views.page_of(450, 450, 200) == (400, 200, None)  # past the end: the last page
+    assert views.page_of(450, 317, 200) == (200, 0, 400)  # a start inside a page: that page
+    assert views.page_of(0, 5, 200) == (0, None, None)
+    assert views.page_of(200, -3, 200) == (0, None, None)
