@@ -54,6 +54,22 @@ async def _fill(dsn: str, runs: int, checkpoints: int) -> None:
                FROM generate_series(1, $1) AS i""",
             runs,
         )
+        # two checkpoints of each run (what searching by node and error text reads): a
+        # node, then a node or, in a failed run, a failure with its error
+        await conn.execute(
+            """INSERT INTO checkpoints (run_id, seq, tenant_id, kind, node_id, event_id, state,
+                                        state_hash, size_bytes, metadata)
+               SELECT 'run-' || i, s, 'bench',
+                      CASE WHEN s = 2 AND i % 3 = 0 THEN 'failure' ELSE 'node' END,
+                      'step-' || (i % 11 + s), 'run-' || i || '-' || s, '{"n": 1}'::json,
+                      md5(i::text), 8,
+                      CASE WHEN s = 2 AND i % 3 = 0
+                           THEN jsonb_build_object('error', jsonb_build_object(
+                                  'type', 'Timeout', 'message', 'upstream slow ' || i))
+                           ELSE '{}'::jsonb END
+               FROM generate_series(1, $1) AS i, generate_series(1, 2) AS s""",
+            runs,
+        )
         await conn.execute(
             """INSERT INTO runs (run_id, tenant_id, workflow_id, status, last_seq, event_count)
                VALUES ($1, 'bench', 'wf-0', 'running', $2::bigint, $2::bigint)""",
@@ -147,8 +163,12 @@ def _pages(checkpoints: int) -> list[tuple[str, str]]:
         ("runs, failed", "/runs?status=failed"),
         ("runs, a workflow, a page 10 days back", f"/runs?workflow=wf-3&after={middle}"),
         ("runs, run id contains", "/runs?q=run-9999"),
+        ("runs, node contains (every 11th run)", "/runs?node=STEP-5"),
+        ("runs, error text (one run)", "/runs?error=slow+99999"),
+        ("runs, a page of newer runs", f"/runs?newer={middle}"),
         ("runs, a time range", "/runs?since=2000-01-01T00:00&until=2999-01-01T00:00"),
         (f"a run of {checkpoints:,} checkpoints", run),
+        ("the same run's history, a later page", f"{run}&events={checkpoints // 2}"),
         ("a checkpoint", f"/checkpoint?id={BIG_RUN}&seq={checkpoints // 2}"),
         ("a diff, first to last", f"/diff?id={BIG_RUN}&a=1&b={checkpoints}"),
         ("dead letters", "/dead-letters"),

@@ -7,7 +7,9 @@ read here is scoped by tenant when a tenant is given (docs/guarantees.md §6).
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeAlias
@@ -129,6 +131,16 @@ _HAS_CHECKPOINT = (
 )
 
 
+def _contains(text: str | None) -> str | None:
+    """An ILIKE pattern for ``text`` anywhere, its own ``%``, ``_`` and ``\\`` taken
+    literally. (ILIKE rather than ``strpos(lower(...))``: PostgreSQL estimates how many
+    rows a pattern matches, so a rare error text is found by one scan of the failures,
+    not by probing every run.)"""
+    if not text:
+        return None
+    return "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+
 @dataclass(frozen=True)
 class RunFilter:
     """Which of a tenant's runs a list shows: each condition set narrows it (``text``:
@@ -156,14 +168,13 @@ class RunFilter:
             ("created_at >= ${}", self.since),
             ("created_at < ${}", self.until),
             ("strpos(lower(run_id), lower(${})) > 0", self.text),
-            (_HAS_CHECKPOINT.format("strpos(lower(c.node_id), lower(${})) > 0"), self.node),
+            (_HAS_CHECKPOINT.format("c.node_id ILIKE ${}"), _contains(self.node)),
             (
                 _HAS_CHECKPOINT.format(
-                    "c.kind = 'failure' AND strpos(lower(concat_ws(': ', "
-                    "c.metadata->'error'->>'type', c.metadata->'error'->>'message')), "
-                    "lower(${})) > 0"
+                    "c.kind = 'failure' AND concat_ws(': ', c.metadata->'error'->>'type', "
+                    "c.metadata->'error'->>'message') ILIKE ${}"
                 ),
-                self.error,
+                _contains(self.error),
             ),
         ):
             if value is not None and value != "":
@@ -201,11 +212,33 @@ async def page(
     return rows if order == "<" else rows[::-1]
 
 
-async def status_counts(conn: Conn, f: RunFilter) -> dict[str, int]:
-    """How many runs matching ``f`` but its status there are of each status."""
+@contextlib.asynccontextmanager
+async def planned_for_values(pool: asyncpg.Pool, searching: bool) -> AsyncIterator[Conn]:
+    """A connection whose statements are planned for the values they are given, when
+    ``searching`` inside checkpoints: asyncpg prepares statements, and PostgreSQL's
+    generic plan of ``node_id ILIKE $2`` guesses how many rows any text matches, so a
+    rare error text was looked for by probing every run (the page took 387 ms over
+    100,000 runs, and 125 ms planned for its values: docs/benchmarks.md). ``SET
+    LOCAL``, so nothing outlives the transaction."""
+    async with pool.acquire() as conn:
+        if not searching:
+            yield conn
+            return
+        async with conn.transaction(readonly=True):
+            await conn.execute("SET LOCAL plan_cache_mode = force_custom_plan")
+            yield conn
+
+
+async def status_counts(conn: Conn, f: RunFilter, cap: int | None = None) -> dict[str, int]:
+    """How many runs matching ``f`` but its status there are of each status; with
+    ``cap``, counting stops after ``cap + 1`` runs (a sum over ``cap`` means "more"):
+    a search inside checkpoints (by node or error) need not read every run to say so."""
     where, args = f.where(status=False)
+    chosen = f"SELECT status FROM runs WHERE {where}"
+    if cap is not None:
+        chosen += f" LIMIT {int(cap) + 1}"
     rows = await conn.fetch(
-        f"SELECT status, count(*) AS n FROM runs WHERE {where} GROUP BY status", *args
+        f"SELECT status, count(*) AS n FROM ({chosen}) AS chosen GROUP BY status", *args
     )
     return {r["status"]: int(r["n"]) for r in rows}
 

@@ -55,6 +55,7 @@ HERE = Path(__file__).parent
 PAGE_SIZE = 50
 EVENTS_PAGE = 100  # a run's history, per page
 CHANGES_PAGE = 200  # a diff's changes, per page
+COUNT_CAP = 1000  # runs counted by status when searching by node or error text
 STATUSES = ("running", "succeeded", "failed")
 _CSP = (
     "default-src 'none'; script-src 'self'; connect-src 'self'; style-src 'self'; "
@@ -102,9 +103,15 @@ def _templates() -> Environment:
     return env
 
 
-def _when(at: datetime | None) -> str:
-    """A time as shown: in UTC, and saying so (the forms' times are UTC too)."""
-    return at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if at else ""
+def _when(at: datetime | None, ms: bool = False) -> str:
+    """A time as shown: in UTC, and saying so (the forms' times are UTC too); to the
+    millisecond with ``ms`` (a run's history, where events come milliseconds apart)."""
+    if at is None:
+        return ""
+    shown = at.astimezone(UTC)
+    if ms:
+        return shown.strftime("%Y-%m-%d %H:%M:%S.") + f"{shown.microsecond // 1000:03d} UTC"
+    return shown.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _url(path: str, **params: Any) -> str:
@@ -185,13 +192,15 @@ class Inspector:
             node=q.get("node") or None,
             error=q.get("error") or None,
         )
-        pool = await self.pool()
         older_than = views.parse_cursor(q.get("after"))
         newer_than = views.parse_cursor(q.get("newer"))
-        listed = await runs.page(
-            pool, chosen, before=older_than, newer_than=newer_than, limit=PAGE_SIZE + 1
-        )
-        counts = await runs.status_counts(pool, chosen)
+        # a search inside checkpoints counts up to COUNT_CAP runs (then says "more")
+        inside = chosen.node is not None or chosen.error is not None
+        async with runs.planned_for_values(await self.pool(), inside) as conn:
+            listed = await runs.page(
+                conn, chosen, before=older_than, newer_than=newer_than, limit=PAGE_SIZE + 1
+            )
+            counts = await runs.status_counts(conn, chosen, cap=COUNT_CAP if inside else None)
         more = len(listed) > PAGE_SIZE
         if newer_than is not None:  # the page before: the oldest PAGE_SIZE of the newer
             listed = listed[-PAGE_SIZE:]
@@ -212,6 +221,8 @@ class Inspector:
             runs=listed,
             counts=counts,
             total=sum(counts.values()),
+            capped=inside and sum(counts.values()) > COUNT_CAP,
+            cap=COUNT_CAP,
             statuses=STATUSES,
             query=dict(q),
             after=after,

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -36,6 +37,7 @@ from alma_core import errors
 from alma_core.sdk.client import AlmaClient
 from alma_core.settings import Settings
 from alma_core.storage.embeddings import AsyncEmbedder
+from alma_core.storage.postgres import connect
 from alma_core.types import WorkflowContext
 from alma_core.ui import create_app
 from bench.ui import served
@@ -204,8 +206,16 @@ def read_only_pages(acme: str, beta: str, run: str, hostile: str, out: Path) -> 
         Select(driver.find_element(By.NAME, "status")).select_by_value("succeeded")
         follow(driver, By.ID, "filter")
         assert texts(driver, "#runs a.run") == [run]
-        driver.get(f"{acme}/runs?q=hostile")
+        driver.get(f"{acme}/runs?q=HOSTILE")  # search ignores case
         assert texts(driver, "#runs a.run") == [hostile]
+        driver.get(f"{acme}/runs?node=Check")  # a node that checkpointed in the run
+        assert texts(driver, "#runs a.run") == [run]
+        driver.get(f"{acme}/runs?error=SLOW")  # a failure's type or message
+        assert texts(driver, "#runs a.run") == [run]
+        driver.get(f"{acme}/runs?error=spoof&status=failed")  # together with a status
+        assert texts(driver, "#runs a.run") == [hostile]
+        driver.get(f"{acme}/runs?error=spoof&node=check")  # every condition at once
+        assert texts(driver, "#runs a.run") == []
         driver.get(f"{acme}/runs?since=2999-01-01T00:00")
         assert texts(driver, "#runs a.run") == []
 
@@ -525,6 +535,9 @@ def live_pages(
         assert any("ran " in t for t in texts(driver, "#timeline td.item"))
         driver.find_element(By.CSS_SELECTOR, "#event-2 summary").click()  # unfold a payload
         driver.execute_script("window.__kept = 1")
+        sent = driver.find_element(By.CSS_SELECTOR, "#event-1 td.when").text
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} UTC", sent), sent
+        driver.execute_script("document.getElementById('history').scrollIntoView()")
         driver.save_screenshot(str(out / "ui-history.png"))
         # the runs list, live, with a half-typed filter in focus
         runs_driver.get(f"{acme}/runs?live=1")
@@ -553,6 +566,46 @@ def live_pages(
         # a failure's error reads as its type and message, not a Python dict
         driver.get(f"{acme}/checkpoint?id={live}&seq=2")
         assert driver.find_element(By.ID, "cp-error").text.startswith("Timeout: upstream slow")
+
+
+async def test_the_runs_list_pages_older_and_newer_over_equal_times(settings: Settings) -> None:
+    """120 runs, many created in the same microsecond: older → walks them all once,
+    newest first, and ← newer walks back through the same pages."""
+    dsn = settings.postgres_dsn or ""
+    async with connect(dsn, max_size=1) as pool:
+        await pool.execute(
+            """INSERT INTO runs (run_id, tenant_id, workflow_id, created_at)
+               SELECT 'p-' || lpad(g::text, 3, '0'), 'acme', 'paged',
+                      timestamptz '2026-11-01 12:00Z' + (g / 7) * interval '1 second'
+               FROM generate_series(1, 120) g"""
+        )
+    link = re.compile(r'id="(next|newer)" href="([^"]+)"')
+
+    def pages(base: str) -> tuple[list[list[str]], list[list[str]]]:
+        def get(url: str) -> tuple[list[str], dict[str, str]]:
+            page = httpx.get(base + url.replace("&amp;", "&")).text
+            listed = re.findall(r'<a class="run" href="[^"]+">([^<]+)</a>', page)
+            return listed, dict(link.findall(page))
+
+        down, up = [], []
+        listed, links = get("/runs?workflow=paged")
+        down.append(listed)
+        assert "newer" not in links
+        while "next" in links:
+            listed, links = get(links["next"])
+            down.append(listed)
+        up.append(listed)
+        while "newer" in links:
+            listed, links = get(links["newer"])
+            up.append(listed)
+        return down, up
+
+    async with inspector(settings, "--tenant", "acme") as acme:
+        down, up = await asyncio.to_thread(pages, acme)
+    every = [r for page in down for r in page]
+    assert every == [f"p-{i:03d}" for i in range(120, 0, -1)]  # each once, newest first
+    assert [len(p) for p in down] == [50, 50, 20]
+    assert up == down[::-1]  # back through the same pages
 
 
 def letter_of(driver: WebDriver, run: str) -> str:

@@ -118,6 +118,9 @@ def test_times_are_shown_in_utc_and_say_so() -> None:
     at = datetime(2026, 11, 27, 23, 30, tzinfo=timezone(timedelta(hours=2)))
     shown = _templates().from_string("{{ at | when }}").render(at=at)
     assert shown == "2026-11-27 21:30:00 UTC"
+    precise = at.replace(microsecond=45_678)
+    shown = _templates().from_string("{{ at | when(ms=True) }}").render(at=precise)
+    assert shown == "2026-11-27 21:30:00.045 UTC"
 
 
 def ev(i: int, kind: str, node: str | None, at: float, **kw: object) -> dict[str, object]:
