@@ -298,6 +298,26 @@ class Inspector:
             before = None
         changes = history.diff(before.state if before else {}, cp.state)
         paged = self._changes(request, changes, "/checkpoint", id=run_id, seq=seq)
+        # a state too big to show whole: its fields, a page at a time, each a link away
+        fields = sorted(cp.state.items(), key=lambda kv: str(kv[0]))
+        asked = _int_value(request.query_params.get("fields") or "0", "fields")
+        first, previous, following = views.page_of(len(fields), asked, CHANGES_PAGE)
+
+        def fields_at(start: int | None) -> str | None:
+            if start is None:
+                return None
+            return (
+                self.url(request, "/checkpoint", tenant=tenant, id=run_id, seq=seq, fields=start)
+                + "#fields"
+            )
+
+        paged["fields"] = fields[first : first + CHANGES_PAGE]
+        paged["fields_page"] = {
+            "start": first,
+            "total": len(fields),
+            "previous": fields_at(previous),
+            "next": fields_at(following),
+        }
         merge = None
         if cp.kind == "merge":
             merge = await self.timeline.merge(self._ctx(tenant, run_id), seq)

@@ -285,6 +285,8 @@ def read_only_pages(acme: str, beta: str, run: str, hostile: str, out: Path) -> 
         assert texts(driver, "#runs a.run") == [f"beta-run-{run}"]
         driver.get(f"{beta}/run?id={run}")
         assert "has no run" in driver.find_element(By.ID, "error").text
+        # what to do next, in the browser: back to the runs list
+        assert "runs list" in driver.find_element(By.ID, "next-step").text
         driver.get(f"{acme}/runs?tenant=beta")
         assert "no tenant 'beta' here" in driver.find_element(By.ID, "error").text
 
@@ -461,6 +463,15 @@ def big_pages(acme: str, run: str, long_id: str, out: Path) -> None:
         assert "changes 201–400 of 10000" in driver.find_element(By.ID, "changes-paging").text
         assert texts(driver, "#changes td.path")[0] == "/key-00199"
         assert "more characters not shown" in driver.find_element(By.ID, "state-cut").text
+        # a state too big to show whole is shown field by field, 200 a page, folded
+        fields = driver.find_element(By.ID, "fields-paging").text
+        assert "fields 1–200 of 10001" in fields
+        follow(driver, By.ID, "fields-later")
+        assert texts(driver, "#state-fields td.path")[0] == "key-00198"  # after a-long, k
+        folded = driver.find_element(By.CSS_SELECTOR, "#state-fields details")
+        assert folded.get_attribute("open") is None
+        folded.find_element(By.TAG_NAME, "summary").click()
+        assert folded.find_element(By.TAG_NAME, "pre").text == "198"
         whole = httpx.get(driver.find_element(By.ID, "state-json").get_attribute("href") or "")
         assert whole.headers["content-type"] == "application/json"
         assert len(whole.json()) == 10_001
@@ -559,6 +570,9 @@ def live_pages(
         # the run completes: the page says so, and stops updating
         WebDriverWait(driver, 30).until(lambda d: d.find_elements(By.ID, "run-failure"))
         assert "fetch gave up" in driver.find_element(By.ID, "run-failure").text
+        # started and completed by one clock (the publisher's), and how long between
+        facts = driver.find_element(By.ID, "run-facts").text
+        assert re.search(r"completed\s.*\(sent\): \S+ (ms|s) after its first event", facts), facts
         WebDriverWait(driver, 30).until(
             lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-refresh") is None
         )
