@@ -252,10 +252,7 @@ class Inspector:
             link=self.url(request, "/checkpoint", tenant=tenant, id=run_id) + "&seq={seq}",
             took={s.event_id: s.took_ms for s in steps if s.took_ms is not None},
         )
-        start, previous, following = views.page_of(
-            len(steps), _int_value(request.query_params.get("events") or "0", "events"), EVENTS_PAGE
-        )
-        shown = steps[start : start + EVENTS_PAGE]
+        shown, events_page = self._paged(request, steps, "events", EVENTS_PAGE, "/run", id=run_id)
         async with pool.acquire() as conn:
             payloads = await runs.event_payloads(conn, tenant, run_id, [s.event_id for s in shown])
         outcome, fed = await retrieval.learned_from_run(pool, tenant, run_id)
@@ -273,12 +270,7 @@ class Inspector:
             first_sent=steps[0].emitted_at if steps else None,
             steps=shown,
             payloads=payloads,
-            events_page={
-                "start": start,
-                "previous": previous,
-                "next": following,
-                "total": len(steps),
-            },
+            events_page=events_page,
             refresh=3 if run["status"] == "running" and completed is None else None,
         )
 
@@ -297,27 +289,19 @@ class Inspector:
         else:
             before = None
         changes = history.diff(before.state if before else {}, cp.state)
-        paged = self._changes(request, changes, "/checkpoint", id=run_id, seq=seq)
-        # a state too big to show whole: its fields, a page at a time, each a link away
-        fields = sorted(cp.state.items(), key=lambda kv: str(kv[0]))
-        asked = _int_value(request.query_params.get("fields") or "0", "fields")
-        first, previous, following = views.page_of(len(fields), asked, CHANGES_PAGE)
-
-        def fields_at(start: int | None) -> str | None:
-            if start is None:
-                return None
-            return (
-                self.url(request, "/checkpoint", tenant=tenant, id=run_id, seq=seq, fields=start)
-                + "#fields"
-            )
-
-        paged["fields"] = fields[first : first + CHANGES_PAGE]
-        paged["fields_page"] = {
-            "start": first,
-            "total": len(fields),
-            "previous": fields_at(previous),
-            "next": fields_at(following),
-        }
+        shown, changes_page = self._paged(
+            request, changes, "changes", CHANGES_PAGE, "/checkpoint", id=run_id, seq=seq
+        )
+        # a state too big to show whole: its fields too, a page at a time, each a link away
+        fields, fields_page = self._paged(
+            request,
+            sorted(cp.state.items(), key=lambda kv: str(kv[0])),
+            "fields",
+            CHANGES_PAGE,
+            "/checkpoint",
+            id=run_id,
+            seq=seq,
+        )
         merge = None
         if cp.kind == "merge":
             merge = await self.timeline.merge(self._ctx(tenant, run_id), seq)
@@ -331,7 +315,10 @@ class Inspector:
             merge=merge,
             before_seq=before.seq if before else None,
             after_seq=cp.seq,
-            **paged,
+            changes=shown,
+            changes_page=changes_page,
+            fields=fields,
+            fields_page=fields_page,
         )
 
     async def checkpoint_json(self, request: Request) -> Response:
@@ -350,29 +337,29 @@ class Inspector:
             raise HTTPException(404, f"checkpoint {seq} of run {run_id!r}: {exc.args[0]}") from exc
         return Response(jsoncodec.compact(value), media_type="application/json")
 
-    def _changes(
-        self, request: Request, changes: list[history.Change], path: str, **params: Any
-    ) -> dict[str, Any]:
-        """One page of a diff's changes (``?changes=`` its start) and the links to the
-        others: a 10,000-key state's diff is 50 pages, not 2 MB of HTML."""
-        asked = _int_value(request.query_params.get("changes") or "0", "changes")
-        start, previous, following = views.page_of(len(changes), asked, CHANGES_PAGE)
+    def _paged(
+        self, request: Request, items: Sequence[Any], name: str, size: int, path: str, **params: Any
+    ) -> tuple[list[Any], dict[str, Any]]:
+        """One page of ``items`` (``?{name}=`` its start, clamped) and where the pages
+        before and after it are (this page's address with another start, at the
+        ``#{name}`` anchor): nothing on a page grows with a run (a 10,000-key state's
+        diff is 50 pages, not 2 MB of HTML)."""
+        asked = _int_value(request.query_params.get(name) or "0", name)
+        start, previous, following = views.page_of(len(items), asked, size)
+        tenant = self.tenant(request)
 
         def at(first: int | None) -> str | None:
             if first is None:
                 return None
-            tenant = self.tenant(request)
-            return self.url(request, path, tenant=tenant, **params, changes=first) + "#changes"
+            return self.url(request, path, tenant=tenant, **params, **{name: first}) + f"#{name}"
 
-        return {
-            "changes": changes[start : start + CHANGES_PAGE],
-            "changes_page": {
-                "start": start,
-                "total": len(changes),
-                "previous": at(previous),
-                "next": at(following),
-            },
+        page = {
+            "start": start,
+            "total": len(items),
+            "previous": at(previous),
+            "next": at(following),
         }
+        return list(items[start : start + size]), page
 
     async def diff_page(self, request: Request) -> Response:
         tenant = self.tenant(request)
@@ -382,7 +369,9 @@ class Inspector:
             changes = await self.timeline.diff(self._ctx(tenant, run_id), a, b)
         except errors.ContextError as exc:
             raise HTTPException(404, exc.message) from exc
-        paged = self._changes(request, changes, "/diff", id=run_id, a=a, b=b)
+        shown, changes_page = self._paged(
+            request, changes, "changes", CHANGES_PAGE, "/diff", id=run_id, a=a, b=b
+        )
         return self.page(
             request,
             "diff.html",
@@ -392,7 +381,8 @@ class Inspector:
             b=b,
             before_seq=a,
             after_seq=b,
-            **paged,
+            changes=shown,
+            changes_page=changes_page,
         )
 
     async def fork(self, request: Request) -> Response:

@@ -186,3 +186,11 @@ def test_durations_read_in_their_unit_and_pages_clamp() -> None:
     assert views.page_of(450, 317, 200) == (200, 0, 400)  # a start inside a page: that page
     assert views.page_of(0, 5, 200) == (0, None, None)
     assert views.page_of(200, -3, 200) == (0, None, None)
+
+
+def test_a_search_takes_its_text_literally() -> None:
+    from alma_core.storage.runs import _contains
+
+    assert _contains("50%_a\\b") == "%50\\%\\_a\\\\b%"
+    assert _contains("") is None
+    assert _contains(None) is None
