@@ -39,12 +39,24 @@ QUIET_S = 3.0
 STEPS_PER_WAIT = 1
 
 
+def _default(env: Env) -> tuple[int, int]:
+    """`alma up`'s own (fetch wait, idle wait) on the broker measured: the in-memory
+    Tansu's (:func:`alma_core.settings.for_broker`), or Apache Kafka's, the settings'
+    defaults (Kafka answers a waiting fetch when data arrives)."""
+    if env.broker_kind == "tansu":
+        return settings_mod.EMBEDDED_FETCH_MAX_WAIT_MS, settings_mod.EMBEDDED_FETCH_IDLE_WAIT_MS
+    fields = settings_mod.Settings.model_fields
+    return int(fields["fetch_max_wait_ms"].default), int(fields["fetch_idle_wait_ms"].default)
+
+
 def _waits(env: Env) -> list[tuple[int, int]]:
-    """(fetch wait, idle wait) pairs: each wait without the idle pace, then `alma up`'s
-    fetch wait with each idle wait tried (its default among them)."""
+    """(fetch wait, idle wait) pairs: each wait without the idle pace (`alma up`'s
+    default among them), then `alma up`'s fetch wait with each idle wait tried that is
+    longer than it (its default among them)."""
+    fetch, idle_default = _default(env)
     busy = WAITS_MS[2:4] if env.smoke else WAITS_MS
-    fetch = settings_mod.EMBEDDED_FETCH_MAX_WAIT_MS
-    idle = sorted({*IDLE_WAITS_MS, settings_mod.EMBEDDED_FETCH_IDLE_WAIT_MS})
+    busy = tuple(sorted({*busy, fetch} if idle_default == 0 else set(busy), reverse=True))
+    idle = sorted(i for i in {*IDLE_WAITS_MS, idle_default} if i > fetch)
     return [(w, 0) for w in busy] + [(fetch, i) for i in idle]
 
 
@@ -138,7 +150,7 @@ async def run(env: Env, section: Section) -> None:
         section.add("hop", [wait, shown_idle, *figures[(wait, idle_wait)]])
     within = [k for k, f in figures.items() if f[0].median <= IDLE_BUDGET * 100]
     best = min(within, key=lambda k: figures[k][1].median) if within else None
-    default = (settings_mod.EMBEDDED_FETCH_MAX_WAIT_MS, settings_mod.EMBEDDED_FETCH_IDLE_WAIT_MS)
+    default = _default(env)
     d_idle, d_p50, _, d_first = figures[default]
     plain = figures.get((default[0], 0))
     choice = (
@@ -150,16 +162,17 @@ async def run(env: Env, section: Section) -> None:
     )
     than = (
         f" (without it, {plain[0].median:.2f} % idle and {plain[1].median:.1f} ms p50)"
-        if plain
+        if plain and default[1]
         else ""
     )
+    paced = f"{default[1]} ms once idle" if default[1] else "no idle pace"
     section.note(
         "hop",
         f"`alma up` in a scratch directory, left {settle_s:g} s to settle; idle CPU of it "
         f"and everything it started over {idle_s:g} s; {n} writes of one writer, one after "
         f"another (`node.completed`, then `applied()`), then {quiet} writes each after "
         f"{QUIET_S:g} s without any. From this run: {choice}. `alma up`'s default, "
-        f"{default[0]} ms and {default[1]} ms once idle, costs {d_idle.median:.2f} % of one "
+        f"{default[0]} ms and {paced}, costs {d_idle.median:.2f} % of one "
         f"core idle with {d_p50.median:.1f} ms p50 under load{than}; the first write after a "
         f"quiet spell takes {d_first.median:.1f} ms.",
     )

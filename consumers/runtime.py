@@ -86,7 +86,7 @@ class RuntimeConfig:
     topics: list[str]
     max_records: int = 500
     poll_timeout_ms: int = 200
-    fetch_max_wait_ms: int = 100
+    fetch_max_wait_ms: int = 500  # Settings.fetch_max_wait_ms
     fetch_idle_wait_ms: int = 0  # once no record came for 2 s (retry.FetchPacer); 0: off
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 1_000

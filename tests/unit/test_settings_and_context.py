@@ -202,7 +202,7 @@ def test_load_running_ignores_the_endpoints_of_an_alma_up_that_is_gone(
     (tmp_path / "endpoints.json").write_text(json.dumps({**endpoints, "pid": gone.pid}))
     with pytest.raises(errors.ConfigError, match="no `alma up` is running"):
         load_running()
-    assert with_running(load()).fetch_max_wait_ms == 100
+    assert with_running(load()).fetch_max_wait_ms == 500
     (tmp_path / "endpoints.json").write_text(json.dumps({**endpoints, "pid": os.getpid()}))
     assert load_running().kafka_bootstrap == "127.0.0.1:9092"  # a running one's are taken
 
@@ -227,7 +227,7 @@ def test_the_embedded_broker_gets_a_short_fetch_wait_unless_one_is_set(
     monkeypatch.delenv("ALMA_KAFKA_BOOTSTRAP", raising=False)
     monkeypatch.setenv("ALMA_DATA_DIR", str(tmp_path))
     s = settings_mod.load()
-    assert settings_mod.for_broker(s, embedded=False).fetch_max_wait_ms == 100
+    assert settings_mod.for_broker(s, embedded=False).fetch_max_wait_ms == 500
     embedded = settings_mod.for_broker(s, embedded=True)
     assert embedded.fetch_max_wait_ms == settings_mod.EMBEDDED_FETCH_MAX_WAIT_MS
     (tmp_path / settings_mod.ENDPOINTS_FILE).write_text(
@@ -235,7 +235,7 @@ def test_the_embedded_broker_gets_a_short_fetch_wait_unless_one_is_set(
     )
     assert settings_mod.load_running().fetch_max_wait_ms == 7
     monkeypatch.setenv("ALMA_KAFKA_BOOTSTRAP", "127.0.0.1:19092")  # a broker of one's own
-    assert settings_mod.load_running().fetch_max_wait_ms == 100
+    assert settings_mod.load_running().fetch_max_wait_ms == 500
     monkeypatch.setenv("ALMA_FETCH_MAX_WAIT_MS", "50")
     monkeypatch.delenv("ALMA_KAFKA_BOOTSTRAP")
     assert settings_mod.load_running().fetch_max_wait_ms == 50
