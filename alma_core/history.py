@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -95,6 +96,30 @@ def at_pointer(doc: Any, path: str) -> Any:
 def pointer(parent: str, key: str | int) -> str:
     """``parent`` extended by one key or index, escaped as RFC 6901 says."""
     return f"{parent}/{str(key).replace('~', '~0').replace('/', '~1')}"
+
+
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The JSON Pointer of the first string (value or key) in ``value`` holding a lone
+    surrogate (``"\\ud800"``: no UTF-8, so no JSON on the wire, can carry it); None
+    when there is none."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            here = pointer(path, key)
+            found = here if isinstance(key, str) and _SURROGATE.search(key) else None
+            found = found or lone_surrogate(item, here)
+            if found is not None:
+                return found
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            found = lone_surrogate(item, pointer(path, i))
+            if found is not None:
+                return found
+    return None
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -118,28 +118,3 @@ def _small_float(out: bytes) -> bool:
         if i > 0 and out[i - 1] == 48 and (i == 1 or out[i - 2] in _TOKEN_START):
             return True
     return False
-
-
-def lone_surrogate(value: Any, path: str = "") -> str | None:
-    """The JSON Pointer of the first string (value or key) in ``value`` holding a lone
-    surrogate (``"\\ud800"``: no UTF-8, so no JSON on the wire, can carry it); None
-    when there is none."""
-    if isinstance(value, str):
-        return path if _SURROGATE.search(value) else None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            here = f"{path}/{str(key).replace('~', '~0').replace('/', '~1')}"
-            if isinstance(key, str) and _SURROGATE.search(key):
-                return here
-            found = lone_surrogate(item, here)
-            if found is not None:
-                return found
-    elif isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            found = lone_surrogate(item, f"{path}/{i}")
-            if found is not None:
-                return found
-    return None
-
-
-_SURROGATE: Final = re.compile("[\ud800-\udfff]")

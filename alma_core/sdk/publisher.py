@@ -15,11 +15,10 @@ from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
-from alma_core import errors
+from alma_core import errors, history
 from alma_core import settings as settings_mod
 from alma_core.logs import redact
 from alma_core.messaging import acls, kafka
-from alma_core.schemas import jsoncodec
 from alma_core.schemas.events import EVENT_MODELS, Event, EventType, encode
 from alma_core.settings import Settings
 from alma_core.storage.effects import EffectListener
@@ -114,7 +113,7 @@ class Publisher:
         try:
             record = encode(event)
         except PydanticSerializationError:
-            where = jsoncodec.lone_surrogate(event.payload.model_dump())
+            where = history.lone_surrogate(event.payload.model_dump())
             if where is None:
                 raise
             raise errors.ContextError(

@@ -100,6 +100,7 @@ def _templates() -> Environment:
     env.filters["when"] = _when
     env.filters["took"] = views.took
     env.filters["sh"] = shlex.quote  # an id in a command to copy
+    env.filters["pointer"] = lambda key: history.pointer("", key)  # a field's JSON Pointer
     return env
 
 
@@ -138,6 +139,7 @@ class Inspector:
         context.setdefault("tenant", None)
         body = self.env.get_template(name).render(
             request=request,
+            code=status,
             url=lambda path, **params: self.url(request, path, **params),
             writes=self.access.writes,
             pinned=self.access.tenant,
@@ -619,14 +621,10 @@ def create_app(
                 response: Response = await getattr(it, name)(request)
             except HTTPException as exc:
                 response = it.page(
-                    request,
-                    "error.html",
-                    status=exc.status_code,
-                    message=exc.detail,
-                    code=exc.status_code,
+                    request, "error.html", status=exc.status_code, message=exc.detail
                 )
             except errors.StorageError as exc:
-                response = it.page(request, "error.html", status=503, message=exc.message, code=503)
+                response = it.page(request, "error.html", status=503, message=exc.message)
             response.headers["Content-Security-Policy"] = _CSP
             response.headers["X-Content-Type-Options"] = "nosniff"
             response.headers["Referrer-Policy"] = "same-origin"

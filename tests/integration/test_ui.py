@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import WebDriverException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
@@ -99,7 +100,11 @@ def follow(driver: WebDriver, by: str, what: str) -> None:
     """Click the element (a link, a form's button) and wait for the page it loads."""
     old = driver.find_element(By.TAG_NAME, "html")
     driver.find_element(by, what).click()
-    WebDriverWait(driver, 30).until(expected_conditions.staleness_of(old))
+    # mid-navigation chromedriver may answer "Node ... does not belong to the document"
+    # rather than "stale element": either means the old page is gone
+    WebDriverWait(driver, 30, ignored_exceptions=[WebDriverException]).until(
+        expected_conditions.staleness_of(old)
+    )
     WebDriverWait(driver, 30).until(
         lambda d: d.execute_script("return document.readyState") == "complete"
     )

@@ -177,3 +177,9 @@ def test_a_pointer_finds_what_a_diff_names() -> None:
     for missing in ("/nope", "/a~1b/~0x/2", "/a~1b/~0x/-1", "no-slash"):
         with pytest.raises(KeyError):
             history.at_pointer(doc, missing)
+
+
+def test_a_lone_surrogate_is_found_by_its_pointer() -> None:
+    assert history.lone_surrogate({"a": ["x", {"b/c": "y\udc00"}]}) == "/a/1/b~1c"
+    assert history.lone_surrogate({"k\ud800": 1}) == "/k\ud800"
+    assert history.lone_surrogate({"a": ["x", "\U0001f600"], "n": 1.5}) is None

@@ -183,9 +183,3 @@ def test_a_cached_value_with_the_state_spliced_in_reads_as_the_document(
     assert plain.startswith("3:")
     assert same(json.loads(spliced[2:]), json.loads(plain[2:]))
     assert same(json.loads(spliced[2:]), doc)
-
-
-def test_a_lone_surrogate_is_found_by_its_pointer() -> None:
-    assert jsoncodec.lone_surrogate({"a": ["x", {"b/c": "y\udc00"}]}) == "/a/1/b~1c"
-    assert jsoncodec.lone_surrogate({"k\ud800": 1}) == "/k\ud800"
-    assert jsoncodec.lone_surrogate({"a": ["x", "\U0001f600"], "n": 1.5}) is None
