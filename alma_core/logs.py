@@ -13,6 +13,8 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
+from alma_core import tracing
+
 # user:password@ in a URL, and password=... in a key/value DSN or a connection error
 _URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*):[^@\s]*@")
 _KV_PASSWORD = re.compile(
@@ -33,6 +35,18 @@ _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"me
 
 def _extras(record: logging.LogRecord) -> dict[str, Any]:
     return {k: v for k, v in record.__dict__.items() if k not in _STANDARD}
+
+
+class TraceIds(logging.Filter):
+    """Puts the current span's ``trace_id`` and ``span_id`` on each record logged while
+    a span is current (a traced batch, a traced SDK call), so a log line leads to its
+    trace and a trace to its log lines; nothing when tracing is off."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "trace_id" not in record.__dict__:
+            for key, value in tracing.current_ids().items():
+                setattr(record, key, value)
+        return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -67,6 +81,7 @@ class ConsoleFormatter(logging.Formatter):
 def configure(fmt: str = "console", level: str = "INFO") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else ConsoleFormatter())
+    handler.addFilter(TraceIds())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import (
+    AliasChoices,
     Field,
     SecretStr,
     SerializationInfo,
@@ -317,6 +318,38 @@ class Settings(BaseSettings):
     log_format: Literal["json", "console"] = "console"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
+    # Traces: OpenTelemetry's own variables (docs/operations.md, "Traces"); the SDK
+    # reads the others (sampler, service name, exporter headers, batching) itself.
+    otel_traces_exporter: Literal["otlp", "console", "none"] | None = Field(
+        default=None,
+        validation_alias=AliasChoices("OTEL_TRACES_EXPORTER", "otel_traces_exporter"),
+        description="OTEL_TRACES_EXPORTER: otlp or console turns the workers' traces on; "
+        "unset: on (otlp) when an OTLP endpoint is set, else off",
+    )
+    otel_exporter_otlp_endpoint: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices(
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "otel_exporter_otlp_endpoint",
+        ),
+        description="OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT: the collector (OTLP over HTTP)",
+    )
+    otel_exporter_otlp_protocol: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices(
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+            "otel_exporter_otlp_protocol",
+        ),
+        description="OTEL_EXPORTER_OTLP_PROTOCOL: http/protobuf (the one supported)",
+    )
+    otel_sdk_disabled: bool = Field(
+        default=False,
+        validation_alias=AliasChoices("OTEL_SDK_DISABLED", "otel_sdk_disabled"),
+        description="OTEL_SDK_DISABLED=true: no traces, whatever else is set",
+    )
+
     # The embedded stack (`alma up`).
     embedded_broker: Literal["auto", "kafka", "tansu"] = Field(
         default="auto",
@@ -450,6 +483,16 @@ class Settings(BaseSettings):
         1 with a pool of 2 or fewer; a concurrency set explicitly must fit)."""
         return max(1, min(self.checkpoint_concurrency, self.pg_pool_size - 1))
 
+    @property
+    def traces_exporter(self) -> Literal["otlp", "console", "none"]:
+        """Where the workers' spans go: OTEL_TRACES_EXPORTER, else ``otlp`` when an OTLP
+        endpoint is set, else nowhere (tracing off); OTEL_SDK_DISABLED wins."""
+        if self.otel_sdk_disabled:
+            return "none"
+        if self.otel_traces_exporter is not None:
+            return self.otel_traces_exporter
+        return "otlp" if self.otel_exporter_otlp_endpoint else "none"
+
     def consumer_groups(self) -> dict[str, str]:
         """Each ALMA consumer group's id and the topic it reads."""
         return {
@@ -471,7 +514,7 @@ class Settings(BaseSettings):
 
     def to_env(self) -> dict[str, str]:
         """The ``ALMA_`` variables that make another process (`alma worker`) load
-        these settings."""
+        these settings (the ``OTEL_*`` ones it inherits, as the SDK there reads more)."""
         dumped = self.model_dump(mode="json", context={"secrets": True})
         for name in dumped:  # JSON shows secrets as '**********': pass the real ones on
             secret = getattr(self, name)
@@ -480,7 +523,8 @@ class Settings(BaseSettings):
         return {
             f"ALMA_{name.upper()}": value if isinstance(value, str) else json.dumps(value)
             for name, value in dumped.items()
-            if value is not None
+            # OTEL_* are OpenTelemetry's: that process's SDK reads them from its environment
+            if value is not None and not name.startswith("otel_")
         }
 
 
@@ -531,7 +575,8 @@ def load(**overrides: object) -> Settings:
             if not err["loc"]:  # a rule between settings: its message names them
                 problems.append(err["msg"].removeprefix("Value error, "))
                 continue
-            name = "ALMA_" + "_".join(str(p) for p in err["loc"]).upper()
+            name = "_".join(str(p) for p in err["loc"]).upper()
+            name = name if name.startswith("OTEL_") else f"ALMA_{name}"  # OpenTelemetry's own
             seen = "'***'" if "password" in name.lower() else redact(repr(err.get("input")))
             problems.append(f"{name}={seen}: {err['msg']}")
         raise errors.ConfigError("invalid settings: " + "; ".join(problems)) from None

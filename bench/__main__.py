@@ -5,7 +5,7 @@ curves, and the scaling trend over checkpointer processes.
                     [--out docs/benchmarks.md]
 
 Suites: peers, curves, scaling, temporal, langgraph, replay, retention, cache, quality, ui,
-hop
+hop, tracing
 (all by default), and soak (only when named: `--only soak`, 30 minutes; 5 with --quick;
 --soak-seconds and --window-seconds set its length).
 
@@ -44,6 +44,7 @@ from bench import (
     scaling,
     soak,
     temporal,
+    tracing,
     ui,
 )
 from bench.env import Env, services_versions, stack
@@ -61,6 +62,7 @@ SUITES = (
     "quality",
     "ui",
     "hop",
+    "tracing",
 )
 ON_REQUEST = ("soak",)  # run only when named
 
@@ -75,6 +77,7 @@ SINGLE_MODULE_SUITES: dict[str, Callable[[Env, Section], Awaitable[None]]] = {
     "quality": quality.run,
     "ui": ui.run,
     "hop": hop.run,
+    "tracing": tracing.run,
 }
 
 
@@ -102,6 +105,8 @@ def steps(env: Env, only: set[str], length: soak.Length) -> int:
         n += ui.STEPS_PER_REP * env.reps
     if "hop" in only:
         n += len(hop._waits(env)) * hop.STEPS_PER_WAIT
+    if "tracing" in only:
+        n += len(tracing.MODES)
     return n
 
 

@@ -303,14 +303,17 @@ WORKER_ARGS = ("worker", "--consumers", "checkpointer")
 
 @asynccontextmanager
 async def checkpoint_processes(
-    settings: list[settings_mod.Settings], logs: Path | None = None
+    settings: list[settings_mod.Settings],
+    logs: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> AsyncIterator[None]:
     """Checkpointers in processes of their own (``alma worker``, as deployed), one per
     settings (each given a metrics port of its own); ready once together they hold
-    every partition of the topic, each at least one. Their logs go to ``logs``."""
+    every partition of the topic, each at least one. Their logs go to ``logs``;
+    ``env``: more variables for them (OpenTelemetry's)."""
     if logs is None:
         with scratch("alma-bench-worker-") as own:
-            async with checkpoint_processes(settings, own):
+            async with checkpoint_processes(settings, own, env):
                 yield
         return
     tag = uuid.uuid4().hex[:6]
@@ -322,7 +325,7 @@ async def checkpoint_processes(
                 procs.append(
                     subprocess.Popen(  # noqa: ASYNC220 - a spawn, it does not wait
                         [sys.executable, "-m", "alma_core.cli", *WORKER_ARGS],
-                        env=worker_env(s.model_copy(update={"metrics_port": port})),
+                        env=worker_env(s.model_copy(update={"metrics_port": port})) | (env or {}),
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL,

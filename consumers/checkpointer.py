@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from alma_core import tracing
 from alma_core.consumers.handler import StoreHandler
 from alma_core.storage.batches import Batch
 from alma_core.storage.checkpoints import CheckpointEffects
@@ -33,11 +34,12 @@ class CheckpointHandler(StoreHandler[None, CheckpointEffects]):
         for (type_, effect), n in Counter((t, e) for t, e, _ in effects.applied).items():
             m.events.labels(NAME, type_, effect).inc(n)
         latency: dict[str, Any] = {}
+        exemplar = tracing.exemplar() if self.tracer is not None else None  # the batch's
         for type_, _, emitted_at in effects.applied:
             series = latency.get(type_)
             if series is None:
                 series = latency[type_] = m.e2e_seconds.labels(NAME, type_)
-            series.observe(max(0.0, (now - emitted_at).total_seconds()))
+            series.observe(max(0.0, (now - emitted_at).total_seconds()), exemplar)
         if effects.duplicates:
             m.duplicates.labels(NAME).inc(effects.duplicates)
         if effects.dead_letters:

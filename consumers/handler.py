@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import time
 from dataclasses import replace
 from typing import Any, Generic, Protocol
 
-from alma_core import errors
+from alma_core import errors, tracing
 from alma_core.consumers.metrics import Metrics
+from alma_core.consumers.spans import BatchSpans, BatchTracer
 from alma_core.schemas.decoder import Rejection, RejectReason, decode
 from alma_core.storage.batches import Batch, BatchStore, Committed, EffectsT, Incoming, PreparedT
 from alma_core.storage.cache_writer import CacheWriter
@@ -75,6 +77,7 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
         # store whose transactions touch nothing but their partitions' runs (the
         # checkpointer's); see partition_groups.
         self.concurrency = concurrency
+        self.tracer: BatchTracer | None = None  # set by the worker when traces are on
 
     async def positions(
         self, cluster_id: str, partitions: list[PartitionKey]
@@ -90,6 +93,14 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
         The cache is partitioned as the topics are (``ALMA_PARTITIONS``)."""
         if self.cache is not None:
             await self.cache.invalidate(p for _, p in partitions)
+        if self.tracer is not None:
+            await self.tracer.assigned(partitions)
+
+    def step(self, name: str) -> contextlib.AbstractContextManager[object]:
+        """A span of one step of the current batch (a child of its span), when traced."""
+        if self.tracer is None:
+            return contextlib.nullcontext()
+        return tracing.tracer().start_as_current_span(f"{self.name} {name}")
 
     async def handle(
         self,
@@ -101,7 +112,16 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
         ``read_from``: where the consumer read each partition's records from, when it
         knows. A retriable :class:`errors.StorageError` goes up (the runtime retries)."""
         started = time.perf_counter()
-        incoming, prepared = await self.prepare(self.decode_batch(batch, read_from or {}))
+        decoded = self.decode_batch(batch, read_from or {})
+        if self.tracer is None:
+            return await self._handle(cluster_id, decoded, started, None)
+        async with self.tracer.open(decoded) as spans:
+            return await self._handle(cluster_id, spans.incoming, started, spans)
+
+    async def _handle(
+        self, cluster_id: str, decoded: Batch, started: float, spans: BatchSpans | None
+    ) -> Progress:
+        incoming, prepared = await self.prepare(decoded)
         groups = partition_groups(incoming, self._transactions(incoming))
         if len(groups) == 1:
             done: list[list[Committed[EffectsT]] | BaseException] = [
@@ -121,10 +141,15 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
             for part in applied:
                 await self.after_commit(part)
                 parts.append(part.progress)
+                if spans is not None:
+                    spans.committed(part)
         for applied in done:
             if isinstance(applied, BaseException):
                 raise applied
-        self.metrics.batch_seconds.labels(self.name).observe(time.perf_counter() - started)
+        exemplar = tracing.exemplar() if spans is not None else None
+        self.metrics.batch_seconds.labels(self.name).observe(
+            time.perf_counter() - started, exemplar
+        )
         self.metrics.batch_size.labels(self.name).observe(sum(len(rs) for rs in incoming.values()))
         return Progress.of(parts)
 
@@ -184,13 +209,16 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
                     "offset": dl.record.offset,
                 },
             )
-        if self.cache is not None:
-            if effects.cache_writes:
-                ok = await self.cache.write(effects.cache_writes)
-                m.cache.labels("write" if ok else "write_error").inc(len(effects.cache_writes))
-            if effects.cache_forgets:
-                await self.cache.forget(effects.cache_forgets)
-        await self.relay.publish(applied.outbox_ids)
+        if self.cache is not None and (effects.cache_writes or effects.cache_forgets):
+            with self.step("cache write"):
+                if effects.cache_writes:
+                    ok = await self.cache.write(effects.cache_writes)
+                    m.cache.labels("write" if ok else "write_error").inc(len(effects.cache_writes))
+                if effects.cache_forgets:
+                    await self.cache.forget(effects.cache_forgets)
+        if applied.outbox_ids:
+            with self.step("outbox publish"):
+                await self.relay.publish(applied.outbox_ids)
 
     def decode_batch(
         self, batch: dict[PartitionKey, list[Any]], read_from: dict[PartitionKey, int]
@@ -248,8 +276,12 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
         self, cluster_id: str, batch: Batch, prepared: PreparedT
     ) -> Committed[EffectsT]:
         started = time.perf_counter()
-        applied = await self.store.transact(cluster_id, batch, prepared)
-        self.metrics.transaction_seconds.labels(self.name).observe(time.perf_counter() - started)
+        with self.step("transaction"):
+            applied = await self.store.transact(cluster_id, batch, prepared)
+            exemplar = tracing.exemplar() if self.tracer is not None else None
+        self.metrics.transaction_seconds.labels(self.name).observe(
+            time.perf_counter() - started, exemplar
+        )
         return applied
 
     async def _commit_alone(

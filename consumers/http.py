@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 
 from alma_core import errors
 from alma_core.consumers.runtime import ConsumerRuntime
@@ -83,18 +84,22 @@ async def serve(
             request = await asyncio.wait_for(reader.readline(), 5)
             method, _, rest = request.decode(errors="replace").partition(" ")
             path = rest.split(" ")[0] if rest else "/"
-            length = 0
+            length, accept = 0, ""
             while line := (await asyncio.wait_for(reader.readline(), 5)).strip():
                 name, _, value = line.decode(errors="replace").partition(":")
                 if name.strip().lower() == "content-length" and value.strip().isdigit():
                     length = int(value.strip())
+                elif name.strip().lower() == "accept":
+                    accept = value
             if length > MAX_BODY_BYTES:
                 # read what was sent (up to a bound) so the client gets the answer, not a reset
                 await asyncio.wait_for(_discard(reader, min(length, 4 * MAX_BODY_BYTES)), 5)
                 status, content_type, body = "413 Content Too Large", "text/plain", b"too large\n"
             else:
                 payload = await asyncio.wait_for(reader.readexactly(length), 5) if length else b""
-                status, content_type, body = await respond(method, path.split("?")[0], payload)
+                status, content_type, body = await respond(
+                    method, path.split("?")[0], payload, accept
+                )
             writer.write(
                 f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
@@ -106,9 +111,16 @@ async def serve(
         finally:
             writer.close()
 
-    async def respond(method: str, path: str, payload: bytes) -> tuple[str, str, bytes]:
+    async def respond(
+        method: str, path: str, payload: bytes, accept: str
+    ) -> tuple[str, str, bytes]:
         if path == "/embed" and health.embedder is not None:
             return await embed(method, payload)
+        if path == "/metrics" and "application/openmetrics-text" in accept:
+            # what Prometheus asks for when it stores exemplars: the latency histograms'
+            # trace ids, when traces are on (docs/operations.md, "Traces")
+            body = openmetrics.generate_latest(registry)  # type: ignore[no-untyped-call]
+            return "200 OK", openmetrics.CONTENT_TYPE_LATEST, body
         if path == "/metrics":
             return "200 OK", CONTENT_TYPE_LATEST, generate_latest(registry)
         if path == "/healthz":

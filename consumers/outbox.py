@@ -29,6 +29,9 @@ import asyncpg
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from alma_core import tracing
 from alma_core.consumers.metrics import Metrics
 from alma_core.storage import outbox
 from alma_core.storage.postgres import STORAGE_FAILURES
@@ -59,13 +62,16 @@ class OutboxRelay:
         self.sweep_every_s = sweep_every_s
         self.retry_max_s = retry_max_s
         self.lease_s = lease_s  # longer than any publish takes: the producer's timeouts
+        self.traced = tracing.active()  # the worker configures tracing before this
         self._last_sweep = 0.0
 
     async def publish(self, ids: list[int]) -> int:
         """Publish these rows (a batch's, just committed), those this relay can claim."""
         if not ids:
             return 0
-        return await self._publish(outbox.claim(self.pool, ids, self.unordered, self.lease_s))
+        return await self._publish(
+            outbox.claim(self.pool, ids, self.unordered, self.lease_s), swept=False
+        )
 
     async def send_now(
         self, topic: str, key: bytes | None, value: bytes, headers: list[tuple[str, str]]
@@ -94,15 +100,17 @@ class OutboxRelay:
         sent = await self._publish(
             outbox.claim_left_behind(
                 self.pool, 0.0 if force else self.sweep_age_s, self.unordered, self.lease_s
-            )
+            ),
+            swept=True,
         )
         with contextlib.suppress(*STORAGE_FAILURES):
             await outbox.prune(self.pool)
         return sent
 
-    async def _publish(self, claiming: Awaitable[list[asyncpg.Record]]) -> int:
+    async def _publish(self, claiming: Awaitable[list[asyncpg.Record]], *, swept: bool) -> int:
         """Send the claimed rows: each key's rows of an ordered topic one after the
-        other, up to the first refused; everything else at once. Then mark them."""
+        other, up to the first refused; everything else at once. Then mark them.
+        ``swept``: rows left behind (by a crash, a failed send), found by the sweep."""
         try:
             rows = await claiming
         except STORAGE_FAILURES as exc:
@@ -113,7 +121,9 @@ class OutboxRelay:
         for r in rows:  # in id order; a dead letter is a chain of its own
             alone = r["topic"] in self.unordered
             chains.setdefault((r["topic"], r["id"] if alone else r["key"]), []).append(r)
-        outcomes = await asyncio.gather(*(self._send_chain(chain) for chain in chains.values()))
+        outcomes = await asyncio.gather(
+            *(self._send_chain(chain, swept) for chain in chains.values())
+        )
         sent = [r for chain_sent, _, _ in outcomes for r in chain_sent]
         failed = [f for _, chain_failed, _ in outcomes for f in chain_failed]
         held = [r["id"] for _, _, chain_held in outcomes for r in chain_held]
@@ -141,21 +151,51 @@ class OutboxRelay:
         return len(sent)
 
     async def _send_chain(
-        self, chain: list[asyncpg.Record]
+        self, chain: list[asyncpg.Record], swept: bool
     ) -> tuple[list[asyncpg.Record], list[tuple[asyncpg.Record, str]], list[asyncpg.Record]]:
         """Send rows in order, each once the one before it is acknowledged; at the first
         refused, stop: (sent, [(refused, error)], held back)."""
         for i, r in enumerate(chain):
+            headers = [(k, v.encode()) for k, v in outbox.header_pairs(r["headers"])]
+            span = self._span(r, headers, swept) if self.traced else None
+            if span is not None:
+                headers = list(tracing.replace_context(headers, span))
             try:
                 await self.producer.send_and_wait(
-                    r["topic"],
-                    r["value"],
-                    key=r["key"],
-                    headers=[(k, v.encode()) for k, v in outbox.header_pairs(r["headers"])],
+                    r["topic"], r["value"], key=r["key"], headers=headers
                 )
             except KafkaError as exc:
+                if span is not None:
+                    span.record_exception(exc)
+                    span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+                    span.end()
                 return chain[:i], [(r, repr(exc))], chain[i + 1 :]
+            if span is not None:
+                span.end()
         return chain, [], []
+
+    def _span(
+        self, row: asyncpg.Record, headers: list[tuple[str, bytes]], swept: bool
+    ) -> Span | None:
+        """The send of a row whose source event was traced: a child of that event's span,
+        and the context the record carries on (the reply's, back to the orchestrator)."""
+        parent = tracing.extract(headers)
+        if parent is None:
+            return None
+        kind = self.kinds.get(row["topic"], "other")
+        return tracing.start(
+            f"outbox send {kind}",
+            parent=parent,
+            kind=SpanKind.PRODUCER,
+            attributes={
+                "messaging.system": "kafka",
+                "messaging.operation.type": "send",
+                "messaging.destination.name": row["topic"],
+                "alma.outbox.id": row["id"],
+                # left behind by a crash (or a failed send) and sent by the sweep
+                "alma.outbox.swept": swept,
+            },
+        )
 
     def _failed(self, exc: BaseException, doing: str) -> int:
         self.metrics.outbox_failures.inc()

@@ -24,10 +24,12 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 
-from alma_core import errors
+from alma_core import errors, tracing
 from alma_core.consumers import checkpointer, http, joiner, learner
 from alma_core.consumers.metrics import Metrics, gc_pauses
 from alma_core.consumers.outbox import OutboxRelay
+from alma_core.consumers.handler import StoreHandler
+from alma_core.consumers.spans import BatchTracer
 from alma_core.consumers.retry import backoff_delay, retry_start, wait
 from alma_core.consumers.runtime import BatchHandler, ConsumerRuntime, RuntimeConfig
 from alma_core.learning import LearningPolicy
@@ -42,6 +44,7 @@ from alma_core.storage.checkpoints import PostgresCheckpointStore, StoreConfig
 from alma_core.storage.embeddings import AsyncEmbedder, load_embedder
 from alma_core.storage.joins import JoinConfig, PostgresJoinStore
 from alma_core.storage.memories import LearnConfig, PostgresLearnStore, check_dimension
+from alma_core.storage.read_marks import RedisReadMarks
 from alma_core.storage.migrations import Migrator, compatibility, load_migrations
 
 log = logging.getLogger("alma.worker")
@@ -243,6 +246,29 @@ async def run_worker(
     metrics = metrics or Metrics()
     if status is not None:
         status.metrics = metrics
+    service = f"alma-{consumers[0]}" if len(consumers) == 1 else "alma-worker"
+    traced = tracing.configure(
+        service,
+        exporter=settings.traces_exporter,
+        protocol=settings.otel_exporter_otlp_protocol,
+    )
+    try:
+        await _serve(settings, services, consumers, stop, metrics, ready, status, embedder)
+    finally:
+        if traced:
+            tracing.shutdown()  # exports what is buffered
+
+
+async def _serve(
+    settings: Settings,
+    services: Services,
+    consumers: list[str],
+    stop: asyncio.Event,
+    metrics: Metrics,
+    ready: asyncio.Event | None,
+    status: WorkerStatus | None,
+    embedder: AsyncEmbedder | None,
+) -> None:
     health = http.Health()
     async with http.serve(
         settings.metrics_port, metrics.registry, health, settings.metrics_host
@@ -330,7 +356,9 @@ async def _run(
             )
             await relay.sweep(force=True)
             cache_writer = CacheWriter(cache)  # invalidates the partitions it is assigned
-            wiring = _Wiring(settings, services.kafka_bootstrap, pool, cache_writer, relay, metrics)
+            wiring = _Wiring(
+                settings, services.kafka_bootstrap, pool, cache_writer, relay, metrics, cache
+            )
             runtimes = wiring.runtimes(consumers, embedder)
 
             async def database_ok() -> bool:
@@ -376,6 +404,7 @@ class _Wiring:
     cache_writer: CacheWriter
     relay: OutboxRelay
     metrics: Metrics
+    cache: RedisCheckpointCache
 
     def group(self, name: str) -> str:
         return f"{self.settings.group_prefix}-{name}"
@@ -399,12 +428,15 @@ class _Wiring:
         self,
         name: str,
         topic: str,
-        handler: BatchHandler,
+        handler: StoreHandler[Any, Any],
         *,
         linger_ms: int = 0,
         max_records: int | None = None,
     ) -> ConsumerRuntime:
         s = self.settings
+        if tracing.active():
+            marks = RedisReadMarks(self.cache, self.group(name))
+            handler.tracer = BatchTracer(handler.name, self.group(name), marks)
         config = RuntimeConfig(
             bootstrap=self.bootstrap,
             group_id=self.group(name),

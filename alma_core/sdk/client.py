@@ -20,7 +20,7 @@ from typing import Any, Literal, overload
 
 import asyncpg
 
-from alma_core import errors
+from alma_core import errors, tracing
 from alma_core.memory import MemorySlice
 from alma_core.messaging import acls, kafka
 from alma_core.schemas.events import Event, MergeReply
@@ -388,8 +388,11 @@ class AlmaClient:
         key = (ctx.tenant_id or "", ctx.run_id or "", join_id)
         future = await self._replies.expect(key)
         try:
-            await self.publish(event)
-            reply = await asyncio.wait_for(future, timeout)
+            with tracing.caller_span(
+                "merge", attributes={**tracing.event_attributes(event), "alma.join_id": join_id}
+            ):
+                await self.publish(event)
+                reply = await asyncio.wait_for(future, timeout)
         except TimeoutError:
             raise errors.MergeTimeout(
                 f"no reply to join {join_id!r} of run {ctx.run_id!r} within {timeout:.0f} s; "

@@ -12,10 +12,11 @@ from typing import Any, Literal
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
+from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
-from alma_core import errors, history
+from alma_core import errors, history, tracing
 from alma_core import settings as settings_mod
 from alma_core.logs import redact
 from alma_core.messaging import acls, kafka
@@ -132,7 +133,15 @@ class Publisher:
         if watch is not None and event.tenant_id:
             watch.expect(event.event_id, event.tenant_id, event.run_id)
         try:
-            await self._send(record, event.run_id.encode())
+            if not tracing.active():
+                await self._send(record, event.run_id.encode())
+            else:
+                with tracing.caller_span(
+                    f"publish {event.type}",
+                    kind=SpanKind.PRODUCER,
+                    attributes=tracing.event_attributes(event),
+                ):
+                    await self._send(record, event.run_id.encode(), tracing.inject())
         except BaseException:
             if watch is not None:
                 watch.forget(event.event_id)
@@ -144,10 +153,13 @@ class Publisher:
         :func:`alma_core.sdk.dead_letters.replay`); it is decoded like any other."""
         await self._send(value, key)
 
-    async def _send(self, value: bytes, key: bytes | None) -> None:
+    async def _send(
+        self, value: bytes, key: bytes | None, headers: list[tuple[str, bytes]] | None = None
+    ) -> None:
+        """``headers``: the publish span's trace context, when traced."""
         topic = self.settings.lifecycle_topic
         try:
-            await self._producer.send_and_wait(topic, value, key=key)
+            await self._producer.send_and_wait(topic, value, key=key, headers=headers or None)
         except acls.REFUSALS as exc:
             who = acls.principal(self.settings)
             raise acls.denied(who, acls.Acl("WRITE", "topic", topic), exc) from exc

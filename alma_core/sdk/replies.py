@@ -16,9 +16,10 @@ import logging
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
 
-from alma_core import errors
+from alma_core import errors, tracing
 from alma_core.messaging import acls
 from alma_core.messaging.broker_view import BrokerView
 from alma_core.schemas.events import MergeReply
@@ -142,3 +143,26 @@ class ReplyListener:
                     future = self._waiting.get((reply.tenant_id, reply.run_id, reply.join_id))
                     if future is not None and not future.done():
                         future.set_result(reply)  # another tenant's or run's reply never gets here
+                        if tracing.active():
+                            received(record, reply)
+
+
+def received(record: Any, reply: MergeReply) -> None:
+    """The reply's arrival, in the trace it carries back (the joiner's span's): the
+    orchestrator's trace shows the whole round trip."""
+    parent = tracing.extract(record.headers or ())
+    if parent is None:
+        return
+    tracing.start(
+        "reply received",
+        parent=parent,
+        kind=SpanKind.CONSUMER,
+        attributes={
+            "messaging.system": "kafka",
+            "messaging.destination.name": record.topic,
+            "alma.tenant_id": reply.tenant_id,
+            "alma.run_id": reply.run_id,
+            "alma.join_id": reply.join_id,
+            "alma.outcome": reply.status,
+        },
+    ).end()

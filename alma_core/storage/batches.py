@@ -17,10 +17,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import asyncpg
 
+from alma_core import tracing
 from alma_core.schemas.decoder import Decoded
 from alma_core.sequencing import Coordinates
 from alma_core.storage import dead_letters, offsets, outbox
@@ -63,6 +64,13 @@ class Incoming:
                     return None
         return None
 
+    def trace_headers(self) -> dict[str, str]:
+        """The record's W3C trace context headers, to copy onto the records it leads to
+        (hand-offs, replies); in a traced worker, the context of the record's own span."""
+        if not self.headers:
+            return {}
+        return tracing.context_pairs(self.headers)
+
     @property
     def coords(self) -> Coordinates:
         return Coordinates(self.topic, self.partition, self.offset)
@@ -80,6 +88,19 @@ class Effects:
     cache_forgets: list[tuple[str, str]] = field(default_factory=list)
     # the write advanced the offsets itself (offsets.ADVANCE in its statement)
     offsets_stored: bool = False
+
+    # the outcome of a new event span_attributes does not list (the checkpointer's
+    # duplicates); None: the event is not this store's (completions on the joiner's topic)
+    unlisted_outcome: ClassVar[str | None] = None
+
+    def span_attributes(self) -> dict[str, dict[str, Any]]:
+        """What each new event came to, by event id, for its span (a traced worker asks;
+        never state contents). A store adds its own to the dead letters' reasons."""
+        return {
+            dl.event_id: {"alma.outcome": "dead_letter", "alma.dead_letter.reason": dl.reason}
+            for dl in self.dead_letters
+            if dl.event_id
+        }
 
 
 EffectsT = TypeVar("EffectsT", bound=Effects)

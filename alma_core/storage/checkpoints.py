@@ -22,6 +22,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 import asyncpg
 
@@ -39,6 +40,7 @@ from alma_core.schemas.events import (
 )
 from alma_core.sequencing import (
     CheckpointRow,
+    EventRow,
     HeadKey,
     RunKey,
     Sequencer,
@@ -68,6 +70,17 @@ class CheckpointEffects(Effects):
     applied: list[tuple[str, str, datetime]] = field(default_factory=list)  # type, effect, emitted
     duplicates: int = 0  # events whose event_id was recorded before
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    folded: list[EventRow] = field(default_factory=list)  # each new event's effect
+    unlisted_outcome = "duplicate"  # a new event with no effect: its event_id was known
+
+    def span_attributes(self) -> dict[str, dict[str, Any]]:
+        out = {
+            e.event.event_id: {"alma.outcome": e.effect, "alma.run_seq": e.run_seq}
+            for e in self.folded
+        }
+        for row in self.checkpoints:
+            out.setdefault(row.event_id, {})["alma.seq"] = row.seq
+        return out | super().span_attributes()
 
 
 @dataclass(frozen=True)
@@ -202,7 +215,8 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
                     letters.append(dead_letter_for(record, exc))
                     if isinstance(decoded, BranchJoin):
                         answer = error_reply(decoded, exc)
-                        answers.append(join_reply(decoded, answer, self.config.reply_topic))
+                        trace = record.trace_headers()
+                        answers.append(join_reply(decoded, answer, self.config.reply_topic, trace))
         effects = sequencer.effects
         created_at = datetime.now(UTC)
         heads: dict[HeadKey, CheckpointRow] = {}
@@ -218,13 +232,14 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
             await announce(conn, touched)  # dead letters only: nothing written
         return CheckpointEffects(
             dead_letters=letters,
-            outbox=self._handoffs(sequencer) + answers,
+            outbox=self._handoffs(sequencer, fresh) + answers,
             cache_writes=_cache_entries(heads.values(), created_at),
             offsets_stored=written,
             checkpoints=effects.checkpoints,
             applied=[(e.event.type, e.effect, e.event.emitted_at) for e in effects.events],
             duplicates=effects.duplicates,
             created_at=created_at,
+            folded=effects.events,
         )
 
     # -- writes ---------------------------------------------------------------
@@ -284,9 +299,11 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
         await graphs.insert(conn, seq.effects.graph)
         return written
 
-    def _handoffs(self, seq: Sequencer) -> list[OutboxRow]:
-        """Joins and completions for the joiner and the learner, once durable."""
+    def _handoffs(self, seq: Sequencer, fresh: Batch) -> list[OutboxRow]:
+        """Joins and completions for the joiner and the learner, once durable, each with
+        its event's trace context (that of the event's span in a traced worker)."""
         outbox: list[OutboxRow] = []
+        traces = {r.coords: t for rs in fresh.values() for r in rs if (t := r.trace_headers())}
         for row in seq.effects.handoffs:
             # Hand-offs carry the event as decoded: canonical JSON of the contract.
             record_value = row.event.model_dump_json(exclude_none=True).encode()
@@ -303,6 +320,7 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
                             "alma.source.topic": row.coords.topic,
                             "alma.source.partition": row.coords.partition,
                             "alma.source.offset": row.coords.offset,
+                            **traces.get(row.coords, {}),
                         }
                     ),
                 )

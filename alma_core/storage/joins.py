@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 import asyncpg
 
@@ -55,6 +56,22 @@ class JoinEffects(Effects):
     checkpoints: list[Checkpoint] = field(default_factory=list)
     outcomes: Counter[str] = field(default_factory=Counter)
     merge_seconds: list[float] = field(default_factory=list)
+    decisions: list[JoinDecision] = field(default_factory=list)  # every join, in order
+
+    def span_attributes(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for d in self.decisions:
+            attrs: dict[str, Any] = {
+                "alma.outcome": _outcome(d),
+                "alma.join_id": d.event.payload.join_id,
+                # answered before: the orchestrator asked again, or the join was delivered
+                # again; the earlier answer is sent again, nothing is merged twice
+                "alma.join.answered_before": d.duplicate,
+            }
+            if d.checkpoint is not None:
+                attrs["alma.seq"] = d.checkpoint.seq
+            out[d.event.event_id] = attrs
+        return out | super().span_attributes()
 
 
 class PostgresJoinStore(BatchStore[None, JoinEffects]):
@@ -97,7 +114,8 @@ class PostgresJoinStore(BatchStore[None, JoinEffects]):
                     effects.checkpoints.append(checkpoint)
                     effects.cache_writes += cache_entries({None: checkpoint})
                     effects.cache_writes += consumed_entries(checkpoint, decision.consumed)
-                effects.outbox.append(self._reply(decision))
+                effects.decisions.append(decision)
+                effects.outbox.append(self._reply(decision, record))
         await self._write(conn, decisions, planner, merged, now)
         return effects
 
@@ -209,8 +227,10 @@ class PostgresJoinStore(BatchStore[None, JoinEffects]):
             *columns(answers, 7),
         )
 
-    def _reply(self, decision: JoinDecision) -> OutboxRow:
-        return outbox.join_reply(decision.event, decision.reply, self.config.reply_topic)
+    def _reply(self, decision: JoinDecision, record: Incoming) -> OutboxRow:
+        return outbox.join_reply(
+            decision.event, decision.reply, self.config.reply_topic, record.trace_headers()
+        )
 
 
 # After the rows both writers share (storage/checkpoint_rows.py, $1 to $19): the runs'

@@ -20,6 +20,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 import asyncpg
 
@@ -63,6 +64,11 @@ class LearnEffects(Effects):
     duplicates: int = 0
     memories: Counter[str] = field(default_factory=Counter)
     checkpoints_removed: int = 0
+    by_event: dict[str, str] = field(default_factory=dict)  # outcome event id: learned, duplicate
+
+    def span_attributes(self) -> dict[str, dict[str, Any]]:
+        out = {eid: {"alma.outcome": what} for eid, what in self.by_event.items()}
+        return out | super().span_attributes()
 
 
 async def check_dimension(pool: asyncpg.Pool, dimension: int, model: str) -> None:
@@ -177,12 +183,15 @@ class PostgresLearnStore(BatchStore[dict[Coordinates, Prepared], LearnEffects]):
                 if not isinstance(decoded, WorkflowCompleted):
                     continue  # joins are the joiner's
                 item = prepared.get(record.coords)
+                effects.by_event[decoded.event_id] = "duplicate"
                 if item is None:
                     effects.duplicates += 1
                     continue
                 offered.append(item)
         stored = await self._insert_outcomes(conn, offered, now)
         effects.duplicates += len(offered) - len(stored)
+        for item in stored:
+            effects.by_event[item.draft.run.event_id] = "learned"
         if not stored:
             return effects
         effects.outcomes = len(stored)

@@ -33,14 +33,21 @@ from alma_core.schemas.events import BranchJoin
 OutboxRow = tuple[str, bytes | None, bytes, str]  # topic, key, value, headers (JSON pairs)
 
 
-def join_reply(event: BranchJoin, reply: dict[str, Any], default_topic: str) -> OutboxRow:
+def join_reply(
+    event: BranchJoin,
+    reply: dict[str, Any],
+    default_topic: str,
+    trace: dict[str, str] | None = None,
+) -> OutboxRow:
     """The row that answers a join on its reply topic (the join's ``reply_to``, else
-    ``default_topic``): canonical JSON, so an answer sent again is byte for byte the first."""
+    ``default_topic``): canonical JSON, so an answer sent again is byte for byte the first.
+    ``trace``: the join record's trace context headers, so the reply carries it back."""
+    headers = [["alma.join_id", event.payload.join_id], *(trace or {}).items()]
     return (
         event.payload.reply_to or default_topic,
         event.run_id.encode(),
         jsoncodec.canonical(reply),
-        json.dumps([["alma.join_id", event.payload.join_id]]),
+        json.dumps(headers),
     )
 
 

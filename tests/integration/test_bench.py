@@ -64,7 +64,7 @@ async def test_quick_side_by_side_run_writes_every_table(
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     rc, log = await bench(
-        settings, scratch, "--smoke", "--only", "peers,replay,ui", "--out", str(out)
+        settings, scratch, "--smoke", "--only", "peers,replay,ui,tracing", "--out", str(out)
     )
     assert rc == 0, log[-3000:]
     assert not list(scratch.iterdir())  # the worker processes' logs went with them
@@ -103,6 +103,13 @@ async def test_quick_side_by_side_run_writes_every_table(
     pages = doc["ui"]["tables"]["ui"]["rows"]
     assert len(pages) == 13  # lists, searches, paging both ways, a run and its history, ...
     assert all(p["p95 ms"]["median"] > 0 for p in pages)
+    # what traces cost (issue 53): off, 1 % and every trace, each drained; spans only when on
+    traced = {r["traces"]: r for r in doc["tracing"]["tables"]["tracing"]["rows"]}
+    assert set(traced) == {"off", "on, 1 %", "on, 100 %"}
+    assert all(r["checkpoints/s"]["median"] > 0 for r in traced.values())
+    assert traced["off"]["spans exported"]["median"] == 0
+    backlog = 10_000 // 4  # --smoke: --quick's backlog, a quarter of it
+    assert traced["on, 100 %"]["spans exported"]["median"] > backlog  # one per event, and more
     writes = tables["writes"]["rows"]
     expected = {
         (s, w, system)

@@ -17,9 +17,10 @@ from tests.integration.conftest import PrivateStack
 from tests.integration.harness import Publisher, Worker, completed, count, wait_for
 
 
-async def get(port: int, path: str) -> tuple[int, str]:
+async def get(port: int, path: str, accept: str | None = None) -> tuple[int, str]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    asked = f"Accept: {accept}\r\n" if accept else ""
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n{asked}\r\n".encode())
     await writer.drain()
     data = await asyncio.wait_for(reader.read(), 10)
     writer.close()
@@ -163,3 +164,27 @@ async def test_the_endpoints_listen_on_this_machine_only_unless_opened() -> None
         assert listening_on(port) == {"127.0.0.1"}
     async with http.serve(0, registry, health, load(metrics_host="0.0.0.0").metrics_host) as port:
         assert listening_on(port) == {"0.0.0.0"}
+
+
+async def test_a_slow_batch_leads_to_its_trace_through_an_exemplar() -> None:
+    """A traced batch's latency carries its trace id as an exemplar, served to a
+    Prometheus that asks for OpenMetrics (it stores exemplars); the classic text format
+    has none."""
+    from alma_core.consumers.metrics import Metrics
+
+    metrics, health = Metrics(), http.Health()
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    metrics.batch_seconds.labels("checkpointer").observe(0.7, {"trace_id": trace_id})
+    async with http.serve(0, metrics.registry, health) as port:
+        status, open_metrics = await get(port, "/metrics", "application/openmetrics-text")
+        assert status == 200
+        _, classic = await get(port, "/metrics")
+    bucket = next(
+        line
+        for line in open_metrics.splitlines()
+        if line.startswith('alma_batch_seconds_bucket{consumer="checkpointer",le="1.0"}')
+    )
+    assert f'# {{trace_id="{trace_id}"}} 0.7' in bucket
+    assert open_metrics.rstrip().endswith("# EOF")
+    assert "alma_batch_seconds_bucket" in classic
+    assert trace_id not in classic
