@@ -205,6 +205,7 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
                     "detail": dl.detail[:300],
                     "event_id": dl.event_id,
                     "run_id": dl.run_id,
+                    "tenant_id": dl.tenant_id,
                     "partition": dl.record.partition,
                     "offset": dl.record.offset,
                 },

@@ -71,7 +71,8 @@ class LearnHandler(StoreHandler[dict[Coordinates, Prepared], LearnEffects]):
         record that fails alone becomes an ``internal_error`` rejection (dead-lettered,
         replayable) instead of stopping the partition."""
         try:
-            return incoming, await self._draft_and_embed(incoming)
+            with self.step("embed"):
+                return incoming, await self._draft_and_embed(incoming)
         except Exception as exc:  # noqa: BLE001 - isolated below, retriable ones re-raised
             reraise_retriable(exc)
         prepared: dict[Coordinates, Prepared] = {}

@@ -159,9 +159,9 @@ def test_the_lock_pins_what_pyproject_requires() -> None:
     project = PYPROJECT["project"]
     extras = project["optional-dependencies"]
     wanted = list(project["dependencies"])
-    for extra in ("learn", "cli", "mcp", "ui", "temporal", "langgraph"):
+    for extra in ("learn", "cli", "mcp", "ui", "temporal", "langgraph", "tracing"):
         wanted += [r for r in extras[extra] if not r.startswith("alma-stream")]
-    assert extras["all"] == ["alma-stream[learn,cli,mcp,ui,temporal,langgraph]"]
+    assert extras["all"] == ["alma-stream[learn,cli,mcp,ui,temporal,langgraph,tracing]"]
     for text in wanted:
         requirement = Requirement(text)
         name = canonicalize_name(requirement.name)
