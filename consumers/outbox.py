@@ -28,7 +28,6 @@ from collections.abc import Awaitable
 import asyncpg
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
-
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from alma_core import tracing

@@ -87,9 +87,7 @@ class BatchSpans:
                 if not span.is_recording():
                     # not sampled: its context goes on (downstream decides alike), but
                     # when the record carried one, that is as good and costs nothing
-                    rewritten.append(
-                        r if parent is not None else with_context(r, span)
-                    )
+                    rewritten.append(r if parent is not None else with_context(r, span))
                     continue
                 attrs = attributes_of(r)
                 if before >= 0:

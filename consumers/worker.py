@@ -26,12 +26,12 @@ from aiokafka.errors import KafkaError
 
 from alma_core import errors, tracing
 from alma_core.consumers import checkpointer, http, joiner, learner
+from alma_core.consumers.handler import StoreHandler
 from alma_core.consumers.metrics import Metrics, gc_pauses
 from alma_core.consumers.outbox import OutboxRelay
-from alma_core.consumers.handler import StoreHandler
-from alma_core.consumers.spans import BatchTracer
 from alma_core.consumers.retry import backoff_delay, retry_start, wait
-from alma_core.consumers.runtime import BatchHandler, ConsumerRuntime, RuntimeConfig
+from alma_core.consumers.runtime import ConsumerRuntime, RuntimeConfig
+from alma_core.consumers.spans import BatchTracer
 from alma_core.learning import LearningPolicy
 from alma_core.messaging import acls, kafka, topic_checks
 from alma_core.messaging.topic_checks import TopicFacts
@@ -44,8 +44,8 @@ from alma_core.storage.checkpoints import PostgresCheckpointStore, StoreConfig
 from alma_core.storage.embeddings import AsyncEmbedder, load_embedder
 from alma_core.storage.joins import JoinConfig, PostgresJoinStore
 from alma_core.storage.memories import LearnConfig, PostgresLearnStore, check_dimension
-from alma_core.storage.read_marks import RedisReadMarks
 from alma_core.storage.migrations import Migrator, compatibility, load_migrations
+from alma_core.storage.read_marks import RedisReadMarks
 
 log = logging.getLogger("alma.worker")
 
