@@ -113,7 +113,7 @@ class BatchSpans:
     def committed(self, part: Committed[Any]) -> None:
         """What each event of a committed group came to, on its span."""
         effects: Effects | None = part.effects
-        if effects is None:
+        if effects is None or not self.events:  # none recorded (unsampled): nothing to say
             return
         for event_id, attrs in effects.span_attributes().items():
             span = self.events.get(event_id)
