@@ -12,6 +12,7 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import asyncpg
@@ -39,33 +40,54 @@ async def one(env: Env, processes: int, backlog: int, logs: Path) -> float:
     s = env.settings_for(topic, group_prefix=f"scale-{tag}")
     runs = [f"{tag}-{r}" for r in range(RUNS)]
     async with checkpoint_processes([s] * processes, logs):
-        producer = AIOKafkaProducer(
-            bootstrap_servers=env.services.kafka_bootstrap,
-            acks="all",
-            linger_ms=20,
-            max_batch_size=1 << 20,
+        published = await publish_backlog(env, topic, runs, backlog)
+        return await drain_rate(env, runs, backlog, published, logs)
+
+
+async def publish_backlog(
+    env: Env,
+    topic: str,
+    runs: list[str],
+    backlog: int,
+    headers: Callable[[], list[tuple[str, bytes]] | None] = lambda: None,
+) -> float:
+    """``backlog`` node.completed events of 1 KB states over ``runs``, each with the
+    ``headers`` given; when publishing ended (``time.perf_counter()``)."""
+    producer = AIOKafkaProducer(
+        bootstrap_servers=env.services.kafka_bootstrap,
+        acks="all",
+        linger_ms=20,
+        max_batch_size=1 << 20,
+    )
+    await producer.start()
+    for i in range(backlog):
+        doc = event(runs[i % len(runs)], i, 1_000)
+        await producer.send(
+            topic, json.dumps(doc).encode(), key=doc["run_id"].encode(), headers=headers()
         )
-        await producer.start()
-        for i in range(backlog):
-            doc = event(runs[i % RUNS], i, 1_000)
-            await producer.send(topic, json.dumps(doc).encode(), key=doc["run_id"].encode())
-        await producer.flush()
-        await producer.stop()
-        published = time.perf_counter()
-        async with asyncpg.create_pool(env.services.postgres_dsn, min_size=1, max_size=1) as pool:
-            marks: list[tuple[float, int]] = []
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                marks.append((time.perf_counter(), await drained(pool, runs)))
-                if marks[-1][1] >= 0.9 * backlog:
-                    break
-                await asyncio.sleep(0.1)
-        # From publishing done (or 10 % drained, if later) to 90 % drained.
-        t0, n0 = next(((t, n) for t, n in marks if t >= published and n >= 0.1 * backlog), marks[0])
-        t1, n1 = marks[-1]
-        if n1 <= n0 or t1 <= t0:
-            raise RuntimeError(f"the backlog was not drained in a measurable window; see {logs}")
-        return (n1 - n0) / (t1 - t0)
+    await producer.flush()
+    await producer.stop()
+    return time.perf_counter()
+
+
+async def drain_rate(
+    env: Env, runs: list[str], backlog: int, published: float, logs: Path
+) -> float:
+    """Checkpoints per second from publishing done (or 10 % drained, if later) to 90 %
+    drained."""
+    async with asyncpg.create_pool(env.services.postgres_dsn, min_size=1, max_size=1) as pool:
+        marks: list[tuple[float, int]] = []
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            marks.append((time.perf_counter(), await drained(pool, runs)))
+            if marks[-1][1] >= 0.9 * backlog:
+                break
+            await asyncio.sleep(0.1)
+    t0, n0 = next(((t, n) for t, n in marks if t >= published and n >= 0.1 * backlog), marks[0])
+    t1, n1 = marks[-1]
+    if n1 <= n0 or t1 <= t0:
+        raise RuntimeError(f"the backlog was not drained in a measurable window; see {logs}")
+    return (n1 - n0) / (t1 - t0)
 
 
 async def run(env: Env, section: Section) -> None:

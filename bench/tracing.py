@@ -15,7 +15,6 @@ of traces sampled, and on with every trace sampled; and the SDK's own cost per p
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 import uuid
@@ -23,7 +22,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import asyncpg
-from aiokafka import AIOKafkaProducer
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
@@ -31,11 +29,10 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.util._once import Once
 
 from alma_core import tracing
-from bench.checkpointer import event
 from bench.env import Env, checkpoint_processes, scratch
 from bench.otlp import otlp_receiver
 from bench.report import Section, Stat, ratio
-from bench.scaling import drained
+from bench.scaling import drain_rate, drained, publish_backlog
 
 MODES: tuple[tuple[str, float | None], ...] = (("off", None), ("on, 1 %", 0.01), ("on, 100 %", 1.0))
 RUNS = 200
@@ -46,11 +43,9 @@ def traceparent(rng: random.Random, sampled: bool) -> bytes:
     return f"00-{rng.getrandbits(128):032x}-{rng.getrandbits(64):016x}-{flags}".encode()
 
 
-async def drain(
-    env: Env, ratio_: float | None, backlog: int, receiver_url: str
-) -> tuple[float, int]:
-    """Checkpoints per second draining ``backlog`` events; the spans the worker exported
-    are counted by the caller's receiver."""
+async def drain(env: Env, ratio_: float | None, backlog: int, receiver_url: str) -> float:
+    """Checkpoints per second draining ``backlog`` events (the scaling suite's way); the
+    spans the worker exported are counted by the caller's receiver."""
     topic = await env.topic("trace")
     tag = uuid.uuid4().hex[:6]
     s = env.settings_for(topic, group_prefix=f"trace-{tag}")
@@ -65,43 +60,24 @@ async def drain(
         }
     )
     rng = random.Random(7)
+
+    def headers() -> list[tuple[str, bytes]] | None:
+        if ratio_ is None:
+            return None
+        return [("traceparent", traceparent(rng, rng.random() < ratio_))]
+
     with scratch("alma-bench-tracing-") as logs:
         async with checkpoint_processes([s], logs, env=otel):
-            producer = AIOKafkaProducer(
-                bootstrap_servers=env.services.kafka_bootstrap,
-                acks="all",
-                linger_ms=20,
-                max_batch_size=1 << 20,
-            )
-            await producer.start()
-            for i in range(backlog):
-                doc = event(runs[i % RUNS], i, 1_000)
-                headers = (
-                    [("traceparent", traceparent(rng, rng.random() < ratio_))]
-                    if ratio_ is not None
-                    else None
-                )
-                await producer.send(
-                    topic, json.dumps(doc).encode(), key=doc["run_id"].encode(), headers=headers
-                )
-            await producer.flush()
-            await producer.stop()
-            published = time.perf_counter()
+            published = await publish_backlog(env, topic, runs, backlog, headers)
+            rate = await drain_rate(env, runs, backlog, published, logs)
             async with asyncpg.create_pool(
                 env.services.postgres_dsn, min_size=1, max_size=1
-            ) as pool:
-                marks: list[tuple[float, int]] = []
-                deadline = time.monotonic() + 300
-                while time.monotonic() < deadline:
-                    marks.append((time.perf_counter(), await drained(pool, runs)))
-                    if marks[-1][1] >= backlog:
+            ) as pool:  # every event applied before the worker stops: all its spans out
+                for _ in range(1200):  # 120 s at most
+                    if await drained(pool, runs) >= backlog:
                         break
                     await asyncio.sleep(0.1)
-    start = next(((t, n) for t, n in marks if t >= published and n >= 0.1 * backlog), marks[0])
-    end = next(((t, n) for t, n in marks if n >= 0.9 * backlog), marks[-1])
-    if end[1] <= start[1] or end[0] <= start[0]:
-        raise RuntimeError(f"the backlog was not drained in a measurable window; see {logs}")
-    return (end[1] - start[1]) / (end[0] - start[0]), marks[-1][1]
+    return rate
 
 
 class _Discard(SpanExporter):
@@ -155,7 +131,7 @@ async def run(env: Env, section: Section) -> None:
             for _ in range(env.reps):
                 env.step(f"tracing: {name}")
                 before = len(receiver.snapshot())
-                rate, _ = await drain(env, share, backlog, receiver.url)
+                rate = await drain(env, share, backlog, receiver.url)
                 runs.append(rate)
                 spans.append(float(len(receiver.snapshot()) - before))
                 sdk.append(sdk_us(share, calls))
