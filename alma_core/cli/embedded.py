@@ -39,7 +39,13 @@ from alma_core.cli import embedded_kafka
 from alma_core.cli.embedded_kafka import KafkaBroker
 from alma_core.cli.embedded_pg import PG_USER as PG_USER
 from alma_core.cli.embedded_pg import Postgres as Postgres
-from alma_core.cli.embedded_process import READY_TIMEOUT_S, Notify, Service, log_notice
+from alma_core.cli.embedded_process import (
+    READY_TIMEOUT_S,
+    Notify,
+    Service,
+    free_port_pair,
+    log_notice,
+)
 from alma_core.cli.embedded_process import free_port as free_port
 from alma_core.pids import alive
 
@@ -136,8 +142,14 @@ class Redis(Service):
             await client.aclose()
 
 
+CLUSTER_BUS_OFFSET = 10000  # a node's cluster bus listens this far above its port
+
+
 class RedisClusterNode(Redis):
     """One node of a Redis Cluster (``--cluster-enabled yes``), in its own directory."""
+
+    def _free_port(self) -> int:
+        return free_port_pair(CLUSTER_BUS_OFFSET, highest=65535 - CLUSTER_BUS_OFFSET)
 
     def _command(self, port: int) -> list[str]:
         return [

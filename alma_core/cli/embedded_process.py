@@ -16,6 +16,7 @@ import ctypes
 import importlib.util
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -63,6 +64,32 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port_pair(offset: int, highest: int, attempts: int = 200) -> int:
+    """A free loopback port no higher than ``highest`` whose ``port + offset`` is free
+    too (a Redis Cluster node listens on both, and refuses a port above 55535). Drawn
+    below Linux's ephemeral range (32768 up), where the kernel hands out no port of
+    its own, rather than from the kernel, whose picks may all lie above ``highest``."""
+    low = min(20000, highest)
+    for _ in range(attempts):
+        port = random.randint(low, min(highest, 32767))
+        if _bindable(port) and _bindable(port + offset):
+            return port
+    raise errors.StackError(
+        f"no free pair of loopback ports {offset} apart found below {highest} in "
+        f"{attempts} tries.\nWhat to do: free some ports between {low} and "
+        f"{highest + offset} (see `ss -tln`) and run again"
+    )
 
 
 def port_open(port: int) -> bool:
@@ -120,6 +147,9 @@ class Service:
     def _popen_kwargs(self) -> dict[str, Any]:
         return {}
 
+    def _free_port(self) -> int:
+        return free_port()
+
     async def _ready(self) -> bool:
         raise NotImplementedError
 
@@ -131,7 +161,7 @@ class Service:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         last = ""
         for _ in range(START_ATTEMPTS):
-            self.port = port or free_port()
+            self.port = port or self._free_port()
             with self.log_path.open("ab") as log:
                 self.proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once; watched by poll()
                     self._command(self.port),
