@@ -25,6 +25,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 from alma_core import errors, stacks
 from alma_core.logs import redact
 from alma_core.scoring import ScoringWeights
+from alma_core.tenancy import TenantTopics
 
 KafkaSecurity = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"]
@@ -145,6 +146,12 @@ class Settings(BaseSettings):
         description="internal: join and completion events handed on after they are durable",
     )
     partitions: int = Field(default=12, ge=1, le=1000, description="partitions per created topic")
+    tenant_topics: bool = Field(
+        default=False,
+        description="each tenant writes its own lifecycle topic and reads its own reply "
+        "topic (<topic>.<tenant>), under its own principal's ACLs; an event claiming "
+        "another tenant than its topic's is dead-lettered (tenant_not_producer)",
+    )
     replication_factor: int = Field(default=1, ge=1, le=10)
 
     # Limits and behaviour.
@@ -492,6 +499,11 @@ class Settings(BaseSettings):
         if self.otel_traces_exporter is not None:
             return self.otel_traces_exporter
         return "otlp" if self.otel_exporter_otlp_endpoint else "none"
+
+    @property
+    def topic_names(self) -> TenantTopics:
+        """The lifecycle and reply topics, per tenant with ALMA_TENANT_TOPICS."""
+        return TenantTopics(self.lifecycle_topic, self.merged_topic, self.tenant_topics)
 
     def consumer_groups(self) -> dict[str, str]:
         """Each ALMA consumer group's id and the topic it reads."""

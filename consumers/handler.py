@@ -31,6 +31,7 @@ from alma_core.storage.batches import Batch, BatchStore, Committed, EffectsT, In
 from alma_core.storage.cache_writer import CacheWriter
 from alma_core.storage.dead_letters import dead_letter_for, dead_letter_headers
 from alma_core.storage.offsets import PartitionKey, Progress
+from alma_core.tenancy import TENANT_REFUSALS, TenantTopics
 
 log = logging.getLogger("alma.consumers")
 
@@ -66,6 +67,7 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
         max_state_bytes: int,
         max_record_bytes: int,
         concurrency: int = 1,
+        topics: TenantTopics | None = None,
     ) -> None:
         self.store = store
         self.cache = cache
@@ -78,6 +80,9 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
         # checkpointer's); see partition_groups.
         self.concurrency = concurrency
         self.tracer: BatchTracer | None = None  # set by the worker when traces are on
+        # With ALMA_TENANT_TOPICS, the lifecycle topics' names: each record is bound to
+        # the tenant of the topic it was read from (alma_core.tenancy), the checkpointer's
+        self.bind = topics.bind if topics is not None and topics.per_tenant else None
 
     async def positions(
         self, cluster_id: str, partitions: list[PartitionKey]
@@ -196,6 +201,8 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
         self.observe(effects)
         for dl in effects.dead_letters:
             m.dead_letters.labels(self.name, dl.reason).inc()
+            if dl.reason in TENANT_REFUSALS:  # labelled by the topic's tenant, not the claim
+                m.tenant_refusals.labels(dl.tenant_id or "", dl.reason).inc()
             log.warning(
                 "dead letter",
                 extra={
@@ -238,6 +245,8 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
                     max_state_bytes=self.max_state_bytes,
                     max_record_bytes=self.max_record_bytes,
                 )
+                if self.bind is not None:
+                    value = self.bind(r.topic, value)
                 headers = tuple(r.headers or ())
                 decoded.append(
                     Incoming(

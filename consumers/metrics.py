@@ -70,6 +70,14 @@ class Metrics:
             ["consumer", "reason"],
             registry=r,
         )
+        self.tenant_refusals = Counter(
+            "alma_tenant_refused_total",
+            "Events refused because their topic's tenant (who produced them) may not do "
+            "what they ask: claim another tenant, or answer on another tenant's topic "
+            "(ALMA_TENANT_TOPICS); by the producing tenant and reason",
+            ["tenant", "reason"],
+            registry=r,
+        )
         self.dead_letter_failures = Counter(
             "alma_dead_letter_failures_total",
             "Records whose dead-letter row could not be stored: skipped, sent to the "

@@ -84,6 +84,10 @@ class RuntimeConfig:
     bootstrap: str
     group_id: str
     topics: list[str]
+    # instead of ``topics``: every topic whose name matches (ALMA_TENANT_TOPICS: each
+    # tenant's lifecycle topic), new ones found within ``metadata_max_age_ms``
+    pattern: str | None = None
+    metadata_max_age_ms: int = 300_000
     max_records: int = 500
     poll_timeout_ms: int = 200
     fetch_max_wait_ms: int = 500  # Settings.fetch_max_wait_ms
@@ -213,13 +217,17 @@ class ConsumerRuntime:
             max_poll_interval_ms=cfg.max_poll_interval_ms,
             fetch_max_wait_ms=cfg.fetch_max_wait_ms,
             max_partition_fetch_bytes=16 * 1024 * 1024,
+            metadata_max_age_ms=cfg.metadata_max_age_ms,
         )
         self.consumer = consumer
         if not await retry_start(self._admin.start, stop, "admin client"):
             return
         try:
             await self._refresh_cluster_id()
-            consumer.subscribe(cfg.topics, listener=_Listener(self))
+            if cfg.pattern is not None:
+                consumer.subscribe(pattern=cfg.pattern, listener=_Listener(self))
+            else:
+                consumer.subscribe(cfg.topics, listener=_Listener(self))
             if not await retry_start(consumer.start, stop, "consumer", self._refused):
                 return
             self.last_poll = time.monotonic()
@@ -239,7 +247,8 @@ class ConsumerRuntime:
         if isinstance(exc, GroupAuthorizationFailedError):
             needs = acls.Acl("READ", "group", cfg.group_id)
         else:
-            needs = acls.Acl("READ", "topic", ", ".join(cfg.topics))
+            topics = cfg.pattern or ", ".join(cfg.topics)
+            needs = acls.Acl("READ", "topic", topics)
         return acls.denied(cfg.principal, needs, exc)
 
     async def _leave(self, consumer: AIOKafkaConsumer) -> None:

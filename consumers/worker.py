@@ -24,7 +24,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 
-from alma_core import errors, tracing
+from alma_core import errors, tenancy, tracing
 from alma_core.consumers import checkpointer, http, joiner, learner
 from alma_core.consumers.handler import StoreHandler
 from alma_core.consumers.metrics import Metrics, gc_pauses
@@ -432,6 +432,7 @@ class _Wiring:
         *,
         linger_ms: int = 0,
         max_records: int | None = None,
+        pattern: str | None = None,
     ) -> ConsumerRuntime:
         s = self.settings
         if tracing.active():
@@ -441,6 +442,8 @@ class _Wiring:
             bootstrap=self.bootstrap,
             group_id=self.group(name),
             topics=[topic],
+            pattern=pattern,
+            metadata_max_age_ms=tenancy.DISCOVERY_MS if pattern else 300_000,
             max_records=max_records or s.max_batch_records,
             linger_ms=linger_ms,
             session_timeout_ms=s.session_timeout_ms,
@@ -464,6 +467,7 @@ class _Wiring:
                 s.max_state_bytes,
                 s.notify_effects,
                 s.merged_topic,
+                s.tenant_topics,
             ),
             registry,
         )
@@ -475,8 +479,10 @@ class _Wiring:
             max_state_bytes=s.max_state_bytes,
             max_record_bytes=s.max_record_bytes,
             concurrency=s.checkpoint_transactions,
+            topics=s.topic_names,
         )
-        return self._runtime(checkpointer.GROUP, s.lifecycle_topic, handler)
+        pattern = s.topic_names.lifecycle_pattern() if s.tenant_topics else None
+        return self._runtime(checkpointer.GROUP, s.lifecycle_topic, handler, pattern=pattern)
 
     def _joiner(self, registry: ReducerRegistry) -> ConsumerRuntime:
         s = self.settings
@@ -488,6 +494,7 @@ class _Wiring:
                 s.merged_topic,
                 s.dlq_topic,
                 s.max_state_bytes,
+                s.tenant_topics,
             ),
             registry,
         )

@@ -32,6 +32,11 @@ class RejectReason(StrEnum):
     SCHEMA_VIOLATION = "schema_violation"
     KEY_MISMATCH = "key_mismatch"
     STATE_TOO_LARGE = "state_too_large"
+    # Not produced by the decoder: with ALMA_TENANT_TOPICS, an event that claims another
+    # tenant than the topic it was written to, and a join that asks for its answer on
+    # another topic than its tenant's replies (alma_core.tenancy).
+    TENANT_NOT_PRODUCER = "tenant_not_producer"
+    REPLY_TO_REFUSED = "reply_to_refused"
     # Not produced by the decoder: PostgreSQL refused a record the contract
     # admits (the checkpointer isolates it and dead-letters it with this reason).
     STORAGE_REJECTED = "storage_rejected"

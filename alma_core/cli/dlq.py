@@ -84,18 +84,20 @@ def dlq_replay(
         common.fail(f"cannot read {value_file}: {exc.strerror}", common.USAGE)
 
     async def main() -> None:
+        sent_to: list[str] = []
         conn = await common.connect(common.dsn(s))
         producer = AIOKafkaProducer(
             bootstrap_servers=common.bootstrap(s), **kafka.producer_options(s)
         )
 
-        async def send(value: bytes, key: bytes | None) -> None:
+        async def send(topic: str, value: bytes, key: bytes | None) -> None:
+            sent_to.append(topic)
             try:
                 await producer.start()
-                await producer.send_and_wait(s.lifecycle_topic, value, key=key)
+                await producer.send_and_wait(topic, value, key=key)
             except KafkaError as exc:
                 raise common.kafka_unavailable(
-                    common.bootstrap(s), f"publish to {s.lifecycle_topic}", exc
+                    common.bootstrap(s), f"publish to {topic}", exc
                 ) from exc
 
         try:
@@ -103,6 +105,7 @@ def dlq_replay(
                 conn,
                 send,
                 letter_id,
+                topics=s.topic_names,
                 max_state_bytes=s.max_state_bytes,
                 corrected=corrected,
                 force=force,
@@ -110,6 +113,6 @@ def dlq_replay(
         finally:
             await producer.stop()
             await conn.close()
-        common.out.print(f"replayed dead letter {letter_id} to {s.lifecycle_topic}")
+        common.out.print(f"replayed dead letter {letter_id} to {sent_to[0]}")
 
     common.run(main)

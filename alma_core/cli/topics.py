@@ -15,7 +15,7 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 from rich.table import Table
 
-from alma_core import errors
+from alma_core import errors, tenancy
 from alma_core.cli import common
 from alma_core.logs import redact
 from alma_core.messaging import acls, kafka, topic_checks
@@ -30,12 +30,28 @@ def register(app: typer.Typer) -> None:
 
 
 def alma_topics(settings: Settings) -> list[str]:
+    """The topics every deployment has (with ALMA_TENANT_TOPICS the lifecycle and reply
+    topics are each tenant's: :func:`tenant_topics`)."""
+    if settings.tenant_topics:
+        return [settings.sequenced_topic, settings.dlq_topic]
     return [
         settings.lifecycle_topic,
         settings.sequenced_topic,
         settings.merged_topic,
         settings.dlq_topic,
     ]
+
+
+def tenant_topics(settings: Settings, tenant: str) -> list[str]:
+    """``tenant``'s lifecycle and reply topics (ALMA_TENANT_TOPICS); a tenant id that
+    cannot name a topic is wrong usage."""
+    problem = tenancy.topic_problem(settings.lifecycle_topic, tenant)
+    if problem is None:
+        problem = tenancy.topic_problem(settings.merged_topic, tenant)
+    if problem:
+        common.fail(problem, common.USAGE)
+    names = settings.topic_names
+    return [names.lifecycle_for(tenant), names.replies_for(tenant)]
 
 
 LEADERS_S = 30.0  # how long newly created topics may take to have every partition led
@@ -145,14 +161,27 @@ async def describe_topics(
 @topics_app.command("create")
 def topics_create(
     partitions: int = typer.Option(None, help="Partitions (ALMA_PARTITIONS)."),
+    tenant: list[str] = typer.Option(
+        None,
+        "--tenant",
+        help="With ALMA_TENANT_TOPICS: create this tenant's lifecycle and reply topics "
+        "too; repeat for several.",
+    ),
 ) -> None:
     """Create ALMA's topics where missing."""
     s = common.settings(partitions=partitions)
+    if tenant and not s.tenant_topics:
+        common.fail(
+            "--tenant creates a tenant's own topics, which only ALMA_TENANT_TOPICS=true "
+            "uses: set it (for the workers and the orchestrators alike), or leave --tenant out",
+            common.USAGE,
+        )
+    per_tenant = [t for name in tenant or [] for t in tenant_topics(s, name)]
 
     async def main() -> None:
         created = await ensure_topics(
             common.bootstrap(s),
-            alma_topics(s),
+            alma_topics(s) + per_tenant,
             partitions=s.partitions,
             replication_factor=s.replication_factor,
             client_options=kafka.client_options(s),
@@ -232,14 +261,27 @@ def topics_acls(
         None, help="The principal to grant (default: User:<ALMA_KAFKA_SASL_USERNAME>)."
     ),
     bootstrap: str = typer.Option("BROKER:9092", help="The --bootstrap-server to print."),
+    tenant: str = typer.Option(
+        None,
+        "--tenant",
+        help="With ALMA_TENANT_TOPICS: the tenant whose orchestrator this is (its own "
+        "topics only); default ALMA_TENANT.",
+    ),
 ) -> None:
     """Print the kafka-acls.sh lines that give a role the least it needs on an Apache
     Kafka with an authorizer (topics and groups from ALMA_* settings)."""
     s = common.settings()
+    chosen = tenant or s.tenant
+    if chosen is not None and s.tenant_topics:
+        tenant_topics(s, chosen)  # a tenant id that can name no topic: wrong usage
     if role not in acls.ROLES:
         common.fail(f"--role {role!r}: expected one of {', '.join(acls.ROLES)}", common.USAGE)
     who = principal or acls.principal(s)
     if not who.startswith("User:"):
         who = "User:<name>"
-    for acl in acls.for_role(role, s):
+    try:
+        granted = acls.for_role(role, s, chosen if s.tenant_topics else None)
+    except errors.ConfigError as exc:
+        common.fail(exc.message, common.USAGE)
+    for acl in granted:
         print(acl.command(who, bootstrap))

@@ -52,24 +52,40 @@ def _words(operation: str) -> str:
     return "".join(part.capitalize() for part in operation.split("_"))
 
 
-def for_role(role: Role, s: Settings) -> list[Acl]:
-    """What ``role`` needs, for the topics and groups named in ``s``."""
+def for_role(role: Role, s: Settings, tenant: str | None = None) -> list[Acl]:
+    """What ``role`` needs, for the topics and groups named in ``s``. With
+    ALMA_TENANT_TOPICS an orchestrator is one tenant's (``tenant``, required): literal
+    ACLs on that tenant's two topics only (a prefixed one on ``<topic>.acme`` would
+    match ``<topic>.acme2`` as well); the workers read and answer every tenant's topics
+    (prefixed on ``<topic>.``)."""
+    names = s.topic_names
     if role == "orchestrator":
+        if s.tenant_topics and tenant is None:
+            raise errors.ConfigError(
+                "with ALMA_TENANT_TOPICS an orchestrator's ACLs are one tenant's: pass "
+                "--tenant (or set ALMA_TENANT)"
+            )
+        lifecycle = names.lifecycle_for(tenant or "")
+        replies = names.replies_for(tenant or "")
         return [
-            Acl("WRITE", "topic", s.lifecycle_topic),
-            Acl("DESCRIBE", "topic", s.lifecycle_topic),
-            Acl("READ", "topic", s.merged_topic),
-            Acl("DESCRIBE", "topic", s.merged_topic),
+            Acl("WRITE", "topic", lifecycle),
+            Acl("DESCRIBE", "topic", lifecycle),
+            Acl("READ", "topic", replies),
+            Acl("DESCRIBE", "topic", replies),
         ]
+    per_tenant = s.tenant_topics
+    lifecycle = f"{s.lifecycle_topic}." if per_tenant else s.lifecycle_topic
+    replies = f"{s.merged_topic}." if per_tenant else s.merged_topic
     return [
-        Acl("READ", "topic", s.lifecycle_topic),
-        Acl("DESCRIBE", "topic", s.lifecycle_topic),
-        Acl("DESCRIBE_CONFIGS", "topic", s.lifecycle_topic),
+        Acl("READ", "topic", lifecycle, prefixed=per_tenant),
+        Acl("DESCRIBE", "topic", lifecycle, prefixed=per_tenant),
+        Acl("DESCRIBE_CONFIGS", "topic", lifecycle, prefixed=per_tenant),
         Acl("READ", "topic", s.sequenced_topic),
         Acl("WRITE", "topic", s.sequenced_topic),
         Acl("DESCRIBE", "topic", s.sequenced_topic),
-        Acl("WRITE", "topic", s.merged_topic),  # and any other reply_to topic in use
-        Acl("DESCRIBE", "topic", s.merged_topic),
+        # and any other reply_to topic in use (not with tenant topics: none other)
+        Acl("WRITE", "topic", replies, prefixed=per_tenant),
+        Acl("DESCRIBE", "topic", replies, prefixed=per_tenant),
         Acl("WRITE", "topic", s.dlq_topic),
         Acl("DESCRIBE", "topic", s.dlq_topic),
         Acl("READ", "group", f"{s.group_prefix}-", prefixed=True),

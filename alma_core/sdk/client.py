@@ -91,13 +91,9 @@ class AlmaClient:
         # wait until the checkpointer has had an event's effect (read-your-writes): its
         # Applied, its rejection raised if it was dead-lettered, EffectTimeout if neither
         self.applied = self.waiter.applied
-        self._replies = ReplyListener(
-            self.bootstrap,
-            settings.merged_topic,
-            fetch_max_wait_ms=settings.fetch_max_wait_ms,
-            client_options=kafka.client_options(settings),
-            principal=acls.principal(settings),
-        )
+        # one listener per reply topic (ALMA_TENANT_TOPICS: per tenant), each started by
+        # the first merge that waits on it
+        self._replies: dict[str, ReplyListener] = {}
         self._embedder = embedder
         self._own_embedder = False
         self._retriever: Retriever | None = None
@@ -118,7 +114,8 @@ class AlmaClient:
         await self.publisher.start()
 
     async def stop(self) -> None:
-        await self._replies.stop()
+        for listener in self._replies.values():
+            await listener.stop()
         await self.publisher.stop()
         await self.waiter.close()
         await self.reads.close()
@@ -250,9 +247,9 @@ class AlmaClient:
         ctx = WorkflowContext(event.tenant_id, event.workflow_id, None, event.run_id)
         return await self.waiter.applied(ctx, event.event_id, timeout=timeout)
 
-    async def publish_record(self, value: bytes, key: bytes | None) -> None:
-        """Send one record to the lifecycle topic as it is (:meth:`Publisher.send_record`)."""
-        await self.publisher.send_record(value, key)
+    async def publish_record(self, topic: str, value: bytes, key: bytes | None) -> None:
+        """Send one record to a lifecycle topic as it is (:meth:`Publisher.send_record`)."""
+        await self.publisher.send_record(topic, value, key)
 
     async def node_started(
         self,
@@ -358,6 +355,19 @@ class AlmaClient:
             return event.event_id
         return await self.publish(event)
 
+    def _listener(self, topic: str) -> ReplyListener:
+        listener = self._replies.get(topic)
+        if listener is None:
+            s = self.settings
+            listener = self._replies[topic] = ReplyListener(
+                self.bootstrap,
+                topic,
+                fetch_max_wait_ms=s.fetch_max_wait_ms,
+                client_options=kafka.client_options(s),
+                principal=acls.principal(s),
+            )
+        return listener
+
     async def merge(
         self,
         ctx: WorkflowContext,
@@ -386,7 +396,8 @@ class AlmaClient:
         }
         event = self.event("branch.join", replace(ctx, node_id=node_id or ctx.node_id), payload)
         key = (ctx.tenant_id or "", ctx.run_id or "", join_id)
-        future = await self._replies.expect(key)
+        replies = self._listener(self.settings.topic_names.replies_for(ctx.tenant_id or ""))
+        future = await replies.expect(key)
         try:
             with tracing.caller_span(
                 "merge", attributes={**tracing.event_attributes(event), "alma.join_id": join_id}
@@ -400,7 +411,7 @@ class AlmaClient:
                 "same join_id"
             ) from None
         finally:
-            self._replies.forget(key)
+            replies.forget(key)
         if reply.status == "error":
             raise errors.MergeFailed(f"join {join_id!r} of run {ctx.run_id!r}: {reply.error}")
         return reply

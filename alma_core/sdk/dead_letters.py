@@ -1,5 +1,7 @@
 """Sending a dead letter back: its record as it came (or a corrected one) to the
-lifecycle topic, keyed by its run, and the letter marked replayed. What `alma dlq replay`
+lifecycle topic (with ALMA_TENANT_TOPICS, its tenant's: the one it was read from, so
+a letter is checked again as that tenant's and can never be laundered into another's),
+keyed by its run, and the letter marked replayed. What `alma dlq replay`
 and the run inspector's replay button do."""
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from alma_core import errors
 from alma_core.schemas.decoder import Rejection, decode
 from alma_core.sequencing import refused_now
 from alma_core.storage import dead_letters
+from alma_core.tenancy import TenantTopics
 
-Send = Callable[[bytes, bytes | None], Awaitable[None]]  # (value, key) to the lifecycle topic
+Send = Callable[[str, bytes, bytes | None], Awaitable[None]]  # (topic, value, key)
 
 
 async def replay(
@@ -21,6 +24,7 @@ async def replay(
     send: Send,
     letter_id: int,
     *,
+    topics: TenantTopics,
     max_state_bytes: int,
     tenant_id: str | None = None,
     corrected: bytes | None = None,
@@ -44,7 +48,11 @@ async def replay(
             )
         value: bytes = corrected if corrected is not None else (row["value"] or b"")
         key: bytes | None = row["key"]
+        owner: str | None = row["tenant_id"]
+        topic = topics.lifecycle_for(owner) if topics.per_tenant and owner else topics.lifecycle
         decoded = decode(value, max_state_bytes=max_state_bytes)
+        if topics.per_tenant:
+            decoded = topics.bind(topic, decoded)
         if isinstance(decoded, Rejection):
             if not force:
                 raise errors.AlmaError(
@@ -66,5 +74,5 @@ async def replay(
                     "correct it (a new run id, or the run's current seq as expected_seq) "
                     "and pass --value-file, or pass --force"
                 )
-        await send(value, key)
+        await send(topic, value, key)
         await dead_letters.mark_replayed(conn, letter_id)

@@ -16,7 +16,7 @@ from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
-from alma_core import errors, history, tracing
+from alma_core import errors, history, tenancy, tracing
 from alma_core import settings as settings_mod
 from alma_core.logs import redact
 from alma_core.messaging import acls, kafka
@@ -33,6 +33,7 @@ the checkpointer has had its effect too (``applied``: read-your-writes)."""
 class Publisher:
     def __init__(self, settings: Settings, *, bootstrap: str | None = None) -> None:
         self.settings = settings
+        self.topics = settings.topic_names  # per tenant with ALMA_TENANT_TOPICS
         chosen = bootstrap or settings.kafka_bootstrap
         if not chosen:
             raise errors.ConfigError(no_bootstrap(settings))
@@ -90,6 +91,10 @@ class Publisher:
             raise errors.ContextError(f"{type_} needs tenant_id, workflow_id and run_id")
         if type_.startswith("node.") and not ctx.node_id:
             raise errors.ContextError(f"{type_} needs node_id")
+        if self.settings.tenant_topics:
+            problem = tenancy.topic_problem(self.settings.lifecycle_topic, ctx.tenant_id)
+            if problem:
+                raise errors.ContextError(f"{problem}; choose a tenant id that can")
         doc = {
             "event_id": event_id or uuid.uuid4().hex,
             "type": type_,
@@ -133,31 +138,36 @@ class Publisher:
         if watch is not None and event.tenant_id:
             watch.expect(event.event_id, event.tenant_id, event.run_id)
         try:
+            topic = self.topics.lifecycle_for(event.tenant_id)
             if not tracing.active():
-                await self._send(record, event.run_id.encode())
+                await self._send(record, event.run_id.encode(), topic=topic)
             else:
                 with tracing.caller_span(
                     f"publish {event.type}",
                     kind=SpanKind.PRODUCER,
                     attributes=tracing.event_attributes(event),
                 ):
-                    await self._send(record, event.run_id.encode(), tracing.inject())
+                    await self._send(record, event.run_id.encode(), tracing.inject(), topic=topic)
         except BaseException:
             if watch is not None:
                 watch.forget(event.event_id)
             raise
         return event.event_id
 
-    async def send_record(self, value: bytes, key: bytes | None) -> None:
-        """Send one record to the lifecycle topic as it is (a dead letter sent back:
+    async def send_record(self, topic: str, value: bytes, key: bytes | None) -> None:
+        """Send one record to a lifecycle topic as it is (a dead letter sent back:
         :func:`alma_core.sdk.dead_letters.replay`); it is decoded like any other."""
-        await self._send(value, key)
+        await self._send(value, key, topic=topic)
 
     async def _send(
-        self, value: bytes, key: bytes | None, headers: list[tuple[str, bytes]] | None = None
+        self,
+        value: bytes,
+        key: bytes | None,
+        headers: list[tuple[str, bytes]] | None = None,
+        *,
+        topic: str,
     ) -> None:
         """``headers``: the publish span's trace context, when traced."""
-        topic = self.settings.lifecycle_topic
         try:
             await self._producer.send_and_wait(topic, value, key=key, headers=headers or None)
         except acls.REFUSALS as exc:

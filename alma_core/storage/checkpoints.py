@@ -92,6 +92,7 @@ class StoreConfig:
     max_state_bytes: int
     notify_effects: bool = True  # pg_notify the batch's runs on commit (storage.effects)
     reply_topic: str = "alma.merged.v1"  # a refused join's answer, unless it names one
+    tenant_topics: bool = False  # ALMA_TENANT_TOPICS: the reply topic is the tenant's own
 
 
 def _audit_payload(event: Event) -> str:
@@ -216,7 +217,15 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
                     if isinstance(decoded, BranchJoin):
                         answer = error_reply(decoded, exc)
                         trace = record.trace_headers()
-                        answers.append(join_reply(decoded, answer, self.config.reply_topic, trace))
+                        answers.append(
+                            join_reply(
+                                decoded,
+                                answer,
+                                self.config.reply_topic,
+                                trace,
+                                per_tenant=self.config.tenant_topics,
+                            )
+                        )
         effects = sequencer.effects
         created_at = datetime.now(UTC)
         heads: dict[HeadKey, CheckpointRow] = {}

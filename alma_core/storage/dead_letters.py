@@ -149,12 +149,13 @@ async def original(
     *,
     for_update: bool = False,
 ) -> asyncpg.Record | None:
-    """A dead letter's key and value as they came, and when it was last replayed; with
+    """A dead letter's key and value as they came, its tenant (the topic's, with
+    ALMA_TENANT_TOPICS), and when it was last replayed; with
     ``tenant_id``, only a letter of that tenant. ``for_update`` (in a transaction): the
     row locked until it ends, so two replays of one letter go one after the other."""
     lock = " FOR UPDATE" if for_update else ""
     row: asyncpg.Record | None = await conn.fetchrow(
-        f"""SELECT key, value, replayed_at FROM dead_letters
+        f"""SELECT key, value, tenant_id, replayed_at FROM dead_letters
             WHERE id = $1 AND ($2::text IS NULL OR tenant_id = $2){lock}""",
         letter_id,
         tenant_id,

@@ -46,6 +46,7 @@ class JoinConfig:
     reply_topic: str
     dlq_topic: str
     max_state_bytes: int
+    tenant_topics: bool = False  # ALMA_TENANT_TOPICS: the reply topic is the tenant's own
 
 
 @dataclass
@@ -229,7 +230,11 @@ class PostgresJoinStore(BatchStore[None, JoinEffects]):
 
     def _reply(self, decision: JoinDecision, record: Incoming) -> OutboxRow:
         return outbox.join_reply(
-            decision.event, decision.reply, self.config.reply_topic, record.trace_headers()
+            decision.event,
+            decision.reply,
+            self.config.reply_topic,
+            record.trace_headers(),
+            per_tenant=self.config.tenant_topics,
         )
 
 

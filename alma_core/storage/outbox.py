@@ -29,6 +29,7 @@ import asyncpg
 
 from alma_core.schemas import jsoncodec
 from alma_core.schemas.events import BranchJoin
+from alma_core.tenancy import tenant_topic
 
 OutboxRow = tuple[str, bytes | None, bytes, str]  # topic, key, value, headers (JSON pairs)
 
@@ -38,11 +39,17 @@ def join_reply(
     reply: dict[str, Any],
     default_topic: str,
     trace: dict[str, str] | None = None,
+    *,
+    per_tenant: bool = False,
 ) -> OutboxRow:
     """The row that answers a join on its reply topic (the join's ``reply_to``, else
-    ``default_topic``): canonical JSON, so an answer sent again is byte for byte the first.
-    ``trace``: the join record's trace context headers, so the reply carries it back."""
+    ``default_topic``, or with ``per_tenant`` (ALMA_TENANT_TOPICS) that topic's one for
+    the join's tenant): canonical JSON, so an answer sent again is byte for byte the
+    first. ``trace``: the join record's trace context headers, so the reply carries it
+    back."""
     headers = [["alma.join_id", event.payload.join_id], *(trace or {}).items()]
+    if per_tenant:
+        default_topic = tenant_topic(default_topic, event.tenant_id)
     return (
         event.payload.reply_to or default_topic,
         event.run_id.encode(),

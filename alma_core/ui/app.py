@@ -443,6 +443,7 @@ class Inspector:
                     self.client.publish_record,
                     letter,
                     tenant_id=tenant,
+                    topics=self.settings.topic_names,
                     max_state_bytes=self.settings.max_state_bytes,
                 )
             except errors.AlmaError as exc:

@@ -49,6 +49,9 @@ USERS = {
     "worker": "worker-s3cret",
     "orch": "orch-s3cret",
     "orch-reads-only": "reader-s3cret",
+    # one orchestrator principal per tenant (test_tenant_identity.py)
+    "acme": "acme-s3cret",
+    "globex": "globex-s3cret",
 }
 
 
