@@ -131,7 +131,11 @@ class BranchJoinPayload(_Model):
             str, StringConstraints(min_length=1, max_length=249, pattern=r"^[a-zA-Z0-9._-]+$")
         ]
         | None
-    ) = Field(default=None, description="Reply topic; the configured merged topic when absent.")
+    ) = Field(
+        default=None,
+        description="Reply topic; the configured merged topic when absent (with tenant "
+        "topics: the tenant's own, the only one allowed).",
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> BranchJoinPayload:
