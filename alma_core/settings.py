@@ -152,6 +152,16 @@ class Settings(BaseSettings):
         "topic (<topic>.<tenant>), under its own principal's ACLs; an event claiming "
         "another tenant than its topic's is dead-lettered (tenant_not_producer)",
     )
+    tenant_rate: float = Field(
+        default=0.0,
+        ge=0,
+        description="each tenant's rate quota, events per second through the checkpointer "
+        "(0: none); over it a tenant's events are delayed, never dropped, and never hold "
+        "another tenant back (needs ALMA_TENANT_TOPICS); `alma tenants set` per tenant",
+    )
+    tenant_burst: int = Field(
+        default=0, ge=0, description="events a tenant may have at once (0: one second's worth)"
+    )
     replication_factor: int = Field(default=1, ge=1, le=10)
 
     # Limits and behaviour.
@@ -448,6 +458,17 @@ class Settings(BaseSettings):
         problem = self.retention.problem()
         if problem:
             raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _quotas_need_tenant_topics(self) -> Settings:
+        if self.tenant_rate > 0 and not self.tenant_topics:
+            raise ValueError(
+                "ALMA_TENANT_RATE needs ALMA_TENANT_TOPICS=true: a tenant is held back by "
+                "pausing its own partitions, and on the shared topic its partitions carry "
+                "other tenants' runs too. Set ALMA_TENANT_TOPICS=true (docs/operations.md, "
+                "'Tenants'), or ALMA_TENANT_RATE=0"
+            )
         return self
 
     @model_validator(mode="after")

@@ -8,8 +8,9 @@ which runs in the coordinator's task while the loop may be inside a batch, only 
   says it resumes (:meth:`Assignment.placed`), after its cache was invalidated if it
   moved here from another member;
 * what is paused, and why, is decided in one place (:meth:`Assignment.sync_pauses`):
-  everything while a batch is retried, otherwise the partitions not placed yet and
-  those whose log ends before what the store applied (:meth:`Assignment.behind`). A
+  everything while a batch is retried, otherwise the partitions not placed yet, those
+  whose log ends before what the store applied (:meth:`Assignment.behind`), and those
+  of a tenant over its rate quota (``consumers/throttle.py``). A
   partition paused for one reason is never resumed for another;
 * each partition's **position** is where the consumer reads it from: the offset it
   was sent to, then the offset after the last record returned. Each record says it
@@ -38,6 +39,7 @@ class Assignment:
         self.moved_here: set[TopicPartition] = set()  # their cache to invalidate first
         self.retrying = False  # a batch is being retried: nothing is fetched
         self.log_behind: set[TopicPartition] = set()
+        self.throttled: set[TopicPartition] = set()  # their tenant is over its rate quota
         self.applied_to: dict[TopicPartition, int] = {}  # next offset the store expects
         # unknown where the store has no offset (Kafka's committed one was used)
         self.position: dict[TopicPartition, int] = {}
@@ -52,6 +54,7 @@ class Assignment:
         self.generation += 1
         self.applied_to.clear()
         self.log_behind.clear()
+        self.throttled.clear()
         self.position.clear()
         if consumer is not None and assigned:
             consumer.pause(*assigned)
@@ -77,7 +80,9 @@ class Assignment:
     def sync_pauses(self, consumer: AIOKafkaConsumer) -> None:
         """What is fetched, decided in one place (see the module docstring)."""
         assignment = consumer.assignment()
-        held = set(assignment) if self.retrying else (self.unplaced | self.log_behind)
+        held = (
+            set(assignment) if self.retrying else (self.unplaced | self.log_behind | self.throttled)
+        )
         held &= assignment
         if held:
             consumer.pause(*held)

@@ -78,6 +78,19 @@ class Metrics:
             ["tenant", "reason"],
             registry=r,
         )
+        self.tenant_throttled = Counter(
+            "alma_tenant_throttled_total",
+            "Times a tenant's partitions were paused for its rate quota (its events "
+            "delayed, never dropped)",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_events = Counter(
+            "alma_tenant_events_total",
+            "Events of each tenant handed to the checkpointer (ALMA_TENANT_TOPICS)",
+            ["tenant"],
+            registry=r,
+        )
         self.dead_letter_failures = Counter(
             "alma_dead_letter_failures_total",
             "Records whose dead-letter row could not be stored: skipped, sent to the "

@@ -46,6 +46,7 @@ class OutboxRelay:
         metrics: Metrics,
         *,
         kinds: dict[str, str],
+        reply_prefix: str | None = None,
         sweep_age_s: float = 10.0,
         sweep_every_s: float = 5.0,
         retry_max_s: float = 300.0,
@@ -55,6 +56,7 @@ class OutboxRelay:
         self.producer = producer
         self.metrics = metrics
         self.kinds = kinds  # topic -> metric label (handoff, dlq, reply)
+        self.reply_prefix = reply_prefix  # ALMA_TENANT_TOPICS: each tenant's reply topic
         # dead letters go on their own; every other topic keeps each key's order
         self.unordered = [topic for topic, kind in kinds.items() if kind == "dlq"]
         self.sweep_age_s = sweep_age_s
@@ -63,6 +65,13 @@ class OutboxRelay:
         self.lease_s = lease_s  # longer than any publish takes: the producer's timeouts
         self.traced = tracing.active()  # the worker configures tracing before this
         self._last_sweep = 0.0
+
+    def kind(self, topic: str) -> str:
+        """What a topic's records are, as the metrics and spans name it."""
+        kind = self.kinds.get(topic)
+        if kind is None and self.reply_prefix and topic.startswith(self.reply_prefix):
+            return "reply"
+        return kind or "other"
 
     async def publish(self, ids: list[int]) -> int:
         """Publish these rows (a batch's, just committed), those this relay can claim."""
@@ -133,7 +142,7 @@ class OutboxRelay:
         except STORAGE_FAILURES as exc:
             self._failed(exc, "marking outbox rows")  # sent again later: readers de-duplicate
         for r in sent:
-            self.metrics.outbox_published.labels(self.kinds.get(r["topic"], "other")).inc()
+            self.metrics.outbox_published.labels(self.kind(r["topic"])).inc()
         for r, error in failed:
             self.metrics.outbox_failures.inc()
             log.warning(
@@ -181,7 +190,7 @@ class OutboxRelay:
         parent = tracing.extract(headers)
         if parent is None:
             return None
-        kind = self.kinds.get(row["topic"], "other")
+        kind = self.kind(row["topic"])
         return tracing.start(
             f"outbox send {kind}",
             parent=parent,

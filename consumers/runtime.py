@@ -46,6 +46,7 @@ from alma_core import errors
 from alma_core.consumers.assignment import Assignment, key
 from alma_core.consumers.metrics import Metrics
 from alma_core.consumers.retry import FetchPacer, backoff_delay, retry_start, wait
+from alma_core.consumers.throttle import Throttle
 from alma_core.messaging import acls
 from alma_core.storage.offsets import PartitionKey, Progress
 
@@ -132,8 +133,15 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
 
 
 class ConsumerRuntime:
-    def __init__(self, config: RuntimeConfig, handler: BatchHandler, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        handler: BatchHandler,
+        metrics: Metrics,
+        throttle: Throttle | None = None,
+    ) -> None:
         self.config = config
+        self.throttle = throttle  # tenants' rate quotas (consumers/throttle.py)
         self.handler = handler
         self.metrics = metrics
         self.consumer: AIOKafkaConsumer | None = None
@@ -147,6 +155,7 @@ class ConsumerRuntime:
         self._last_commit = 0.0
         self._last_periodic = 0.0
         self._poll_ms = config.poll_timeout_ms
+        self._throttled_ms: int | None = None
         self._pacer = (
             FetchPacer(config.fetch_max_wait_ms, config.fetch_idle_wait_ms)
             if config.fetch_idle_wait_ms > config.fetch_max_wait_ms
@@ -230,6 +239,8 @@ class ConsumerRuntime:
                 consumer.subscribe(cfg.topics, listener=_Listener(self))
             if not await retry_start(consumer.start, stop, "consumer", self._refused):
                 return
+            if self.throttle is not None:  # the tenants' own quotas before any record
+                await self.throttle.refresh(time.monotonic())
             self.last_poll = time.monotonic()
             self.started.set()
             await self._loop(consumer, stop)
@@ -296,6 +307,9 @@ class ConsumerRuntime:
                 if placing:
                     await wait(stop, self._backoff(placing))  # then poll: stay a member
             generation = a.generation
+            if self.throttle is not None:
+                until = self.throttle.release(consumer, a, time.monotonic())
+                self._throttled_ms = None if until is None else max(10, int(until * 1000))
             batch = await self._poll(consumer, stop)
             self._pace(consumer, bool(batch))
             if batch and self.config.linger_ms > 0:
@@ -305,6 +319,8 @@ class ConsumerRuntime:
             if generation != a.generation:
                 continue  # polled across a rebalance: read again once placed
             batch = self._check_log_ends(consumer, batch)
+            if self.throttle is not None and batch:
+                batch = self.throttle.admit(consumer, a, batch, time.monotonic())
             if not batch:
                 await self._periodic()
                 if self._pending:  # a burst's last offsets: commit them while idle too
@@ -327,13 +343,14 @@ class ConsumerRuntime:
         end it at once (aiokafka returns what a fetch brings), and so do a stop and a new
         assignment; the loop no longer wakes five times a second for nothing."""
         limit = self.config.max_records
-        if self._poll_ms <= self.config.poll_timeout_ms:
-            batch: dict[Any, Any] = await consumer.getmany(
-                timeout_ms=self._poll_ms, max_records=limit
-            )
+        poll_ms = self._poll_ms
+        if self._throttled_ms is not None:  # a throttled tenant is let in again then
+            poll_ms = min(poll_ms, self._throttled_ms)
+        if poll_ms <= self.config.poll_timeout_ms:
+            batch: dict[Any, Any] = await consumer.getmany(timeout_ms=poll_ms, max_records=limit)
             return batch
         self.reassigned.clear()
-        poll = asyncio.ensure_future(consumer.getmany(timeout_ms=self._poll_ms, max_records=limit))
+        poll = asyncio.ensure_future(consumer.getmany(timeout_ms=poll_ms, max_records=limit))
         ends = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.reassigned.wait())]
         try:
             await asyncio.wait([poll, *ends], return_when=asyncio.FIRST_COMPLETED)
@@ -366,6 +383,8 @@ class ConsumerRuntime:
         """The handler's periodic work; PostgreSQL being away postpones it (the next
         round tries again), like every other work, and never ends the consumer."""
         self._last_periodic = time.monotonic()
+        if self.throttle is not None:
+            await self.throttle.refresh(self._last_periodic)
         try:
             await self.handler.idle()
         except errors.StorageError as exc:

@@ -32,12 +32,14 @@ from alma_core.consumers.outbox import OutboxRelay
 from alma_core.consumers.retry import backoff_delay, retry_start, wait
 from alma_core.consumers.runtime import ConsumerRuntime, RuntimeConfig
 from alma_core.consumers.spans import BatchTracer
+from alma_core.consumers.throttle import Throttle
 from alma_core.learning import LearningPolicy
 from alma_core.messaging import acls, kafka, topic_checks
 from alma_core.messaging.topic_checks import TopicFacts
+from alma_core.quotas import Quota, TenantGate
 from alma_core.reducers import ReducerRegistry, default_registry
 from alma_core.settings import Settings
-from alma_core.storage import postgres
+from alma_core.storage import postgres, tenant_settings
 from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.cache_writer import CacheWriter
 from alma_core.storage.checkpoints import PostgresCheckpointStore, StoreConfig
@@ -353,6 +355,7 @@ async def _run(
                     settings.dlq_topic: "dlq",
                     settings.merged_topic: "reply",
                 },
+                reply_prefix=f"{settings.merged_topic}." if settings.tenant_topics else None,
             )
             await relay.sweep(force=True)
             cache_writer = CacheWriter(cache)  # invalidates the partitions it is assigned
@@ -433,6 +436,7 @@ class _Wiring:
         linger_ms: int = 0,
         max_records: int | None = None,
         pattern: str | None = None,
+        throttle: Throttle | None = None,
     ) -> ConsumerRuntime:
         s = self.settings
         if tracing.active():
@@ -453,7 +457,7 @@ class _Wiring:
             client_options=kafka.client_options(s),
             principal=acls.principal(s),
         )
-        return ConsumerRuntime(config, handler, self.metrics)
+        return ConsumerRuntime(config, handler, self.metrics, throttle)
 
     def _checkpointer(self, registry: ReducerRegistry) -> ConsumerRuntime:
         s = self.settings
@@ -481,8 +485,19 @@ class _Wiring:
             concurrency=s.checkpoint_transactions,
             topics=s.topic_names,
         )
-        pattern = s.topic_names.lifecycle_pattern() if s.tenant_topics else None
-        return self._runtime(checkpointer.GROUP, s.lifecycle_topic, handler, pattern=pattern)
+        if not s.tenant_topics:
+            return self._runtime(checkpointer.GROUP, s.lifecycle_topic, handler)
+        default = Quota(s.tenant_rate, s.tenant_burst)
+        gate = TenantGate(default)
+
+        async def load() -> dict[str, Quota]:
+            return tenant_settings.quotas(await tenant_settings.load_all(self.pool), default)
+
+        throttle = Throttle(gate, s.topic_names, self.metrics, load)
+        pattern = s.topic_names.lifecycle_pattern()
+        return self._runtime(
+            checkpointer.GROUP, s.lifecycle_topic, handler, pattern=pattern, throttle=throttle
+        )
 
     def _joiner(self, registry: ReducerRegistry) -> ConsumerRuntime:
         s = self.settings

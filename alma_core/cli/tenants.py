@@ -1,0 +1,135 @@
+"""``alma tenants``: each tenant's own settings (its rate quota), where it differs from
+the global ALMA_TENANT_RATE / ALMA_TENANT_BURST. The checkpointer reads them every few
+seconds (:data:`alma_core.storage.tenant_settings.REFRESH_S`): no restart."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from alma_core.cli import common
+from alma_core.quotas import Quota
+from alma_core.settings import Settings
+from alma_core.storage import runs, tenant_settings
+from alma_core.storage.tenant_settings import TenantSettings
+
+tenants_app = common.app(help="Tenants' own settings (rate quotas).")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(tenants_app, name="tenants")
+
+
+def _doc(row: TenantSettings, s: Settings) -> dict[str, Any]:
+    quota = row.quota(Quota(s.tenant_rate, s.tenant_burst))
+    return {
+        "tenant_id": row.tenant_id,
+        "rate_per_s": quota.rate or None,  # None: no limit
+        "burst": (quota.burst or quota.rate or None) if quota.limited else None,
+        "own": {"rate_per_s": row.rate_per_s, "burst": row.burst},
+        "updated_at": row.updated_at.isoformat() if row.updated_at else None,
+    }
+
+
+def _shown(value: float | int | None, own: float | int | None) -> str:
+    text = "no limit" if value is None else f"{value:g}"
+    return text if own is not None else f"{text} (global)"
+
+
+@tenants_app.command("list")
+def tenants_list(as_json: bool = common.json_option("the tenants")) -> None:
+    """Every tenant with runs or settings of its own, and its effective quota."""
+    s = common.settings()
+
+    async def main() -> None:
+        conn = await common.connect(common.dsn(s))
+        try:
+            own = {r.tenant_id: r for r in await tenant_settings.load_all(conn)}
+            known = set(await runs.tenants(conn)) | set(own)
+        finally:
+            await conn.close()
+        docs = [_doc(own.get(t, TenantSettings(t)), s) for t in sorted(known)]
+        if as_json:
+            print(json.dumps(docs))
+            return
+        table = Table(title="tenants")
+        for col in ("tenant", "rate (events/s)", "burst"):
+            table.add_column(col)
+        for d in docs:
+            table.add_row(
+                d["tenant_id"],
+                _shown(d["rate_per_s"], d["own"]["rate_per_s"]),
+                _shown(d["burst"], d["own"]["burst"]),
+            )
+        common.out.print(table)
+
+    common.run(main)
+
+
+@tenants_app.command("show")
+def tenants_show(
+    tenant: str = typer.Argument(..., help="The tenant."),
+) -> None:
+    """A tenant's effective settings and its own values, as JSON."""
+    s = common.settings()
+
+    async def main() -> None:
+        conn = await common.connect(common.dsn(s))
+        try:
+            row = await tenant_settings.load(conn, tenant)
+        finally:
+            await conn.close()
+        print(json.dumps(_doc(row, s)))
+
+    common.run(main)
+
+
+@tenants_app.command("set")
+def tenants_set(
+    tenant: str = typer.Argument(..., help="The tenant."),
+    rate: float = typer.Option(
+        None, "--rate", min=0, help="Events per second through the checkpointer (0: no limit)."
+    ),
+    burst: int = typer.Option(
+        None, "--burst", min=0, help="Events at once (0: one second's worth of the rate)."
+    ),
+    reset: bool = typer.Option(False, "--reset", help="Back to the global settings."),
+) -> None:
+    """Set a tenant's own rate quota (what is not given keeps its value); in effect
+    within a few seconds, without a restart. Needs ALMA_TENANT_TOPICS on the workers."""
+    s = common.settings()
+    if reset and (rate is not None or burst is not None):
+        common.fail("--reset clears the tenant's own values: give it alone", common.USAGE)
+    if not reset and rate is None and burst is None:
+        common.fail("nothing to set: pass --rate, --burst or --reset", common.USAGE)
+
+    async def main() -> None:
+        conn = await common.connect(common.dsn(s))
+        try:
+            async with conn.transaction():
+                before = await tenant_settings.load(conn, tenant)
+                row = await tenant_settings.store(
+                    conn,
+                    tenant,
+                    rate_per_s=None if reset else (before.rate_per_s if rate is None else rate),
+                    burst=None if reset else (before.burst if burst is None else burst),
+                )
+        finally:
+            await conn.close()
+        doc = _doc(row, s)
+        common.out.print(
+            f"tenant {tenant!r}: rate {_shown(doc['rate_per_s'], row.rate_per_s)}, burst "
+            f"{_shown(doc['burst'], row.burst)}; the checkpointer applies it within "
+            f"{tenant_settings.REFRESH_S:g} s"
+        )
+        if not s.tenant_topics:
+            common.err.print(
+                "note: quotas apply only with ALMA_TENANT_TOPICS=true on the workers "
+                "(docs/operations.md, 'Tenants')",
+                markup=False,
+            )
+
+    common.run(main)

@@ -1,0 +1,95 @@
+"""Rate quotas per tenant (pure): a token bucket per tenant that the checkpointer's
+consumer asks before it handles a tenant's records.
+
+Over its quota a tenant's records are **delayed, never dropped**: what the bucket does
+not admit is put back (its partitions sought back to the first record not admitted) and
+the tenant's partitions are paused until the bucket has refilled a chunk, so the fetches
+meanwhile bring only the other tenants' records: a tenant's backlog never sits in front
+of another's (this needs ALMA_TENANT_TOPICS, where each tenant has its own partitions;
+on a shared topic one tenant's pause would hold back every run of its partitions).
+Each run's order is kept: records of a partition are admitted from its front only.
+
+A tenant's partitions may be spread over several members of the group: each member
+enforces ``rate × share`` and ``burst × share``, ``share`` being the part of the
+tenant's partitions it holds, so the group as a whole admits the tenant's rate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+CHUNK_S = 0.1  # a throttled tenant is let in again once its bucket holds this much time
+
+
+@dataclass(frozen=True)
+class Quota:
+    """``rate`` events per second (0: no limit) with ``burst`` events at once (0: one
+    second's worth)."""
+
+    rate: float = 0.0
+    burst: int = 0
+
+    @property
+    def limited(self) -> bool:
+        return self.rate > 0
+
+    def scaled(self, share: float) -> tuple[float, float]:
+        """(rate, burst) for a member holding ``share`` of the tenant's partitions."""
+        burst = self.burst or self.rate
+        return self.rate * share, max(1.0, burst * share)
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at: float
+
+
+@dataclass
+class TenantGate:
+    """The buckets of every tenant this member has seen; ``quotas`` per tenant, else
+    ``default`` (the global setting)."""
+
+    default: Quota = field(default_factory=Quota)
+    quotas: dict[str, Quota] = field(default_factory=dict)
+    _buckets: dict[str, _Bucket] = field(default_factory=dict)
+
+    def configure(self, default: Quota, quotas: dict[str, Quota]) -> None:
+        """New quotas (settings changed): buckets keep what they hold, capped anew."""
+        self.default, self.quotas = default, dict(quotas)
+
+    def quota(self, tenant: str) -> Quota:
+        return self.quotas.get(tenant, self.default)
+
+    def limited(self, tenant: str) -> bool:
+        return self.quota(tenant).limited
+
+    def _refilled(self, tenant: str, share: float, now: float) -> tuple[_Bucket, float, float]:
+        rate, burst = self.quota(tenant).scaled(share)
+        bucket = self._buckets.get(tenant)
+        if bucket is None:
+            bucket = self._buckets[tenant] = _Bucket(burst, now)
+        bucket.tokens = min(burst, bucket.tokens + rate * max(0.0, now - bucket.at))
+        bucket.at = now
+        return bucket, rate, burst
+
+    def admit(self, tenant: str, wanted: int, share: float, now: float) -> int:
+        """How many of ``wanted`` records ``tenant`` may have handled now (all of them
+        without a quota); they are taken from its bucket."""
+        if wanted <= 0 or not self.limited(tenant):
+            return max(0, wanted)
+        bucket, _, _ = self._refilled(tenant, share, now)
+        admitted = min(wanted, math.floor(bucket.tokens))
+        bucket.tokens -= admitted
+        return admitted
+
+    def wait_s(self, tenant: str, share: float, now: float) -> float:
+        """Seconds until ``tenant``'s bucket holds a chunk again (0: now)."""
+        if not self.limited(tenant):
+            return 0.0
+        bucket, rate, burst = self._refilled(tenant, share, now)
+        chunk = max(1.0, min(burst, rate * CHUNK_S))
+        if bucket.tokens >= chunk or rate <= 0:
+            return 0.0
+        return (chunk - bucket.tokens) / rate

@@ -1,0 +1,2 @@
+-- Undo 0017.
+DROP TABLE IF EXISTS tenant_settings;

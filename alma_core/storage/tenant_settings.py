@@ -1,0 +1,74 @@
+"""Per-tenant settings (table ``tenant_settings``): a tenant's own rate quota where it
+differs from the global ALMA_TENANT_RATE / ALMA_TENANT_BURST (a NULL column: the global
+value). Written by ``alma tenants set``; read by the checkpointer every
+:data:`REFRESH_S` seconds, so a change takes effect without a restart."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+import asyncpg
+
+from alma_core.quotas import Quota
+
+REFRESH_S = 5.0  # a change takes effect within this (plus one batch)
+
+
+@dataclass(frozen=True)
+class TenantSettings:
+    tenant_id: str
+    rate_per_s: float | None = None
+    burst: int | None = None
+    updated_at: datetime | None = None
+
+    def quota(self, default: Quota) -> Quota:
+        """This tenant's quota: its own values, the global ones where it has none."""
+        return Quota(
+            default.rate if self.rate_per_s is None else self.rate_per_s,
+            default.burst if self.burst is None else self.burst,
+        )
+
+
+_COLUMNS = "tenant_id, rate_per_s, burst, updated_at"
+
+
+async def load_all(conn: asyncpg.Connection | asyncpg.Pool) -> list[TenantSettings]:
+    rows = await conn.fetch(f"SELECT {_COLUMNS} FROM tenant_settings ORDER BY tenant_id")
+    return [TenantSettings(**dict(r)) for r in rows]
+
+
+async def load(conn: asyncpg.Connection | asyncpg.Pool, tenant_id: str) -> TenantSettings:
+    """``tenant_id``'s settings (all global when it has none of its own)."""
+    row = await conn.fetchrow(
+        f"SELECT {_COLUMNS} FROM tenant_settings WHERE tenant_id = $1", tenant_id
+    )
+    return TenantSettings(**dict(row)) if row else TenantSettings(tenant_id)
+
+
+async def store(
+    conn: asyncpg.Connection | asyncpg.Pool,
+    tenant_id: str,
+    *,
+    rate_per_s: float | None,
+    burst: int | None,
+) -> TenantSettings:
+    """Set ``tenant_id``'s own values (None: the global one); all None removes its row."""
+    if rate_per_s is None and burst is None:
+        await conn.execute("DELETE FROM tenant_settings WHERE tenant_id = $1", tenant_id)
+        return TenantSettings(tenant_id)
+    row = await conn.fetchrow(
+        f"""INSERT INTO tenant_settings (tenant_id, rate_per_s, burst)
+            VALUES ($1, $2, $3)
+            ON CONFLICT (tenant_id) DO UPDATE
+               SET rate_per_s = $2, burst = $3, updated_at = now()
+            RETURNING {_COLUMNS}""",
+        tenant_id,
+        rate_per_s,
+        burst,
+    )
+    return TenantSettings(**dict(row))
+
+
+def quotas(rows: list[TenantSettings], default: Quota) -> dict[str, Quota]:
+    return {r.tenant_id: r.quota(default) for r in rows}

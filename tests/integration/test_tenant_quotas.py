@@ -1,0 +1,139 @@
+"""Rate quotas per tenant (ALMA_TENANT_TOPICS): a tenant over its quota is delayed,
+never dropped, and never holds another tenant back; each run's order is kept; a quota
+set with `alma tenants set` takes effect without a restart. Invariants, not timings:
+globex's events are all applied while acme's backlog is still waiting; afterwards every
+acme event is applied once, in order, nothing dead-lettered."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from aiokafka import AIOKafkaProducer
+
+from alma_core.cli.topics import ensure_topics
+from alma_core.settings import Settings
+from alma_core.storage import postgres, tenant_settings
+from tests.integration.conftest import TEST_PARTITIONS, Topics, settings_for
+from tests.integration.harness import Worker, count, event, fetch, wait_for
+from tests.integration.test_cli import alma
+from tests.integration.test_cli_runs import env_of
+from tests.services import Services
+
+RUNS, STEPS = 4, 50  # acme: 200 events at 5 a second would take 40 s
+GLOBEX_EVENTS = 20
+
+
+async def test_a_tenant_over_its_quota_waits_alone_and_loses_nothing(
+    services: Services, database: str
+) -> None:
+    suffix = uuid.uuid4().hex[:10]
+    topics = Topics(f"lc-{suffix}", f"mg-{suffix}", f"dl-{suffix}", f"sq-{suffix}")
+    settings = settings_for(
+        services.kafka_bootstrap,
+        database,
+        services.redis_url,
+        topics,
+        tenant_topics=True,
+        tenant_rate=5,  # the global quota: 5 events a second, 5 at once
+        tenant_burst=5,
+    )
+    names = settings.topic_names
+    per_tenant = [
+        f(t) for t in ("acme", "globex") for f in (names.lifecycle_for, names.replies_for)
+    ]
+    await ensure_topics(
+        services.kafka_bootstrap,
+        [topics.dlq, topics.sequenced, *per_tenant],
+        partitions=TEST_PARTITIONS,
+    )
+    async with postgres.connect(database, max_size=2) as pool:
+        await tenant_settings.store(pool, "globex", rate_per_s=0, burst=None)  # no limit
+        acme_runs = [f"acme-{suffix}-{r}" for r in range(RUNS)]
+        async with Worker.start(settings) as worker:
+            producer = AIOKafkaProducer(bootstrap_servers=services.kafka_bootstrap)
+            await producer.start()
+            try:
+                for step in range(STEPS):  # acme floods: 200 events at once
+                    for run in acme_runs:
+                        doc = event("node.completed", run, tenant="acme", updates={"i": step})
+                        await producer.send(
+                            names.lifecycle_for("acme"), json.dumps(doc).encode(), key=run.encode()
+                        )
+                await producer.flush()
+                for i in range(GLOBEX_EVENTS):  # then globex sends a few, behind the flood
+                    run = f"globex-{suffix}-{i % 2}"
+                    doc = event("node.completed", run, tenant="globex", updates={"i": i})
+                    await producer.send(
+                        names.lifecycle_for("globex"), json.dumps(doc).encode(), key=run.encode()
+                    )
+                await producer.flush()
+            finally:
+                await producer.stop()
+
+            async def applied(tenant: str) -> int:
+                sql = "SELECT count(*) FROM checkpoints WHERE tenant_id = $1"
+                return await count(database, sql, tenant)
+
+            async def globex_done() -> bool:
+                return await applied("globex") == GLOBEX_EVENTS
+
+            await wait_for(globex_done, limit_s=30, what="globex's events, past acme's backlog")
+            waiting = RUNS * STEPS - await applied("acme")
+            assert waiting > 0, "acme's backlog was never held back"
+            assert worker.value("alma_tenant_throttled_total", {"tenant": "acme"}) >= 1
+            assert worker.value("alma_tenant_throttled_total", {"tenant": "globex"}) == 0
+
+            # lifted without a restart: the rest drains (at 5 a second it would take > 30 s)
+            await tenant_settings.store(pool, "acme", rate_per_s=0, burst=None)
+
+            async def acme_done() -> bool:
+                return await applied("acme") == RUNS * STEPS
+
+            await wait_for(acme_done, limit_s=25, what="acme's backlog, once its quota was lifted")
+    rows = await fetch(
+        database,
+        """SELECT run_id, seq, state FROM checkpoints WHERE tenant_id = 'acme'
+           ORDER BY run_id, seq""",
+    )
+    by_run: dict[str, list[tuple[int, int]]] = {}
+    for r in rows:
+        by_run.setdefault(r["run_id"], []).append((r["seq"], r["state"]["i"]))
+    for run in acme_runs:  # each once, in the order sent: seq n holds step n - 1
+        assert by_run[run] == [(n + 1, n) for n in range(STEPS)], run
+    assert await count(database, "SELECT count(*) FROM dead_letters") == 0
+
+
+def test_alma_tenants_sets_shows_lists_and_resets(settings: Settings) -> None:
+    env = env_of(settings) | {"ALMA_TENANT_TOPICS": "true", "ALMA_TENANT_RATE": "100"}
+    saved = alma("tenants", "set", "acme", "--rate", "10", "--burst", "20", env=env)
+    assert saved.returncode == 0, saved.stderr
+    assert "rate 10, burst 20" in saved.stdout
+    burst_only = alma("tenants", "set", "acme", "--burst", "30", env=env)  # rate kept
+    assert burst_only.returncode == 0, burst_only.stderr
+    shown = json.loads(alma("tenants", "show", "acme", env=env).stdout)
+    assert (shown["rate_per_s"], shown["burst"]) == (10, 30)
+    assert shown["own"] == {"rate_per_s": 10, "burst": 30}
+    other = json.loads(alma("tenants", "show", "globex", env=env).stdout)
+    assert (other["rate_per_s"], other["burst"], other["own"]["rate_per_s"]) == (100, 100, None)
+    listed = json.loads(alma("tenants", "list", "--json", env=env).stdout)
+    assert [d["tenant_id"] for d in listed] == ["acme"]
+    assert alma("tenants", "set", "acme", "--reset", env=env).returncode == 0
+    reset = json.loads(alma("tenants", "show", "acme", env=env).stdout)
+    assert reset["own"] == {"rate_per_s": None, "burst": None}
+    assert reset["rate_per_s"] == 100
+    nothing = alma("tenants", "set", "acme", env=env)
+    assert nothing.returncode == 2
+    assert "pass --rate, --burst or --reset" in nothing.stderr
+    negative = alma("tenants", "set", "acme", "--rate", "-1", env=env)
+    assert negative.returncode == 2
+    without_topics = alma(
+        "tenants",
+        "set",
+        "acme",
+        "--rate",
+        "5",
+        env=env | {"ALMA_TENANT_RATE": "0", "ALMA_TENANT_TOPICS": "false"},
+    )
+    assert without_topics.returncode == 0, without_topics.stderr
+    assert "only with ALMA_TENANT_TOPICS=true" in without_topics.stderr

@@ -1,0 +1,57 @@
+"""Rate quotas per tenant (pure): a tenant over its rate is admitted at its rate, in
+bursts of at most its burst, never more; others are untouched; a member holding part of
+a tenant's partitions admits that part of its rate."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from alma_core.quotas import Quota, TenantGate
+
+
+def test_without_a_quota_everything_is_admitted() -> None:
+    gate = TenantGate()
+    assert gate.admit("acme", 10_000, 1.0, 0.0) == 10_000
+    assert gate.wait_s("acme", 1.0, 0.0) == 0.0
+
+
+def test_a_burst_then_the_rate() -> None:
+    gate = TenantGate(Quota(rate=100, burst=50))
+    assert gate.admit("acme", 500, 1.0, 0.0) == 50
+    assert gate.admit("acme", 500, 1.0, 0.0) == 0
+    assert gate.wait_s("acme", 1.0, 0.0) == 0.1  # a chunk: 0.1 s of its rate
+    assert gate.admit("acme", 500, 1.0, 0.1) == 10
+    assert gate.admit("acme", 500, 1.0, 10.0) == 50  # never more than the burst
+    assert gate.admit("globex", 500, 1.0, 10.0) == 50  # its own bucket
+
+
+def test_per_tenant_quotas_override_the_default() -> None:
+    gate = TenantGate(Quota(rate=10))
+    gate.configure(Quota(rate=10), {"globex": Quota()})
+    assert gate.admit("globex", 1000, 1.0, 0.0) == 1000
+    assert gate.admit("acme", 1000, 1.0, 0.0) == 10  # burst: one second's worth
+
+
+def test_a_member_holding_a_third_admits_a_third() -> None:
+    gate = TenantGate(Quota(rate=300, burst=300))
+    assert gate.admit("acme", 1000, 1 / 3, 0.0) == 100
+    assert gate.admit("acme", 1000, 1 / 3, 1.0) == 100
+
+
+@given(
+    rate=st.floats(1, 1000),
+    burst=st.integers(0, 1000),
+    steps=st.lists(st.tuples(st.floats(0, 2), st.integers(0, 2000)), max_size=50),
+)
+def test_never_more_than_burst_plus_rate_times_elapsed(
+    rate: float, burst: int, steps: list[tuple[float, int]]
+) -> None:
+    gate = TenantGate(Quota(rate=rate, burst=burst))
+    now, admitted = 0.0, 0
+    for elapsed, wanted in steps:
+        now += elapsed
+        got = gate.admit("acme", wanted, 1.0, now)
+        assert 0 <= got <= wanted
+        admitted += got
+    assert admitted <= (burst or rate) + rate * now + 1e-6
