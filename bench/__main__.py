@@ -5,7 +5,7 @@ curves, and the scaling trend over checkpointer processes.
                     [--out docs/benchmarks.md]
 
 Suites: peers, curves, scaling, temporal, langgraph, replay, retention, cache, quality, ui,
-hop, tracing
+hop, tracing, tenants
 (all by default), and soak (only when named: `--only soak`, 30 minutes; 5 with --quick;
 --soak-seconds and --window-seconds set its length).
 
@@ -44,6 +44,7 @@ from bench import (
     scaling,
     soak,
     temporal,
+    tenants,
     tracing,
     ui,
 )
@@ -63,6 +64,7 @@ SUITES = (
     "ui",
     "hop",
     "tracing",
+    "tenants",
 )
 ON_REQUEST = ("soak",)  # run only when named
 
@@ -78,6 +80,7 @@ SINGLE_MODULE_SUITES: dict[str, Callable[[Env, Section], Awaitable[None]]] = {
     "ui": ui.run,
     "hop": hop.run,
     "tracing": tracing.run,
+    "tenants": tenants.run,
 }
 
 
@@ -107,6 +110,8 @@ def steps(env: Env, only: set[str], length: soak.Length) -> int:
         n += len(hop._waits(env)) * hop.STEPS_PER_WAIT
     if "tracing" in only:
         n += len(tracing.MODES)
+    if "tenants" in only:
+        n += tenants.STEPS_PER_REP * env.reps
     return n
 
 

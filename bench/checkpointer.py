@@ -43,12 +43,12 @@ def state_of(size: int, i: int) -> dict[str, Any]:
     return {"i": i, "notes": "x" * max(0, size - 40), "ok": True}
 
 
-def event(run: str, i: int, size: int) -> dict[str, Any]:
+def event(run: str, i: int, size: int, tenant: str = "bench") -> dict[str, Any]:
     return {
         "event_id": uuid.uuid4().hex,
         "type": "node.completed",
         "emitted_at": datetime.now(UTC).isoformat(),
-        "tenant_id": "bench",
+        "tenant_id": tenant,
         "workflow_id": "wf",
         "run_id": run,
         "node_id": f"n{i}",
@@ -65,7 +65,9 @@ class Bench:
         self.rows.setdefault(table, []).append([str(c) for c in row])
 
 
-def _produce_paced(bootstrap: str, topic: str, rate: float, seconds: float, size: int) -> None:
+def _produce_paced(
+    bootstrap: str, topic: str, rate: float, seconds: float, size: int, tenant: str = "bench"
+) -> None:
     """Load generator, in its own process so it does not share the worker's event loop
     or core. Each record carries its send time (CLOCK_MONOTONIC, shared by processes)."""
 
@@ -77,7 +79,7 @@ def _produce_paced(bootstrap: str, topic: str, rate: float, seconds: float, size
             delay = start + i / rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            doc = event(f"run-{i % 200}", i, size)
+            doc = event(f"run-{i % 200}", i, size, tenant)
             await producer.send(
                 topic,
                 json.dumps(doc).encode(),
@@ -89,9 +91,11 @@ def _produce_paced(bootstrap: str, topic: str, rate: float, seconds: float, size
     asyncio.run(run())
 
 
-def start_load(bootstrap: str, topic: str, rate: float, seconds: float, size: int) -> Any:
+def start_load(
+    bootstrap: str, topic: str, rate: float, seconds: float, size: int, tenant: str = "bench"
+) -> Any:
     ctx = multiprocessing.get_context("spawn")
-    proc = ctx.Process(target=_produce_paced, args=(bootstrap, topic, rate, seconds, size))
+    proc = ctx.Process(target=_produce_paced, args=(bootstrap, topic, rate, seconds, size, tenant))
     proc.start()
     return proc
 

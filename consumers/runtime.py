@@ -307,9 +307,8 @@ class ConsumerRuntime:
                 if placing:
                     await wait(stop, self._backoff(placing))  # then poll: stay a member
             generation = a.generation
-            if self.throttle is not None:
-                until = self.throttle.release(consumer, a, time.monotonic())
-                self._throttled_ms = None if until is None else max(10, int(until * 1000))
+            if self.throttle is not None:  # a throttled tenant may go on then
+                self._throttled_ms = self.throttle.wait_ms(consumer, a, time.monotonic())
             batch = await self._poll(consumer, stop)
             self._pace(consumer, bool(batch))
             if batch and self.config.linger_ms > 0:
@@ -319,7 +318,7 @@ class ConsumerRuntime:
             if generation != a.generation:
                 continue  # polled across a rebalance: read again once placed
             batch = self._check_log_ends(consumer, batch)
-            if self.throttle is not None and batch:
+            if self.throttle is not None:  # records held back before come first
                 batch = self.throttle.admit(consumer, a, batch, time.monotonic())
             if not batch:
                 await self._periodic()

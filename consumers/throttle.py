@@ -1,10 +1,11 @@
 """Rate quotas at the consumer (ALMA_TENANT_TOPICS): before a batch is handled, each
 tenant's records are admitted by its bucket (:class:`alma_core.quotas.TenantGate`); what
-is not admitted is put back (each partition sought to its first record not admitted,
-so nothing is dropped and each run's order is kept) and every partition of the tenant
-held here is paused (:attr:`Assignment.throttled`) until its bucket refills a chunk.
-Meanwhile the fetches bring the other tenants' records only: one tenant's backlog never
-waits in front of another's."""
+is not admitted is held here, in order (at most one poll's worth: nothing is dropped and
+each run's order is kept), and every partition of the tenant held by this member is
+paused (:attr:`Assignment.throttled`), so the rest of its backlog waits in the broker,
+fetched once, when its turn comes. Meanwhile the fetches bring the other tenants'
+records only: one tenant's backlog never waits in front of another's. A new assignment
+drops what is held (it is read again from the stored offsets)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ class Throttle:
         self.load = load
         self.refresh_s = refresh_s
         self._loaded_at: float | None = None
+        # records fetched and not admitted yet, in order, by partition (each paused)
+        self.held: dict[TopicPartition, list[Any]] = {}
+        self._generation = -1
 
     async def refresh(self, now: float) -> None:
         """Read the tenants' own quotas again (``alma tenants set``) once ``refresh_s``
@@ -76,61 +80,75 @@ class Throttle:
         batch: dict[TopicPartition, list[Any]],
         now: float,
     ) -> dict[TopicPartition, list[Any]]:
-        """``batch`` less what its tenants' quotas do not admit now (put back)."""
+        """``batch``, with the records held back before in front of each partition's, less
+        what its tenants' buckets do not admit now: those are held here, in order, and
+        their tenant's partitions paused (the broker keeps the rest of its backlog); a
+        tenant with nothing held and tokens again is resumed."""
+        if a.generation != self._generation:  # a new assignment is read from its offsets
+            self.held.clear()
+            self._generation = a.generation
+        for tp, records in self.held.items():
+            batch[tp] = records + batch.get(tp, [])
+        self.held = {}
         by_topic: dict[str, list[TopicPartition]] = defaultdict(list)
         for tp in batch:
             by_topic[tp.topic].append(tp)
-        throttled = False
+        for topic in {tp.topic for tp in a.throttled} - set(by_topic):
+            by_topic[topic] = []  # throttled, nothing waiting: resumed once it has tokens
+        changed = False
         for topic, tps in by_topic.items():
             tenant = self.topics.tenant_of(topic)
             if tenant is None:
                 continue
+            share = self._share(consumer, topic)
             wanted = sum(len(batch[tp]) for tp in tps)
-            left = self.gate.admit(tenant, wanted, self._share(consumer, topic), now)
+            left = self.gate.admit(tenant, wanted, share, now) if wanted else 0
             if left:
                 self.metrics.tenant_events.labels(tenant).inc(left)
             if left == wanted:
+                if wanted or self.gate.wait_s(tenant, share, now) <= 0:
+                    changed |= self._resume(a, topic)
                 continue
             for tp in sorted(tps, key=lambda tp: tp.partition):
-                records = batch[tp]
-                if left >= len(records):
-                    left -= len(records)
-                    continue
-                consumer.seek(tp, records[left].offset)  # put back: fetched again later
-                if left:
-                    batch[tp] = records[:left]
-                else:
-                    del batch[tp]
-                left = 0
-            held = {tp for tp in consumer.assignment() if tp.topic == topic}
-            if not held <= a.throttled:
-                self.metrics.tenant_throttled.labels(tenant).inc()
-                log.info(
-                    "tenant over its rate quota: its partitions wait",
-                    extra={"action": "tenant_throttled", "tenant_id": tenant},
-                )
-            a.throttled |= held
-            throttled = True
-        if throttled:
+                records = batch.pop(tp)
+                if left < len(records):
+                    self.held[tp] = records[left:]  # waits here, in order
+                    records = records[:left]
+                if records:
+                    batch[tp] = records
+                left -= len(records)
+            changed |= self._pause(consumer, a, topic, tenant)
+        if changed:
             a.sync_pauses(consumer)
         return batch
 
-    def release(self, consumer: AIOKafkaConsumer, a: Assignment, now: float) -> float | None:
-        """Let in again the throttled tenants whose bucket refilled; the seconds until the
-        next one may be (None: none is throttled)."""
-        if not a.throttled:
-            return None
+    def _pause(self, consumer: AIOKafkaConsumer, a: Assignment, topic: str, tenant: str) -> bool:
+        held = {tp for tp in consumer.assignment() if tp.topic == topic}
+        if held <= a.throttled:
+            return False
+        self.metrics.tenant_throttled.labels(tenant).inc()
+        log.info(
+            "tenant over its rate quota: its events wait",
+            extra={"action": "tenant_throttled", "tenant_id": tenant},
+        )
+        a.throttled |= held
+        return True
+
+    def _resume(self, a: Assignment, topic: str) -> bool:
+        kept = {tp for tp in a.throttled if tp.topic != topic}
+        if kept == a.throttled:
+            return False
+        a.throttled = kept
+        return True
+
+    def wait_ms(self, consumer: AIOKafkaConsumer, a: Assignment, now: float) -> int | None:
+        """How long the next poll may wait before a throttled tenant may go on (None: no
+        tenant is throttled)."""
         soonest: float | None = None
         for topic in {tp.topic for tp in a.throttled}:
             tenant = self.topics.tenant_of(topic)
-            wait = (
-                0.0
-                if tenant is None
-                else self.gate.wait_s(tenant, self._share(consumer, topic), now)
-            )
-            if wait <= 0:
-                a.throttled = {tp for tp in a.throttled if tp.topic != topic}
-            else:
-                soonest = wait if soonest is None else min(soonest, wait)
-        a.sync_pauses(consumer)
-        return soonest
+            if tenant is None:
+                continue
+            wait = self.gate.wait_s(tenant, self._share(consumer, topic), now)
+            soonest = wait if soonest is None else min(soonest, wait)
+        return None if soonest is None else max(10, int(soonest * 1000))

@@ -1,0 +1,180 @@
+"""Fairness between tenants (issue 50): tenant B sends a steady 50 events/s while
+tenant A floods at 10× its rate quota; B's publish → checkpoint latency beside B's
+alone, without a quota and with one; and A's flood, once lifted, all applied in order.
+
+* Each tenant has its own lifecycle topic (ALMA_TENANT_TOPICS, 12 partitions each);
+  one checkpointer (in this process, as the checkpointer suite's) reads both. The load
+  comes from processes of their own (1 KB states over 200 runs per tenant, each record
+  stamped with its send time); the latency is to the moment the checkpointer's batch
+  is durable and cached.
+* With the quota, A's events beyond it wait in the broker (its partitions paused), B's
+  do not wait behind them. When the flood ends, A's quota is lifted with the setting
+  `alma tenants set` writes (no restart) and its backlog drains; then every run of A is
+  read back from PostgreSQL: each event applied once, in the order sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import asyncpg
+
+from alma_core.cli.topics import ensure_topics
+from alma_core.storage import tenant_settings
+from bench.checkpointer import sent_at, start_load
+from bench.env import PARTITIONS, Env, checkpoint_worker
+from bench.report import Section, Stat, pct, ratio
+
+QUOTA = 100  # A's rate quota, events/s (burst: one second's worth)
+FLOOD = 10  # A offers FLOOD × QUOTA events/s
+B_RATE = 50
+SIZE = 1_000
+WARMUP_S = 1.0  # B's first second is left out: the worker's first queries, connections
+MODES: tuple[tuple[str, bool, float], ...] = (
+    ("B alone", False, QUOTA),
+    ("A floods, not read (the machine's share)", True, -1),
+    ("A floods, no quota", True, 0),
+    ("A floods at 10× its quota", True, QUOTA),
+)
+STEPS_PER_REP = len(MODES)
+
+
+def seconds(env: Env) -> float:
+    return 3.0 if env.smoke else 10.0 if env.quick else 20.0
+
+
+async def in_order(dsn: str, tenant: str) -> tuple[int, bool]:
+    """How many of ``tenant``'s events were applied, and whether each of its runs holds
+    them once each, in the order sent (the state's ``i`` rises with the seq)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            """SELECT run_id, array_agg((state->>'i')::bigint ORDER BY seq) AS sent
+               FROM checkpoints WHERE tenant_id = $1 GROUP BY run_id""",
+            tenant,
+        )
+    finally:
+        await conn.close()
+    total = sum(len(r["sent"]) for r in rows)
+    ordered = all(list(r["sent"]) == sorted(set(r["sent"])) for r in rows)
+    return total, ordered
+
+
+async def one(env: Env, flood: bool, quota: float) -> dict[str, Any]:
+    tag = uuid.uuid4().hex[:8]
+    base = f"bench-tenants-{tag}"
+    tenant_a, tenant_b = f"a{tag}", f"b{tag}"
+    s = env.settings_for(
+        base, tenant_topics=True, tenant_rate=max(0, quota), group_prefix=f"tenants-{tag}"
+    )
+    names = s.topic_names
+    topic_a, topic_b = names.lifecycle_for(tenant_a), names.lifecycle_for(tenant_b)
+    unread = quota < 0  # A's flood on a topic the checkpointer does not read
+    if unread:
+        topic_a = f"unread-{tag}"
+    await ensure_topics(env.services.kafka_bootstrap, [topic_a, topic_b], partitions=PARTITIONS)
+    length = seconds(env)
+    total_a, total_b = int(FLOOD * QUOTA * length) if flood else 0, int(B_RATE * length)
+    timed: list[tuple[float, float]] = []  # B's (sent, latency)
+    applied_a = 0
+
+    def on_done(record: Any, now: float) -> None:
+        nonlocal applied_a
+        if record.topic == topic_b:
+            sent = sent_at(record)
+            timed.append((sent, now - sent))
+        elif record.topic == topic_a:
+            applied_a += 1
+
+    bootstrap = env.services.kafka_bootstrap
+    async with checkpoint_worker(s, env.services, on_done):
+        loads = [start_load(bootstrap, topic_b, B_RATE, length, SIZE, tenant_b)]
+        if flood:
+            loads.append(start_load(bootstrap, topic_a, FLOOD * QUOTA, length, SIZE, tenant_a))
+        started = time.monotonic()
+        deadline = started + length + 60
+        while len(timed) < total_b and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        during = applied_a / max(1e-9, time.monotonic() - started)
+        for proc in loads:
+            await asyncio.to_thread(proc.join, 30)
+        drained = True
+        if flood and not unread:  # lifted as `alma tenants set A --rate 0` does
+            pool = await asyncpg.create_pool(env.services.postgres_dsn, min_size=1, max_size=1)
+            try:
+                await tenant_settings.store(pool, tenant_a, rate_per_s=0, burst=None)
+            finally:
+                await pool.close()
+            deadline = time.monotonic() + 120
+            while applied_a < total_a and time.monotonic() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+            got, ordered = await in_order(env.services.postgres_dsn, tenant_a)
+            drained = got == total_a and ordered
+    if len(timed) < total_b:
+        raise RuntimeError(
+            f"tenant B: {len(timed)} of {total_b} events checkpointed within "
+            f"{length + 60:.0f} s; the checkpointer fell behind. Run the benchmark again "
+            "on an idle machine"
+        )
+    first = min(sent for sent, _ in timed)
+    latencies = [latency for sent, latency in timed if sent >= first + WARMUP_S]
+    return {
+        "p50": pct(latencies, 50) * 1000,
+        "p99": pct(latencies, 99) * 1000,
+        "a_rate": during,
+        "a_total": total_a,
+        "drained": drained,
+    }
+
+
+async def run(env: Env, section: Section) -> None:
+    section.table(
+        "tenants",
+        f"Fairness: tenant B at {B_RATE} events/s, publish → durable and cached, while "
+        f"tenant A floods at {FLOOD}× its {QUOTA} events/s quota (one checkpointer)",
+        [
+            "load",
+            "B p50 ms",
+            "B p99 ms",
+            "B p99 × alone",
+            "A applied during the flood (/s)",
+            "A: all applied, in order",
+        ],
+    )
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in MODES}
+    for _ in range(env.reps):
+        for name, flood, quota in MODES:
+            env.step(f"tenants: {name}")
+            results[name].append(await one(env, flood, quota))
+            env.done()
+    alone = Stat([r["p99"] for r in results["B alone"]], 1)
+    for name, flood, quota in MODES:
+        got = results[name]
+        read = flood and quota >= 0
+        p99 = Stat([r["p99"] for r in got], 1)
+        section.add(
+            "tenants",
+            [
+                name,
+                Stat([r["p50"] for r in got], 1),
+                p99,
+                ratio(p99, alone),
+                Stat([r["a_rate"] for r in got], 0) if read else "",
+                ("yes" if all(r["drained"] for r in got) else "NO") if read else "",
+            ],
+        )
+    length = seconds(env)
+    section.note(
+        "tenants",
+        f"{length:g} s of load (B's latency from its second second on); 1 KB states over "
+        "200 runs per tenant; each tenant its own "
+        f"lifecycle topic of {PARTITIONS} partitions (ALMA_TENANT_TOPICS). With the quota "
+        "(ALMA_TENANT_RATE), A's events beyond it are put back and its partitions paused "
+        "until its bucket refills: B's never wait behind them. After the flood A's quota is "
+        "lifted through the tenant settings table, without a restart, and its backlog "
+        f"drains; every run of A is then read back ({FLOOD * QUOTA * length:,.0f} events). "
+        "Target: B's p99 within 1.5× of alone.",
+    )
