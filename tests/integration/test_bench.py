@@ -55,7 +55,7 @@ async def bench(settings: Settings, scratch: Path, *args: str) -> tuple[int, str
     return proc.returncode or 0, out.decode(errors="replace")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 @pytest.mark.slow
 async def test_quick_side_by_side_run_writes_every_table(
     settings: Settings, tmp_path: Path
@@ -64,7 +64,13 @@ async def test_quick_side_by_side_run_writes_every_table(
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     rc, log = await bench(
-        settings, scratch, "--smoke", "--only", "peers,replay,ui,tracing", "--out", str(out)
+        settings,
+        scratch,
+        "--smoke",
+        "--only",
+        "peers,replay,ui,tracing,tenants",
+        "--out",
+        str(out),
     )
     assert rc == 0, log[-3000:]
     assert not list(scratch.iterdir())  # the worker processes' logs went with them
@@ -110,6 +116,14 @@ async def test_quick_side_by_side_run_writes_every_table(
     assert traced["off"]["spans exported"]["median"] == 0
     backlog = 10_000 // 4  # --smoke: --quick's backlog, a quarter of it
     assert traced["on, 100 %"]["spans exported"]["median"] > backlog  # one per event, and more
+    # fairness between tenants (issue 50): B timed in each load; A's flood all applied in order
+    loads = {r["load"]: r for r in doc["tenants"]["tables"]["tenants"]["rows"]}
+    assert len(loads) == 4
+    assert all(r["B p99 ms"]["median"] > 0 for r in loads.values())
+    assert loads["A floods at 10× its quota"]["A: all applied, in order"] == "yes"
+    assert loads["A floods, no quota"]["A: all applied, in order"] == "yes"
+    assert loads["A floods at 10× its quota"]["A applied during the flood (/s)"]["median"] < 200
+    assert "target 1.5×: " in doc["tenants"]["tables"]["tenants"]["notes"][0]
     writes = tables["writes"]["rows"]
     expected = {
         (s, w, system)
