@@ -83,6 +83,7 @@ async def test_a_tenant_over_its_quota_waits_alone_and_loses_nothing(
             assert waiting > 0, "acme's backlog was never held back"
             assert worker.value("alma_tenant_throttled_total", {"tenant": "acme"}) >= 1
             assert worker.value("alma_tenant_throttled_total", {"tenant": "globex"}) == 0
+            assert worker.value("alma_tenant_events_total", {"tenant": "globex"}) == GLOBEX_EVENTS
 
             # lifted without a restart: the rest drains (at 5 a second it would take > 30 s)
             await tenant_settings.store(pool, "acme", rate_per_s=0, burst=None)
