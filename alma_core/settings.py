@@ -534,6 +534,13 @@ class Settings(BaseSettings):
             f"{self.group_prefix}-learner": self.sequenced_topic,
         }
 
+    def consumer_group_patterns(self) -> dict[str, str]:
+        """The groups that read every topic matching a pattern instead of one topic:
+        with ALMA_TENANT_TOPICS, the checkpointer (each tenant's lifecycle topic)."""
+        if not self.tenant_topics:
+            return {}
+        return {f"{self.group_prefix}-checkpointer": self.topic_names.lifecycle_pattern()}
+
     @property
     def retention(self) -> RetentionPolicy:
         return RetentionPolicy(

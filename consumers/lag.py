@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -77,9 +78,13 @@ class LagExporter:
         *,
         client_options: dict[str, Any] | None = None,
         interval_s: float = 15.0,
+        patterns: dict[str, str] | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.groups = groups
+        # a group that reads every topic matching a pattern instead (ALMA_TENANT_TOPICS:
+        # the checkpointer, each tenant's lifecycle topic), listed at every scrape
+        self.patterns = patterns or {}
         self.metrics = metrics
         self.options = client_options or {}
         self.interval_s = interval_s
@@ -101,20 +106,26 @@ class LagExporter:
         ends: dict[Partition, int] = {}
         starts: dict[Partition, int] = {}
         partitions: dict[str, list[int]] = {}
-        for topic in sorted(set(self.groups.values())):
+        read = {group: [topic] for group, topic in self.groups.items()}
+        if self.patterns:
+            listed = await view.topics()
+            for group, pattern in self.patterns.items():
+                read[group] = [t for t in listed if re.fullmatch(pattern, t)]
+        for topic in sorted({t for topics in read.values() for t in topics}):
             partitions[topic] = await view.partitions(topic)
             for partition, log in (await view.logs(topic, partitions[topic])).items():
                 ends[(topic, partition)] = log.end
                 starts[(topic, partition)] = log.start
         groups = {}
-        for group, topic in self.groups.items():
-            committed = await view.committed(group, topic, partitions[topic])
+        for group, topics in read.items():
+            offsets: dict[Partition, int | None] = {}
+            for topic in topics:
+                committed = await view.committed(group, topic, partitions[topic])
+                offsets.update({(topic, p): offset for p, offset in committed.items()})
             members: int | None = None  # unknown is not zero: no alert on a failed question
             with contextlib.suppress(KafkaError, IndexError, ValueError):
                 members = len(await view.members(group))
-            groups[group] = GroupView(
-                members, {(topic, p): offset for p, offset in committed.items()}
-            )
+            groups[group] = GroupView(members, offsets)
         return Snapshot(ends, starts, groups)
 
     def publish(self, snapshot: Snapshot) -> None:
@@ -183,6 +194,7 @@ async def run_lag_exporter(
             metrics,
             client_options=kafka.client_options(settings),
             interval_s=interval_s,
+            patterns=settings.consumer_group_patterns(),
         )
         attempt = 0
         while not stop.is_set():

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,41 +156,51 @@ async def _producer(
 
 
 async def _check_replay_window(settings: Settings, bootstrap: str) -> None:
-    """Warn when the lifecycle topic keeps records longer than run rows live (a replay
-    of such a record would start its pruned run again), and when it refuses records
-    that ALMA would accept (its ``max.message.bytes`` under ALMA_MAX_RECORD_BYTES: the
-    broker refuses them at the producer, so they never reach a dead letter); never
-    stops the worker."""
-    topic = settings.lifecycle_topic
+    """Warn when a lifecycle topic (each tenant's, with ALMA_TENANT_TOPICS, as they are
+    at start) keeps records longer than run rows live (a replay of such a record would
+    start its pruned run again), and when it refuses records that ALMA would accept (its
+    ``max.message.bytes`` under ALMA_MAX_RECORD_BYTES: the broker refuses them at the
+    producer, so they never reach a dead letter); never stops the worker."""
     admin = AIOKafkaAdminClient(
         bootstrap_servers=bootstrap, request_timeout_ms=5_000, **kafka.client_options(settings)
     )
+    topics = [settings.lifecycle_topic]
     try:
         await admin.start()
-        resource = ConfigResource(ConfigResourceType.TOPIC, topic)
-        (response,) = await admin.describe_configs([resource])
-        configs = {e[0]: e[1] for r in response.resources for e in r[4] if e[1] is not None}
-        facts = TopicFacts(topic, 0, 0, configs)  # partitions and replicas not read here
+        if settings.tenant_topics:
+            pattern = settings.topic_names.lifecycle_pattern()
+            topics = sorted(t for t in await admin.list_topics() if re.fullmatch(pattern, t))
+            if not topics:
+                return
+        resources = [ConfigResource(ConfigResourceType.TOPIC, topic) for topic in topics]
+        described = {
+            r[3]: {e[0]: e[1] for e in r[4] if e[1] is not None}
+            for response in await admin.describe_configs(resources)
+            for r in response.resources
+        }
     except (KafkaError, OSError, ValueError, IndexError) as exc:
         log.info(
             "the lifecycle topic's retention could not be read",
-            extra={"action": "replay_window_unknown", "topic": topic, "error": repr(exc)},
+            extra={"action": "replay_window_unknown", "topic": topics[0], "error": repr(exc)},
         )
         return
     finally:
         await admin.close()
-    retention_ms = facts.config_int("retention.ms")
-    problem = (
-        None if retention_ms is None else settings.retention.replay_problem(topic, retention_ms)
-    )
-    if problem:
-        log.warning(problem, extra={"action": "replay_window", "topic": topic})
-    limit = topic_checks.record_limit_problem(facts, settings)
-    if limit:
-        largest = facts.config_int("max.message.bytes")
-        log.warning(
-            limit, extra={"action": "record_limit", "topic": topic, "max_message_bytes": largest}
+    for topic, configs in described.items():
+        facts = TopicFacts(topic, 0, 0, configs)  # partitions and replicas not read here
+        retention_ms = facts.config_int("retention.ms")
+        problem = (
+            None if retention_ms is None else settings.retention.replay_problem(topic, retention_ms)
         )
+        if problem:
+            log.warning(problem, extra={"action": "replay_window", "topic": topic})
+        limit = topic_checks.record_limit_problem(facts, settings)
+        if limit:
+            largest = facts.config_int("max.message.bytes")
+            log.warning(
+                limit,
+                extra={"action": "record_limit", "topic": topic, "max_message_bytes": largest},
+            )
 
 
 STOP_GRACE_S = 15.0  # how long the consumers get to leave their groups once stopped

@@ -87,6 +87,10 @@ class BrokerView:
     async def cluster_id(self) -> str:
         return str((await self.admin.describe_cluster())["cluster_id"])
 
+    async def topics(self) -> list[str]:
+        """Every topic the broker lists to this client."""
+        return sorted(await self.admin.list_topics())
+
     async def partitions(self, topic: str) -> list[int]:
         """The topic's partitions; a missing topic is wrong usage (ConfigError). Listed
         first: describing a missing topic makes a broker that auto-creates create it."""

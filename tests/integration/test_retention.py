@@ -259,3 +259,32 @@ async def test_a_langgraph_thread_is_left_to_langgraph(settings: Settings) -> No
     assert pruned.runs_deleted == 1
     assert await count(dsn, "SELECT count(*) FROM graph_checkpoints") == 1
     assert await count(dsn, "SELECT count(*) FROM runs WHERE checkpoints_pruned_at IS NULL") == 1
+
+
+async def test_with_tenant_topics_each_tenants_topic_is_checked(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With ALMA_TENANT_TOPICS the worker checks every tenant's lifecycle topic it finds
+    at start: the one that keeps records forever is named, the other is not."""
+    bootstrap = settings.kafka_bootstrap or ""
+    base = f"{settings.lifecycle_topic}-tenanted"
+    tenanted = settings.model_copy(update={"lifecycle_topic": base, "tenant_topics": True})
+    names = {t: tenanted.topic_names.lifecycle_for(t) for t in ("keeper", "weekly")}
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics(
+            [
+                NewTopic(names["keeper"], 2, 1, topic_configs={"retention.ms": "-1"}),
+                NewTopic(names["weekly"], 2, 1, topic_configs={"retention.ms": "604800000"}),
+            ]
+        )
+        await until_led(admin, bootstrap, list(names.values()))
+    finally:
+        await admin.close()
+    with caplog.at_level(logging.WARNING):
+        async with Worker.start(tenanted):
+            pass
+    warned = [r.getMessage() for r in caplog.records if "retention.ms" in r.getMessage()]
+    assert len(warned) == 1
+    assert f"the topic {names['keeper']} keeps records forever" in warned[0]

@@ -12,6 +12,8 @@ import uuid
 from aiokafka import AIOKafkaProducer
 
 from alma_core.cli.topics import ensure_topics
+from alma_core.consumers.lag import LagExporter
+from alma_core.consumers.metrics import ExporterMetrics
 from alma_core.settings import Settings
 from alma_core.storage import postgres, tenant_settings
 from tests.integration.conftest import TEST_PARTITIONS, Topics, settings_for
@@ -84,6 +86,22 @@ async def test_a_tenant_over_its_quota_waits_alone_and_loses_nothing(
             assert worker.value("alma_tenant_throttled_total", {"tenant": "acme"}) >= 1
             assert worker.value("alma_tenant_throttled_total", {"tenant": "globex"}) == 0
             assert worker.value("alma_tenant_events_total", {"tenant": "globex"}) == GLOBEX_EVENTS
+            # the lag exporter follows the checkpointer over every tenant's topic: acme's
+            # backlog is the lag of its own topic
+            exporter = LagExporter(
+                services.kafka_bootstrap,
+                settings.consumer_groups(),
+                ExporterMetrics(),
+                patterns=settings.consumer_group_patterns(),
+            )
+            async with exporter:
+                snapshot = await exporter.scrape()
+            lag = snapshot.lag(f"{settings.group_prefix}-checkpointer")
+            assert {topic for topic, _ in lag} == {
+                names.lifecycle_for("acme"),
+                names.lifecycle_for("globex"),
+            }
+            assert sum(n for (topic, _), n in lag.items() if topic.endswith(".acme")) > 0
 
             # lifted without a restart: the rest drains (at 5 a second it would take > 30 s)
             await tenant_settings.store(pool, "acme", rate_per_s=0, burst=None)
