@@ -61,7 +61,10 @@ class Publisher:
         except BaseException as exc:
             await self._producer.stop()
             if isinstance(exc, acls.REFUSALS):  # an idempotent producer's id: WRITE on a topic
-                topic = acls.Acl("WRITE", "topic", self.settings.lifecycle_topic)
+                name = self.settings.lifecycle_topic
+                if self.settings.tenant_topics:  # whichever tenant's this principal is
+                    name = tenancy.tenant_topic(name, "<tenant>")
+                topic = acls.Acl("WRITE", "topic", name)
                 raise acls.denied(acls.principal(self.settings), topic, exc) from exc
             if isinstance(exc, KafkaError):
                 raise errors.BrokerUnavailable(

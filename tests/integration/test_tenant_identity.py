@@ -268,3 +268,18 @@ async def test_an_event_claiming_another_tenant_is_dead_lettered_as_its_producer
         await wait_for(refused_again, what="the forced replay refused again")
     for table in ("runs", "checkpoints", "run_events"):
         assert await count(database, sql.format(table)) == 0, table
+
+
+async def test_a_tenant_principal_that_may_write_nothing_is_told_which_topic(
+    tenanted: Tenanted, services: Services, database: str
+) -> None:
+    """A principal granted nothing: its client does not start (Kafka refuses an idempotent
+    producer's id to a principal that may write no topic), and the error names the
+    tenant topic it needs, not the shared one."""
+    nobody = tenanted.secured.settings(
+        "orch-reads-only", services, database, tenanted.topics
+    ).model_copy(update={"tenant_topics": True})
+    with pytest.raises(errors.BrokerDenied) as refused:
+        async with AlmaClient(nobody) as client:
+            await client.node_completed(_ctx("acme", "denied", "b0"), updates={"n": 1})
+    assert f"WRITE on topic '{tenanted.topics.lifecycle}.<tenant>'" in refused.value.message
