@@ -140,13 +140,7 @@ def inject(span: Span | None = None) -> list[tuple[str, bytes]]:
 def extract(headers: Iterable[tuple[str, bytes | str | None]]) -> otel_context.Context | None:
     """The trace context a record carries, or None (no header, or an unreadable one:
     the event starts its own trace)."""
-    carrier: dict[str, str] = {}
-    for key, value in headers:
-        if key in HEADERS and value is not None:
-            try:
-                carrier[key] = value.decode("ascii") if isinstance(value, bytes) else value
-            except UnicodeDecodeError:
-                return None
+    carrier = context_pairs(headers)
     if "traceparent" not in carrier:
         return None
     ctx = _PROPAGATOR.extract(carrier)
@@ -164,14 +158,14 @@ def replace_context(
     return kept + tuple(inject(span))
 
 
-def context_pairs(headers: Iterable[tuple[str, bytes]]) -> dict[str, str]:
-    """A record's trace context headers as text, to copy onto a record derived from it
-    (an outbox row's headers are stored as text)."""
+def context_pairs(headers: Iterable[tuple[str, bytes | str | None]]) -> dict[str, str]:
+    """A record's trace context headers as text (none when one is unreadable), to read
+    or to copy onto a record derived from it (an outbox row's headers are text)."""
     out: dict[str, str] = {}
     for k, v in headers:
-        if k in HEADERS:
+        if k in HEADERS and v is not None:
             try:
-                out[k] = v.decode("ascii")
+                out[k] = v.decode("ascii") if isinstance(v, bytes) else v
             except UnicodeDecodeError:
                 return {}
     return out

@@ -155,7 +155,6 @@ class ConsumerRuntime:
         self._last_commit = 0.0
         self._last_periodic = 0.0
         self._poll_ms = config.poll_timeout_ms
-        self._throttled_ms: int | None = None
         self._pacer = (
             FetchPacer(config.fetch_max_wait_ms, config.fetch_idle_wait_ms)
             if config.fetch_idle_wait_ms > config.fetch_max_wait_ms
@@ -307,9 +306,13 @@ class ConsumerRuntime:
                 if placing:
                     await wait(stop, self._backoff(placing))  # then poll: stay a member
             generation = a.generation
-            if self.throttle is not None:  # a throttled tenant may go on then
-                self._throttled_ms = self.throttle.wait_ms(consumer, a, time.monotonic())
-            batch = await self._poll(consumer, stop)
+            # a throttled tenant may go on after this long: the poll waits no longer
+            cap_ms = (
+                None
+                if self.throttle is None
+                else self.throttle.wait_ms(consumer, a, time.monotonic())
+            )
+            batch = await self._poll(consumer, stop, cap_ms)
             self._pace(consumer, bool(batch))
             if batch and self.config.linger_ms > 0:
                 batch = await self._linger(consumer, batch)
@@ -336,15 +339,15 @@ class ConsumerRuntime:
             if time.monotonic() - self._last_periodic >= self.config.periodic_every_s:
                 await self._periodic()
 
-    async def _poll(self, consumer: AIOKafkaConsumer, stop: asyncio.Event) -> dict[Any, Any]:
+    async def _poll(
+        self, consumer: AIOKafkaConsumer, stop: asyncio.Event, cap_ms: int | None = None
+    ) -> dict[Any, Any]:
         """The next records. Under load, or without the idle pace, a poll of
         ``poll_timeout_ms``. Idle, the poll lasts as long as the idle fetch wait: records
         end it at once (aiokafka returns what a fetch brings), and so do a stop and a new
         assignment; the loop no longer wakes five times a second for nothing."""
         limit = self.config.max_records
-        poll_ms = self._poll_ms
-        if self._throttled_ms is not None:  # a throttled tenant is let in again then
-            poll_ms = min(poll_ms, self._throttled_ms)
+        poll_ms = self._poll_ms if cap_ms is None else min(self._poll_ms, cap_ms)
         if poll_ms <= self.config.poll_timeout_ms:
             batch: dict[Any, Any] = await consumer.getmany(timeout_ms=poll_ms, max_records=limit)
             return batch

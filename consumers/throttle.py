@@ -10,7 +10,7 @@ drops what is held (it is read again from the stored offsets)."""
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -67,11 +67,17 @@ class Throttle:
             return
         self.gate.configure(self.gate.default, quotas)
 
-    def _share(self, consumer: AIOKafkaConsumer, topic: str) -> float:
-        """The part of ``topic``'s partitions this member holds."""
-        held = sum(1 for tp in consumer.assignment() if tp.topic == topic)
-        total = len(consumer.partitions_for_topic(topic) or ()) or held or 1
-        return held / total
+    @staticmethod
+    def _shares(consumer: AIOKafkaConsumer) -> Callable[[str], float]:
+        """The part of a topic's partitions this member holds (its assignment counted
+        once per call, not once per topic)."""
+        held = Counter(tp.topic for tp in consumer.assignment())
+
+        def share(topic: str) -> float:
+            total = len(consumer.partitions_for_topic(topic) or ()) or held[topic] or 1
+            return held[topic] / total
+
+        return share
 
     def admit(
         self,
@@ -95,12 +101,15 @@ class Throttle:
             by_topic[tp.topic].append(tp)
         for topic in {tp.topic for tp in a.throttled} - set(by_topic):
             by_topic[topic] = []  # throttled, nothing waiting: resumed once it has tokens
+        if not by_topic:
+            return batch
         changed = False
+        shares = self._shares(consumer)
         for topic, tps in by_topic.items():
             tenant = self.topics.tenant_of(topic)
             if tenant is None:
                 continue
-            share = self._share(consumer, topic)
+            share = shares(topic)
             wanted = sum(len(batch[tp]) for tp in tps)
             left = self.gate.admit(tenant, wanted, share, now) if wanted else 0
             if left:
@@ -144,11 +153,14 @@ class Throttle:
     def wait_ms(self, consumer: AIOKafkaConsumer, a: Assignment, now: float) -> int | None:
         """How long the next poll may wait before a throttled tenant may go on (None: no
         tenant is throttled)."""
+        if not a.throttled:
+            return None
         soonest: float | None = None
+        shares = self._shares(consumer)
         for topic in {tp.topic for tp in a.throttled}:
             tenant = self.topics.tenant_of(topic)
             if tenant is None:
                 continue
-            wait = self.gate.wait_s(tenant, self._share(consumer, topic), now)
+            wait = self.gate.wait_s(tenant, shares(topic), now)
             soonest = wait if soonest is None else min(soonest, wait)
         return None if soonest is None else max(10, int(soonest * 1000))
