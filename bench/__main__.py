@@ -6,8 +6,9 @@ curves, and the scaling trend over checkpointer processes.
 
 Suites: peers, curves, scaling, temporal, langgraph, replay, retention, cache, quality, ui,
 hop, tracing, tenants
-(all by default), and soak (only when named: `--only soak`, 30 minutes; 5 with --quick;
---soak-seconds and --window-seconds set its length).
+(all by default), and, only when named, soak (`--only soak`, 30 minutes; 5 with --quick;
+--soak-seconds and --window-seconds set its length) and round-trips (the checkpointer's
+first round trip as one statement against three, issue 54).
 
 Brings up the embedded stack (PostgreSQL with fsync on) or uses the services
 named by ALMA_KAFKA_BOOTSTRAP, ALMA_POSTGRES_DSN and ALMA_REDIS_URL, shows one
@@ -40,6 +41,7 @@ from bench import (
     quality,
     replay,
     retention,
+    round_trips,
     run_state,
     scaling,
     soak,
@@ -66,7 +68,7 @@ SUITES = (
     "tracing",
     "tenants",
 )
-ON_REQUEST = ("soak",)  # run only when named
+ON_REQUEST = ("soak", "round-trips")  # run only when named
 
 
 SINGLE_MODULE_SUITES: dict[str, Callable[[Env, Section], Awaitable[None]]] = {
@@ -81,6 +83,7 @@ SINGLE_MODULE_SUITES: dict[str, Callable[[Env, Section], Awaitable[None]]] = {
     "hop": hop.run,
     "tracing": tracing.run,
     "tenants": tenants.run,
+    "round-trips": round_trips.run,
 }
 
 
@@ -112,6 +115,8 @@ def steps(env: Env, only: set[str], length: soak.Length) -> int:
         n += len(tracing.MODES)
     if "tenants" in only:
         n += tenants.STEPS_PER_REP * env.reps
+    if "round-trips" in only:
+        n += round_trips.STEPS
     return n
 
 

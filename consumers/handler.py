@@ -59,7 +59,7 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
 
     def __init__(
         self,
-        store: BatchStore[PreparedT, EffectsT],
+        store: BatchStore[PreparedT, EffectsT, Any],
         cache: CacheWriter | None,
         relay: Relay,
         metrics: Metrics,

@@ -105,6 +105,7 @@ class Effects:
 
 EffectsT = TypeVar("EffectsT", bound=Effects)
 PreparedT = TypeVar("PreparedT")
+ReadsT = TypeVar("ReadsT")
 
 
 @dataclass(frozen=True)
@@ -127,10 +128,11 @@ async def guarded(doing: str, work: Awaitable[T]) -> T:
         raise
 
 
-class BatchStore(Generic[PreparedT, EffectsT]):
+class BatchStore(Generic[PreparedT, EffectsT, ReadsT]):
     """Base of the stores: the pool, the group's stored offsets, the batch transaction.
     ``PreparedT``: what the worker prepared for a batch before the transaction (the
-    learner's drafts and vectors; None for the others)."""
+    learner's drafts and vectors; None for the others). ``ReadsT``: what a store reads
+    in the fence's round trip (:meth:`open`; None for those that read after it)."""
 
     doing = "applying a batch"  # what a failure message says the store was doing
 
@@ -156,10 +158,10 @@ class BatchStore(Generic[PreparedT, EffectsT]):
         write what the new records make, store their dead letters and outbox rows,
         advance the offsets."""
         async with self.transaction(self.doing) as conn:
-            fence = await offsets.fence(conn, self.group_id, cluster_id, batch)
+            fence, reads = await self.open(conn, cluster_id, batch)
             if not fence.fresh:
                 return Committed(fence.progress)
-            effects = await self.write(conn, cluster_id, fence.fresh, prepared)
+            effects = await self.write(conn, cluster_id, fence.fresh, prepared, reads)
             rows = list(effects.outbox)
             for dl in effects.dead_letters:
                 await dead_letters.insert(conn, self.consumer, cluster_id, dl)
@@ -169,11 +171,23 @@ class BatchStore(Generic[PreparedT, EffectsT]):
                 await offsets.advance(conn, self.group_id, cluster_id, offsets.ends(fence.fresh))
         return Committed(fence.progress_after(), effects, ids)
 
+    async def open(
+        self, conn: asyncpg.Connection, cluster_id: str, batch: Batch
+    ) -> tuple[offsets.Fence[Incoming], ReadsT | None]:
+        """The batch transaction's first statement: the fence, and whatever the store
+        reads in the same round trip (None: nothing)."""
+        return await offsets.fence(conn, self.group_id, cluster_id, batch), None
+
     async def write(
-        self, conn: asyncpg.Connection, cluster_id: str, fresh: Batch, prepared: PreparedT
+        self,
+        conn: asyncpg.Connection,
+        cluster_id: str,
+        fresh: Batch,
+        prepared: PreparedT,
+        reads: ReadsT | None,
     ) -> EffectsT:
         """The store's own effects of the records in ``fresh`` (none applied before), in
-        the batch's transaction."""
+        the batch's transaction; ``reads``: what :meth:`open` read."""
         raise NotImplementedError
 
     async def skip(self, cluster_id: str, batch: Batch) -> tuple[Progress, bool]:

@@ -46,14 +46,13 @@ from alma_core.sequencing import (
     Sequencer,
     branch_key,
 )
-from alma_core.storage import graphs
-from alma_core.storage.batches import RUN_SEQ_HEADER, Batch, BatchStore, Effects
+from alma_core.storage import graphs, locked
+from alma_core.storage.batches import RUN_SEQ_HEADER, Batch, BatchStore, Effects, Incoming
 from alma_core.storage.cache_entries import CacheEntry, cache_entries
 from alma_core.storage.checkpoint_rows import ROWS, rows_args
 from alma_core.storage.dead_letters import DeadLetter, dead_letter_for, headers_json
 from alma_core.storage.effects import CHANNEL, NOTIFY, announce, tokens
-from alma_core.storage.locked import load_locked, lock_runs
-from alma_core.storage.offsets import ADVANCE, advance_args, ends
+from alma_core.storage.offsets import ADVANCE, Fence, advance_args, ends
 from alma_core.storage.outbox import OutboxRow, join_reply
 from alma_core.types import Checkpoint
 
@@ -124,6 +123,24 @@ def _needs_head_state(event: Decoded) -> bool:
     return isinstance(event, NodeCompleted | NodeFailed) and event.payload.state is None
 
 
+def _events(batch: Batch) -> list[Event]:
+    """The batch's events (its rejections are dead letters)."""
+    return [r.decoded for rs in batch.values() for r in rs if not isinstance(r.decoded, Rejection)]
+
+
+def _wants(events: list[Event]) -> locked.Wants:
+    """What a batch of ``events`` reads: their runs; the head states only of runs whose
+    events fold into a head (a branch's first checkpoint takes the main line as its
+    parent), and those events' workflows' reducers; every event id, to know it."""
+    folds = [e for e in events if _needs_head_state(e)]
+    return locked.Wants(
+        runs={(e.tenant_id, e.run_id) for e in events},
+        with_state={(e.tenant_id, e.run_id) for e in folds},
+        workflows={(e.tenant_id, e.workflow_id) for e in folds},
+        event_ids={(e.tenant_id, e.event_id) for e in events},
+    )
+
+
 # A batch's writes, one statement: each table's rows from parallel arrays. Sibling
 # data-modifying CTEs run on one snapshot; the foreign keys (a new run's checkpoints,
 # heads and events) are checked at the end of the statement, when its run row is there.
@@ -166,39 +183,48 @@ _WRITE = (
 )
 
 
-class PostgresCheckpointStore(BatchStore[None, CheckpointEffects]):
+class PostgresCheckpointStore(BatchStore[None, CheckpointEffects, locked.Reads]):
     def __init__(self, pool: asyncpg.Pool, config: StoreConfig, registry: ReducerRegistry) -> None:
         super().__init__(
             pool, config.group_id, consumer=config.consumer, dlq_topic=config.dlq_topic
         )
         self.config = config
         self.registry = registry
+        self.stale_reads = 0  # batches whose first round trip read again (a lock waited)
+
+    async def open(
+        self, conn: asyncpg.Connection, cluster_id: str, batch: Batch
+    ) -> tuple[Fence[Incoming], locked.Reads | None]:
+        """The fence, the runs' locks and everything the batch reads of them in one
+        round trip (:func:`locked.fence_and_load`): the runs of the whole batch, those
+        of records applied before included (their locks cost nothing more)."""
+        if not any(batch.values()):
+            return await super().open(conn, cluster_id, batch)
+        fence, reads, stale = await locked.fence_and_load(
+            conn, self.group_id, cluster_id, batch, _wants(_events(batch))
+        )
+        self.stale_reads += stale
+        return fence, reads
 
     async def write(
-        self, conn: asyncpg.Connection, cluster_id: str, fresh: Batch, prepared: None
+        self,
+        conn: asyncpg.Connection,
+        cluster_id: str,
+        fresh: Batch,
+        prepared: None,
+        reads: locked.Reads | None,
     ) -> CheckpointEffects:
-        """Load what the batch needs, fold it in pure code (:class:`Sequencer`), write
-        (advancing the offsets in the same statement); see the module docstring."""
-        events = [
-            r.decoded for rs in fresh.values() for r in rs if not isinstance(r.decoded, Rejection)
-        ]
-        batch_runs = {(e.tenant_id, e.run_id) for e in events}
-        runs = await lock_runs(conn, batch_runs)
-        # the head states only of runs whose events fold into a head (a branch's first
-        # checkpoint takes the main line as its parent); those events' workflows' reducers
-        folds = [e for e in events if _needs_head_state(e)]
-        loaded = await load_locked(
-            conn,
-            batch_runs,
-            with_state={(e.tenant_id, e.run_id) for e in folds},
-            workflows={(e.tenant_id, e.workflow_id) for e in folds},
-            event_ids={(e.tenant_id, e.event_id) for e in events},
-        )
+        """Load what the batch needs (unless :meth:`open` did), fold it in pure code
+        (:class:`Sequencer`), write (advancing the offsets in the same statement); see
+        the module docstring."""
+        events = _events(fresh)
+        if reads is None:
+            reads = await locked.lock_and_load(conn, _wants(events))
         sequencer = Sequencer(
-            runs=runs,
-            heads=loaded.heads,
-            reducer_configs=loaded.configs,
-            known_event_ids=loaded.known,
+            runs=reads.runs,
+            heads=reads.locked.heads,
+            reducer_configs=reads.locked.configs,
+            known_event_ids=reads.locked.known,
             registry=self.registry,
             max_state_bytes=self.config.max_state_bytes,
         )

@@ -75,7 +75,7 @@ class JoinEffects(Effects):
         return out | super().span_attributes()
 
 
-class PostgresJoinStore(BatchStore[None, JoinEffects]):
+class PostgresJoinStore(BatchStore[None, JoinEffects, None]):
     doing = "applying joins"
 
     def __init__(self, pool: asyncpg.Pool, config: JoinConfig, registry: ReducerRegistry) -> None:
@@ -86,7 +86,12 @@ class PostgresJoinStore(BatchStore[None, JoinEffects]):
         self.registry = registry
 
     async def write(
-        self, conn: asyncpg.Connection, cluster_id: str, fresh: Batch, prepared: None
+        self,
+        conn: asyncpg.Connection,
+        cluster_id: str,
+        fresh: Batch,
+        prepared: None,
+        reads: None,
     ) -> JoinEffects:
         """Decide each join in partition order (:class:`JoinPlanner`), write the merged
         checkpoints and the answers; the replies go out through the outbox."""

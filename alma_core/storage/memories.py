@@ -89,7 +89,7 @@ async def check_dimension(pool: asyncpg.Pool, dimension: int, model: str) -> Non
         )
 
 
-class PostgresLearnStore(BatchStore[dict[Coordinates, Prepared], LearnEffects]):
+class PostgresLearnStore(BatchStore[dict[Coordinates, Prepared], LearnEffects, None]):
     doing = "storing outcomes"
 
     def __init__(self, pool: asyncpg.Pool, config: LearnConfig) -> None:
@@ -168,6 +168,7 @@ class PostgresLearnStore(BatchStore[dict[Coordinates, Prepared], LearnEffects]):
         cluster_id: str,
         fresh: Batch,
         prepared: dict[Coordinates, Prepared],
+        reads: None,
     ) -> LearnEffects:
         """Store the outcomes (one per run), then load the counts they change, decide
         what they teach (:func:`alma_core.learning.plan_memories`) and write it."""

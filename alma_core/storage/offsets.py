@@ -101,6 +101,29 @@ async def stored_offsets(
     return {(r["topic"], r["partition"]): r["next_offset"] for r in rows}
 
 
+# The fence with its placeholders named, so a store can run it as a CTE of a statement
+# of its own (:mod:`alma_core.storage.locked`); :func:`fence_args` gives its values.
+FENCE = """INSERT INTO consumer_offsets (group_id, cluster_id, topic, partition, next_offset)
+   SELECT {group}, {cluster}, t, p, o
+   FROM unnest({topics}::text[], {partitions}::int[], {firsts}::bigint[]) AS u(t, p, o)
+   ON CONFLICT (group_id, cluster_id, topic, partition)
+   DO UPDATE SET next_offset = consumer_offsets.next_offset
+   RETURNING topic, partition, next_offset, xmax = 0 AS inserted"""
+
+_FENCE_ALONE = FENCE.format(group="$1", cluster="$2", topics="$3", partitions="$4", firsts="$5")
+
+
+def fence_args(
+    group_id: str, cluster_id: str, batch: dict[PartitionKey, list[R]]
+) -> tuple[str, str, list[str], list[int], list[int]]:
+    """FENCE's values: group, broker cluster, and each partition of the batch with its
+    first offset (where a new row starts)."""
+    tps = sorted(tp for tp, records in batch.items() if records)
+    firsts = [min(r.offset for r in batch[tp]) for tp in tps]
+    topics, partitions = columns(tps, 2)
+    return group_id, cluster_id, topics, partitions, firsts
+
+
 async def fence(
     conn: asyncpg.Connection,
     group_id: str,
@@ -110,26 +133,19 @@ async def fence(
     """Lock every partition's offset row, creating it at the batch's first offset if
     new (one round trip: the no-op update takes the row lock, as ``FOR UPDATE``
     would, and returns the committed value); keep what is new."""
+    if not any(batch.values()):
+        return Fence({}, Progress())
+    rows = await conn.fetch(_FENCE_ALONE, *fence_args(group_id, cluster_id, batch))
+    return fenced(batch, {(r["topic"], r["partition"]): r["next_offset"] for r in rows})
+
+
+def fenced(batch: dict[PartitionKey, list[R]], stored: dict[PartitionKey, int]) -> Fence[R]:
+    """What is new in ``batch``, given each partition's stored next offset (read under
+    the rows' locks)."""
     fresh_records: dict[PartitionKey, list[R]] = {}
     out = Progress()
-    tps = sorted(tp for tp, records in batch.items() if records)
-    if not tps:
-        return Fence(fresh_records, out)
-    firsts = [min(r.offset for r in batch[tp]) for tp in tps]
-    rows = await conn.fetch(
-        """INSERT INTO consumer_offsets (group_id, cluster_id, topic, partition, next_offset)
-           SELECT $1, $2, t, p, o FROM unnest($3::text[], $4::int[], $5::bigint[]) AS u(t, p, o)
-           ON CONFLICT (group_id, cluster_id, topic, partition)
-           DO UPDATE SET next_offset = consumer_offsets.next_offset
-           RETURNING topic, partition, next_offset""",
-        group_id,
-        cluster_id,
-        *columns(tps, 2),
-        firsts,
-    )
-    stored = {(r["topic"], r["partition"]): r["next_offset"] for r in rows}
     already_applied = 0
-    for tp in tps:
+    for tp in sorted(tp for tp, records in batch.items() if records):
         records = sorted(batch[tp], key=lambda r: r.offset)
         next_offset = stored[tp]
         first = records[0]

@@ -13,7 +13,7 @@ from alma_core.schemas.decoder import decode
 from alma_core.storage.batches import Incoming
 from alma_core.storage.checkpoints import PostgresCheckpointStore, StoreConfig
 from alma_core.storage.postgres import connect
-from tests.integration.harness import completed, count, fetch
+from tests.integration.harness import completed, count, fetch, wait_for
 
 TOPIC = "lifecycle"
 
@@ -149,3 +149,69 @@ async def test_dead_letters_of_another_broker_cluster_are_kept_apart(database: s
         ("malformed_json", b"{not json"),
         ("not_an_object", b"[]"),
     ]
+
+
+async def _waiting_on_a_lock(database: str) -> bool:
+    return (
+        await count(
+            database,
+            """SELECT count(*) FROM pg_stat_activity
+               WHERE datname = current_database() AND wait_event_type = 'Lock'""",
+        )
+        > 0
+    )
+
+
+async def test_a_batch_that_waited_on_the_fence_reads_what_its_holder_committed(
+    database: str,
+) -> None:
+    """The fence, the runs' locks and the reads are one statement, on a snapshot taken
+    before its locks: a zombie that applies part of the owner's batch (an existing run
+    and a new one) while the owner waits must be seen, or the owner would number its
+    checkpoints from heads that are gone."""
+    first = [completed("r", updates={"i": i}) for i in range(3)]
+    middle = [completed("r", updates={"i": 3}), completed("n", updates={"i": 0})]
+    last = [completed("r", updates={"i": 4}), completed("n", updates={"i": 1})]
+    async with connect(database, max_size=4) as pool:
+        zombie, owner = store_for(pool), store_for(pool)
+        await owner.transact("c", {(TOPIC, 0): records(first)}, None)
+        async with pool.acquire() as conn, conn.transaction():
+            # the zombie's batch, held open: its offsets' row and run "r" locked
+            fence, reads = await zombie.open(conn, "c", {(TOPIC, 0): records(middle, 3)})
+            waiting = asyncio.create_task(
+                owner.transact("c", {(TOPIC, 0): records(middle + last, 3)}, None)
+            )
+            await wait_for(lambda: _waiting_on_a_lock(database), what="the owner to wait")
+            written = await zombie.write(conn, "c", fence.fresh, None, reads)
+            assert [c.seq for c in written.checkpoints] == [4, 1]
+        result = await waiting
+    assert owner.stale_reads == 1
+    assert result.progress.already_applied == 2
+    assert result.effects is not None
+    assert [(c.run_id, c.seq) for c in result.effects.checkpoints] == [("r", 5), ("n", 2)]
+    for run, n in (("r", 5), ("n", 2)):
+        rows = await fetch(
+            database, "SELECT seq, state FROM checkpoints WHERE run_id = $1 ORDER BY seq", run
+        )
+        assert [(r["seq"], r["state"]["i"]) for r in rows] == [(s, s - 1) for s in range(1, n + 1)]
+
+
+async def test_a_batch_that_waited_on_a_run_reads_the_run_again(database: str) -> None:
+    """The same for a run's lock alone (the joiner's merge, ``alma replay --apply``): a
+    run row changed while the batch waited for it is read again, after the lock."""
+    async with connect(database, max_size=4) as pool:
+        owner = store_for(pool)
+        await owner.transact("c", {(TOPIC, 0): records([completed("r", updates={"i": 0})])}, None)
+        assert owner.stale_reads == 0  # nothing in the way: one round trip
+        async with pool.acquire() as conn, conn.transaction():
+            await conn.execute("UPDATE runs SET status = 'running' WHERE run_id = 'r'")
+            waiting = asyncio.create_task(
+                owner.transact(
+                    "c", {(TOPIC, 0): records([completed("r", updates={"i": 1})], 1)}, None
+                )
+            )
+            await wait_for(lambda: _waiting_on_a_lock(database), what="the owner to wait")
+        result = await waiting
+    assert owner.stale_reads == 1
+    assert result.effects is not None
+    assert [c.seq for c in result.effects.checkpoints] == [2]

@@ -43,7 +43,7 @@ def record(offset: int) -> Incoming:
     return Incoming(TP[0], TP[1], offset, b"r", raw, decode(raw, key=b"r"))
 
 
-class Offsets(BatchStore[None, Effects]):
+class Offsets(BatchStore[None, Effects, None]):
     """A store that keeps its offsets in a dict and applies what it is given, except
     batches holding ``data`` offsets (StorageRejected) or ``defect`` offsets (a bug),
     and, unless ``dead_letters``, any dead letter; every call's offsets in ``calls``."""
