@@ -57,15 +57,14 @@ _LOADS = """
      ON e.tenant_id = u.t AND e.event_id = u.i) AS known
 """
 
-LOAD_LOCKED = "SELECT" + _LOADS.format(
-    tenants="$1",
-    run_ids="$2",
-    flags="$3",
-    wf_tenants="$4",
-    workflows="$5",
-    ev_tenants="$6",
-    event_ids="$7",
-)
+
+def _loads(first: int) -> str:
+    """:data:`_LOADS` with its seven values numbered from ``first``."""
+    names = ("tenants", "run_ids", "flags", "wf_tenants", "workflows", "ev_tenants", "event_ids")
+    return _LOADS.format(**{name: f"${first + i}" for i, name in enumerate(names)})
+
+
+LOAD_LOCKED = "SELECT" + _loads(1)
 
 # The checkpointer's first round trip: the fence (offsets.FENCE), the runs' locks and
 # LOAD_LOCKED's reads in one statement. The locks are taken in the two statements'
@@ -111,15 +110,7 @@ SELECT
   OR EXISTS (SELECT 1 FROM locked l FULL JOIN seen_runs s
                ON s.tenant_id = l.tenant_id AND s.run_id = l.run_id
              WHERE l.version IS DISTINCT FROM s.version) AS stale,"""
-    + _LOADS.format(
-        tenants="$6",
-        run_ids="$7",
-        flags="$8",
-        wf_tenants="$9",
-        workflows="$10",
-        ev_tenants="$11",
-        event_ids="$12",
-    )
+    + _loads(6)
 )
 
 
