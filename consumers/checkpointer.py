@@ -42,5 +42,7 @@ class CheckpointHandler(StoreHandler[None, CheckpointEffects]):
             series.observe(max(0.0, (now - emitted_at).total_seconds()), exemplar)
         if effects.duplicates:
             m.duplicates.labels(NAME).inc(effects.duplicates)
+        if effects.read_again:
+            m.read_again.labels(NAME).inc()
         if effects.dead_letters:
             m.events.labels(NAME, "unknown", "dead_letter").inc(len(effects.dead_letters))

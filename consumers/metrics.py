@@ -64,6 +64,13 @@ class Metrics:
             ["consumer"],
             registry=r,
         )
+        self.read_again = Counter(
+            "alma_batches_read_again_total",
+            "Batches whose first round trip (fence, run locks, reads) waited on a lock "
+            "another transaction committed through, and so read again: one more round trip",
+            ["consumer"],
+            registry=r,
+        )
         self.dead_letters = Counter(
             "alma_dead_letters_total",
             "Records sent to the dead-letter topic, by reason",

@@ -70,6 +70,7 @@ class CheckpointEffects(Effects):
     duplicates: int = 0  # events whose event_id was recorded before
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     folded: list[EventRow] = field(default_factory=list)  # each new event's effect
+    read_again: bool = False  # its first round trip's reads were stale: read once more
     unlisted_outcome = "duplicate"  # a new event with no effect: its event_id was known
 
     def span_attributes(self) -> dict[str, dict[str, Any]]:
@@ -190,7 +191,6 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects, locked.Reads])
         )
         self.config = config
         self.registry = registry
-        self.stale_reads = 0  # batches whose first round trip read again (a lock waited)
 
     async def open(
         self, conn: asyncpg.Connection, cluster_id: str, batch: Batch
@@ -200,11 +200,9 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects, locked.Reads])
         of records applied before included (their locks cost nothing more)."""
         if not any(batch.values()):
             return await super().open(conn, cluster_id, batch)
-        fence, reads, stale = await locked.fence_and_load(
+        return await locked.fence_and_load(
             conn, self.group_id, cluster_id, batch, _wants(_events(batch))
         )
-        self.stale_reads += stale
-        return fence, reads
 
     async def write(
         self,
@@ -275,6 +273,7 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects, locked.Reads])
             duplicates=effects.duplicates,
             created_at=created_at,
             folded=effects.events,
+            read_again=reads.read_again,
         )
 
     # -- writes ---------------------------------------------------------------

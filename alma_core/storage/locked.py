@@ -12,7 +12,7 @@ with themselves; what they read after it cannot change until they commit.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 import asyncpg
@@ -184,6 +184,7 @@ class Reads:
 
     runs: dict[RunKey, RunView]
     locked: Locked
+    read_again: bool = False  # a lock waited on a commit: read again after the locks
 
 
 async def lock_and_load(conn: asyncpg.Connection, wants: Wants) -> Reads:
@@ -205,10 +206,10 @@ async def fence_and_load(
     cluster_id: str,
     batch: dict[offsets.PartitionKey, list[R]],
     wants: Wants,
-) -> tuple[offsets.Fence[R], Reads, bool]:
+) -> tuple[offsets.Fence[R], Reads]:
     """The fence (:func:`offsets.fence`) and :func:`lock_and_load` in one round trip
     (:data:`FENCE_LOCK_LOAD`); a second one, the reads again, when a transaction
-    committed on these rows while the statement began (the third value: True)."""
+    committed on these rows while the statement began (``Reads.read_again``)."""
     tenants, run_ids = columns(sorted(wants.runs), 2)
     row = await conn.fetchrow(
         FENCE_LOCK_LOAD,
@@ -222,7 +223,7 @@ async def fence_and_load(
     assert row is not None
     fence = offsets.fenced(batch, {(t, p): n for t, p, n in row["offsets"]})
     if row["stale"]:
-        return fence, await lock_and_load(conn, wants), True
+        return fence, replace(await lock_and_load(conn, wants), read_again=True)
     runs = {
         (t, r): RunView(
             run_id=r,
@@ -238,4 +239,4 @@ async def fence_and_load(
         )
         for r, t, w, v, status, last_seq, count, done, released, pruned in row["runs"]
     }
-    return fence, Reads(runs, _locked(row)), False
+    return fence, Reads(runs, _locked(row))
