@@ -6,7 +6,9 @@ histories, draft what to learn (:mod:`alma_core.learning`), embed every text in
 batches off the event loop, then apply one transaction. Join requests on the same
 topic are the joiner's; the learner only moves its offsets past them. When idle,
 it publishes leftover outbox rows and, if a retention is set, prunes the
-checkpoints of runs completed long ago.
+checkpoints of runs completed long ago. A tenant whose learner is off (``alma tenants
+set T --learner off``, read every :data:`tenant_settings.REFRESH_S` seconds) is passed
+by: nothing of its runs drafted, embedded or stored.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from alma_core.schemas.decoder import RejectReason
 from alma_core.schemas.events import WorkflowCompleted
 from alma_core.sequencing import Coordinates
 from alma_core.settings import RetentionPolicy
-from alma_core.storage import retention
+from alma_core.storage import retention, tenant_settings
 from alma_core.storage.batches import Batch
 from alma_core.storage.cache_writer import CacheWriter
 from alma_core.storage.embeddings import AsyncEmbedder
@@ -64,6 +66,19 @@ class LearnHandler(StoreHandler[dict[Coordinates, Prepared], LearnEffects]):
         self.prune_every_s = prune_every_s
         self._last_prune = 0.0
         self._behind = False  # the last round stopped at its limit: prune again next round
+        self._not_learning: frozenset[str] = frozenset()  # tenants whose learner is off
+        self._settings_read_at: float | None = None
+
+    async def not_learning(self) -> frozenset[str]:
+        """The tenants whose learner is off, read again once :data:`REFRESH_S` passed."""
+        now = time.monotonic()
+        if (
+            self._settings_read_at is None
+            or now - self._settings_read_at >= tenant_settings.REFRESH_S
+        ):
+            self._not_learning = await self.store.not_learning()
+            self._settings_read_at = now
+        return self._not_learning
 
     async def prepare(self, incoming: Batch) -> tuple[Batch, dict[Coordinates, Prepared]]:
         """Draft and embed the completions first (no transaction open meanwhile). If
@@ -89,17 +104,31 @@ class LearnHandler(StoreHandler[dict[Coordinates, Prepared], LearnEffects]):
         return batch, prepared
 
     async def _draft_and_embed(self, incoming: Batch) -> dict[Coordinates, Prepared]:
-        """Draft and embed every completion not learned yet (reads only, no transaction)."""
+        """Draft and embed every completion not learned yet (reads only, no transaction);
+        those of a tenant whose learner is off are marked so, unread and unembedded."""
         completions = [
             (r, r.decoded)
             for rs in incoming.values()
             for r in rs
             if isinstance(r.decoded, WorkflowCompleted)
         ]
+        off = await self.not_learning() if completions else frozenset()
+        passed_by = {
+            r.coords: Prepared(
+                draft=learning.draft(_finished(e), []),
+                vectors={},
+                artifacts=[],
+                cleanup=self._cleanup(e),
+                learn=False,
+            )
+            for r, e in completions
+            if e.tenant_id in off
+        }
+        completions = [(r, e) for r, e in completions if e.tenant_id not in off]
         known = await self.store.learned([e for _, e in completions])
         fresh = [(r, e) for r, e in completions if (e.tenant_id, e.event_id) not in known]
         if not fresh:
-            return {}
+            return passed_by
         histories = await self.store.histories(sorted({(e.tenant_id, e.run_id) for _, e in fresh}))
         drafts = [
             (r, e, learning.draft(_finished(e), histories.get((e.tenant_id, e.run_id), [])))
@@ -117,18 +146,21 @@ class LearnHandler(StoreHandler[dict[Coordinates, Prepared], LearnEffects]):
         self.metrics.embeddings.labels("encoded").inc(encoded)
         self.metrics.embeddings.labels("cached").inc(len(texts) - encoded)
         by_text = dict(zip(texts, vectors, strict=True))
-        default_cleanup = self.store.config.cleanup_checkpoints
-        return {
+        return passed_by | {
             r.coords: Prepared(
                 draft=d,
                 vectors={t: by_text[t] for t in d.texts()},
                 artifacts=list(e.payload.artifacts),
-                cleanup=default_cleanup
-                if e.payload.cleanup_checkpoints is None
-                else e.payload.cleanup_checkpoints,
+                cleanup=self._cleanup(e),
             )
             for r, e, d in drafts
         }
+
+    def _cleanup(self, e: WorkflowCompleted) -> bool:
+        """Whether the run's checkpoints go once it completed (the event, else the default)."""
+        if e.payload.cleanup_checkpoints is None:
+            return self.store.config.cleanup_checkpoints
+        return e.payload.cleanup_checkpoints
 
     async def idle(self) -> None:
         await super().idle()
@@ -157,6 +189,8 @@ class LearnHandler(StoreHandler[dict[Coordinates, Prepared], LearnEffects]):
         if effects.outcomes:
             m.outcomes.labels("stored").inc(effects.outcomes)
             m.events.labels(NAME, "workflow.completed", "stored").inc(effects.outcomes)
+        if effects.not_learned:
+            m.outcomes.labels("not_learned").inc(effects.not_learned)
         if effects.duplicates:
             m.outcomes.labels("duplicate").inc(effects.duplicates)
             m.duplicates.labels(NAME).inc(effects.duplicates)

@@ -248,7 +248,7 @@ class Metrics:
         )
         self.outcomes = Counter(
             "alma_outcomes_total",
-            "Workflow outcomes, by result (stored, duplicate)",
+            "Workflow outcomes, by result (stored, duplicate, not_learned)",
             ["result"],
             registry=r,
         )

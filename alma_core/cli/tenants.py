@@ -1,6 +1,7 @@
-"""``alma tenants``: each tenant's own settings (its rate quota), where it differs from
-the global ALMA_TENANT_RATE / ALMA_TENANT_BURST. The checkpointer reads them every few
-seconds (:data:`alma_core.storage.tenant_settings.REFRESH_S`): no restart."""
+"""``alma tenants``: each tenant's own settings (its rate quota, where it differs from
+the global ALMA_TENANT_RATE / ALMA_TENANT_BURST; the learner on or off). The
+checkpointer and the learner read them every few seconds
+(:data:`alma_core.storage.tenant_settings.REFRESH_S`): no restart."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from alma_core.settings import Settings
 from alma_core.storage import runs, tenant_settings
 from alma_core.storage.tenant_settings import TenantSettings
 
-tenants_app = common.app(help="Tenants' own settings (rate quotas).")
+tenants_app = common.app(help="Tenants' own settings (rate quotas, the learner).")
 
 
 def register(app: typer.Typer) -> None:
@@ -29,13 +30,19 @@ def _doc(row: TenantSettings, s: Settings) -> dict[str, Any]:
         "tenant_id": row.tenant_id,
         "rate_per_s": quota.rate or None,  # None: no limit
         "burst": (quota.burst or quota.rate or None) if quota.limited else None,
-        "own": {"rate_per_s": row.rate_per_s, "burst": row.burst},
+        "learner": row.learns,
+        "own": {"rate_per_s": row.rate_per_s, "burst": row.burst, "learner": row.learner},
         "updated_at": row.updated_at.isoformat() if row.updated_at else None,
     }
 
 
 def _shown(value: float | int | None, own: float | int | None) -> str:
     text = "no limit" if value is None else f"{value:g}"
+    return text if own is not None else f"{text} (global)"
+
+
+def _learner(learns: bool, own: bool | None) -> str:
+    text = "on" if learns else "off"
     return text if own is not None else f"{text} (global)"
 
 
@@ -56,13 +63,14 @@ def tenants_list(as_json: bool = common.json_option("the tenants")) -> None:
             print(json.dumps(docs))
             return
         table = Table(title="tenants")
-        for col in ("tenant", "rate (events/s)", "burst"):
+        for col in ("tenant", "rate (events/s)", "burst", "learner"):
             table.add_column(col)
         for d in docs:
             table.add_row(
                 d["tenant_id"],
                 _shown(d["rate_per_s"], d["own"]["rate_per_s"]),
                 _shown(d["burst"], d["own"]["burst"]),
+                _learner(d["learner"], d["own"]["learner"]),
             )
         common.out.print(table)
 
@@ -96,15 +104,25 @@ def tenants_set(
     burst: int = typer.Option(
         None, "--burst", min=0, help="Events at once (0: one second's worth of the rate)."
     ),
+    learner: str = typer.Option(
+        None,
+        "--learner",
+        help="on: learn from the tenant's finished runs (the default); off: store no "
+        "outcome or memory of them, embed nothing; global: back to the default.",
+    ),
     reset: bool = typer.Option(False, "--reset", help="Back to the global settings."),
 ) -> None:
-    """Set a tenant's own rate quota (what is not given keeps its value); in effect
-    within a few seconds, without a restart. Needs ALMA_TENANT_TOPICS on the workers."""
+    """Set a tenant's own rate quota or learner (what is not given keeps its value); in
+    effect within a few seconds, without a restart. Quotas need ALMA_TENANT_TOPICS on the
+    workers."""
     s = common.settings()
-    if reset and (rate is not None or burst is not None):
+    if reset and (rate is not None or burst is not None or learner is not None):
         common.fail("--reset clears the tenant's own values: give it alone", common.USAGE)
-    if not reset and rate is None and burst is None:
-        common.fail("nothing to set: pass --rate, --burst or --reset", common.USAGE)
+    if not reset and rate is None and burst is None and learner is None:
+        common.fail("nothing to set: pass --rate, --burst, --learner or --reset", common.USAGE)
+    learns = {"on": True, "off": False, "global": None}
+    if learner is not None and learner not in learns:
+        common.fail(f"--learner takes on, off or global (got {learner!r})", common.USAGE)
 
     async def main() -> None:
         conn = await common.connect(common.dsn(s))
@@ -116,16 +134,19 @@ def tenants_set(
                     tenant,
                     rate_per_s=None if reset else (before.rate_per_s if rate is None else rate),
                     burst=None if reset else (before.burst if burst is None else burst),
+                    learner=None
+                    if reset
+                    else (before.learner if learner is None else learns[learner]),
                 )
         finally:
             await conn.close()
         doc = _doc(row, s)
         common.out.print(
             f"tenant {tenant!r}: rate {_shown(doc['rate_per_s'], row.rate_per_s)}, burst "
-            f"{_shown(doc['burst'], row.burst)}; the checkpointer applies it within "
-            f"{tenant_settings.REFRESH_S:g} s"
+            f"{_shown(doc['burst'], row.burst)}, learner {_learner(row.learns, row.learner)}; "
+            f"the workers apply it within {tenant_settings.REFRESH_S:g} s"
         )
-        if not s.tenant_topics:
+        if not s.tenant_topics and (rate is not None or burst is not None):
             common.err.print(
                 "note: quotas apply only with ALMA_TENANT_TOPICS=true on the workers "
                 "(docs/operations.md, 'Tenants')",

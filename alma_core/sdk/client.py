@@ -30,6 +30,7 @@ from alma_core.sdk.replies import ReplyListener
 from alma_core.sdk.waiter import Applied, EffectWaiter
 from alma_core.settings import Settings
 from alma_core.storage import reducer_configs
+from alma_core.storage import tenant_settings as tenants
 from alma_core.storage.embeddings import TextEmbedder, embedder_for
 from alma_core.storage.graphs import GraphReader
 from alma_core.storage.inflight import InFlight
@@ -194,6 +195,26 @@ class AlmaClient:
             raise errors.ContextError("register_reducers needs tenant_id and workflow_id")
         await reducer_configs.add_fields(
             await self.reads.pool(), ctx.tenant_id, ctx.workflow_id, fields
+        )
+
+    async def tenant_settings(self, tenant_id: str) -> tenants.TenantSettings:
+        """``tenant_id``'s own settings (a None field: the global value), as `alma
+        tenants show` reads them."""
+        return await tenants.load(await self.reads.pool(), tenant_id)
+
+    async def set_tenant_settings(
+        self,
+        tenant_id: str,
+        *,
+        rate_per_s: float | None = None,
+        burst: int | None = None,
+        learner: bool | None = None,
+    ) -> tenants.TenantSettings:
+        """Set every one of ``tenant_id``'s own settings (None: the global value; all
+        None: back to the global settings), as `alma tenants set` does. The workers
+        apply them within ``tenants.REFRESH_S`` seconds, without a restart."""
+        return await tenants.store(
+            await self.reads.pool(), tenant_id, rate_per_s=rate_per_s, burst=burst, learner=learner
         )
 
     async def resume(self, ctx: WorkflowContext) -> ResumePoint:

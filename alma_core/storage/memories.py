@@ -29,7 +29,7 @@ from alma_core.learning import LearningPolicy, OutcomeDraft
 from alma_core.schemas.decoder import Rejection
 from alma_core.schemas.events import ArtifactRef, WorkflowCompleted
 from alma_core.sequencing import Coordinates
-from alma_core.storage import retention
+from alma_core.storage import retention, tenant_settings
 from alma_core.storage.batches import Batch, BatchStore, Effects, guarded
 from alma_core.storage.dead_letters import dead_letter_for
 from alma_core.storage.embeddings import Vector, vector_literal
@@ -53,6 +53,7 @@ class Prepared:
     vectors: dict[str, Vector]
     artifacts: list[ArtifactRef]
     cleanup: bool
+    learn: bool = True  # False: its tenant's learner is off (no outcome, no memory)
 
 
 @dataclass
@@ -64,7 +65,9 @@ class LearnEffects(Effects):
     duplicates: int = 0
     memories: Counter[str] = field(default_factory=Counter)
     checkpoints_removed: int = 0
-    by_event: dict[str, str] = field(default_factory=dict)  # outcome event id: learned, duplicate
+    not_learned: int = 0  # completions of tenants whose learner is off
+    # outcome event id: learned, duplicate, not_learned
+    by_event: dict[str, str] = field(default_factory=dict)
 
     def span_attributes(self) -> dict[str, dict[str, Any]]:
         out = {eid: {"alma.outcome": what} for eid, what in self.by_event.items()}
@@ -160,6 +163,11 @@ class PostgresLearnStore(BatchStore[dict[Coordinates, Prepared], LearnEffects, N
 
         return {(r["t"], r["e"]) for r in await guarded("reading known outcomes", read())}
 
+    async def not_learning(self) -> frozenset[str]:
+        """The tenants whose learner is off (``alma tenants set T --learner off``)."""
+        rows = await guarded("reading tenants' settings", tenant_settings.load_all(self.pool))
+        return tenant_settings.not_learning(rows)
+
     # -- the transaction ----------------------------------------------------------
 
     async def write(
@@ -175,6 +183,7 @@ class PostgresLearnStore(BatchStore[dict[Coordinates, Prepared], LearnEffects, N
         effects = LearnEffects()
         now = datetime.now(UTC)
         offered: list[Prepared] = []
+        passed_by: list[Prepared] = []
         for records in fresh.values():
             for record in records:
                 decoded = record.decoded
@@ -187,8 +196,14 @@ class PostgresLearnStore(BatchStore[dict[Coordinates, Prepared], LearnEffects, N
                 effects.by_event[decoded.event_id] = "duplicate"
                 if item is None:
                     effects.duplicates += 1
-                    continue
-                offered.append(item)
+                elif not item.learn:
+                    effects.by_event[decoded.event_id] = "not_learned"
+                    effects.not_learned += 1
+                    passed_by.append(item)
+                else:
+                    offered.append(item)
+        # a tenant's learner off: nothing of the run stored, but the cleanup it asked for
+        await self._cleanup(conn, [i for i in passed_by if i.cleanup], effects)
         stored = await self._insert_outcomes(conn, offered, now)
         effects.duplicates += len(offered) - len(stored)
         for item in stored:
@@ -398,5 +413,5 @@ class PostgresLearnStore(BatchStore[dict[Coordinates, Prepared], LearnEffects, N
         if not items:
             return
         runs = [(i.draft.run.tenant_id, i.draft.run.run_id) for i in items]
-        effects.checkpoints_removed = await retention.delete_checkpoints(conn, runs)
-        effects.cache_forgets = runs
+        effects.checkpoints_removed += await retention.delete_checkpoints(conn, runs)
+        effects.cache_forgets = [*effects.cache_forgets, *runs]

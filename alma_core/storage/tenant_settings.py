@@ -1,7 +1,8 @@
 """Per-tenant settings (table ``tenant_settings``): a tenant's own rate quota where it
-differs from the global ALMA_TENANT_RATE / ALMA_TENANT_BURST (a NULL column: the global
-value). Written by ``alma tenants set``; read by the checkpointer every
-:data:`REFRESH_S` seconds, so a change takes effect without a restart."""
+differs from the global ALMA_TENANT_RATE / ALMA_TENANT_BURST, and whether the learner
+learns from its runs (a NULL column: the global value). Written by ``alma tenants
+set``; read by the checkpointer (quotas) and the learner every :data:`REFRESH_S`
+seconds, so a change takes effect without a restart."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class TenantSettings:
     tenant_id: str
     rate_per_s: float | None = None
     burst: int | None = None
+    learner: bool | None = None  # None: the global setting (on)
     updated_at: datetime | None = None
 
     def quota(self, default: Quota) -> Quota:
@@ -29,8 +31,13 @@ class TenantSettings:
             default.burst if self.burst is None else self.burst,
         )
 
+    @property
+    def learns(self) -> bool:
+        """Whether the learner learns from this tenant's finished runs."""
+        return self.learner is not False
 
-_COLUMNS = "tenant_id, rate_per_s, burst, updated_at"
+
+_COLUMNS = "tenant_id, rate_per_s, burst, learner, updated_at"
 
 
 async def load_all(conn: asyncpg.Connection | asyncpg.Pool) -> list[TenantSettings]:
@@ -52,23 +59,30 @@ async def store(
     *,
     rate_per_s: float | None,
     burst: int | None,
+    learner: bool | None = None,
 ) -> TenantSettings:
     """Set ``tenant_id``'s own values (None: the global one); all None removes its row."""
-    if rate_per_s is None and burst is None:
+    if rate_per_s is None and burst is None and learner is None:
         await conn.execute("DELETE FROM tenant_settings WHERE tenant_id = $1", tenant_id)
         return TenantSettings(tenant_id)
     row = await conn.fetchrow(
-        f"""INSERT INTO tenant_settings (tenant_id, rate_per_s, burst)
-            VALUES ($1, $2, $3)
+        f"""INSERT INTO tenant_settings (tenant_id, rate_per_s, burst, learner)
+            VALUES ($1, $2, $3, $4)
             ON CONFLICT (tenant_id) DO UPDATE
-               SET rate_per_s = $2, burst = $3, updated_at = now()
+               SET rate_per_s = $2, burst = $3, learner = $4, updated_at = now()
             RETURNING {_COLUMNS}""",
         tenant_id,
         rate_per_s,
         burst,
+        learner,
     )
     return TenantSettings(**dict(row))
 
 
 def quotas(rows: list[TenantSettings], default: Quota) -> dict[str, Quota]:
     return {r.tenant_id: r.quota(default) for r in rows}
+
+
+def not_learning(rows: list[TenantSettings]) -> frozenset[str]:
+    """The tenants whose runs the learner passes by."""
+    return frozenset(r.tenant_id for r in rows if not r.learns)

@@ -16,8 +16,9 @@ import pytest
 from alma_core import errors
 from alma_core.consumers.worker import Services, run_worker
 from alma_core.memory import ArtifactLink
+from alma_core.sdk.client import AlmaClient
 from alma_core.settings import RetentionPolicy, Settings
-from alma_core.storage import retention
+from alma_core.storage import retention, tenant_settings
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.storage.postgres import connect
 from alma_core.storage.retrieval import Retriever
@@ -200,6 +201,62 @@ async def test_cleanup_after_learning_and_retention_of_closed_runs_only(
     assert again.runs == 0
     left = {r["run_id"] for r in await fetch(dsn, "SELECT DISTINCT run_id FROM checkpoints")}
     assert left == {"old-open", "recent-closed"}, "an open run is never pruned, however old"
+
+
+async def test_a_tenant_whose_learner_is_off_is_passed_by_until_it_is_on_again(
+    settings: Settings, embedder: AsyncEmbedder
+) -> None:
+    """`alma tenants set quiet --learner off`: the learner stores no outcome and no memory
+    of quiet's runs (embeds nothing of them) but does the cleanup they ask for, while
+    acme's runs are learned; turned back on, quiet's next run is learned, without a
+    restart (within tenant_settings.REFRESH_S)."""
+    dsn = settings.postgres_dsn
+    assert dsn
+    async with AlmaClient(settings) as client:
+        await client.set_tenant_settings("quiet", learner=False)  # `alma tenants set`'s SDK
+        async with Worker.start(settings, ("checkpointer", "learner"), embedder) as worker:
+            await publish(
+                settings,
+                run_events("q-1", tenant="quiet", cleanup_checkpoints=True)
+                + run_events("q-2", tenant="quiet", fail_at="parse", message="bad tag")
+                + run_events("a-1"),
+            )
+
+            async def passed_by() -> bool:
+                return worker.value("alma_outcomes_total", {"result": "not_learned"}) == 2
+
+            await wait_for(passed_by, limit_s=60, what="quiet's two completions passed by")
+            await wait_for(
+                lambda: count(
+                    dsn, "SELECT count(*) FROM workflow_outcomes WHERE tenant_id = 'acme'"
+                ),
+                limit_s=60,
+                what="acme's outcome",
+            )
+            for table in ("workflow_outcomes", "memories"):
+                quiet = f"SELECT count(*) FROM {table} WHERE tenant_id = 'quiet'"
+                assert await count(dsn, quiet) == 0, table
+            checkpoints = (
+                "SELECT count(*) FROM checkpoints WHERE tenant_id = 'quiet' AND run_id = $1"
+            )
+            assert await count(dsn, checkpoints, "q-1") == 0  # the cleanup it asked for
+            assert await count(dsn, checkpoints, "q-2") > 0  # no cleanup asked: kept
+            assert worker.value("alma_outcomes_total", {"result": "stored"}) == 1
+
+            assert (await client.tenant_settings("quiet")).learner is False
+            await client.set_tenant_settings("quiet")  # back to the global: on
+            await asyncio.sleep(tenant_settings.REFRESH_S)  # the time it takes, stated
+            await publish(settings, run_events("q-3", tenant="quiet"))
+
+            async def learned() -> bool:
+                quiet = "SELECT count(*) FROM workflow_outcomes WHERE tenant_id = 'quiet'"
+                return await count(dsn, quiet) == 1
+
+            await wait_for(learned, limit_s=60, what="q-3 learned")
+        assert (await client.tenant_settings("quiet")).learns
+    rows = await fetch(dsn, "SELECT run_id FROM workflow_outcomes WHERE tenant_id = 'quiet'")
+    assert [r["run_id"] for r in rows] == ["q-3"]
+    assert worker.value("alma_outcomes_total", {"result": "not_learned"}) == 2
 
 
 async def test_embedding_dimension_mismatch_is_a_clear_start_up_error(

@@ -132,18 +132,33 @@ def test_alma_tenants_sets_shows_lists_and_resets(settings: Settings) -> None:
     assert burst_only.returncode == 0, burst_only.stderr
     shown = json.loads(alma("tenants", "show", "acme", env=env).stdout)
     assert (shown["rate_per_s"], shown["burst"]) == (10, 30)
-    assert shown["own"] == {"rate_per_s": 10, "burst": 30}
+    assert shown["own"] == {"rate_per_s": 10, "burst": 30, "learner": None}
+    assert shown["learner"] is True  # the global default
+    off = alma("tenants", "set", "acme", "--learner", "off", env=env)  # the quota kept
+    assert off.returncode == 0, off.stderr
+    assert "learner off;" in off.stdout
+    assert "ALMA_TENANT_TOPICS" not in off.stderr  # no quota given: nothing to warn of
+    shown = json.loads(alma("tenants", "show", "acme", env=env).stdout)
+    assert shown["own"] == {"rate_per_s": 10, "burst": 30, "learner": False}
+    assert shown["learner"] is False
+    table = alma("tenants", "list", env=env | {"COLUMNS": "200"})
+    assert table.returncode == 0, table.stderr
+    (acme,) = [line for line in table.stdout.splitlines() if "acme" in line]
+    assert "off" in acme
+    wrong = alma("tenants", "set", "acme", "--learner", "maybe", env=env)
+    assert wrong.returncode == 2
+    assert "--learner takes on, off or global (got 'maybe')" in wrong.stderr
     other = json.loads(alma("tenants", "show", "globex", env=env).stdout)
     assert (other["rate_per_s"], other["burst"], other["own"]["rate_per_s"]) == (100, 100, None)
     listed = json.loads(alma("tenants", "list", "--json", env=env).stdout)
     assert [d["tenant_id"] for d in listed] == ["acme"]
     assert alma("tenants", "set", "acme", "--reset", env=env).returncode == 0
     reset = json.loads(alma("tenants", "show", "acme", env=env).stdout)
-    assert reset["own"] == {"rate_per_s": None, "burst": None}
+    assert reset["own"] == {"rate_per_s": None, "burst": None, "learner": None}
     assert reset["rate_per_s"] == 100
     nothing = alma("tenants", "set", "acme", env=env)
     assert nothing.returncode == 2
-    assert "pass --rate, --burst or --reset" in nothing.stderr
+    assert "pass --rate, --burst, --learner or --reset" in nothing.stderr
     negative = alma("tenants", "set", "acme", "--rate", "-1", env=env)
     assert negative.returncode == 2
     without_topics = alma(
