@@ -30,18 +30,6 @@ def alma(
 
 
 @pytest.mark.slow
-def test_up_check_starts_and_stops_the_embedded_stack(tmp_path: Path) -> None:
-    result = alma("up", "--check", "--partitions", "3", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "ALMA Stream is up" in result.stdout
-    assert "3 partitions" in result.stdout
-    assert "stopped" in result.stdout
-    assert (tmp_path / ".alma" / "postgres" / "PG_VERSION").exists()
-    assert not (tmp_path / ".alma" / "endpoints.json").exists()
-    # a second start on the same data directory: test_newcomer.py (`alma up` after `alma demo`)
-
-
-@pytest.mark.slow
 def test_up_with_configured_services_starts_none(
     services: Services, database: str, topics: Topics, tmp_path: Path
 ) -> None:

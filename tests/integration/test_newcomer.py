@@ -4,12 +4,12 @@ extras (tests/installed.py), nothing of the checkout importable. `alma demo` in 
 project directory (its own stack, stopped at the end, as `make demo` does; every
 feature it shows checked in its summary) while another program holds the default
 /metrics port; its closing hint followed as printed (`alma up` there), a second stack
-beside it (`alma up --check` elsewhere); then, from an application's directory that has
-its own `schemas` and `consumers` packages, with no `ALMA_*` variable and every output
-piped, each read command of the CLI, the README's shell commands and its Python
-snippets (which find the running stack through the per-user registry), the
-application's modules still its own; at last, with the stack stopped, the error that
-says where it looked."""
+beside it (`alma up --check --partitions 3` elsewhere, started and stopped); then, from
+an application's directory that has its own `schemas` and `consumers` packages, with no
+`ALMA_*` variable and every output piped, each read command of the CLI, the README's
+shell commands and its Python snippets (which find the running stack through the
+per-user registry), the application's modules still its own; at last, with the stack
+stopped, the error that says where it looked."""
 
 from __future__ import annotations
 
@@ -134,10 +134,17 @@ async def test_a_newcomers_first_hour(tmp_path: Path, laptop: Installed) -> None
         endpoints: dict[str, Any] = await up.start()
         try:
             assert f":{DEFAULT_METRICS_PORT}/" not in endpoints["metrics_url"]
-            # a second stack on this machine, beside the first: every port its own
-            beside = await asyncio.to_thread(alma, laptop, "up", "--check", cwd=second)
+            # a second stack on this machine, beside the first: every port its own; its
+            # own data directory, its own partition count, nothing of it left running
+            beside = await asyncio.to_thread(
+                alma, laptop, "up", "--check", "--partitions", "3", cwd=second
+            )
             assert beside.returncode == 0, beside.stderr[-3000:]
             assert "ALMA Stream is up" in beside.stdout
+            assert "3 partitions" in beside.stdout
+            assert "stopped" in beside.stdout
+            assert (second / ".alma" / "postgres" / "PG_VERSION").exists()
+            assert not (second / ".alma" / "endpoints.json").exists()
             (metrics,) = re.findall(r"metrics: (\S+/metrics)", beside.stdout)
             assert metrics != endpoints["metrics_url"]
             await walk_from_elsewhere(laptop, elsewhere, endpoints)
