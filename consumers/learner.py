@@ -164,7 +164,7 @@ class LearnHandler(StoreHandler[dict[Coordinates, Prepared], LearnEffects]):
 
     async def idle(self) -> None:
         await super().idle()
-        if not self.retention.active or self.prune_every_s <= 0:
+        if self.prune_every_s <= 0:  # a tenant's own retention may hold with no global one
             return
         if not self._behind and time.monotonic() - self._last_prune < self.prune_every_s:
             return

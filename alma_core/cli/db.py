@@ -149,9 +149,6 @@ def prune(
         outcome_memory_retention_days=outcome_memories_days,
         superseded_retention_days=superseded_days,
     )
-    if not s.retention.active:
-        common.err.print("nothing to prune: every retention is 0 (keep forever)")
-        raise typer.Exit(0)
 
     async def main() -> retention.PruneResult:
         async with connect(common.dsn(s), max_size=1) as pool:
@@ -163,6 +160,12 @@ def prune(
         return result
 
     result = common.run(main)
+    if not s.retention.active and not result.runs:
+        common.err.print(
+            "nothing to prune: every retention is 0 (keep forever), and no tenant's own "
+            "checkpoint retention (`alma tenants set T --checkpoint-retention-days D`) was due"
+        )
+        raise typer.Exit(0)
     table = Table("table", "rows deleted")
     for name, n in result.rows().items():
         table.add_row(name, str(n))

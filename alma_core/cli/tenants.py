@@ -1,7 +1,8 @@
 """``alma tenants``: each tenant's own settings (its rate quota, where it differs from
-the global ALMA_TENANT_RATE / ALMA_TENANT_BURST; the learner on or off). The
-checkpointer and the learner read them every few seconds
-(:data:`alma_core.storage.tenant_settings.REFRESH_S`): no restart."""
+the global ALMA_TENANT_RATE / ALMA_TENANT_BURST; the learner on or off; its checkpoint
+retention). The checkpointer and the learner read them every few seconds
+(:data:`alma_core.storage.tenant_settings.REFRESH_S`), each pruning round at its
+start: no restart."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from alma_core.settings import Settings
 from alma_core.storage import runs, tenant_settings
 from alma_core.storage.tenant_settings import TenantSettings
 
-tenants_app = common.app(help="Tenants' own settings (rate quotas, the learner).")
+tenants_app = common.app(
+    help="Tenants' own settings (rate quotas, the learner, checkpoint retention)."
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -31,7 +34,15 @@ def _doc(row: TenantSettings, s: Settings) -> dict[str, Any]:
         "rate_per_s": quota.rate or None,  # None: no limit
         "burst": (quota.burst or quota.rate or None) if quota.limited else None,
         "learner": row.learns,
-        "own": {"rate_per_s": row.rate_per_s, "burst": row.burst, "learner": row.learner},
+        "checkpoint_retention_days": s.checkpoint_retention_days
+        if row.checkpoint_retention_days is None
+        else row.checkpoint_retention_days,  # 0: forever
+        "own": {
+            "rate_per_s": row.rate_per_s,
+            "burst": row.burst,
+            "learner": row.learner,
+            "checkpoint_retention_days": row.checkpoint_retention_days,
+        },
         "updated_at": row.updated_at.isoformat() if row.updated_at else None,
     }
 
@@ -43,6 +54,11 @@ def _shown(value: float | int | None, own: float | int | None) -> str:
 
 def _learner(learns: bool, own: bool | None) -> str:
     text = "on" if learns else "off"
+    return text if own is not None else f"{text} (global)"
+
+
+def _days(days: float, own: float | None) -> str:
+    text = "forever" if days == 0 else f"{days:g} days"
     return text if own is not None else f"{text} (global)"
 
 
@@ -63,7 +79,7 @@ def tenants_list(as_json: bool = common.json_option("the tenants")) -> None:
             print(json.dumps(docs))
             return
         table = Table(title="tenants")
-        for col in ("tenant", "rate (events/s)", "burst", "learner"):
+        for col in ("tenant", "rate (events/s)", "burst", "learner", "checkpoints kept"):
             table.add_column(col)
         for d in docs:
             table.add_row(
@@ -71,6 +87,7 @@ def tenants_list(as_json: bool = common.json_option("the tenants")) -> None:
                 _shown(d["rate_per_s"], d["own"]["rate_per_s"]),
                 _shown(d["burst"], d["own"]["burst"]),
                 _learner(d["learner"], d["own"]["learner"]),
+                _days(d["checkpoint_retention_days"], d["own"]["checkpoint_retention_days"]),
             )
         common.out.print(table)
 
@@ -110,16 +127,28 @@ def tenants_set(
         help="on: learn from the tenant's finished runs (the default); off: store no "
         "outcome or memory of them, embed nothing; global: back to the default.",
     ),
+    checkpoint_days: float = typer.Option(
+        None,
+        "--checkpoint-retention-days",
+        min=0,
+        help="Days the checkpoints of the tenant's closed runs are kept (0: forever), "
+        "instead of ALMA_CHECKPOINT_RETENTION_DAYS.",
+    ),
     reset: bool = typer.Option(False, "--reset", help="Back to the global settings."),
 ) -> None:
     """Set a tenant's own rate quota or learner (what is not given keeps its value); in
     effect within a few seconds, without a restart. Quotas need ALMA_TENANT_TOPICS on the
     workers."""
     s = common.settings()
-    if reset and (rate is not None or burst is not None or learner is not None):
+    given = (rate, burst, learner, checkpoint_days)
+    if reset and any(value is not None for value in given):
         common.fail("--reset clears the tenant's own values: give it alone", common.USAGE)
-    if not reset and rate is None and burst is None and learner is None:
-        common.fail("nothing to set: pass --rate, --burst, --learner or --reset", common.USAGE)
+    if not reset and all(value is None for value in given):
+        common.fail(
+            "nothing to set: pass --rate, --burst, --learner, --checkpoint-retention-days "
+            "or --reset",
+            common.USAGE,
+        )
     learns = {"on": True, "off": False, "global": None}
     if learner is not None and learner not in learns:
         common.fail(f"--learner takes on, off or global (got {learner!r})", common.USAGE)
@@ -137,13 +166,22 @@ def tenants_set(
                     learner=None
                     if reset
                     else (before.learner if learner is None else learns[learner]),
+                    checkpoint_retention_days=None
+                    if reset
+                    else (
+                        before.checkpoint_retention_days
+                        if checkpoint_days is None
+                        else checkpoint_days
+                    ),
                 )
         finally:
             await conn.close()
         doc = _doc(row, s)
         common.out.print(
             f"tenant {tenant!r}: rate {_shown(doc['rate_per_s'], row.rate_per_s)}, burst "
-            f"{_shown(doc['burst'], row.burst)}, learner {_learner(row.learns, row.learner)}; "
+            f"{_shown(doc['burst'], row.burst)}, learner {_learner(row.learns, row.learner)}, "
+            "checkpoints kept "
+            f"{_days(doc['checkpoint_retention_days'], row.checkpoint_retention_days)}; "
             f"the workers apply it within {tenant_settings.REFRESH_S:g} s"
         )
         if not s.tenant_topics and (rate is not None or burst is not None):

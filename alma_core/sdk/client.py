@@ -209,12 +209,18 @@ class AlmaClient:
         rate_per_s: float | None = None,
         burst: int | None = None,
         learner: bool | None = None,
+        checkpoint_retention_days: float | None = None,
     ) -> tenants.TenantSettings:
         """Set every one of ``tenant_id``'s own settings (None: the global value; all
         None: back to the global settings), as `alma tenants set` does. The workers
         apply them within ``tenants.REFRESH_S`` seconds, without a restart."""
         return await tenants.store(
-            await self.reads.pool(), tenant_id, rate_per_s=rate_per_s, burst=burst, learner=learner
+            await self.reads.pool(),
+            tenant_id,
+            rate_per_s=rate_per_s,
+            burst=burst,
+            learner=learner,
+            checkpoint_retention_days=checkpoint_retention_days,
         )
 
     async def resume(self, ctx: WorkflowContext) -> ResumePoint:

@@ -13,6 +13,10 @@ Lifetimes (days; 0 keeps forever; :class:`RetentionPolicy`, from the settings):
   --apply``) age out by the time they were replaced, and go with their run's
   checkpoints in any case.
 
+A tenant may keep its closed runs' checkpoints for a time of its own (``alma tenants
+set T --checkpoint-retention-days D``, table ``tenant_settings``; 0: forever), read by
+each round: the checkpoints step then runs even where the global lifetime is 0.
+
 A run without its completion is never pruned, however old. Once a step touched a
 run, the run takes no more events (:class:`errors.RunPruned`): an event replayed
 after its inbox row was deleted is refused, never applied again. That holds while
@@ -94,18 +98,35 @@ async def prune(
     """Every step the policy sets, each at most ``max_batches`` batches of ``batch_runs``
     runs (or rows) per call; ``more`` says a step had work left."""
     result = PruneResult()
-    steps: list[tuple[float, Step]] = [
-        (policy.checkpoints_days, _checkpoints_batch),
-        (policy.events_days, _events_batch),
-        (policy.runs_days, _runs_batch),
-        (policy.dead_letters_days, _dead_letters_batch),
-        (policy.outcome_memories_days, _outcome_memories_batch),
-        (policy.superseded_days, _superseded_batch),
+    # a tenant's own checkpoint lifetime holds where the global one is 0 (forever) too
+    checkpoints = policy.checkpoints_days > 0 or await _tenants_keep_checkpoints_less(pool)
+    steps: list[tuple[float, Step, bool]] = [
+        (policy.checkpoints_days, _checkpoints_batch, checkpoints),
+        (policy.events_days, _events_batch, False),
+        (policy.runs_days, _runs_batch, False),
+        (policy.dead_letters_days, _dead_letters_batch, False),
+        (policy.outcome_memories_days, _outcome_memories_batch, False),
+        (policy.superseded_days, _superseded_batch, False),
     ]
-    for days, step in steps:
-        if days > 0:
+    for days, step, anyway in steps:
+        if days > 0 or anyway:
             await _batches(pool, step, days, batch_runs, max_batches, result)
     return result
+
+
+async def _tenants_keep_checkpoints_less(pool: asyncpg.Pool) -> bool:
+    """Whether a tenant keeps its checkpoints for a time of its own (not forever)."""
+    try:
+        return bool(
+            await pool.fetchval(
+                """SELECT EXISTS (SELECT 1 FROM tenant_settings
+                                  WHERE checkpoint_retention_days > 0)"""
+            )
+        )
+    except Exception as exc:
+        if is_storage_failure(exc):
+            raise storage_error(exc, "reading tenants' retention") from exc
+        raise
 
 
 # -- steps: each one batch in the caller's transaction; False when nothing was left --
@@ -129,17 +150,24 @@ async def _batches(
         raise
 
 
-async def _closed_runs(conn: asyncpg.Connection, unpruned: str, age_s: float, n: int) -> RunKeys:
-    """Up to ``n`` runs completed more than ``age_s`` ago whose ``unpruned`` column is
-    NULL, oldest first, locked (skipping runs someone else holds)."""
+async def _closed_runs(
+    conn: asyncpg.Connection, unpruned: str, age_s: float, n: int, *, own: str | None = None
+) -> RunKeys:
+    """Up to ``n`` runs completed more than ``age_s`` ago (0: never) whose ``unpruned``
+    column is NULL, oldest first, locked (skipping runs someone else holds). ``own``:
+    the ``tenant_settings`` column of days that, where a tenant set it, replaces
+    ``age_s`` for its runs (0: never)."""
+    lifetime = "$1" if own is None else f"coalesce(ts.{own} * 86400.0, $1)"
+    tenants = "" if own is None else "LEFT JOIN tenant_settings ts ON ts.tenant_id = runs.tenant_id"
     rows = await conn.fetch(
-        f"""SELECT tenant_id, run_id FROM runs
+        f"""SELECT runs.tenant_id, runs.run_id FROM runs {tenants}
             WHERE completed_at IS NOT NULL AND {unpruned} IS NULL
-              AND completed_at < now() - make_interval(secs => $1)
+              AND {lifetime} > 0
+              AND completed_at < now() - make_interval(secs => {lifetime})
               AND NOT EXISTS (SELECT 1 FROM graph_checkpoints g
                               WHERE g.tenant_id = runs.tenant_id AND g.thread_id = runs.run_id)
             ORDER BY completed_at LIMIT $2
-            FOR UPDATE SKIP LOCKED""",
+            FOR UPDATE OF runs SKIP LOCKED""",
         age_s,
         n,
     )
@@ -172,7 +200,9 @@ async def _delete_of_runs(conn: asyncpg.Connection, table: str, key: str, runs: 
 async def _checkpoints_batch(
     conn: asyncpg.Connection, age_s: float, n: int, result: PruneResult
 ) -> bool:
-    runs = await _closed_runs(conn, "checkpoints_pruned_at", age_s, n)
+    runs = await _closed_runs(
+        conn, "checkpoints_pruned_at", age_s, n, own="checkpoint_retention_days"
+    )
     if not runs:
         return False
     result.checkpoints += await delete_checkpoints(conn, runs)

@@ -1,8 +1,9 @@
 """Per-tenant settings (table ``tenant_settings``): a tenant's own rate quota where it
-differs from the global ALMA_TENANT_RATE / ALMA_TENANT_BURST, and whether the learner
-learns from its runs (a NULL column: the global value). Written by ``alma tenants
-set``; read by the checkpointer (quotas) and the learner every :data:`REFRESH_S`
-seconds, so a change takes effect without a restart."""
+differs from the global ALMA_TENANT_RATE / ALMA_TENANT_BURST, whether the learner
+learns from its runs, and how long its closed runs' checkpoints are kept (a NULL
+column: the global value). Written by ``alma tenants set``; read by the checkpointer
+(quotas) and the learner every :data:`REFRESH_S` seconds, and by each pruning round
+(:mod:`alma_core.storage.retention`), so a change takes effect without a restart."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class TenantSettings:
     rate_per_s: float | None = None
     burst: int | None = None
     learner: bool | None = None  # None: the global setting (on)
+    checkpoint_retention_days: float | None = None  # 0: forever
     updated_at: datetime | None = None
 
     def quota(self, default: Quota) -> Quota:
@@ -37,7 +39,7 @@ class TenantSettings:
         return self.learner is not False
 
 
-_COLUMNS = "tenant_id, rate_per_s, burst, learner, updated_at"
+_COLUMNS = "tenant_id, rate_per_s, burst, learner, checkpoint_retention_days, updated_at"
 
 
 async def load_all(conn: asyncpg.Connection | asyncpg.Pool) -> list[TenantSettings]:
@@ -60,21 +62,23 @@ async def store(
     rate_per_s: float | None,
     burst: int | None,
     learner: bool | None = None,
+    checkpoint_retention_days: float | None = None,
 ) -> TenantSettings:
     """Set ``tenant_id``'s own values (None: the global one); all None removes its row."""
-    if rate_per_s is None and burst is None and learner is None:
+    own = (rate_per_s, burst, learner, checkpoint_retention_days)
+    if all(value is None for value in own):
         await conn.execute("DELETE FROM tenant_settings WHERE tenant_id = $1", tenant_id)
         return TenantSettings(tenant_id)
     row = await conn.fetchrow(
-        f"""INSERT INTO tenant_settings (tenant_id, rate_per_s, burst, learner)
-            VALUES ($1, $2, $3, $4)
+        f"""INSERT INTO tenant_settings
+              (tenant_id, rate_per_s, burst, learner, checkpoint_retention_days)
+            VALUES ($1, $2, $3, $4, $5)
             ON CONFLICT (tenant_id) DO UPDATE
-               SET rate_per_s = $2, burst = $3, learner = $4, updated_at = now()
+               SET rate_per_s = $2, burst = $3, learner = $4,
+                   checkpoint_retention_days = $5, updated_at = now()
             RETURNING {_COLUMNS}""",
         tenant_id,
-        rate_per_s,
-        burst,
-        learner,
+        *own,
     )
     return TenantSettings(**dict(row))
 

@@ -14,8 +14,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from alma_core.cli.topics import until_led
 from alma_core.sdk.client import AlmaClient
-from alma_core.settings import Settings
-from alma_core.storage import retention
+from alma_core.settings import RetentionPolicy, Settings
+from alma_core.storage import retention, tenant_settings
 from alma_core.storage.embeddings import AsyncEmbedder
 from alma_core.storage.postgres import connect
 from alma_core.types import WorkflowContext
@@ -172,6 +172,51 @@ async def test_closed_runs_are_pruned_in_steps_and_a_replay_has_no_effect(
     # what learning is made of stays: outcomes, and memories other than node outcomes
     assert await count(dsn, "SELECT count(*) FROM workflow_outcomes") == 3
     assert await count(dsn, "SELECT count(*) FROM memories WHERE kind = 'outcome'") == 0
+
+
+async def test_a_tenants_own_checkpoint_retention_holds_beside_the_global_one(
+    settings: Settings,
+) -> None:
+    """`alma tenants set T --checkpoint-retention-days D`: acme keeps its closed runs'
+    checkpoints 5 days while the global lifetime is 30, globex forever (0) whatever the
+    global one, and initech's own 5 days hold where no global lifetime is set at all."""
+    dsn = settings.postgres_dsn or ""
+    tenants = ("acme", "globex", "initech")
+    docs: list[dict[str, Any]] = []
+    for tenant in tenants:
+        docs += [
+            completed("r", tenant=tenant, node="start", updates={"n": 1}),
+            finish("r", tenant=tenant),
+        ]
+    async with Worker.start(settings, ("checkpointer",)):
+        await send_all(settings, docs)
+
+        async def closed() -> bool:
+            done = "SELECT count(*) FROM runs WHERE completed_at IS NOT NULL"
+            return await count(dsn, done) == len(tenants)
+
+        await wait_for(closed, what="three closed runs")
+    kept = "SELECT tenant_id FROM checkpoints ORDER BY tenant_id"
+    async with connect(dsn) as pool:
+        await pool.execute("UPDATE runs SET completed_at = now() - interval '10 days'")
+        await tenant_settings.store(
+            pool, "acme", rate_per_s=None, burst=None, checkpoint_retention_days=5
+        )
+        await tenant_settings.store(
+            pool, "globex", rate_per_s=None, burst=None, checkpoint_retention_days=0
+        )
+        first = await retention.prune(pool, RetentionPolicy(checkpoints_days=30))
+        assert (first.runs, first.pruned) == (1, [("acme", "r")])
+        assert [r["tenant_id"] for r in await fetch(dsn, kept)] == ["globex", "initech"]
+        # no global lifetime (0: forever): the tenants' own still hold
+        await tenant_settings.store(
+            pool, "initech", rate_per_s=None, burst=None, checkpoint_retention_days=5
+        )
+        second = await retention.prune(pool, RetentionPolicy())
+        assert second.pruned == [("initech", "r")]
+        third = await retention.prune(pool, RetentionPolicy(checkpoints_days=1))
+        assert third.runs == 0  # globex: forever, whatever the global lifetime
+    assert [r["tenant_id"] for r in await fetch(dsn, kept)] == ["globex"]
 
 
 async def test_pruning_skips_a_run_the_checkpointer_holds(settings: Settings) -> None:

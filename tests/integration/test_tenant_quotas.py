@@ -124,7 +124,11 @@ async def test_a_tenant_over_its_quota_waits_alone_and_loses_nothing(
 
 
 def test_alma_tenants_sets_shows_lists_and_resets(settings: Settings) -> None:
-    env = env_of(settings) | {"ALMA_TENANT_TOPICS": "true", "ALMA_TENANT_RATE": "100"}
+    env = env_of(settings) | {
+        "ALMA_TENANT_TOPICS": "true",
+        "ALMA_TENANT_RATE": "100",
+        "ALMA_CHECKPOINT_RETENTION_DAYS": "30",
+    }
     saved = alma("tenants", "set", "acme", "--rate", "10", "--burst", "20", env=env)
     assert saved.returncode == 0, saved.stderr
     assert "rate 10, burst 20" in saved.stdout
@@ -132,19 +136,33 @@ def test_alma_tenants_sets_shows_lists_and_resets(settings: Settings) -> None:
     assert burst_only.returncode == 0, burst_only.stderr
     shown = json.loads(alma("tenants", "show", "acme", env=env).stdout)
     assert (shown["rate_per_s"], shown["burst"]) == (10, 30)
-    assert shown["own"] == {"rate_per_s": 10, "burst": 30, "learner": None}
+    assert shown["own"] == {
+        "rate_per_s": 10,
+        "burst": 30,
+        "learner": None,
+        "checkpoint_retention_days": None,
+    }
     assert shown["learner"] is True  # the global default
-    off = alma("tenants", "set", "acme", "--learner", "off", env=env)  # the quota kept
+    assert shown["checkpoint_retention_days"] == 30  # ALMA_CHECKPOINT_RETENTION_DAYS
+    off = alma(  # the quota kept
+        "tenants", "set", "acme", "--learner", "off", "--checkpoint-retention-days", "0", env=env
+    )
     assert off.returncode == 0, off.stderr
-    assert "learner off;" in off.stdout
+    assert "learner off," in off.stdout
     assert "ALMA_TENANT_TOPICS" not in off.stderr  # no quota given: nothing to warn of
     shown = json.loads(alma("tenants", "show", "acme", env=env).stdout)
-    assert shown["own"] == {"rate_per_s": 10, "burst": 30, "learner": False}
-    assert shown["learner"] is False
+    assert shown["own"] == {
+        "rate_per_s": 10,
+        "burst": 30,
+        "learner": False,
+        "checkpoint_retention_days": 0,
+    }
+    assert (shown["learner"], shown["checkpoint_retention_days"]) == (False, 0)
     table = alma("tenants", "list", env=env | {"COLUMNS": "200"})
     assert table.returncode == 0, table.stderr
     (acme,) = [line for line in table.stdout.splitlines() if "acme" in line]
     assert "off" in acme
+    assert "forever" in acme
     wrong = alma("tenants", "set", "acme", "--learner", "maybe", env=env)
     assert wrong.returncode == 2
     assert "--learner takes on, off or global (got 'maybe')" in wrong.stderr
@@ -154,11 +172,13 @@ def test_alma_tenants_sets_shows_lists_and_resets(settings: Settings) -> None:
     assert [d["tenant_id"] for d in listed] == ["acme"]
     assert alma("tenants", "set", "acme", "--reset", env=env).returncode == 0
     reset = json.loads(alma("tenants", "show", "acme", env=env).stdout)
-    assert reset["own"] == {"rate_per_s": None, "burst": None, "learner": None}
+    assert set(reset["own"].values()) == {None}
     assert reset["rate_per_s"] == 100
     nothing = alma("tenants", "set", "acme", env=env)
     assert nothing.returncode == 2
-    assert "pass --rate, --burst, --learner or --reset" in nothing.stderr
+    assert "pass --rate, --burst, --learner, --checkpoint-retention-days or --reset" in (
+        nothing.stderr
+    )
     negative = alma("tenants", "set", "acme", "--rate", "-1", env=env)
     assert negative.returncode == 2
     without_topics = alma(
