@@ -5,10 +5,11 @@ Per polled batch (gathered for up to ``ALMA_EMBED_MAX_WAIT_MS``): read the runs'
 histories, draft what to learn (:mod:`alma_core.learning`), embed every text in
 batches off the event loop, then apply one transaction. Join requests on the same
 topic are the joiner's; the learner only moves its offsets past them. When idle,
-it publishes leftover outbox rows and, if a retention is set, prunes the
-checkpoints of runs completed long ago. A tenant whose learner is off (``alma tenants
-set T --learner off``, read every :data:`tenant_settings.REFRESH_S` seconds) is passed
-by: nothing of its runs drafted, embedded or stored.
+it publishes leftover outbox rows and prunes what outlived its retention (the global
+lifetimes, and a tenant's own checkpoint retention: :mod:`alma_core.storage.retention`).
+A tenant whose learner is off (``alma tenants set T --learner off``, read every
+:data:`tenant_settings.REFRESH_S` seconds) is passed by: nothing of its runs drafted,
+embedded or stored.
 """
 
 from __future__ import annotations

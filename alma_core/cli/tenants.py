@@ -136,9 +136,9 @@ def tenants_set(
     ),
     reset: bool = typer.Option(False, "--reset", help="Back to the global settings."),
 ) -> None:
-    """Set a tenant's own rate quota or learner (what is not given keeps its value); in
-    effect within a few seconds, without a restart. Quotas need ALMA_TENANT_TOPICS on the
-    workers."""
+    """Set a tenant's own rate quota, learner or checkpoint retention (what is not given
+    keeps its value); in effect within a few seconds (retention: at the next pruning
+    round), without a restart. Quotas need ALMA_TENANT_TOPICS on the workers."""
     s = common.settings()
     given = (rate, burst, learner, checkpoint_days)
     if reset and any(value is not None for value in given):
