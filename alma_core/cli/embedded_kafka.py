@@ -326,12 +326,6 @@ class KafkaBroker(Service):
             # nodes that the metadata log is alive; one node in one process needs none,
             # and each is a write and a wake-up of every metadata reader
             "metadata.max.idle.interval.ms": "0",
-            # A stop asks the controller (this process) to approve a controlled shutdown,
-            # which moves partition leaders to other brokers: there are none, and the
-            # approval at times took the whole 15 s grace of a stop under load (the
-            # suite's teardowns), after which the broker was killed. The log is flushed
-            # and marked clean on shutdown either way.
-            "controlled.shutdown.enable": "false",
             "log.retention.hours": "168",
         }
         if self.security is not None:
