@@ -157,7 +157,8 @@ async def _closed_runs(
     column is NULL, oldest first, locked (skipping runs someone else holds). ``own``:
     the ``tenant_settings`` column of days that, where a tenant set it, replaces
     ``age_s`` for its runs (0: never)."""
-    lifetime = "$1" if own is None else f"coalesce(ts.{own} * 86400.0, $1)"
+    # typed here: its first use (``> 0``) would make it an integer, and 1e-9 days 0
+    lifetime = "$1::float8" if own is None else f"coalesce(ts.{own} * 86400.0, $1::float8)"
     tenants = "" if own is None else "LEFT JOIN tenant_settings ts ON ts.tenant_id = runs.tenant_id"
     rows = await conn.fetch(
         f"""SELECT runs.tenant_id, runs.run_id FROM runs {tenants}
