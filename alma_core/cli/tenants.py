@@ -7,6 +7,7 @@ start: no restart."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from typing import Any
 
 import typer
@@ -98,16 +99,19 @@ def tenants_list(as_json: bool = common.json_option("the tenants")) -> None:
 def tenants_show(
     tenant: str = typer.Argument(..., help="The tenant."),
 ) -> None:
-    """A tenant's effective settings and its own values, as JSON."""
+    """A tenant's effective settings, its own values and what it holds in PostgreSQL
+    now (runs, checkpoints and their states' stored bytes, events, dead letters,
+    outcomes, memories), as JSON."""
     s = common.settings()
 
     async def main() -> None:
         conn = await common.connect(common.dsn(s))
         try:
             row = await tenant_settings.load(conn, tenant)
+            used = await tenant_settings.usage(conn, tenant)
         finally:
             await conn.close()
-        print(json.dumps(_doc(row, s)))
+        print(json.dumps(_doc(row, s) | {"usage": asdict(used)}))
 
     common.run(main)
 

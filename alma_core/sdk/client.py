@@ -202,6 +202,11 @@ class AlmaClient:
         tenants show` reads them."""
         return await tenants.load(await self.reads.pool(), tenant_id)
 
+    async def tenant_usage(self, tenant_id: str) -> tenants.TenantUsage:
+        """What ``tenant_id`` holds in PostgreSQL now, as `alma tenants show` reports it
+        (:func:`alma_core.storage.tenant_settings.usage`)."""
+        return await tenants.usage(await self.reads.pool(), tenant_id)
+
     async def set_tenant_settings(
         self,
         tenant_id: str,

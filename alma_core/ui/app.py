@@ -42,12 +42,13 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from alma_core import errors, history
+from alma_core.quotas import Quota
 from alma_core.schemas import jsoncodec
 from alma_core.sdk import dead_letters as letters
 from alma_core.sdk.client import AlmaClient
 from alma_core.sdk.timeline import Timeline
 from alma_core.settings import Settings
-from alma_core.storage import dead_letters, retrieval, runs
+from alma_core.storage import dead_letters, retrieval, runs, tenant_settings
 from alma_core.types import RetrievalScope, WorkflowContext
 from alma_core.ui import views
 
@@ -450,6 +451,24 @@ class Inspector:
                 raise HTTPException(409, exc.message) from exc
         return self.go(request, "/dead-letters", tenant=tenant, replayed=letter)
 
+    async def tenant_page(self, request: Request) -> Response:
+        """The tenant's settings in effect (its own where set, else the global ones) and
+        what it holds in PostgreSQL now."""
+        tenant = self.tenant(request)
+        pool = await self.pool()
+        own = await tenant_settings.load(pool, tenant)
+        s = self.settings
+        days = own.checkpoint_retention_days
+        return self.page(
+            request,
+            "tenant.html",
+            tenant=tenant,
+            own=own,
+            quota=own.quota(Quota(s.tenant_rate, s.tenant_burst)),
+            retention_days=s.checkpoint_retention_days if days is None else days,
+            used=await tenant_settings.usage(pool, tenant),
+        )
+
     async def memory_page(self, request: Request) -> Response:
         tenant = self.tenant(request)
         q = request.query_params
@@ -650,6 +669,7 @@ def create_app(
             Route("/dead-letters", handler("dead_letters_page")),
             Route("/dead-letters/{letter}/replay", handler("replay_letter"), methods=["POST"]),
             Route("/memory", handler("memory_page")),
+            Route("/tenant", handler("tenant_page")),
             Route("/healthz", healthz),
             Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
         ],

@@ -205,8 +205,16 @@ async def test_a_tenants_own_checkpoint_retention_holds_beside_the_global_one(
         await tenant_settings.store(
             pool, "globex", rate_per_s=None, burst=None, checkpoint_retention_days=0
         )
+        held = await tenant_settings.usage(pool, "acme")  # what `alma tenants show` says
+        assert (held.runs, held.open_runs, held.dead_letters, held.memories) == (1, 0, 0, 0)
+        assert held.checkpoints > 0
+        assert held.state_bytes > 0
+        assert held.events == 2
         first = await retention.prune(pool, RetentionPolicy(checkpoints_days=30))
         assert (first.runs, first.pruned) == (1, [("acme", "r")])
+        after = await tenant_settings.usage(pool, "acme")
+        assert (after.runs, after.checkpoints, after.state_bytes, after.events) == (1, 0, 0, 2)
+        assert await tenant_settings.usage(pool, "globex") == held  # another tenant's kept
         assert [r["tenant_id"] for r in await fetch(dsn, kept)] == ["globex", "initech"]
         # no global lifetime (0: forever): the tenants' own still hold
         await tenant_settings.store(

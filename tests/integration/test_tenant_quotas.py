@@ -144,6 +144,16 @@ def test_alma_tenants_sets_shows_lists_and_resets(settings: Settings) -> None:
     }
     assert shown["learner"] is True  # the global default
     assert shown["checkpoint_retention_days"] == 30  # ALMA_CHECKPOINT_RETENTION_DAYS
+    assert shown["usage"] == {  # nothing of acme's in this database yet
+        "runs": 0,
+        "open_runs": 0,
+        "checkpoints": 0,
+        "state_bytes": 0,
+        "events": 0,
+        "dead_letters": 0,
+        "outcomes": 0,
+        "memories": 0,
+    }
     off = alma(  # the quota kept
         "tenants", "set", "acme", "--learner", "off", "--checkpoint-retention-days", "0", env=env
     )

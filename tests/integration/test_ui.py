@@ -662,6 +662,22 @@ async def test_mounted_in_a_host_app_the_inspector_takes_the_tenant_from_a_proxy
             for other in ("/inspect/runs?tenant=beta", "/inspect/run?id=beta-mounted"):
                 assert (await http.get(other, headers=acme)).status_code == 404
             assert (await http.get("/inspect/static/style.css")).status_code == 200
+            # the tenant's page: its settings in effect, whose they are, what it holds
+            await client.set_tenant_settings("acme", learner=False, checkpoint_retention_days=7)
+            page = await http.get("/inspect/tenant", headers=acme)
+            assert page.status_code == 200
+            rows = re.findall(r"<tr><td>([^<]+)</td><td>([^<]+)</td><td>(\w+)</td></tr>", page.text)
+            assert rows == [
+                ("rate quota (events/s)", "no limit", "global"),
+                ("burst (events)", "no limit", "global"),
+                ("learner", "off", "own"),
+                ("checkpoints of closed runs kept", "7 days", "own"),
+            ]
+            assert "<th>runs</th><td>1 (1 open)</td>" in page.text
+            assert "<th>checkpoints</th><td>1</td>" in page.text
+            assert 'href="/inspect/tenant?tenant=acme"' in page.text  # in the navigation
+            other = await http.get("/inspect/tenant?tenant=beta", headers=acme)
+            assert other.status_code == 404
             # a NUL in a query: a page that says so (400, the CSP on it), never a 500
             nul = await http.get("/inspect/runs?q=a%00b", headers=acme)
             assert nul.status_code == 400
