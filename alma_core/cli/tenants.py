@@ -35,9 +35,7 @@ def _doc(row: TenantSettings, s: Settings) -> dict[str, Any]:
         "rate_per_s": quota.rate or None,  # None: no limit
         "burst": (quota.burst or quota.rate or None) if quota.limited else None,
         "learner": row.learns,
-        "checkpoint_retention_days": s.checkpoint_retention_days
-        if row.checkpoint_retention_days is None
-        else row.checkpoint_retention_days,  # 0: forever
+        "checkpoint_retention_days": row.retention_days(s.checkpoint_retention_days),
         "own": {
             "rate_per_s": row.rate_per_s,
             "burst": row.burst,

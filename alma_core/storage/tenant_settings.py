@@ -33,6 +33,12 @@ class TenantSettings:
             default.burst if self.burst is None else self.burst,
         )
 
+    def retention_days(self, default: float) -> float:
+        """Days this tenant's closed runs' checkpoints are kept (0: forever): its own,
+        the global one where it has none."""
+        own = self.checkpoint_retention_days
+        return default if own is None else own
+
     @property
     def learns(self) -> bool:
         """Whether the learner learns from this tenant's finished runs."""

@@ -458,14 +458,13 @@ class Inspector:
         pool = await self.pool()
         own = await tenant_settings.load(pool, tenant)
         s = self.settings
-        days = own.checkpoint_retention_days
         return self.page(
             request,
             "tenant.html",
             tenant=tenant,
             own=own,
             quota=own.quota(Quota(s.tenant_rate, s.tenant_burst)),
-            retention_days=s.checkpoint_retention_days if days is None else days,
+            retention_days=own.retention_days(s.checkpoint_retention_days),
             used=await tenant_settings.usage(pool, tenant),
         )
 
