@@ -120,8 +120,11 @@ tools:
 # The documentation site (mkdocs.yml): the README as its front page, docs/, the changelog
 # and the API reference from the docstrings, into build/site. Strict: a broken link, a
 # missing page or a docstring the reference cannot read fails the build (and `make test`).
+# Not --quiet: it hides the warnings from strict mode too (a broken anchor passed); the
+# log is printed only when the build fails.
 docs: $(STAMP)
-	$(PY) -m mkdocs build --strict --quiet
+	@log=$$($(PY) -m mkdocs build --strict 2>&1) || { echo "$$log"; \
+	  echo "make docs: the documentation site does not build (above); fix the link or page it names"; exit 1; }
 
 test: lint typecheck docs tools kafka
 	$(PY) -m pytest
