@@ -151,6 +151,13 @@ class RunPruned(RejectedEvent):
     reason = "run_pruned"
 
 
+class StorageQuotaExceeded(RejectedEvent):
+    """The tenant keeps as many checkpoint bytes as its storage quota allows: a new run
+    is refused (its events wait in the dead letters), the runs begun before go on."""
+
+    reason = "storage_quota"
+
+
 class StorageError(AlmaError):
     """PostgreSQL failed; the operation can be retried."""
 

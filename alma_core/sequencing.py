@@ -23,6 +23,11 @@ returns in one transaction. No I/O here, so every rule is unit-tested:
   event applied before the completion and delivered again is still a duplicate;
 * a closed run that retention pruned takes no more events (:class:`errors.RunPruned`):
   its inbox may be gone, so a replayed event could otherwise take effect again;
+* a new run of a tenant at its storage quota (``over_quota``) is refused
+  (:class:`errors.StorageQuotaExceeded`): its run row is kept, marked ``refused`` (the
+  one change a refused event makes), so that its later events are refused too, whatever
+  the quota by then, until a replay of its dead letters reopens it; the runs begun
+  before go on;
 * a LangGraph thread's events (``graph.*``) are recorded in order and handed to the
   store as they are (:mod:`alma_core.storage.graphs` writes their rows).
 """
@@ -51,6 +56,7 @@ from alma_core.schemas.events import (
 )
 
 MAIN = ""  # branch key of the main line
+REFUSED = "refused"  # a run refused at its start (storage quota): it holds nothing
 # what a completed run refuses (errors.RunCompleted); LangGraph's graph.* go on
 AFTER_THE_END = (NodeStarted, NodeCompleted, NodeFailed, BranchJoin)
 
@@ -215,8 +221,10 @@ class Sequencer:
         known_event_ids: dict[tuple[str, str], str],
         registry: ReducerRegistry,
         max_state_bytes: int,
+        over_quota: frozenset[str] = frozenset(),
     ) -> None:
         self.runs = runs
+        self.over_quota = over_quota  # tenants at their storage quota: no new runs
         self.heads = heads
         self.reducer_configs = reducer_configs
         self.seen = dict(known_event_ids)  # (tenant_id, event_id) -> the run it belongs to
@@ -234,8 +242,8 @@ class Sequencer:
     def fold(self, event: Event, coords: Coordinates) -> Effect | None:
         """Apply one event. Returns its effect, or None for a duplicate.
 
-        Raises :class:`errors.RejectedEvent` (and changes nothing) when the
-        event can never be applied.
+        Raises :class:`errors.RejectedEvent` (and changes nothing, but for a run
+        refused at its start: marked ``refused``) when the event cannot be applied.
         """
         owner = self.seen.get((event.tenant_id, event.event_id))
         if owner is not None:
@@ -286,11 +294,28 @@ class Sequencer:
     def _run_for(self, event: Event) -> RunView:
         run = self.runs.get((event.tenant_id, event.run_id))
         if run is None:
-            return RunView(
+            run = RunView(
                 run_id=event.run_id,
                 tenant_id=event.tenant_id,
                 workflow_id=event.workflow_id,
                 workflow_version=event.workflow_version,
+            )
+            if event.tenant_id not in self.over_quota:
+                return run
+            run.status, run.changed = REFUSED, True
+            self.runs[run.key] = run
+            raise errors.StorageQuotaExceeded(
+                f"tenant {event.tenant_id!r} keeps as many checkpoint bytes as its storage "
+                f"quota allows: run {event.run_id!r} is refused, its events kept in the dead "
+                f"letters. What to do: raise the quota (alma tenants set {event.tenant_id} "
+                "--storage-quota-bytes N) or let retention free room, then replay them in "
+                "order (alma dlq replay)"
+            )
+        if run.status == REFUSED:
+            raise errors.StorageQuotaExceeded(
+                f"run {event.run_id!r} was refused at its start (its tenant was at its "
+                "storage quota): its events wait in the dead letters. What to do: once there "
+                "is room, replay them in order (alma dlq replay), which reopens the run"
             )
         if run.pruned:
             raise errors.RunPruned(

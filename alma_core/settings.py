@@ -162,6 +162,13 @@ class Settings(BaseSettings):
     tenant_burst: int = Field(
         default=0, ge=0, description="events a tenant may have at once (0: one second's worth)"
     )
+    tenant_storage_quota_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="bytes of checkpoint states each tenant may keep (0: no limit); at it, "
+        "a tenant's new runs are refused (dead-lettered as storage_quota, replayable once "
+        "there is room) and its runs begun before go on; `alma tenants set` per tenant",
+    )
     replication_factor: int = Field(default=1, ge=1, le=10)
 
     # Limits and behaviour.

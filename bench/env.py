@@ -442,7 +442,9 @@ class AlmaRun:
             records.append(Incoming("bench", 0, self.offset, self.run.encode(), raw, decode(raw)))
             self.offset += 1
         for lo in range(0, count, 250):
-            await self.store.transact(f"c-{self.run}", {("bench", 0): records[lo : lo + 250]}, None)
+            await self.store.transact(
+                f"c-{self.run}", {("bench", 0): records[lo : lo + 250]}, frozenset()
+            )
 
     async def latest(self) -> None:
         await self.reader.branch_heads(self.run)  # what resume() reads

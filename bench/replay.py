@@ -83,10 +83,10 @@ async def _write(pool: asyncpg.Pool, runs: int) -> None:
             records.append(Incoming("r", 0, offset, doc["run_id"].encode(), raw, decode(raw)))
             offset += 1
         if len(records) >= BATCH:
-            await store.transact("c-r", {("r", 0): records}, None)
+            await store.transact("c-r", {("r", 0): records}, frozenset())
             records = []
     if records:
-        await store.transact("c-r", {("r", 0): records}, None)
+        await store.transact("c-r", {("r", 0): records}, frozenset())
 
 
 async def _replay_all(dsn: str) -> tuple[float, float, int]:

@@ -110,7 +110,7 @@ class Writer:
         for lo in range(0, len(records), BATCH):
             started = time.perf_counter()
             await self.store.transact(
-                f"c-{self.name}", {(self.name, 0): records[lo : lo + BATCH]}, None
+                f"c-{self.name}", {(self.name, 0): records[lo : lo + BATCH]}, frozenset()
             )
             times.append(time.perf_counter() - started)
         return times

@@ -98,6 +98,20 @@ class Metrics:
             ["tenant"],
             registry=r,
         )
+        self.tenant_storage = Gauge(
+            "alma_tenant_storage_bytes",
+            "Bytes of checkpoint states each tenant keeps (the count its storage quota is "
+            "held to), read by the checkpointer every few seconds",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_storage_quota = Gauge(
+            "alma_tenant_storage_quota_bytes",
+            "Each tenant's storage quota in effect (its own, else "
+            "ALMA_TENANT_STORAGE_QUOTA_BYTES; 0: none)",
+            ["tenant"],
+            registry=r,
+        )
         self.dead_letter_failures = Counter(
             "alma_dead_letter_failures_total",
             "Records whose dead-letter row could not be stored: skipped, sent to the "

@@ -483,6 +483,7 @@ class _Wiring:
                 s.notify_effects,
                 s.merged_topic,
                 s.tenant_topics,
+                s.tenant_storage_quota_bytes,
             ),
             registry,
         )

@@ -107,6 +107,7 @@ def dlq_replay(
                 letter_id,
                 topics=s.topic_names,
                 max_state_bytes=s.max_state_bytes,
+                storage_quota=s.tenant_storage_quota_bytes,
                 corrected=corrected,
                 force=force,
             )

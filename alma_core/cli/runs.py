@@ -46,16 +46,20 @@ def runs_list(
     tenant: str = typer.Option(None, "--tenant", help=TENANT_HELP),
     workflow: str = typer.Option(None, "--workflow", help="Only this workflow's runs."),
     status: str = typer.Option(
-        None, "--status", help="running, succeeded, failed or deleted (a LangGraph thread)."
+        None,
+        "--status",
+        help="running, succeeded, failed, refused (at its tenant's storage quota) or "
+        "deleted (a LangGraph thread).",
     ),
     limit: int = typer.Option(50, min=1, max=10_000, help="How many, latest activity first."),
     as_json: bool = common.json_option("the runs"),
 ) -> None:
     """Runs, latest activity first."""
     s = common.settings()
-    if status not in (None, "running", "succeeded", "failed", "deleted"):
+    if status not in (None, "running", "succeeded", "failed", "refused", "deleted"):
         common.fail(
-            f"unknown status {status!r}: running, succeeded, failed or deleted", common.USAGE
+            f"unknown status {status!r}: running, succeeded, failed, refused or deleted",
+            common.USAGE,
         )
     who = common.tenant(s, tenant)
 

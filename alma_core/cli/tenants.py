@@ -1,6 +1,6 @@
 """``alma tenants``: each tenant's own settings (its rate quota, where it differs from
 the global ALMA_TENANT_RATE / ALMA_TENANT_BURST; the learner on or off; its checkpoint
-retention). The checkpointer and the learner read them every few seconds
+retention; its storage quota). The checkpointer and the learner read them every few seconds
 (:data:`alma_core.storage.tenant_settings.REFRESH_S`), each pruning round at its
 start: no restart."""
 
@@ -20,7 +20,7 @@ from alma_core.storage import runs, tenant_settings
 from alma_core.storage.tenant_settings import TenantSettings
 
 tenants_app = common.app(
-    help="Tenants' own settings (rate quotas, the learner, checkpoint retention)."
+    help="Tenants' own settings (rate quotas, the learner, checkpoint retention, storage quotas)."
 )
 
 
@@ -36,11 +36,13 @@ def _doc(row: TenantSettings, s: Settings) -> dict[str, Any]:
         "burst": (quota.burst or quota.rate or None) if quota.limited else None,
         "learner": row.learns,
         "checkpoint_retention_days": row.retention_days(s.checkpoint_retention_days),
+        "storage_quota_bytes": row.storage_quota(s.tenant_storage_quota_bytes) or None,
         "own": {
             "rate_per_s": row.rate_per_s,
             "burst": row.burst,
             "learner": row.learner,
             "checkpoint_retention_days": row.checkpoint_retention_days,
+            "storage_quota_bytes": row.storage_quota_bytes,
         },
         "updated_at": row.updated_at.isoformat() if row.updated_at else None,
     }
@@ -78,7 +80,8 @@ def tenants_list(as_json: bool = common.json_option("the tenants")) -> None:
             print(json.dumps(docs))
             return
         table = Table(title="tenants")
-        for col in ("tenant", "rate (events/s)", "burst", "learner", "checkpoints kept"):
+        columns = ("tenant", "rate (events/s)", "burst", "learner", "checkpoints kept")
+        for col in (*columns, "storage quota (bytes)"):
             table.add_column(col)
         for d in docs:
             table.add_row(
@@ -87,6 +90,7 @@ def tenants_list(as_json: bool = common.json_option("the tenants")) -> None:
                 _shown(d["burst"], d["own"]["burst"]),
                 _learner(d["learner"], d["own"]["learner"]),
                 _days(d["checkpoint_retention_days"], d["own"]["checkpoint_retention_days"]),
+                _shown(d["storage_quota_bytes"], d["own"]["storage_quota_bytes"]),
             )
         common.out.print(table)
 
@@ -97,9 +101,9 @@ def tenants_list(as_json: bool = common.json_option("the tenants")) -> None:
 def tenants_show(
     tenant: str = typer.Argument(..., help="The tenant."),
 ) -> None:
-    """A tenant's effective settings, its own values and what it holds in PostgreSQL
-    now (runs, checkpoints and their states' stored bytes, events, dead letters,
-    outcomes, memories), as JSON."""
+    """A tenant's effective settings, its own values, what it holds in PostgreSQL now
+    (runs, checkpoints and their states' stored bytes, events, dead letters, outcomes,
+    memories) and its kept bytes against its storage quota, as JSON."""
     s = common.settings()
 
     async def main() -> None:
@@ -107,9 +111,11 @@ def tenants_show(
         try:
             row = await tenant_settings.load(conn, tenant)
             used = await tenant_settings.usage(conn, tenant)
+            held = await tenant_settings.standing(conn, tenant, s.tenant_storage_quota_bytes)
         finally:
             await conn.close()
-        print(json.dumps(_doc(row, s) | {"usage": asdict(used)}))
+        storage = {"used_bytes": held.used, "quota_bytes": held.quota or None, "full": held.full}
+        print(json.dumps(_doc(row, s) | {"usage": asdict(used), "storage": storage}))
 
     common.run(main)
 
@@ -136,19 +142,28 @@ def tenants_set(
         help="Days the checkpoints of the tenant's closed runs are kept (0: forever), "
         "instead of ALMA_CHECKPOINT_RETENTION_DAYS.",
     ),
+    storage_quota: int = typer.Option(
+        None,
+        "--storage-quota-bytes",
+        min=0,
+        help="Bytes of checkpoint states the tenant may keep (0: no limit), instead of "
+        "ALMA_TENANT_STORAGE_QUOTA_BYTES; at it, its new runs are refused (storage_quota "
+        "dead letters, replayable once there is room).",
+    ),
     reset: bool = typer.Option(False, "--reset", help="Back to the global settings."),
 ) -> None:
-    """Set a tenant's own rate quota, learner or checkpoint retention (what is not given
-    keeps its value); in effect within a few seconds (retention: at the next pruning
-    round), without a restart. Quotas need ALMA_TENANT_TOPICS on the workers."""
+    """Set a tenant's own rate quota, learner, checkpoint retention or storage quota
+    (what is not given keeps its value); in effect within a few seconds (retention: at
+    the next pruning round), without a restart. Rate quotas need ALMA_TENANT_TOPICS on
+    the workers."""
     s = common.settings()
-    given = (rate, burst, learner, checkpoint_days)
+    given = (rate, burst, learner, checkpoint_days, storage_quota)
     if reset and any(value is not None for value in given):
         common.fail("--reset clears the tenant's own values: give it alone", common.USAGE)
     if not reset and all(value is None for value in given):
         common.fail(
-            "nothing to set: pass --rate, --burst, --learner, --checkpoint-retention-days "
-            "or --reset",
+            "nothing to set: pass --rate, --burst, --learner, --checkpoint-retention-days, "
+            "--storage-quota-bytes or --reset",
             common.USAGE,
         )
     learns = {"on": True, "off": False, "global": None}
@@ -175,6 +190,9 @@ def tenants_set(
                         if checkpoint_days is None
                         else checkpoint_days
                     ),
+                    storage_quota_bytes=None
+                    if reset
+                    else (before.storage_quota_bytes if storage_quota is None else storage_quota),
                 )
         finally:
             await conn.close()
@@ -183,7 +201,9 @@ def tenants_set(
             f"tenant {tenant!r}: rate {_shown(doc['rate_per_s'], row.rate_per_s)}, burst "
             f"{_shown(doc['burst'], row.burst)}, learner {_learner(row.learns, row.learner)}, "
             "checkpoints kept "
-            f"{_days(doc['checkpoint_retention_days'], row.checkpoint_retention_days)}; "
+            f"{_days(doc['checkpoint_retention_days'], row.checkpoint_retention_days)}, "
+            "storage quota (bytes) "
+            f"{_shown(doc['storage_quota_bytes'], row.storage_quota_bytes)}; "
             f"the workers apply it within {tenant_settings.REFRESH_S:g} s"
         )
         if not s.tenant_topics and (rate is not None or burst is not None):

@@ -207,6 +207,13 @@ class AlmaClient:
         (:func:`alma_core.storage.tenant_settings.usage`)."""
         return await tenants.usage(await self.reads.pool(), tenant_id)
 
+    async def tenant_storage(self, tenant_id: str) -> tenants.StorageStanding:
+        """``tenant_id``'s kept checkpoint bytes against its storage quota in effect (the
+        count the checkpointer holds it to; ``full``: its new runs are refused)."""
+        return await tenants.standing(
+            await self.reads.pool(), tenant_id, self.settings.tenant_storage_quota_bytes
+        )
+
     async def set_tenant_settings(
         self,
         tenant_id: str,
@@ -215,6 +222,7 @@ class AlmaClient:
         burst: int | None = None,
         learner: bool | None = None,
         checkpoint_retention_days: float | None = None,
+        storage_quota_bytes: int | None = None,
     ) -> tenants.TenantSettings:
         """Set every one of ``tenant_id``'s own settings (None: the global value; all
         None: back to the global settings), as `alma tenants set` does. The workers
@@ -226,6 +234,7 @@ class AlmaClient:
             burst=burst,
             learner=learner,
             checkpoint_retention_days=checkpoint_retention_days,
+            storage_quota_bytes=storage_quota_bytes,
         )
 
     async def resume(self, ctx: WorkflowContext) -> ResumePoint:

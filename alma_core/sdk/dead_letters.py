@@ -12,8 +12,9 @@ import asyncpg
 
 from alma_core import errors
 from alma_core.schemas.decoder import Rejection, decode
-from alma_core.sequencing import refused_now
-from alma_core.storage import dead_letters
+from alma_core.schemas.events import Event
+from alma_core.sequencing import REFUSED, refused_now
+from alma_core.storage import dead_letters, tenant_settings
 from alma_core.tenancy import TenantTopics
 
 Send = Callable[[str, bytes, bytes | None], Awaitable[None]]  # (topic, value, key)
@@ -26,6 +27,7 @@ async def replay(
     *,
     topics: TenantTopics,
     max_state_bytes: int,
+    storage_quota: int = 0,
     tenant_id: str | None = None,
     corrected: bytes | None = None,
     force: bool = False,
@@ -35,7 +37,11 @@ async def replay(
     Refused, unless ``force``: a letter replayed already (twice would send the event
     twice; two asking at once, one is refused), and a value that would be rejected
     again, by the decoder or by its run as it stands now (completed, or at another seq
-    than the event's ``expected_seq``)."""
+    than the event's ``expected_seq``, or refused at its start while its tenant is
+    still at its storage quota: ``storage_quota``, ALMA_TENANT_STORAGE_QUOTA_BYTES, is
+    the global one). A run refused at its start is reopened (its empty row deleted in
+    the replay's transaction): replay its letters oldest first, and it begins again
+    from its first event."""
     async with conn.transaction():
         row = await dead_letters.original(conn, letter_id, tenant_id, for_update=True)
         if row is None:
@@ -62,6 +68,9 @@ async def replay(
         else:
             key = decoded.run_id.encode()
             run = await dead_letters.run_standing(conn, decoded.tenant_id, decoded.run_id)
+            if run is not None and run["status"] == REFUSED:
+                await _reopen(conn, letter_id, decoded, storage_quota, force)
+                run = None  # a new run again: its first event replayed first begins it
             refusal = refused_now(
                 decoded,
                 status=run["status"] if run else None,
@@ -76,3 +85,38 @@ async def replay(
                 )
         await send(topic, value, key)
         await dead_letters.mark_replayed(conn, letter_id)
+
+
+async def _reopen(
+    conn: asyncpg.Connection, letter_id: int, event: Event, storage_quota: int, force: bool
+) -> None:
+    """Delete the row of ``event``'s run, refused at its start (it holds nothing), unless
+    (and not ``force``) its tenant is still at its storage quota (the event would be
+    refused again) or the run has an older letter not replayed yet (the run would begin
+    without its first events)."""
+    tenant_id, run_id = event.tenant_id, event.run_id
+    held = await tenant_settings.standing(conn, tenant_id, storage_quota)
+    if held.full and not force:
+        raise errors.StorageQuotaExceeded(
+            f"the event would be refused again: tenant {tenant_id!r} keeps {held.used} "
+            f"bytes of checkpoint states, its storage quota is {held.quota}. What to do: "
+            f"raise it (alma tenants set {tenant_id} --storage-quota-bytes N) or let "
+            "retention free room, then replay; or pass --force"
+        )
+    older = await dead_letters.older_of_run(
+        conn, letter_id, tenant_id, run_id, errors.StorageQuotaExceeded.reason
+    )
+    if older is not None and not force:
+        raise errors.AlmaError(
+            f"run {run_id!r} was refused at its start and its dead letter {older} is older "
+            f"and not replayed: replaying {letter_id} first would begin the run without its "
+            f"first events. What to do: replay {older} first (its letters oldest first), "
+            "or pass --force"
+        )
+    await conn.execute(
+        """DELETE FROM runs WHERE tenant_id = $1 AND run_id = $2 AND status = $3
+             AND event_count = 0""",
+        tenant_id,
+        run_id,
+        REFUSED,
+    )

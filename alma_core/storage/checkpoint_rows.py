@@ -5,7 +5,8 @@ CTEs from $20 on (:func:`rows_args` gives their values).
 
 Sibling data-modifying CTEs run on one snapshot; the foreign keys (a new run's
 checkpoints and heads) are checked at the end of the statement, when its run row is
-there."""
+there. The checkpoints' sizes are counted to their tenants' kept bytes in the same
+statement (:data:`COUNT_STORED`), so the count never parts from the rows."""
 
 from __future__ import annotations
 
@@ -17,7 +18,20 @@ from alma_core.schemas import jsoncodec
 from alma_core.sequencing import CheckpointRow
 from alma_core.storage.postgres import columns
 
-ROWS = """
+# What a statement that writes checkpoints adds to their tenants' kept bytes (the
+# ``tenant_storage`` counts their storage quotas read): one slot per writing backend
+# (its pid modulo 64), so that two batches of a tenant seldom wait on one row, and those
+# that do lock their tenants' rows in one order (by tenant: never a deadlock). A negative
+# size takes away (retention's deletes, a replay's rewrite). ``source``: rows of
+# (tenant, size).
+COUNT_STORED = """
+    INSERT INTO tenant_storage (tenant_id, slot, bytes)
+    SELECT u.t, pg_backend_pid() % 64, sum(u.z)
+    FROM {source} AS u(t, z) GROUP BY u.t ORDER BY u.t
+    ON CONFLICT (tenant_id, slot) DO UPDATE SET bytes = tenant_storage.bytes + EXCLUDED.bytes"""
+
+ROWS = (
+    """
 WITH new_checkpoints AS (
     INSERT INTO checkpoints (run_id, seq, tenant_id, kind, node_id, branch_id, parent_seq,
                              event_id, state, state_hash, size_bytes, merged_from, metadata,
@@ -33,7 +47,12 @@ WITH new_checkpoints AS (
     SELECT * FROM unnest($15::text[], $16::text[], $17::text[], $18::bigint[], $19::text[])
     ON CONFLICT (tenant_id, run_id, branch_key) DO UPDATE
     SET seq = EXCLUDED.seq, state_hash = EXCLUDED.state_hash
+), counted AS (
+"""
+    + COUNT_STORED.format(source="unnest($3::text[], $11::int[])")
+    + """
 )"""
+)
 
 
 def rows_args(

@@ -46,8 +46,15 @@ from alma_core.sequencing import (
     Sequencer,
     branch_key,
 )
-from alma_core.storage import graphs, locked
-from alma_core.storage.batches import RUN_SEQ_HEADER, Batch, BatchStore, Effects, Incoming
+from alma_core.storage import graphs, locked, tenant_settings
+from alma_core.storage.batches import (
+    RUN_SEQ_HEADER,
+    Batch,
+    BatchStore,
+    Effects,
+    Incoming,
+    guarded,
+)
 from alma_core.storage.cache_entries import CacheEntry, cache_entries
 from alma_core.storage.checkpoint_rows import ROWS, rows_args
 from alma_core.storage.dead_letters import DeadLetter, dead_letter_for, headers_json
@@ -93,6 +100,7 @@ class StoreConfig:
     notify_effects: bool = True  # pg_notify the batch's runs on commit (storage.effects)
     reply_topic: str = "alma.merged.v1"  # a refused join's answer, unless it names one
     tenant_topics: bool = False  # ALMA_TENANT_TOPICS: the reply topic is the tenant's own
+    storage_quota: int = 0  # ALMA_TENANT_STORAGE_QUOTA_BYTES: each tenant's, unless its own
 
 
 def _audit_payload(event: Event) -> str:
@@ -184,7 +192,12 @@ _WRITE = (
 )
 
 
-class PostgresCheckpointStore(BatchStore[None, CheckpointEffects, locked.Reads]):
+class PostgresCheckpointStore(BatchStore[frozenset[str], CheckpointEffects, locked.Reads]):
+    """``prepared``: the tenants at their storage quota when last read (:meth:`storage`,
+    every few seconds); a batch about to refuse a new run of one of them reads its
+    standing again first (:meth:`_still_full`), so a quota raised, or room freed, is
+    seen at once."""
+
     def __init__(self, pool: asyncpg.Pool, config: StoreConfig, registry: ReducerRegistry) -> None:
         super().__init__(
             pool, config.group_id, consumer=config.consumer, dlq_topic=config.dlq_topic
@@ -209,7 +222,7 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects, locked.Reads])
         conn: asyncpg.Connection,
         cluster_id: str,
         fresh: Batch,
-        prepared: None,
+        prepared: frozenset[str],
         reads: locked.Reads | None,
     ) -> CheckpointEffects:
         """Load what the batch needs (unless :meth:`open` did), fold it in pure code
@@ -218,6 +231,14 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects, locked.Reads])
         events = _events(fresh)
         if reads is None:
             reads = await locked.lock_and_load(conn, _wants(events))
+        full = prepared
+        if full:
+            starting = {
+                e.tenant_id
+                for e in events
+                if e.tenant_id in full and (e.tenant_id, e.run_id) not in reads.runs
+            }  # tenants of the batch's new runs: read again before refusing one
+            full = await self._still_full(conn, starting) if starting else frozenset()
         sequencer = Sequencer(
             runs=reads.runs,
             heads=reads.locked.heads,
@@ -225,6 +246,7 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects, locked.Reads])
             known_event_ids=reads.locked.known,
             registry=self.registry,
             max_state_bytes=self.config.max_state_bytes,
+            over_quota=full,
         )
         letters: list[DeadLetter] = []
         answers: list[OutboxRow] = []  # refused joins: their callers wait for a reply
@@ -275,6 +297,18 @@ class PostgresCheckpointStore(BatchStore[None, CheckpointEffects, locked.Reads])
             folded=effects.events,
             read_again=reads.read_again,
         )
+
+    async def storage(self) -> list[tenant_settings.StorageStanding]:
+        """Every tenant's kept checkpoint bytes against its storage quota."""
+        return await guarded(
+            "reading tenants' storage",
+            tenant_settings.storage(self.pool, self.config.storage_quota),
+        )
+
+    async def _still_full(self, conn: asyncpg.Connection, tenants: set[str]) -> frozenset[str]:
+        """Which of ``tenants`` (at their quota when last read) are at it now."""
+        standings = await tenant_settings.storage(conn, self.config.storage_quota, tenants)
+        return frozenset(s.tenant_id for s in standings if s.full)
 
     # -- writes ---------------------------------------------------------------
 

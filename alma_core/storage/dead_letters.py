@@ -176,6 +176,22 @@ async def run_standing(
     return row
 
 
+async def older_of_run(
+    conn: asyncpg.Connection, letter_id: int, tenant_id: str, run_id: str, reason: str
+) -> int | None:
+    """The run's oldest letter of ``reason`` older than ``letter_id`` and not replayed."""
+    older: int | None = await conn.fetchval(
+        """SELECT min(id) FROM dead_letters
+           WHERE tenant_id = $1 AND run_id = $2 AND id < $3 AND replayed_at IS NULL
+             AND reason = $4""",
+        tenant_id,
+        run_id,
+        letter_id,
+        reason,
+    )
+    return older
+
+
 async def with_records(
     conn: asyncpg.Connection | asyncpg.Pool,
     *,

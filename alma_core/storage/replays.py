@@ -19,6 +19,7 @@ from alma_core.replay import Difference, Stored
 from alma_core.schemas.events import EVENT_MODELS, Event, EventType
 from alma_core.sequencing import RunView, canonical_state, hash_scheme, state_hash
 from alma_core.storage import reducer_configs
+from alma_core.storage.checkpoint_rows import COUNT_STORED
 from alma_core.storage.checkpoints import STATE_IN_CHECKPOINT
 
 BATCH = 500  # runs listed per query
@@ -195,8 +196,10 @@ async def migrate(
 
 # A run's switch to its next projection, one statement: the replaced states kept as
 # projection $3, the checkpoints and the heads' hashes rewritten, the run's projection
-# counted. Sibling CTEs see one snapshot: `superseded` copies the states as they were.
-_SWITCH = """
+# counted, the tenant's kept bytes moved by the sizes' change. Sibling CTEs see one
+# snapshot: `superseded` and `counted` read the states as they were.
+_SWITCH = (
+    """
 WITH rebuilt AS (
     SELECT * FROM unnest($4::bigint[], $5::text[], $6::text[], $7::int[]) AS u(s, j, h, z)
 ), superseded AS (
@@ -212,9 +215,17 @@ WITH rebuilt AS (
 ), heads AS (
     UPDATE run_heads h SET state_hash = rebuilt.h
     FROM rebuilt WHERE h.tenant_id = $1 AND h.run_id = $2 AND h.seq = rebuilt.s
+), counted AS ("""
+    + COUNT_STORED.format(
+        source="""(SELECT c.tenant_id, (rebuilt.z - c.size_bytes)::bigint
+            FROM checkpoints c JOIN rebuilt ON c.seq = rebuilt.s
+            WHERE c.tenant_id = $1 AND c.run_id = $2)"""
+    )
+    + """
 )
 UPDATE runs SET projection = $3 + 1 WHERE tenant_id = $1 AND run_id = $2
 """
+)
 
 
 def _event(row: asyncpg.Record, run: RunView, stored: dict[int, Stored], folded: set[int]) -> Event:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import asyncpg
 
 from alma_core.settings import RetentionPolicy
+from alma_core.storage.checkpoint_rows import COUNT_STORED
 from alma_core.storage.postgres import columns, is_storage_failure, storage_error
 
 RunKeys = list[tuple[str, str]]  # (tenant, run id)
@@ -72,12 +73,17 @@ class PruneResult:
 
 async def delete_checkpoints(conn: asyncpg.Connection, runs: RunKeys) -> int:
     """Delete these runs' checkpoints, branch heads and superseded states in the
-    caller's transaction; how many checkpoints went."""
+    caller's transaction (the checkpoints' sizes taken from their tenants' kept bytes
+    in the same statement); how many checkpoints went."""
     tenants, run_ids = columns(runs, 2)
     deleted = await conn.fetchval(
         """WITH gone AS (
              DELETE FROM checkpoints c USING unnest($1::text[], $2::text[]) u(t, r)
-             WHERE c.tenant_id = u.t AND c.run_id = u.r RETURNING 1)
+             WHERE c.tenant_id = u.t AND c.run_id = u.r
+             RETURNING c.tenant_id, -c.size_bytes::bigint AS size
+           ), counted AS ("""
+        + COUNT_STORED.format(source="gone")
+        + """)
            SELECT count(*) FROM gone""",
         tenants,
         run_ids,

@@ -1,12 +1,14 @@
 """Per-tenant settings (table ``tenant_settings``): a tenant's own rate quota where it
 differs from the global ALMA_TENANT_RATE / ALMA_TENANT_BURST, whether the learner
-learns from its runs, and how long its closed runs' checkpoints are kept (a NULL
-column: the global value). Written by ``alma tenants set``; read by the checkpointer
-(quotas) and the learner every :data:`REFRESH_S` seconds, and by each pruning round
+learns from its runs, how long its closed runs' checkpoints are kept, and the bytes of
+checkpoint states it may keep (its storage quota); a NULL column: the global value.
+Written by ``alma tenants set``; read by the checkpointer (quotas) and the learner
+every :data:`REFRESH_S` seconds, and by each pruning round
 (:mod:`alma_core.storage.retention`), so a change takes effect without a restart."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -24,6 +26,7 @@ class TenantSettings:
     burst: int | None = None
     learner: bool | None = None  # None: the global setting (on)
     checkpoint_retention_days: float | None = None  # 0: forever
+    storage_quota_bytes: int | None = None  # 0: none
     updated_at: datetime | None = None
 
     def quota(self, default: Quota) -> Quota:
@@ -39,13 +42,22 @@ class TenantSettings:
         own = self.checkpoint_retention_days
         return default if own is None else own
 
+    def storage_quota(self, default: int) -> int:
+        """Bytes of checkpoint states this tenant may keep (0: no limit): its own quota,
+        the global one where it has none."""
+        own = self.storage_quota_bytes
+        return default if own is None else own
+
     @property
     def learns(self) -> bool:
         """Whether the learner learns from this tenant's finished runs."""
         return self.learner is not False
 
 
-_COLUMNS = "tenant_id, rate_per_s, burst, learner, checkpoint_retention_days, updated_at"
+_COLUMNS = (
+    "tenant_id, rate_per_s, burst, learner, checkpoint_retention_days, storage_quota_bytes, "
+    "updated_at"
+)
 
 
 async def load_all(conn: asyncpg.Connection | asyncpg.Pool) -> list[TenantSettings]:
@@ -69,19 +81,22 @@ async def store(
     burst: int | None,
     learner: bool | None = None,
     checkpoint_retention_days: float | None = None,
+    storage_quota_bytes: int | None = None,
 ) -> TenantSettings:
     """Set ``tenant_id``'s own values (None: the global one); all None removes its row."""
-    own = (rate_per_s, burst, learner, checkpoint_retention_days)
+    own = (rate_per_s, burst, learner, checkpoint_retention_days, storage_quota_bytes)
     if all(value is None for value in own):
         await conn.execute("DELETE FROM tenant_settings WHERE tenant_id = $1", tenant_id)
         return TenantSettings(tenant_id)
     row = await conn.fetchrow(
         f"""INSERT INTO tenant_settings
-              (tenant_id, rate_per_s, burst, learner, checkpoint_retention_days)
-            VALUES ($1, $2, $3, $4, $5)
+              (tenant_id, rate_per_s, burst, learner, checkpoint_retention_days,
+               storage_quota_bytes)
+            VALUES ($1, $2, $3, $4, $5, $6)
             ON CONFLICT (tenant_id) DO UPDATE
                SET rate_per_s = $2, burst = $3, learner = $4,
-                   checkpoint_retention_days = $5, updated_at = now()
+                   checkpoint_retention_days = $5, storage_quota_bytes = $6,
+                   updated_at = now()
             RETURNING {_COLUMNS}""",
         tenant_id,
         *own,
@@ -125,6 +140,53 @@ async def usage(conn: asyncpg.Connection | asyncpg.Pool, tenant_id: str) -> Tena
     )
     assert row is not None
     return TenantUsage(**{k: int(v) for k, v in dict(row).items()})
+
+
+@dataclass(frozen=True)
+class StorageStanding:
+    """A tenant's kept checkpoint bytes (as counted in ``tenant_storage``: the states'
+    sizes as written, before PostgreSQL's compression) against its storage quota."""
+
+    tenant_id: str
+    used: int
+    quota: int  # in effect: its own, else the global one; 0: none
+
+    @property
+    def full(self) -> bool:
+        """At or over its quota: its new runs are refused."""
+        return self.quota > 0 and self.used >= self.quota
+
+
+async def storage(
+    conn: asyncpg.Connection | asyncpg.Pool,
+    default_quota: int,
+    tenants: Collection[str] | None = None,
+) -> list[StorageStanding]:
+    """Each tenant's (each of ``tenants``, when given) kept bytes and quota in effect:
+    the sum of its ``tenant_storage`` slots (at most 64 rows a tenant). A tenant that
+    never kept a checkpoint has no row (its use is 0)."""
+    rows = await conn.fetch(
+        """SELECT u.tenant_id, u.used, coalesce(s.storage_quota_bytes, $1) AS quota
+           FROM (SELECT tenant_id, sum(bytes)::bigint AS used FROM tenant_storage
+                 WHERE $2::text[] IS NULL OR tenant_id = ANY($2::text[])
+                 GROUP BY tenant_id) AS u
+           LEFT JOIN tenant_settings s USING (tenant_id)
+           ORDER BY u.tenant_id""",
+        default_quota,
+        None if tenants is None else sorted(tenants),
+    )
+    return [StorageStanding(r["tenant_id"], int(r["used"]), int(r["quota"])) for r in rows]
+
+
+async def standing(
+    conn: asyncpg.Connection | asyncpg.Pool, tenant_id: str, default_quota: int
+) -> StorageStanding:
+    """``tenant_id``'s kept bytes against its quota (0 used where it keeps nothing)."""
+    found = await storage(conn, default_quota, [tenant_id])
+    if found:
+        return found[0]
+    own = await load(conn, tenant_id)
+    return StorageStanding(tenant_id, 0, own.storage_quota(default_quota))
 
 
 def quotas(rows: list[TenantSettings], default: Quota) -> dict[str, Quota]:

@@ -57,7 +57,7 @@ PAGE_SIZE = 50
 EVENTS_PAGE = 100  # a run's history, per page
 CHANGES_PAGE = 200  # a diff's changes, per page
 COUNT_CAP = 1000  # runs counted by status when searching by node or error text
-STATUSES = ("running", "succeeded", "failed")
+STATUSES = ("running", "succeeded", "failed", "refused")  # refused: at a storage quota
 _CSP = (
     "default-src 'none'; script-src 'self'; connect-src 'self'; style-src 'self'; "
     "img-src 'self' data:; form-action 'self'; "
@@ -446,14 +446,15 @@ class Inspector:
                     tenant_id=tenant,
                     topics=self.settings.topic_names,
                     max_state_bytes=self.settings.max_state_bytes,
+                    storage_quota=self.settings.tenant_storage_quota_bytes,
                 )
             except errors.AlmaError as exc:
                 raise HTTPException(409, exc.message) from exc
         return self.go(request, "/dead-letters", tenant=tenant, replayed=letter)
 
     async def tenant_page(self, request: Request) -> Response:
-        """The tenant's settings in effect (its own where set, else the global ones) and
-        what it holds in PostgreSQL now."""
+        """The tenant's settings in effect (its own where set, else the global ones), what
+        it holds in PostgreSQL now and its kept bytes against its storage quota."""
         tenant = self.tenant(request)
         pool = await self.pool()
         own = await tenant_settings.load(pool, tenant)
@@ -466,6 +467,7 @@ class Inspector:
             quota=own.quota(Quota(s.tenant_rate, s.tenant_burst)),
             retention_days=own.retention_days(s.checkpoint_retention_days),
             used=await tenant_settings.usage(pool, tenant),
+            held=await tenant_settings.standing(pool, tenant, s.tenant_storage_quota_bytes),
         )
 
     async def memory_page(self, request: Request) -> Response:

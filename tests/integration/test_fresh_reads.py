@@ -59,7 +59,7 @@ async def test_a_commit_whose_cache_write_never_came_is_read_from_postgres(
             pool, StoreConfig("other-group", "checkpointer", "x", "y", 10**6), ReducerRegistry()
         )
         docs = [completed("killed", state={"n": 3}), completed("killed", state={"n": 4})]
-        await store.transact("c", {("elsewhere", 0): as_records(docs, 0)}, None)
+        await store.transact("c", {("elsewhere", 0): as_records(docs, 0)}, frozenset())
         async with RedisCheckpointCache.for_settings(settings) as cache:
             cached, _ = await cache.get("acme", "killed", "latest")
             assert cached is not None

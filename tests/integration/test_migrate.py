@@ -144,6 +144,18 @@ async def test_a_rebuild_switches_readers_atomically_while_its_run_takes_events(
         assert len(recorded) == 12
         assert all(r["checkpoint_seq"] for r in recorded)
         assert await assert_replays_the_same(dsn, tenant=TENANT) >= len(runs)
+        # the tenant's kept bytes (its storage quota's count) follow the rewritten sizes
+        kept = await fetch(
+            dsn,
+            """SELECT (SELECT sum(bytes) FROM tenant_storage WHERE tenant_id = $1) AS counted,
+                      (SELECT sum(size_bytes) FROM checkpoints WHERE tenant_id = $1) AS summed,
+                      (SELECT count(*) FROM superseded_checkpoints s JOIN checkpoints c
+                         USING (tenant_id, run_id, seq)
+                       WHERE s.tenant_id = $1 AND s.size_bytes <> c.size_bytes) AS resized""",
+            TENANT,
+        )
+        assert kept[0]["resized"] > 0  # some sizes changed: the count had to move
+        assert kept[0]["counted"] == kept[0]["summed"]
 
         # a stale fill (a reader that read projection 0 before the switch) is never
         # served, and the next read replaces it

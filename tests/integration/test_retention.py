@@ -224,6 +224,12 @@ async def test_a_tenants_own_checkpoint_retention_holds_beside_the_global_one(
         assert second.pruned == [("initech", "r")]
         third = await retention.prune(pool, RetentionPolicy(checkpoints_days=1))
         assert third.runs == 0  # globex: forever, whatever the global lifetime
+        # the kept bytes each storage quota is held to: what was pruned is taken away
+        standings = {s.tenant_id: s.used for s in await tenant_settings.storage(pool, 0)}
+        assert standings["acme"] == standings["initech"] == 0
+        assert standings["globex"] > 0
+        sizes = "SELECT sum(size_bytes) FROM checkpoints WHERE tenant_id = 'globex'"
+        assert standings["globex"] == await count(dsn, sizes)
     assert [r["tenant_id"] for r in await fetch(dsn, kept)] == ["globex"]
 
 

@@ -128,6 +128,7 @@ def test_alma_tenants_sets_shows_lists_and_resets(settings: Settings) -> None:
         "ALMA_TENANT_TOPICS": "true",
         "ALMA_TENANT_RATE": "100",
         "ALMA_CHECKPOINT_RETENTION_DAYS": "30",
+        "ALMA_TENANT_STORAGE_QUOTA_BYTES": "1000000",
     }
     saved = alma("tenants", "set", "acme", "--rate", "10", "--burst", "20", env=env)
     assert saved.returncode == 0, saved.stderr
@@ -141,8 +142,11 @@ def test_alma_tenants_sets_shows_lists_and_resets(settings: Settings) -> None:
         "burst": 30,
         "learner": None,
         "checkpoint_retention_days": None,
+        "storage_quota_bytes": None,
     }
     assert shown["learner"] is True  # the global default
+    assert shown["storage_quota_bytes"] == 1_000_000  # ALMA_TENANT_STORAGE_QUOTA_BYTES
+    assert shown["storage"] == {"used_bytes": 0, "quota_bytes": 1_000_000, "full": False}
     assert shown["checkpoint_retention_days"] == 30  # ALMA_CHECKPOINT_RETENTION_DAYS
     assert shown["usage"] == {  # nothing of acme's in this database yet
         "runs": 0,
@@ -155,7 +159,16 @@ def test_alma_tenants_sets_shows_lists_and_resets(settings: Settings) -> None:
         "memories": 0,
     }
     off = alma(  # the quota kept
-        "tenants", "set", "acme", "--learner", "off", "--checkpoint-retention-days", "0", env=env
+        "tenants",
+        "set",
+        "acme",
+        "--learner",
+        "off",
+        "--checkpoint-retention-days",
+        "0",
+        "--storage-quota-bytes",
+        "0",
+        env=env,
     )
     assert off.returncode == 0, off.stderr
     assert "learner off," in off.stdout
@@ -166,13 +179,17 @@ def test_alma_tenants_sets_shows_lists_and_resets(settings: Settings) -> None:
         "burst": 30,
         "learner": False,
         "checkpoint_retention_days": 0,
+        "storage_quota_bytes": 0,
     }
     assert (shown["learner"], shown["checkpoint_retention_days"]) == (False, 0)
+    assert shown["storage_quota_bytes"] is None  # 0: no limit, whatever the global one
+    assert shown["storage"]["full"] is False
     table = alma("tenants", "list", env=env | {"COLUMNS": "200"})
     assert table.returncode == 0, table.stderr
     (acme,) = [line for line in table.stdout.splitlines() if "acme" in line]
     assert "off" in acme
     assert "forever" in acme
+    assert "no limit" in acme  # its storage quota
     wrong = alma("tenants", "set", "acme", "--learner", "maybe", env=env)
     assert wrong.returncode == 2
     assert "--learner takes on, off or global (got 'maybe')" in wrong.stderr
@@ -186,8 +203,9 @@ def test_alma_tenants_sets_shows_lists_and_resets(settings: Settings) -> None:
     assert reset["rate_per_s"] == 100
     nothing = alma("tenants", "set", "acme", env=env)
     assert nothing.returncode == 2
-    assert "pass --rate, --burst, --learner, --checkpoint-retention-days or --reset" in (
-        nothing.stderr
+    assert (
+        "pass --rate, --burst, --learner, --checkpoint-retention-days, --storage-quota-bytes "
+        "or --reset" in nothing.stderr
     )
     negative = alma("tenants", "set", "acme", "--rate", "-1", env=env)
     assert negative.returncode == 2

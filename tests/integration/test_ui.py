@@ -663,7 +663,9 @@ async def test_mounted_in_a_host_app_the_inspector_takes_the_tenant_from_a_proxy
                 assert (await http.get(other, headers=acme)).status_code == 404
             assert (await http.get("/inspect/static/style.css")).status_code == 200
             # the tenant's page: its settings in effect, whose they are, what it holds
-            await client.set_tenant_settings("acme", learner=False, checkpoint_retention_days=7)
+            await client.set_tenant_settings(
+                "acme", learner=False, checkpoint_retention_days=7, storage_quota_bytes=1
+            )
             page = await http.get("/inspect/tenant", headers=acme)
             assert page.status_code == 200
             rows = re.findall(r"<tr><td>([^<]+)</td><td>([^<]+)</td><td>(\w+)</td></tr>", page.text)
@@ -672,7 +674,14 @@ async def test_mounted_in_a_host_app_the_inspector_takes_the_tenant_from_a_proxy
                 ("burst (events)", "no limit", "global"),
                 ("learner", "off", "own"),
                 ("checkpoints of closed runs kept", "7 days", "own"),
+                ("storage quota (bytes of checkpoint states)", "1", "own"),
             ]
+            used = (await client.tenant_storage("acme")).used
+            assert used > 0
+            assert f"{used} bytes of checkpoint states kept, {100 * used} % of its quota" in (
+                page.text
+            )
+            assert "at its quota</strong>, its new runs are refused" in page.text
             assert "<th>runs</th><td>1 (1 open)</td>" in page.text
             assert "<th>checkpoints</th><td>1</td>" in page.text
             assert 'href="/inspect/tenant?tenant=acme"' in page.text  # in the navigation

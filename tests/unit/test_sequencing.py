@@ -60,6 +60,7 @@ def sequencer(**kw: Any) -> Sequencer:
         known_event_ids=kw.get("known", {}),
         registry=ReducerRegistry(),
         max_state_bytes=kw.get("limit", 10_000),
+        over_quota=kw.get("over_quota", frozenset()),
     )
 
 
@@ -257,6 +258,34 @@ def test_a_pruned_run_takes_no_more_events_but_a_known_one_stays_a_duplicate() -
     assert (run.last_seq, seq.effects.checkpoints, seq.effects.events) == (3, [], [])
     other = sequencer(runs={("globex", "r"): RunView("r", "globex", "wf", None, pruned=True)})
     assert other.fold(ev(state={"a": 1}), AT) == "checkpointed"  # another tenant's run
+
+
+def test_a_tenant_at_its_storage_quota_begins_no_run_and_a_refused_run_stays_refused() -> None:
+    """At its storage quota a tenant's new run is refused, its row kept as ``refused``
+    (nothing else written), so that its later events are refused too once the tenant has
+    room again (they would else apply without the events before them); its runs begun
+    before go on, and another tenant's new runs are not held."""
+    going = RunView("old", "acme", "wf", None, last_seq=2)
+    full = sequencer(runs={("acme", "old"): going}, over_quota=frozenset({"acme"}))
+    with pytest.raises(errors.StorageQuotaExceeded, match="alma tenants set acme"):
+        full.fold(ev(state={"a": 1}, run="new"), AT)
+    refused = full.runs[("acme", "new")]
+    assert (refused.status, refused.changed, refused.last_seq, refused.event_count) == (
+        "refused",
+        True,
+        0,
+        0,
+    )
+    assert (full.effects.checkpoints, full.effects.events) == ([], [])
+    assert full.fold(ev(state={"a": 3}, run="old"), AT) == "checkpointed"  # begun before
+    assert full.fold(ev(state={"a": 1}, run="new", tenant="globex"), AT) == "checkpointed"
+    # later, with room: the refused run's next events are refused all the same
+    room = sequencer(runs={("acme", "new"): RunView("new", "acme", "wf", None, "refused")})
+    for late in (ev("node.started", run="new"), ev(state={"a": 2}, run="new")):
+        with pytest.raises(errors.StorageQuotaExceeded, match="replay them in order"):
+            room.fold(late, AT)
+    assert (room.effects.checkpoints, room.effects.events) == ([], [])
+    assert room.fold(ev(state={"a": 1}, run="other"), AT) == "checkpointed"
 
 
 def completion(outcome: str = "success", **kw: Any) -> Event:
