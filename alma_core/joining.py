@@ -29,7 +29,15 @@ from typing import Any
 from alma_core import errors
 from alma_core.reducers import ReducerConfig, ReducerRegistry, apply_updates, merge_states
 from alma_core.schemas.events import BranchJoin, BranchJoinPayload, MergeReply
-from alma_core.sequencing import HASH_SCHEME, MAIN, Head, RunKey, canonical_state, hash_scheme
+from alma_core.sequencing import (
+    HASH_SCHEME,
+    MAIN,
+    Head,
+    RunKey,
+    canonical_state,
+    hash_scheme,
+    state_limit,
+)
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,7 @@ def merge(
     registered: ReducerConfig | None,
     registry: ReducerRegistry,
     max_state_bytes: int,
+    says: str | None = None,
 ) -> Merge:
     config = config_for(payload, registered)
     config.validate(registry)
@@ -86,9 +95,8 @@ def merge(
         state = merge_states(payload.states, config, registry)
     state_json, digest, size = canonical_state(state, _scheme(main, branches))
     if size > max_state_bytes:
-        raise errors.StateTooLarge(
-            f"the merged state is {size} bytes; the limit is {max_state_bytes}"
-        )
+        says = says or f"the limit is {max_state_bytes}"
+        raise errors.StateTooLarge(f"the merged state is {size} bytes; {says}")
     return Merge(state, state_json, digest, size, merged_from)
 
 
@@ -164,6 +172,7 @@ class JoinPlanner:
         later_node: dict[tuple[str, str, int], int],
         registry: ReducerRegistry,
         max_state_bytes: int,
+        state_limits: Mapping[str, int] | None = None,
     ) -> None:
         self.runs = runs
         self.replies = dict(replies)
@@ -171,6 +180,7 @@ class JoinPlanner:
         self.later_node = later_node
         self.registry = registry
         self.max_state_bytes = max_state_bytes
+        self.state_limits = state_limits or {}  # tenants' own limits, below the global
 
     def decide(self, event: BranchJoin, position: int | None) -> JoinDecision:
         payload = event.payload
@@ -181,13 +191,15 @@ class JoinPlanner:
         try:
             run = self._run(event)
             self._check_position(event, position)
+            limit, says = state_limit(self.state_limits, event.tenant_id, self.max_state_bytes)
             merged = merge(
                 payload,
                 main=run.heads.get(MAIN),
                 branches={k: h for k, h in run.heads.items() if k != MAIN},
                 registered=self.registered.get((run.tenant_id, run.workflow_id)),
                 registry=self.registry,
-                max_state_bytes=self.max_state_bytes,
+                max_state_bytes=limit,
+                says=says,
             )
         except errors.RejectedEvent as exc:
             reply = error_reply(event, exc)

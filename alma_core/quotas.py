@@ -1,5 +1,6 @@
 """Rate quotas per tenant (pure): a token bucket per tenant that the checkpointer's
-consumer asks before it handles a tenant's records.
+consumer asks before it handles a tenant's records; and the other limits a tenant's own
+settings put on a batch (:class:`TenantLimits`).
 
 Over its quota a tenant's records are **delayed, never dropped**: what the bucket does
 not admit is put back (its partitions sought back to the first record not admitted) and
@@ -17,9 +18,20 @@ tenant's partitions it holds, so the group as a whole admits the tenant's rate.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 CHUNK_S = 0.1  # a throttled tenant is let in again once its bucket holds this much time
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """What tenants' own settings bound in a batch, as a worker read them last
+    (:mod:`alma_core.consumers.tenant_limits`): the tenants at their storage quota, whose
+    new runs are refused, and the tenants' own state size limits (below the global)."""
+
+    full: frozenset[str] = frozenset()
+    state_bytes: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ returns in one transaction. No I/O here, so every rule is unit-tested:
   holds what the branch wrote;
 * a state equal (by hash) to its branch head records the event, no checkpoint;
 * a run is ``(tenant_id, run_id)``: two tenants' runs of one id are two runs;
-* a stale ``expected_seq``, an unknown reducer, a state over the limit:
+* a stale ``expected_seq``, an unknown reducer, a state over the limit (the tenant's
+  own where it has a lower one: ``state_limits``):
   :class:`errors.RejectedEvent`, nothing changes;
 * an ``event_id`` the tenant used before, for the same run, has no effect at all; one
   another run of the tenant used is :class:`errors.EventIdReused` (dropping it would
@@ -35,6 +36,7 @@ returns in one transaction. No I/O here, so every rule is unit-tested:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final, Literal
@@ -89,6 +91,18 @@ def refused_now(
 HeadKey = tuple[str, str, str]  # (tenant_id, run_id, branch key)
 
 Effect = Literal["checkpointed", "unchanged", "recorded", "handed_off"]
+
+
+def state_limit(limits: Mapping[str, int], tenant_id: str, default: int) -> tuple[int, str]:
+    """``tenant_id``'s state size limit, its own where ``limits`` has one (below the
+    global ``default``), and how a refusal names it."""
+    own = limits.get(tenant_id)
+    if own is None:
+        return default, f"the limit is {default} (keep large data in artifacts)"
+    return own, (
+        f"the tenant's own limit is {own} (alma tenants set --max-state-bytes; keep large "
+        "data in artifacts)"
+    )
 
 
 def canonical_json(value: Any) -> str:
@@ -222,9 +236,11 @@ class Sequencer:
         registry: ReducerRegistry,
         max_state_bytes: int,
         over_quota: frozenset[str] = frozenset(),
+        state_limits: Mapping[str, int] | None = None,
     ) -> None:
         self.runs = runs
         self.over_quota = over_quota  # tenants at their storage quota: no new runs
+        self.state_limits = state_limits or {}  # tenants' own limits, below the global
         self.heads = heads
         self.reducer_configs = reducer_configs
         self.seen = dict(known_event_ids)  # (tenant_id, event_id) -> the run it belongs to
@@ -410,11 +426,9 @@ class Sequencer:
         metadata: dict[str, Any],
     ) -> int:
         state_json, digest, size = encoded
-        if size > self.max_state_bytes:
-            raise errors.StateTooLarge(
-                f"the resulting state is {size} bytes; the limit is {self.max_state_bytes} "
-                "(keep large data in artifacts)"
-            )
+        limit, says = state_limit(self.state_limits, run.tenant_id, self.max_state_bytes)
+        if size > limit:
+            raise errors.StateTooLarge(f"the resulting state is {size} bytes; {says}")
         parent = self.heads.get((*run.key, key)) or self.heads.get((*run.key, MAIN))
         run.last_seq += 1
         row = CheckpointRow(

@@ -33,6 +33,7 @@ from alma_core.cli.embedded import BrokerKind, EmbeddedStack, free_port, in_memo
 from alma_core.cli.topics import alma_topics, ensure_topics
 from alma_core.consumers import checkpointer
 from alma_core.consumers.worker import Services, run_worker
+from alma_core.quotas import TenantLimits
 from alma_core.reducers import ReducerRegistry
 from alma_core.schemas import jsoncodec
 from alma_core.schemas.decoder import decode
@@ -443,7 +444,7 @@ class AlmaRun:
             self.offset += 1
         for lo in range(0, count, 250):
             await self.store.transact(
-                f"c-{self.run}", {("bench", 0): records[lo : lo + 250]}, frozenset()
+                f"c-{self.run}", {("bench", 0): records[lo : lo + 250]}, TenantLimits()
             )
 
     async def latest(self) -> None:

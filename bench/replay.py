@@ -26,6 +26,7 @@ from typing import Any
 import asyncpg
 
 from alma_core import replay as replaying
+from alma_core.quotas import TenantLimits
 from alma_core.reducers import ReducerRegistry
 from alma_core.schemas.decoder import decode
 from alma_core.sdk.client import AlmaClient
@@ -83,10 +84,10 @@ async def _write(pool: asyncpg.Pool, runs: int) -> None:
             records.append(Incoming("r", 0, offset, doc["run_id"].encode(), raw, decode(raw)))
             offset += 1
         if len(records) >= BATCH:
-            await store.transact("c-r", {("r", 0): records}, frozenset())
+            await store.transact("c-r", {("r", 0): records}, TenantLimits())
             records = []
     if records:
-        await store.transact("c-r", {("r", 0): records}, frozenset())
+        await store.transact("c-r", {("r", 0): records}, TenantLimits())
 
 
 async def _replay_all(dsn: str) -> tuple[float, float, int]:

@@ -26,6 +26,7 @@ from typing import Any
 
 import asyncpg
 
+from alma_core.quotas import TenantLimits
 from alma_core.reducers import ReducerRegistry
 from alma_core.schemas.decoder import decode
 from alma_core.settings import RetentionPolicy
@@ -110,7 +111,7 @@ class Writer:
         for lo in range(0, len(records), BATCH):
             started = time.perf_counter()
             await self.store.transact(
-                f"c-{self.name}", {(self.name, 0): records[lo : lo + BATCH]}, frozenset()
+                f"c-{self.name}", {(self.name, 0): records[lo : lo + BATCH]}, TenantLimits()
             )
             times.append(time.perf_counter() - started)
         return times

@@ -1,63 +1,37 @@
 """The checkpointer (group ``<prefix>-checkpointer``): lifecycle events in, ordered
 exactly-once checkpoints out. Decode, apply in one transaction
 (:mod:`alma_core.storage.checkpoints`; a new run of a tenant at its storage quota is
-refused there), then the shared post-commit step (cache,
-outbox, offsets) of :class:`~alma_core.consumers.handler.StoreHandler`.
+refused there, a state over its tenant's limit too), then the shared post-commit step
+(cache, outbox, offsets) of :class:`~alma_core.consumers.handler.StoreHandler`.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from collections import Counter
 from typing import Any
 
-from alma_core import errors, tracing
+from alma_core import tracing
 from alma_core.consumers.handler import StoreHandler
+from alma_core.consumers.tenant_limits import LimitsReader
+from alma_core.quotas import TenantLimits
 from alma_core.storage.batches import Batch
-from alma_core.storage.checkpoints import CheckpointEffects, PostgresCheckpointStore
-from alma_core.storage.tenant_settings import REFRESH_S
-
-log = logging.getLogger("alma.consumers")
+from alma_core.storage.checkpoints import CheckpointEffects
 
 NAME = "checkpointer"
 GROUP = "checkpointer"  # the group id is f"{ALMA_GROUP_PREFIX}-checkpointer"
 
 
-class CheckpointHandler(StoreHandler[frozenset[str], CheckpointEffects]):
+class CheckpointHandler(StoreHandler[TenantLimits, CheckpointEffects]):
     name = NAME
-    store: PostgresCheckpointStore
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limits: LimitsReader, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._full: frozenset[str] = frozenset()  # tenants at their storage quota
-        self._storage_read_at: float | None = None
+        self.limits = limits
 
-    async def prepare(self, incoming: Batch) -> tuple[Batch, frozenset[str]]:
-        """The tenants at their storage quota, read again once :data:`REFRESH_S` passed
-        (the store reads a tenant's standing once more before it refuses a new run of
-        it); everything else the fold needs is read in its transaction."""
-        now = time.monotonic()
-        if self._storage_read_at is None or now - self._storage_read_at >= REFRESH_S:
-            self._storage_read_at = now
-            await self._read_storage()
-        return incoming, self._full
-
-    async def _read_storage(self) -> None:
-        """Each tenant's kept bytes against its quota, into the metrics; PostgreSQL being
-        away keeps the tenants read before (logged: the batch's own transaction says it)."""
-        try:
-            standings = await self.store.storage()
-        except errors.StorageError as exc:
-            log.warning(
-                "tenants' storage not read; the tenants at their quota read before stay",
-                extra={"action": "tenant_storage_unread", "error": repr(exc)},
-            )
-            return
-        for s in standings:
-            self.metrics.tenant_storage.labels(s.tenant_id).set(s.used)
-            self.metrics.tenant_storage_quota.labels(s.tenant_id).set(s.quota)
-        self._full = frozenset(s.tenant_id for s in standings if s.full)
+    async def prepare(self, incoming: Batch) -> tuple[Batch, TenantLimits]:
+        """The tenants' own limits (:mod:`alma_core.consumers.tenant_limits`);
+        everything else the fold needs is read in its transaction."""
+        return incoming, await self.limits.current()
 
     def observe(self, effects: CheckpointEffects) -> None:
         m = self.metrics

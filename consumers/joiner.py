@@ -5,7 +5,11 @@ its offsets past them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from alma_core.consumers.handler import StoreHandler
+from alma_core.consumers.tenant_limits import LimitsReader
+from alma_core.quotas import TenantLimits
 from alma_core.storage.batches import Batch
 from alma_core.storage.joins import JoinEffects
 
@@ -13,11 +17,17 @@ NAME = "joiner"
 GROUP = "joiner"
 
 
-class JoinHandler(StoreHandler[None, JoinEffects]):
+class JoinHandler(StoreHandler[TenantLimits, JoinEffects]):
     name = NAME
 
-    async def prepare(self, incoming: Batch) -> tuple[Batch, None]:
-        return incoming, None  # everything a merge needs is read in its transaction
+    def __init__(self, *args: Any, limits: LimitsReader, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits = limits
+
+    async def prepare(self, incoming: Batch) -> tuple[Batch, TenantLimits]:
+        """The tenants' own state size limits (:mod:`alma_core.consumers.tenant_limits`);
+        everything else a merge needs is read in its transaction."""
+        return incoming, await self.limits.current()
 
     def observe(self, effects: JoinEffects) -> None:
         m = self.metrics

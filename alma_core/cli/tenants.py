@@ -1,6 +1,7 @@
 """``alma tenants``: each tenant's own settings (its rate quota, where it differs from
 the global ALMA_TENANT_RATE / ALMA_TENANT_BURST; the learner on or off; its checkpoint
-retention; its storage quota). The checkpointer and the learner read them every few seconds
+retention; its storage quota; its state size limit). The checkpointer, the joiner and
+the learner read them every few seconds
 (:data:`alma_core.storage.tenant_settings.REFRESH_S`), each pruning round at its
 start: no restart."""
 
@@ -20,7 +21,8 @@ from alma_core.storage import runs, tenant_settings
 from alma_core.storage.tenant_settings import TenantSettings
 
 tenants_app = common.app(
-    help="Tenants' own settings (rate quotas, the learner, checkpoint retention, storage quotas)."
+    help="Tenants' own settings (rate quotas, the learner, checkpoint retention, storage "
+    "quotas, state size limits)."
 )
 
 
@@ -37,12 +39,14 @@ def _doc(row: TenantSettings, s: Settings) -> dict[str, Any]:
         "learner": row.learns,
         "checkpoint_retention_days": row.retention_days(s.checkpoint_retention_days),
         "storage_quota_bytes": row.storage_quota(s.tenant_storage_quota_bytes) or None,
+        "max_state_bytes": row.state_limit(s.max_state_bytes),
         "own": {
             "rate_per_s": row.rate_per_s,
             "burst": row.burst,
             "learner": row.learner,
             "checkpoint_retention_days": row.checkpoint_retention_days,
             "storage_quota_bytes": row.storage_quota_bytes,
+            "max_state_bytes": row.max_state_bytes,
         },
         "updated_at": row.updated_at.isoformat() if row.updated_at else None,
     }
@@ -81,7 +85,7 @@ def tenants_list(as_json: bool = common.json_option("the tenants")) -> None:
             return
         table = Table(title="tenants")
         columns = ("tenant", "rate (events/s)", "burst", "learner", "checkpoints kept")
-        for col in (*columns, "storage quota (bytes)"):
+        for col in (*columns, "storage quota (bytes)", "state limit (bytes)"):
             table.add_column(col)
         for d in docs:
             table.add_row(
@@ -91,6 +95,7 @@ def tenants_list(as_json: bool = common.json_option("the tenants")) -> None:
                 _learner(d["learner"], d["own"]["learner"]),
                 _days(d["checkpoint_retention_days"], d["own"]["checkpoint_retention_days"]),
                 _shown(d["storage_quota_bytes"], d["own"]["storage_quota_bytes"]),
+                _shown(d["max_state_bytes"], d["own"]["max_state_bytes"]),
             )
         common.out.print(table)
 
@@ -150,20 +155,27 @@ def tenants_set(
         "ALMA_TENANT_STORAGE_QUOTA_BYTES; at it, its new runs are refused (storage_quota "
         "dead letters, replayable once there is room).",
     ),
+    state_limit: int = typer.Option(
+        None,
+        "--max-state-bytes",
+        min=1024,
+        help="Bytes one checkpoint's state of the tenant may take, below ALMA_MAX_STATE_BYTES "
+        "(the ceiling); a state over it is refused (state_too_large).",
+    ),
     reset: bool = typer.Option(False, "--reset", help="Back to the global settings."),
 ) -> None:
-    """Set a tenant's own rate quota, learner, checkpoint retention or storage quota
-    (what is not given keeps its value); in effect within a few seconds (retention: at
-    the next pruning round), without a restart. Rate quotas need ALMA_TENANT_TOPICS on
-    the workers."""
+    """Set a tenant's own rate quota, learner, checkpoint retention, storage quota or
+    state size limit (what is not given keeps its value); in effect within a few
+    seconds (retention: at the next pruning round), without a restart. Rate quotas need
+    ALMA_TENANT_TOPICS on the workers."""
     s = common.settings()
-    given = (rate, burst, learner, checkpoint_days, storage_quota)
+    given = (rate, burst, learner, checkpoint_days, storage_quota, state_limit)
     if reset and any(value is not None for value in given):
         common.fail("--reset clears the tenant's own values: give it alone", common.USAGE)
     if not reset and all(value is None for value in given):
         common.fail(
             "nothing to set: pass --rate, --burst, --learner, --checkpoint-retention-days, "
-            "--storage-quota-bytes or --reset",
+            "--storage-quota-bytes, --max-state-bytes or --reset",
             common.USAGE,
         )
     learns = {"on": True, "off": False, "global": None}
@@ -193,6 +205,9 @@ def tenants_set(
                     storage_quota_bytes=None
                     if reset
                     else (before.storage_quota_bytes if storage_quota is None else storage_quota),
+                    max_state_bytes=None
+                    if reset
+                    else (before.max_state_bytes if state_limit is None else state_limit),
                 )
         finally:
             await conn.close()
@@ -203,9 +218,16 @@ def tenants_set(
             "checkpoints kept "
             f"{_days(doc['checkpoint_retention_days'], row.checkpoint_retention_days)}, "
             "storage quota (bytes) "
-            f"{_shown(doc['storage_quota_bytes'], row.storage_quota_bytes)}; "
+            f"{_shown(doc['storage_quota_bytes'], row.storage_quota_bytes)}, state limit "
+            f"(bytes) {_shown(doc['max_state_bytes'], row.max_state_bytes)}; "
             f"the workers apply it within {tenant_settings.REFRESH_S:g} s"
         )
+        if state_limit is not None and state_limit > s.max_state_bytes:
+            common.err.print(
+                f"note: ALMA_MAX_STATE_BYTES ({s.max_state_bytes}) is every tenant's ceiling: "
+                f"{tenant!r}'s states are held to it, not to {state_limit}",
+                markup=False,
+            )
         if not s.tenant_topics and (rate is not None or burst is not None):
             common.err.print(
                 "note: quotas apply only with ALMA_TENANT_TOPICS=true on the workers "

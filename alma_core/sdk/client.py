@@ -223,6 +223,7 @@ class AlmaClient:
         learner: bool | None = None,
         checkpoint_retention_days: float | None = None,
         storage_quota_bytes: int | None = None,
+        max_state_bytes: int | None = None,
     ) -> tenants.TenantSettings:
         """Set every one of ``tenant_id``'s own settings (None: the global value; all
         None: back to the global settings), as `alma tenants set` does. The workers
@@ -235,6 +236,7 @@ class AlmaClient:
             learner=learner,
             checkpoint_retention_days=checkpoint_retention_days,
             storage_quota_bytes=storage_quota_bytes,
+            max_state_bytes=max_state_bytes,
         )
 
     async def resume(self, ctx: WorkflowContext) -> ResumePoint:

@@ -28,6 +28,7 @@ import asyncpg
 
 from alma_core import errors
 from alma_core.joining import error_reply
+from alma_core.quotas import TenantLimits
 from alma_core.reducers import ReducerRegistry
 from alma_core.schemas.decoder import Decoded, Rejection
 from alma_core.schemas.events import (
@@ -47,14 +48,7 @@ from alma_core.sequencing import (
     branch_key,
 )
 from alma_core.storage import graphs, locked, tenant_settings
-from alma_core.storage.batches import (
-    RUN_SEQ_HEADER,
-    Batch,
-    BatchStore,
-    Effects,
-    Incoming,
-    guarded,
-)
+from alma_core.storage.batches import RUN_SEQ_HEADER, Batch, BatchStore, Effects, Incoming
 from alma_core.storage.cache_entries import CacheEntry, cache_entries
 from alma_core.storage.checkpoint_rows import ROWS, rows_args
 from alma_core.storage.dead_letters import DeadLetter, dead_letter_for, headers_json
@@ -192,11 +186,11 @@ _WRITE = (
 )
 
 
-class PostgresCheckpointStore(BatchStore[frozenset[str], CheckpointEffects, locked.Reads]):
-    """``prepared``: the tenants at their storage quota when last read (:meth:`storage`,
-    every few seconds); a batch about to refuse a new run of one of them reads its
-    standing again first (:meth:`_still_full`), so a quota raised, or room freed, is
-    seen at once."""
+class PostgresCheckpointStore(BatchStore[TenantLimits, CheckpointEffects, locked.Reads]):
+    """``prepared``: the tenants' own limits as last read (every few seconds): their
+    state size limits, and the tenants at their storage quota, of which a batch about to
+    refuse a new run reads the standing again first (:meth:`_still_full`), so a quota
+    raised, or room freed, is seen at once."""
 
     def __init__(self, pool: asyncpg.Pool, config: StoreConfig, registry: ReducerRegistry) -> None:
         super().__init__(
@@ -222,7 +216,7 @@ class PostgresCheckpointStore(BatchStore[frozenset[str], CheckpointEffects, lock
         conn: asyncpg.Connection,
         cluster_id: str,
         fresh: Batch,
-        prepared: frozenset[str],
+        prepared: TenantLimits,
         reads: locked.Reads | None,
     ) -> CheckpointEffects:
         """Load what the batch needs (unless :meth:`open` did), fold it in pure code
@@ -231,7 +225,7 @@ class PostgresCheckpointStore(BatchStore[frozenset[str], CheckpointEffects, lock
         events = _events(fresh)
         if reads is None:
             reads = await locked.lock_and_load(conn, _wants(events))
-        full = prepared
+        full = prepared.full
         if full:
             starting = {
                 e.tenant_id
@@ -247,6 +241,7 @@ class PostgresCheckpointStore(BatchStore[frozenset[str], CheckpointEffects, lock
             registry=self.registry,
             max_state_bytes=self.config.max_state_bytes,
             over_quota=full,
+            state_limits=prepared.state_bytes,
         )
         letters: list[DeadLetter] = []
         answers: list[OutboxRow] = []  # refused joins: their callers wait for a reply
@@ -296,13 +291,6 @@ class PostgresCheckpointStore(BatchStore[frozenset[str], CheckpointEffects, lock
             created_at=created_at,
             folded=effects.events,
             read_again=reads.read_again,
-        )
-
-    async def storage(self) -> list[tenant_settings.StorageStanding]:
-        """Every tenant's kept checkpoint bytes against its storage quota."""
-        return await guarded(
-            "reading tenants' storage",
-            tenant_settings.storage(self.pool, self.config.storage_quota),
         )
 
     async def _still_full(self, conn: asyncpg.Connection, tenants: set[str]) -> frozenset[str]:

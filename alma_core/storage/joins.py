@@ -24,6 +24,7 @@ from typing import Any
 import asyncpg
 
 from alma_core.joining import JoinDecision, JoinPlanner, RunAtJoin
+from alma_core.quotas import TenantLimits
 from alma_core.reducers import ReducerRegistry
 from alma_core.schemas.decoder import Rejection
 from alma_core.schemas.events import BranchJoin
@@ -75,7 +76,10 @@ class JoinEffects(Effects):
         return out | super().span_attributes()
 
 
-class PostgresJoinStore(BatchStore[None, JoinEffects, None]):
+class PostgresJoinStore(BatchStore[TenantLimits, JoinEffects, None]):
+    """``prepared``: the tenants' own limits as last read (their state size limits hold
+    for the merged states)."""
+
     doing = "applying joins"
 
     def __init__(self, pool: asyncpg.Pool, config: JoinConfig, registry: ReducerRegistry) -> None:
@@ -90,7 +94,7 @@ class PostgresJoinStore(BatchStore[None, JoinEffects, None]):
         conn: asyncpg.Connection,
         cluster_id: str,
         fresh: Batch,
-        prepared: None,
+        prepared: TenantLimits,
         reads: None,
     ) -> JoinEffects:
         """Decide each join in partition order (:class:`JoinPlanner`), write the merged
@@ -98,7 +102,7 @@ class PostgresJoinStore(BatchStore[None, JoinEffects, None]):
         effects = JoinEffects()
         records = [r for rs in fresh.values() for r in rs]
         joins = [(r, r.decoded) for r in records if isinstance(r.decoded, BranchJoin)]
-        planner = await self._load(conn, joins)
+        planner = await self._load(conn, joins, prepared)
         now = datetime.now(UTC)
         decisions: list[JoinDecision] = []
         merged: list[tuple[str, Checkpoint]] = []  # the state's canonical JSON, the checkpoint
@@ -128,7 +132,10 @@ class PostgresJoinStore(BatchStore[None, JoinEffects, None]):
     # -- loads ----------------------------------------------------------------
 
     async def _load(
-        self, conn: asyncpg.Connection, joins: list[tuple[Incoming, BranchJoin]]
+        self,
+        conn: asyncpg.Connection,
+        joins: list[tuple[Incoming, BranchJoin]],
+        limits: TenantLimits,
     ) -> JoinPlanner:
         """Everything the batch's joins need, in four statements whatever their number:
         the runs locked (:mod:`alma_core.storage.locked`), their heads with states and
@@ -183,6 +190,7 @@ class PostgresJoinStore(BatchStore[None, JoinEffects, None]):
             later_node=later_node,
             registry=self.registry,
             max_state_bytes=self.config.max_state_bytes,
+            state_limits=limits.state_bytes,
         )
 
     # -- writes ---------------------------------------------------------------

@@ -1,9 +1,10 @@
 """Per-tenant settings (table ``tenant_settings``): a tenant's own rate quota where it
 differs from the global ALMA_TENANT_RATE / ALMA_TENANT_BURST, whether the learner
-learns from its runs, how long its closed runs' checkpoints are kept, and the bytes of
-checkpoint states it may keep (its storage quota); a NULL column: the global value.
-Written by ``alma tenants set``; read by the checkpointer (quotas) and the learner
-every :data:`REFRESH_S` seconds, and by each pruning round
+learns from its runs, how long its closed runs' checkpoints are kept, the bytes of
+checkpoint states it may keep (its storage quota) and the bytes one state may take
+(only lower than the global limit); a NULL column: the global value. Written by
+``alma tenants set``; read by the checkpointer (quotas, limits), the joiner (limits)
+and the learner every :data:`REFRESH_S` seconds, and by each pruning round
 (:mod:`alma_core.storage.retention`), so a change takes effect without a restart."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class TenantSettings:
     learner: bool | None = None  # None: the global setting (on)
     checkpoint_retention_days: float | None = None  # 0: forever
     storage_quota_bytes: int | None = None  # 0: none
+    max_state_bytes: int | None = None  # lower than the global limit, or it is the global
     updated_at: datetime | None = None
 
     def quota(self, default: Quota) -> Quota:
@@ -48,6 +50,12 @@ class TenantSettings:
         own = self.storage_quota_bytes
         return default if own is None else own
 
+    def state_limit(self, default: int) -> int:
+        """The bytes a checkpoint's state of this tenant may take: its own limit where it
+        is lower than the global one (the ceiling), the global one otherwise."""
+        own = self.max_state_bytes
+        return default if own is None else min(own, default)
+
     @property
     def learns(self) -> bool:
         """Whether the learner learns from this tenant's finished runs."""
@@ -56,7 +64,7 @@ class TenantSettings:
 
 _COLUMNS = (
     "tenant_id, rate_per_s, burst, learner, checkpoint_retention_days, storage_quota_bytes, "
-    "updated_at"
+    "max_state_bytes, updated_at"
 )
 
 
@@ -82,21 +90,29 @@ async def store(
     learner: bool | None = None,
     checkpoint_retention_days: float | None = None,
     storage_quota_bytes: int | None = None,
+    max_state_bytes: int | None = None,
 ) -> TenantSettings:
     """Set ``tenant_id``'s own values (None: the global one); all None removes its row."""
-    own = (rate_per_s, burst, learner, checkpoint_retention_days, storage_quota_bytes)
+    own = (
+        rate_per_s,
+        burst,
+        learner,
+        checkpoint_retention_days,
+        storage_quota_bytes,
+        max_state_bytes,
+    )
     if all(value is None for value in own):
         await conn.execute("DELETE FROM tenant_settings WHERE tenant_id = $1", tenant_id)
         return TenantSettings(tenant_id)
     row = await conn.fetchrow(
         f"""INSERT INTO tenant_settings
               (tenant_id, rate_per_s, burst, learner, checkpoint_retention_days,
-               storage_quota_bytes)
-            VALUES ($1, $2, $3, $4, $5, $6)
+               storage_quota_bytes, max_state_bytes)
+            VALUES ($1, $2, $3, $4, $5, $6, $7)
             ON CONFLICT (tenant_id) DO UPDATE
                SET rate_per_s = $2, burst = $3, learner = $4,
                    checkpoint_retention_days = $5, storage_quota_bytes = $6,
-                   updated_at = now()
+                   max_state_bytes = $7, updated_at = now()
             RETURNING {_COLUMNS}""",
         tenant_id,
         *own,
@@ -191,6 +207,11 @@ async def standing(
 
 def quotas(rows: list[TenantSettings], default: Quota) -> dict[str, Quota]:
     return {r.tenant_id: r.quota(default) for r in rows}
+
+
+def state_limits(rows: list[TenantSettings], default: int) -> dict[str, int]:
+    """The tenants whose own state size limit is below the global ``default``."""
+    return {r.tenant_id: r.state_limit(default) for r in rows if r.state_limit(default) < default}
 
 
 def not_learning(rows: list[TenantSettings]) -> frozenset[str]:

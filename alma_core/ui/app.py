@@ -466,6 +466,7 @@ class Inspector:
             own=own,
             quota=own.quota(Quota(s.tenant_rate, s.tenant_burst)),
             retention_days=own.retention_days(s.checkpoint_retention_days),
+            state_limit=own.state_limit(s.max_state_bytes),
             used=await tenant_settings.usage(pool, tenant),
             held=await tenant_settings.standing(pool, tenant, s.tenant_storage_quota_bytes),
         )

@@ -8,6 +8,7 @@ import asyncio
 import json
 from typing import Any
 
+from alma_core.quotas import TenantLimits
 from alma_core.reducers import ReducerRegistry
 from alma_core.schemas.decoder import decode
 from alma_core.storage.batches import Incoming
@@ -43,12 +44,12 @@ async def test_redelivered_batch_has_no_second_effect(database: str) -> None:
     docs = [completed("r", updates={"i": i}) for i in range(5)]
     async with connect(database) as pool:
         store = store_for(pool)
-        first = await store.transact("cluster-a", {(TOPIC, 0): records(docs)}, frozenset())
+        first = await store.transact("cluster-a", {(TOPIC, 0): records(docs)}, TenantLimits())
         assert first.progress.next_offsets == {(TOPIC, 0): 5}
         # The worker died before committing to Kafka: the same records come again,
         # and with them two new ones.
         more = [*docs, completed("r", updates={"i": 5}), completed("r", updates={"i": 6})]
-        again = await store.transact("cluster-a", {(TOPIC, 0): records(more)}, frozenset())
+        again = await store.transact("cluster-a", {(TOPIC, 0): records(more)}, TenantLimits())
         assert again.progress.already_applied == 5
         assert again.effects is not None
         assert len(again.effects.checkpoints) == 2
@@ -63,8 +64,8 @@ async def test_zombie_and_new_owner_apply_once(database: str) -> None:
         zombie, owner = store_for(pool), store_for(pool)
         # Both believe they own partition 0; they race on overlapping batches.
         results = await asyncio.gather(
-            zombie.transact("c", {(TOPIC, 0): records(docs[:40])}, frozenset()),
-            owner.transact("c", {(TOPIC, 0): records(docs)}, frozenset()),
+            zombie.transact("c", {(TOPIC, 0): records(docs[:40])}, TenantLimits()),
+            owner.transact("c", {(TOPIC, 0): records(docs)}, TenantLimits()),
         )
     assert sum(len(r.effects.checkpoints) for r in results if r.effects) == 60
     assert await count(database, "SELECT count(*) FROM checkpoints") == 60
@@ -80,9 +81,11 @@ async def test_republished_event_id_is_applied_once(database: str) -> None:
     doc = completed("r", state={"a": 1})
     async with connect(database) as pool:
         store = store_for(pool)
-        await store.transact("c", {(TOPIC, 0): records([doc])}, frozenset())
+        await store.transact("c", {(TOPIC, 0): records([doc])}, TenantLimits())
         # The producer retried: the same event at a new offset, on another partition.
-        result = await store.transact("c", {(TOPIC, 1): records([doc], partition=1)}, frozenset())
+        result = await store.transact(
+            "c", {(TOPIC, 1): records([doc], partition=1)}, TenantLimits()
+        )
     assert result.effects is not None
     assert result.effects.duplicates == 1
     assert await count(database, "SELECT count(*) FROM checkpoints") == 1
@@ -92,10 +95,10 @@ async def test_a_gap_sends_the_partition_back(database: str) -> None:
     async with connect(database) as pool:
         store = store_for(pool)
         await store.transact(
-            "c", {(TOPIC, 0): records([completed("r", state={"a": 1})])}, frozenset()
+            "c", {(TOPIC, 0): records([completed("r", state={"a": 1})])}, TenantLimits()
         )
         later = await store.transact(
-            "c", {(TOPIC, 0): records([completed("r", state={"a": 2})], 5)}, frozenset()
+            "c", {(TOPIC, 0): records([completed("r", state={"a": 2})], 5)}, TenantLimits()
         )
     assert later.progress.seeks == {(TOPIC, 0): 1}
     assert later.effects is None  # nothing applied: the partition goes back
@@ -107,10 +110,12 @@ async def test_a_hole_the_consumer_read_across_is_moved_past(database: str) -> N
     async with connect(database) as pool:
         store = store_for(pool)
         await store.transact(
-            "c", {(TOPIC, 0): records([completed("r", state={"a": 1})])}, frozenset()
+            "c", {(TOPIC, 0): records([completed("r", state={"a": 1})])}, TenantLimits()
         )
         docs = [completed("r", state={"a": 2}), completed("r", state={"a": 3})]
-        later = await store.transact("c", {(TOPIC, 0): records(docs, 3, read_from=1)}, frozenset())
+        later = await store.transact(
+            "c", {(TOPIC, 0): records(docs, 3, read_from=1)}, TenantLimits()
+        )
         assert later.progress.holes == {(TOPIC, 0): (1, 3)}
         assert later.progress.seeks == {}
         assert later.effects is not None
@@ -120,7 +125,7 @@ async def test_a_hole_the_consumer_read_across_is_moved_past(database: str) -> N
         gap = await store.transact(
             "c",
             {(TOPIC, 0): records([completed("r", state={"a": 4})], 9, read_from=7)},
-            frozenset(),
+            TenantLimits(),
         )
         assert gap.progress.seeks == {(TOPIC, 0): 5}
         assert gap.progress.holes == {}
@@ -130,10 +135,10 @@ async def test_offsets_of_another_broker_cluster_are_kept_apart(database: str) -
     async with connect(database) as pool:
         store = store_for(pool)
         await store.transact(
-            "old-cluster", {(TOPIC, 0): records([completed("r", state={"a": 1})])}, frozenset()
+            "old-cluster", {(TOPIC, 0): records([completed("r", state={"a": 1})])}, TenantLimits()
         )
         fresh = await store.transact(
-            "new-cluster", {(TOPIC, 0): records([completed("r", state={"a": 2})])}, frozenset()
+            "new-cluster", {(TOPIC, 0): records([completed("r", state={"a": 2})])}, TenantLimits()
         )
         assert fresh.effects is not None
         assert len(fresh.effects.checkpoints) == 1
@@ -147,7 +152,7 @@ async def test_dead_letters_of_another_broker_cluster_are_kept_apart(database: s
         store = store_for(pool)
         for cluster, junk in (("old-cluster", b"{not json"), ("new-cluster", b"[]")):
             bad = Incoming(TOPIC, 0, 0, b"r", junk, decode(junk, key=b"r"))
-            result = await store.transact(cluster, {(TOPIC, 0): [bad]}, frozenset())
+            result = await store.transact(cluster, {(TOPIC, 0): [bad]}, TenantLimits())
             assert result.effects is not None
             assert len(result.effects.dead_letters) == 1
     rows = await fetch(database, "SELECT reason, value FROM dead_letters ORDER BY id")
@@ -180,15 +185,15 @@ async def test_a_batch_that_waited_on_the_fence_reads_what_its_holder_committed(
     last = [completed("r", updates={"i": 4}), completed("n", updates={"i": 1})]
     async with connect(database, max_size=4) as pool:
         zombie, owner = store_for(pool), store_for(pool)
-        await owner.transact("c", {(TOPIC, 0): records(first)}, frozenset())
+        await owner.transact("c", {(TOPIC, 0): records(first)}, TenantLimits())
         async with pool.acquire() as conn, conn.transaction():
             # the zombie's batch, held open: its offsets' row and run "r" locked
             fence, reads = await zombie.open(conn, "c", {(TOPIC, 0): records(middle, 3)})
             waiting = asyncio.create_task(
-                owner.transact("c", {(TOPIC, 0): records(middle + last, 3)}, frozenset())
+                owner.transact("c", {(TOPIC, 0): records(middle + last, 3)}, TenantLimits())
             )
             await wait_for(lambda: _waiting_on_a_lock(database), what="the owner to wait")
-            written = await zombie.write(conn, "c", fence.fresh, frozenset(), reads)
+            written = await zombie.write(conn, "c", fence.fresh, TenantLimits(), reads)
             assert [c.seq for c in written.checkpoints] == [4, 1]
         result = await waiting
     assert result.progress.already_applied == 2
@@ -208,7 +213,7 @@ async def test_a_batch_that_waited_on_a_run_reads_the_run_again(database: str) -
     async with connect(database, max_size=4) as pool:
         owner = store_for(pool)
         first = await owner.transact(
-            "c", {(TOPIC, 0): records([completed("r", updates={"i": 0})])}, None
+            "c", {(TOPIC, 0): records([completed("r", updates={"i": 0})])}, TenantLimits()
         )
         assert first.effects is not None
         assert not first.effects.read_again  # nothing in the way: one round trip
@@ -216,7 +221,9 @@ async def test_a_batch_that_waited_on_a_run_reads_the_run_again(database: str) -
             await conn.execute("UPDATE runs SET status = 'running' WHERE run_id = 'r'")
             waiting = asyncio.create_task(
                 owner.transact(
-                    "c", {(TOPIC, 0): records([completed("r", updates={"i": 1})], 1)}, None
+                    "c",
+                    {(TOPIC, 0): records([completed("r", updates={"i": 1})], 1)},
+                    TenantLimits(),
                 )
             )
             await wait_for(lambda: _waiting_on_a_lock(database), what="the owner to wait")

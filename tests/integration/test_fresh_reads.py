@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from alma_core.quotas import TenantLimits
 from alma_core.reducers import ReducerRegistry
 from alma_core.schemas.decoder import decode
 from alma_core.sdk.client import AlmaClient
@@ -59,7 +60,7 @@ async def test_a_commit_whose_cache_write_never_came_is_read_from_postgres(
             pool, StoreConfig("other-group", "checkpointer", "x", "y", 10**6), ReducerRegistry()
         )
         docs = [completed("killed", state={"n": 3}), completed("killed", state={"n": 4})]
-        await store.transact("c", {("elsewhere", 0): as_records(docs, 0)}, frozenset())
+        await store.transact("c", {("elsewhere", 0): as_records(docs, 0)}, TenantLimits())
         async with RedisCheckpointCache.for_settings(settings) as cache:
             cached, _ = await cache.get("acme", "killed", "latest")
             assert cached is not None

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from alma_core import errors
+from alma_core.quotas import TenantLimits
 from alma_core.reducers import ReducerRegistry, default_registry
 from alma_core.schemas.decoder import decode
 from alma_core.sdk.client import AlmaClient
@@ -235,7 +236,9 @@ async def test_reply_lost_to_a_crash_is_sent_on_recovery(settings: Settings) -> 
             ReducerRegistry(),
         )
         record = Incoming(settings.sequenced_topic, 0, 0, b"lost", raw, decode(raw))
-        result = await store.transact("crashed", {(settings.sequenced_topic, 0): [record]}, None)
+        result = await store.transact(
+            "crashed", {(settings.sequenced_topic, 0): [record]}, TenantLimits()
+        )
     assert result.effects is not None
     assert result.effects.outcomes["ok"] == 1  # durable, but never published: the crash
     async with Worker.start(settings, ("joiner",)):

@@ -143,6 +143,7 @@ def test_alma_tenants_sets_shows_lists_and_resets(settings: Settings) -> None:
         "learner": None,
         "checkpoint_retention_days": None,
         "storage_quota_bytes": None,
+        "max_state_bytes": None,
     }
     assert shown["learner"] is True  # the global default
     assert shown["storage_quota_bytes"] == 1_000_000  # ALMA_TENANT_STORAGE_QUOTA_BYTES
@@ -168,6 +169,8 @@ def test_alma_tenants_sets_shows_lists_and_resets(settings: Settings) -> None:
         "0",
         "--storage-quota-bytes",
         "0",
+        "--max-state-bytes",
+        "4096",
         env=env,
     )
     assert off.returncode == 0, off.stderr
@@ -180,7 +183,9 @@ def test_alma_tenants_sets_shows_lists_and_resets(settings: Settings) -> None:
         "learner": False,
         "checkpoint_retention_days": 0,
         "storage_quota_bytes": 0,
+        "max_state_bytes": 4096,
     }
+    assert shown["max_state_bytes"] == 4096
     assert (shown["learner"], shown["checkpoint_retention_days"]) == (False, 0)
     assert shown["storage_quota_bytes"] is None  # 0: no limit, whatever the global one
     assert shown["storage"]["full"] is False
@@ -204,9 +209,14 @@ def test_alma_tenants_sets_shows_lists_and_resets(settings: Settings) -> None:
     nothing = alma("tenants", "set", "acme", env=env)
     assert nothing.returncode == 2
     assert (
-        "pass --rate, --burst, --learner, --checkpoint-retention-days, --storage-quota-bytes "
-        "or --reset" in nothing.stderr
+        "pass --rate, --burst, --learner, --checkpoint-retention-days, --storage-quota-bytes, "
+        "--max-state-bytes or --reset" in nothing.stderr
     )
+    above = alma("tenants", "set", "acme", "--max-state-bytes", "99999999", env=env)
+    assert above.returncode == 0, above.stderr
+    assert "ALMA_MAX_STATE_BYTES (" in above.stderr  # the ceiling: held to it, said so
+    ceiling = json.loads(alma("tenants", "show", "acme", env=env).stdout)
+    assert ceiling["max_state_bytes"] == ceiling_of(env)
     negative = alma("tenants", "set", "acme", "--rate", "-1", env=env)
     assert negative.returncode == 2
     without_topics = alma(
@@ -219,3 +229,8 @@ def test_alma_tenants_sets_shows_lists_and_resets(settings: Settings) -> None:
     )
     assert without_topics.returncode == 0, without_topics.stderr
     assert "only with ALMA_TENANT_TOPICS=true" in without_topics.stderr
+
+
+def ceiling_of(env: dict[str, str]) -> int:
+    """The global state size limit the command runs with."""
+    return int(env.get("ALMA_MAX_STATE_BYTES") or Settings.model_fields["max_state_bytes"].default)

@@ -674,6 +674,7 @@ async def test_mounted_in_a_host_app_the_inspector_takes_the_tenant_from_a_proxy
                 ("burst (events)", "no limit", "global"),
                 ("learner", "off", "own"),
                 ("checkpoints of closed runs kept", "7 days", "own"),
+                ("state size limit (bytes)", str(settings.max_state_bytes), "global"),
                 ("storage quota (bytes of checkpoint states)", "1", "own"),
             ]
             used = (await client.tenant_storage("acme")).used

@@ -158,6 +158,19 @@ def test_a_merge_takes_the_next_seq_and_becomes_the_main_line() -> None:
     assert second.reply["merged_state"]["log"] == ["start", "a", "b", "c"]
 
 
+def test_a_tenants_own_state_limit_holds_for_its_merges_alone() -> None:
+    """A tenant's own limit below the global one refuses its merged state, saying whose
+    limit it is; the same merge of a tenant without one is made."""
+    big = [{"a": "x" * 600}, {"b": "y" * 600}]  # merged: ~1.2 KB, under the global 10 KB
+    own = planner(state_limits={"acme": 1024})
+    refused = own.decide(join_event("j", states=big), 4)
+    assert refused.checkpoint is None
+    assert isinstance(refused.rejection, errors.StateTooLarge)
+    assert "the tenant's own limit is 1024" in refused.reply["error"]
+    other = planner(state_limits={"globex": 1024})
+    assert other.decide(join_event("j", states=big), 4).checkpoint is not None
+
+
 def test_the_same_join_twice_is_one_merge_and_the_same_reply() -> None:
     p = planner()
     first = p.decide(join_event("j", branch_ids=["alpha"]), 4)

@@ -61,6 +61,7 @@ def sequencer(**kw: Any) -> Sequencer:
         registry=ReducerRegistry(),
         max_state_bytes=kw.get("limit", 10_000),
         over_quota=kw.get("over_quota", frozenset()),
+        state_limits=kw.get("state_limits"),
     )
 
 
@@ -286,6 +287,23 @@ def test_a_tenant_at_its_storage_quota_begins_no_run_and_a_refused_run_stays_ref
             room.fold(late, AT)
     assert (room.effects.checkpoints, room.effects.events) == ([], [])
     assert room.fold(ev(state={"a": 1}, run="other"), AT) == "checkpointed"
+
+
+def test_a_tenants_own_state_limit_holds_for_its_states_alone() -> None:
+    """Below the global limit a tenant's own refuses a state (given, or folded from
+    updates) the global one admits, naming whose limit it is; other tenants keep the
+    global one; nothing of the refused event is written."""
+    big = {"text": "x" * 2_000}  # under the global 10,000
+    seq = sequencer(state_limits={"small": 1_024})
+    with pytest.raises(errors.StateTooLarge, match="the tenant's own limit is 1024"):
+        seq.fold(ev(state=big, tenant="small"), AT)
+    assert seq.fold(ev(state={"a": 1}, tenant="small"), AT) == "checkpointed"
+    with pytest.raises(errors.StateTooLarge, match="own limit"):
+        seq.fold(ev(updates=big, tenant="small"), AT)
+    assert [c.tenant_id for c in seq.effects.checkpoints] == ["small"]
+    assert seq.fold(ev(state=big), AT) == "checkpointed"  # acme: the global limit
+    with pytest.raises(errors.StateTooLarge, match="the limit is 10000"):
+        seq.fold(ev(state={"text": "x" * 20_000}, run="r2"), AT)
 
 
 def completion(outcome: str = "success", **kw: Any) -> Event:

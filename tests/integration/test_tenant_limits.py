@@ -1,10 +1,14 @@
-"""Storage quotas per tenant (issue 50, item 3), on the real stack: the bytes of
-checkpoint states a tenant keeps are counted as they are written, exactly; at its
-quota a tenant's new run is refused (its events dead-lettered as ``storage_quota``, its
-``applied()`` caller told why, its join answered with the error) while its runs begun
-before go on and other tenants are not held; the refused run stays refused whatever
-comes after, until its letters are replayed, oldest first, once there is room; then it
-is applied in order, nothing lost."""
+"""Tenants' own limits on the real stack (issue 50, items 2 and 3).
+
+Storage quotas: the bytes of checkpoint states a tenant keeps are counted as they are
+written, exactly; at its quota a tenant's new run is refused (its events dead-lettered
+as ``storage_quota``, its ``applied()`` caller told why, its join answered with the
+error) while its runs begun before go on and other tenants are not held; the refused
+run stays refused whatever comes after, until its letters are replayed, oldest first,
+once there is room; then it is applied in order, nothing lost.
+
+State size limits: a tenant's own limit, below the global one, holds for its states and
+its merges alone, set without a restart."""
 
 from __future__ import annotations
 
@@ -153,3 +157,42 @@ async def test_a_tenant_at_its_storage_quota_begins_no_new_run_and_loses_nothing
         assert [r["status"] for r in status] == ["running"]
         used, summed = await kept(dsn, "tight")
         assert used == summed
+
+
+async def test_a_tenants_own_state_limit_holds_for_its_states_and_merges_alone(
+    settings: Settings,
+) -> None:
+    dsn = settings.postgres_dsn
+    assert dsn
+    big = {"text": "x" * 3_000}  # under the global limit (64 KB here), over small's own
+    async with AlmaClient(settings) as client:
+        async with Worker.start(settings, ("checkpointer", "joiner")):
+            ctx = WorkflowContext("small", "wf", None, "s-1", "n")
+            await client.node_completed(ctx, state=big, wait="applied", timeout=60)  # global
+            await client.set_tenant_settings("small", max_state_bytes=2_048)
+            await asyncio.sleep(tenant_settings.REFRESH_S + 0.5)  # the time it takes, stated
+            bigger = big | {"more": 1}
+            with pytest.raises(errors.StateTooLarge, match="the tenant's own limit is 2048"):
+                await client.node_completed(ctx, state=bigger, wait="applied", timeout=60)
+            halves = [{"a": "x" * 1_200}, {"b": "y" * 1_200}]  # each under it, merged over
+            with pytest.raises(errors.MergeFailed, match="the tenant's own limit is 2048"):
+                await client.merge(ctx, states=halves, timeout=60)
+            acme = WorkflowContext("acme", "wf", None, "a-1", "n")  # another tenant: global
+            await client.node_completed(acme, state=big, wait="applied", timeout=60)
+            assert (await client.merge(acme, states=halves, timeout=60)).status == "ok"
+        assert (await client.tenant_settings("small")).max_state_bytes == 2_048
+    sizes = await fetch(
+        dsn, "SELECT tenant_id, kind, size_bytes FROM checkpoints ORDER BY tenant_id, seq"
+    )
+    assert [(r["tenant_id"], r["kind"]) for r in sizes] == [
+        ("acme", "node"),
+        ("acme", "merge"),
+        ("small", "node"),  # the one made before its limit was set
+    ]
+    letters = await fetch(
+        dsn, "SELECT consumer, reason FROM dead_letters WHERE tenant_id = 'small' ORDER BY id"
+    )
+    assert [(r["consumer"], r["reason"]) for r in letters] == [
+        ("checkpointer", "state_too_large"),
+        ("joiner", "state_too_large"),
+    ]

@@ -1,0 +1,69 @@
+"""What each tenant's own settings bound in a batch, read every
+:data:`~alma_core.storage.tenant_settings.REFRESH_S` seconds before the batch's
+transaction (the handler's ``prepare``), so that ``alma tenants set`` takes effect
+without a restart: the tenants at their storage quota (the checkpointer refuses their
+new runs, after reading their standing once more in the transaction) and the tenants'
+own state size limits (the checkpointer's and the joiner's states are held to them).
+PostgreSQL being away keeps what was read before (logged): the batch's own
+transaction then says so."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import asyncpg
+
+from alma_core import errors
+from alma_core.consumers.metrics import Metrics
+from alma_core.quotas import TenantLimits
+from alma_core.storage import tenant_settings
+from alma_core.storage.batches import guarded
+
+log = logging.getLogger("alma.consumers")
+
+
+class LimitsReader:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        metrics: Metrics,
+        *,
+        max_state_bytes: int,
+        storage_quota: int = 0,
+        storage: bool = False,
+    ) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.max_state_bytes = max_state_bytes  # ALMA_MAX_STATE_BYTES: the ceiling
+        self.storage_quota = storage_quota  # ALMA_TENANT_STORAGE_QUOTA_BYTES
+        self.storage = storage  # read the storage standings too (the checkpointer)
+        self.limits = TenantLimits()
+        self._read_at: float | None = None
+
+    async def current(self) -> TenantLimits:
+        """The limits, read again once :data:`REFRESH_S` passed."""
+        now = time.monotonic()
+        if self._read_at is None or now - self._read_at >= tenant_settings.REFRESH_S:
+            self._read_at = now
+            try:
+                self.limits = await self._read()
+            except errors.StorageError as exc:
+                log.warning(
+                    "tenants' settings not read; the limits read before stay",
+                    extra={"action": "tenant_settings_unread", "error": repr(exc)},
+                )
+        return self.limits
+
+    async def _read(self) -> TenantLimits:
+        rows = await guarded("reading tenants' settings", tenant_settings.load_all(self.pool))
+        state_bytes = tenant_settings.state_limits(rows, self.max_state_bytes)
+        if not self.storage:
+            return TenantLimits(state_bytes=state_bytes)
+        standings = await guarded(
+            "reading tenants' storage", tenant_settings.storage(self.pool, self.storage_quota)
+        )
+        for s in standings:
+            self.metrics.tenant_storage.labels(s.tenant_id).set(s.used)
+            self.metrics.tenant_storage_quota.labels(s.tenant_id).set(s.quota)
+        return TenantLimits(frozenset(s.tenant_id for s in standings if s.full), state_bytes)
