@@ -203,6 +203,8 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
             m.dead_letters.labels(self.name, dl.reason).inc()
             if dl.reason in TENANT_REFUSALS:  # labelled by the topic's tenant, not the claim
                 m.tenant_refusals.labels(dl.tenant_id or "", dl.reason).inc()
+            elif dl.reason == errors.StorageQuotaExceeded.reason:
+                m.tenant_storage_refused.labels(dl.tenant_id or "").inc()
             log.warning(
                 "dead letter",
                 extra={

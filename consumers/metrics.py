@@ -112,6 +112,13 @@ class Metrics:
             ["tenant"],
             registry=r,
         )
+        self.tenant_storage_refused = Counter(
+            "alma_tenant_storage_refused_total",
+            "Events refused because their tenant was at its storage quota (a new run's, or "
+            "a run refused so before): dead-lettered as storage_quota, replayable",
+            ["tenant"],
+            registry=r,
+        )
         self.dead_letter_failures = Counter(
             "alma_dead_letter_failures_total",
             "Records whose dead-letter row could not be stored: skipped, sent to the "

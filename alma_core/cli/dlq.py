@@ -70,14 +70,29 @@ def dlq_list(
 
 @dlq_app.command("replay")
 def dlq_replay(
-    letter_id: int = typer.Argument(..., help="The dead letter's id (from `alma dlq list`)."),
+    letter_id: int = typer.Argument(
+        None, help="The dead letter's id (from `alma dlq list`); or --run."
+    ),
+    run: str = typer.Option(
+        None,
+        "--run",
+        help="Every letter of this run not replayed yet, oldest first (a run refused at its "
+        "tenant's storage quota is reopened by the first); with --tenant or ALMA_TENANT.",
+    ),
+    tenant: str = typer.Option(None, "--tenant", help="The run's tenant (with --run)."),
     value_file: Path = typer.Option(
         None, "--value-file", help="A corrected JSON event to send instead of the original."
     ),
     force: bool = typer.Option(False, help="Send even if the value would be rejected again."),
 ) -> None:
-    """Send a dead letter (or a corrected version) back to the lifecycle topic."""
+    """Send a dead letter (or a corrected version), or every letter of a run, back to the
+    lifecycle topic."""
     s = common.settings()
+    if (letter_id is None) == (run is None):
+        common.fail("give a dead letter's id or --run RUN (one of them)", common.USAGE)
+    if run is not None and value_file is not None:
+        common.fail("--value-file corrects one letter: give its id, not --run", common.USAGE)
+    owner = common.tenant(s, tenant, required=True) if run is not None else None
     try:
         corrected = value_file.read_bytes() if value_file else None
     except OSError as exc:
@@ -91,29 +106,44 @@ def dlq_replay(
         )
 
         async def send(topic: str, value: bytes, key: bytes | None) -> None:
-            sent_to.append(topic)
             try:
-                await producer.start()
+                if not sent_to:
+                    await producer.start()
                 await producer.send_and_wait(topic, value, key=key)
             except KafkaError as exc:
                 raise common.kafka_unavailable(
                     common.bootstrap(s), f"publish to {topic}", exc
                 ) from exc
+            sent_to.append(topic)
 
         try:
-            await letters.replay(
-                conn,
-                send,
-                letter_id,
-                topics=s.topic_names,
-                max_state_bytes=s.max_state_bytes,
-                storage_quota=s.tenant_storage_quota_bytes,
-                corrected=corrected,
-                force=force,
-            )
+            if run is not None and owner is not None:
+                sent = await letters.replay_run(
+                    conn,
+                    send,
+                    owner,
+                    run,
+                    topics=s.topic_names,
+                    max_state_bytes=s.max_state_bytes,
+                    storage_quota=s.tenant_storage_quota_bytes,
+                    force=force,
+                )
+                done = f"replayed dead letters {', '.join(map(str, sent))} of run {run!r}"
+            else:
+                await letters.replay(
+                    conn,
+                    send,
+                    letter_id,
+                    topics=s.topic_names,
+                    max_state_bytes=s.max_state_bytes,
+                    storage_quota=s.tenant_storage_quota_bytes,
+                    corrected=corrected,
+                    force=force,
+                )
+                done = f"replayed dead letter {letter_id}"
         finally:
             await producer.stop()
             await conn.close()
-        common.out.print(f"replayed dead letter {letter_id} to {sent_to[0]}")
+        common.out.print(f"{done} to {sent_to[0]}")
 
     common.run(main)

@@ -1,8 +1,8 @@
-"""Sending a dead letter back: its record as it came (or a corrected one) to the
-lifecycle topic (with ALMA_TENANT_TOPICS, its tenant's: the one it was read from, so
-a letter is checked again as that tenant's and can never be laundered into another's),
-keyed by its run, and the letter marked replayed. What `alma dlq replay`
-and the run inspector's replay button do."""
+"""Sending a dead letter back (or all of a run's, oldest first): its record as it came
+(or a corrected one) to the lifecycle topic (with ALMA_TENANT_TOPICS, its tenant's: the
+one it was read from, so a letter is checked again as that tenant's and can never be
+laundered into another's), keyed by its run, and the letter marked replayed. What
+`alma dlq replay` and the run inspector's replay button do."""
 
 from __future__ import annotations
 
@@ -85,6 +85,49 @@ async def replay(
                 )
         await send(topic, value, key)
         await dead_letters.mark_replayed(conn, letter_id)
+
+
+async def replay_run(
+    conn: asyncpg.Connection,
+    send: Send,
+    tenant_id: str,
+    run_id: str,
+    *,
+    topics: TenantTopics,
+    max_state_bytes: int,
+    storage_quota: int = 0,
+    force: bool = False,
+) -> list[int]:
+    """Every letter of the tenant's run not replayed yet, oldest first, each as
+    :func:`replay` sends one (a run refused at its storage quota is reopened by the
+    first): the ids sent. Stops at the first one refused, its error naming it and those
+    sent before."""
+    waiting = await dead_letters.waiting_of_run(conn, tenant_id, run_id)
+    if not waiting:
+        raise errors.AlmaError(
+            f"run {run_id!r} of tenant {tenant_id!r} has no dead letter waiting to be "
+            "replayed: see `alma dlq list`"
+        )
+    sent: list[int] = []
+    for letter in waiting:
+        try:
+            await replay(
+                conn,
+                send,
+                letter,
+                topics=topics,
+                max_state_bytes=max_state_bytes,
+                storage_quota=storage_quota,
+                tenant_id=tenant_id,
+                force=force,
+            )
+        except errors.AlmaError as exc:
+            before = f"letters {sent} were sent before it" if sent else "none was sent before it"
+            raise type(exc)(
+                f"dead letter {letter} of run {run_id!r}: {exc.message} ({before})"
+            ) from None
+        sent.append(letter)
+    return sent
 
 
 async def _reopen(

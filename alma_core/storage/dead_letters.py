@@ -176,6 +176,17 @@ async def run_standing(
     return row
 
 
+async def waiting_of_run(conn: asyncpg.Connection, tenant_id: str, run_id: str) -> list[int]:
+    """The run's letters not replayed yet, oldest first."""
+    rows = await conn.fetch(
+        """SELECT id FROM dead_letters
+           WHERE tenant_id = $1 AND run_id = $2 AND replayed_at IS NULL ORDER BY id""",
+        tenant_id,
+        run_id,
+    )
+    return [int(r["id"]) for r in rows]
+
+
 async def older_of_run(
     conn: asyncpg.Connection, letter_id: int, tenant_id: str, run_id: str, reason: str
 ) -> int | None:

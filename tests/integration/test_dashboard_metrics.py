@@ -43,11 +43,13 @@ WITH_TENANT_TOPICS = {
     "alma_tenant_throttled_total": "test_tenant_quotas.py",
     "alma_tenant_refused_total": "test_tenant_identity.py",
 }
-# the tenants' storage, read every tenant_settings.REFRESH_S: a tenant's gauges appear at
-# the first reading after its first checkpoint, and the test that asserts them
+# the tenants' storage, read every tenant_settings.REFRESH_S (a tenant's gauges appear at
+# the first reading after its first checkpoint) and refused at a quota; the test that
+# asserts them
 AFTER_A_STORAGE_READ = {
     "alma_tenant_storage_bytes": "test_tenant_limits.py",
     "alma_tenant_storage_quota_bytes": "test_tenant_limits.py",
+    "alma_tenant_storage_refused_total": "test_tenant_limits.py",
 }
 # what only `alma up` produces (its embedded services), and the test that asserts each
 UNDER_ALMA_UP = {

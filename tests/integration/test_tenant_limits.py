@@ -24,6 +24,8 @@ from alma_core.settings import Settings
 from alma_core.storage import tenant_settings
 from alma_core.types import WorkflowContext
 from tests.integration.harness import Publisher, Worker, count, event, fetch, wait_for
+from tests.integration.test_cli import alma
+from tests.integration.test_cli_runs import env_of
 
 QUOTA = 3_000  # bytes of states: the first run's three checkpoints take more
 STATE = {"text": "x" * 1_000}
@@ -109,6 +111,8 @@ async def test_a_tenant_at_its_storage_quota_begins_no_new_run_and_loses_nothing
                 )
             assert worker.value("alma_tenant_storage_bytes", {"tenant": "tight"}) >= used
             assert worker.value("alma_tenant_storage_quota_bytes", {"tenant": "tight"}) == QUOTA
+            refused_total = worker.value("alma_tenant_storage_refused_total", {"tenant": "tight"})
+            assert refused_total == len(refused) + 2  # t-2's, t-3's completion, t-4's join
 
             ids = [
                 r["id"]
@@ -135,10 +139,23 @@ async def test_a_tenant_at_its_storage_quota_begins_no_new_run_and_loses_nothing
                 await client.set_tenant_settings("tight", storage_quota_bytes=10 * QUOTA)
                 with pytest.raises(errors.AlmaError, match=f"replay {ids[0]} first"):
                     await replay(ids[1])  # the run would begin without its first event
-                for letter in ids:
-                    await replay(letter)
             finally:
                 await conn.close()
+            # the whole run, oldest first, from the command line
+            env = env_of(settings)
+            both = await asyncio.to_thread(alma, "dlq", "replay", "1", "--run", "t-2", env=env)
+            assert both.returncode == 2
+            assert "give a dead letter's id or --run RUN" in both.stderr
+            done = await asyncio.to_thread(
+                alma, "dlq", "replay", "--run", "t-2", "--tenant", "tight", env=env
+            )
+            assert done.returncode == 0, done.stderr
+            assert f"replayed dead letters {', '.join(map(str, ids))} of run 't-2'" in done.stdout
+            again = await asyncio.to_thread(
+                alma, "dlq", "replay", "--run", "t-2", "--tenant", "tight", env=env
+            )
+            assert again.returncode != 0
+            assert "has no dead letter waiting" in again.stderr
 
             async def reopened() -> bool:
                 sql = "SELECT count(*) FROM run_events WHERE run_id = 't-2'"
