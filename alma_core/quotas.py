@@ -28,10 +28,12 @@ CHUNK_S = 0.1  # a throttled tenant is let in again once its bucket holds this m
 class TenantLimits:
     """What tenants' own settings bound in a batch, as a worker read them last
     (:mod:`alma_core.consumers.tenant_limits`): the tenants at their storage quota, whose
-    new runs are refused, and the tenants' own state size limits (below the global)."""
+    new runs are refused, the tenants' own state size limits (below the global), and the
+    tenants whose learner is off."""
 
     full: frozenset[str] = frozenset()
     state_bytes: Mapping[str, int] = field(default_factory=dict)
+    not_learning: frozenset[str] = frozenset()  # their learner off: their runs passed by
 
 
 @dataclass(frozen=True)

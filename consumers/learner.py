@@ -8,7 +8,7 @@ topic are the joiner's; the learner only moves its offsets past them. When idle,
 it publishes leftover outbox rows and prunes what outlived its retention (the global
 lifetimes, and a tenant's own checkpoint retention: :mod:`alma_core.storage.retention`).
 A tenant whose learner is off (``alma tenants set T --learner off``, read every
-:data:`tenant_settings.REFRESH_S` seconds) is passed by: nothing of its runs drafted,
+seconds, :mod:`alma_core.consumers.tenant_limits`) is passed by: nothing of its runs drafted,
 embedded or stored.
 """
 
@@ -21,11 +21,12 @@ from alma_core import learning
 from alma_core.consumers.handler import StoreHandler, as_rejected, failure_text, reraise_retriable
 from alma_core.consumers.metrics import Metrics
 from alma_core.consumers.outbox import OutboxRelay
+from alma_core.consumers.tenant_limits import LimitsReader
 from alma_core.schemas.decoder import RejectReason
 from alma_core.schemas.events import WorkflowCompleted
 from alma_core.sequencing import Coordinates
 from alma_core.settings import RetentionPolicy
-from alma_core.storage import retention, tenant_settings
+from alma_core.storage import retention
 from alma_core.storage.batches import Batch
 from alma_core.storage.cache_writer import CacheWriter
 from alma_core.storage.embeddings import AsyncEmbedder
@@ -53,6 +54,7 @@ class LearnHandler(StoreHandler[dict[Coordinates, Prepared], LearnEffects]):
         max_record_bytes: int,
         retention: RetentionPolicy | None = None,
         prune_every_s: float = 300,
+        limits: LimitsReader | None = None,
     ) -> None:
         super().__init__(
             store,
@@ -67,19 +69,8 @@ class LearnHandler(StoreHandler[dict[Coordinates, Prepared], LearnEffects]):
         self.prune_every_s = prune_every_s
         self._last_prune = 0.0
         self._behind = False  # the last round stopped at its limit: prune again next round
-        self._not_learning: frozenset[str] = frozenset()  # tenants whose learner is off
-        self._settings_read_at: float | None = None
-
-    async def not_learning(self) -> frozenset[str]:
-        """The tenants whose learner is off, read again once :data:`REFRESH_S` passed."""
-        now = time.monotonic()
-        if (
-            self._settings_read_at is None
-            or now - self._settings_read_at >= tenant_settings.REFRESH_S
-        ):
-            self._not_learning = await self.store.not_learning()
-            self._settings_read_at = now
-        return self._not_learning
+        # the tenants whose learner is off, among the tenants' settings read every few s
+        self.limits = limits or LimitsReader(store.pool, metrics, max_state_bytes=max_state_bytes)
 
     async def prepare(self, incoming: Batch) -> tuple[Batch, dict[Coordinates, Prepared]]:
         """Draft and embed the completions first (no transaction open meanwhile). If
@@ -113,7 +104,7 @@ class LearnHandler(StoreHandler[dict[Coordinates, Prepared], LearnEffects]):
             for r in rs
             if isinstance(r.decoded, WorkflowCompleted)
         ]
-        off = await self.not_learning() if completions else frozenset()
+        off = (await self.limits.current()).not_learning if completions else frozenset()
         passed_by = {
             r.coords: Prepared(
                 draft=learning.draft(_finished(e), []),

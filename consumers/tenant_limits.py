@@ -2,8 +2,9 @@
 :data:`~alma_core.storage.tenant_settings.REFRESH_S` seconds before the batch's
 transaction (the handler's ``prepare``), so that ``alma tenants set`` takes effect
 without a restart: the tenants at their storage quota (the checkpointer refuses their
-new runs, after reading their standing once more in the transaction) and the tenants'
-own state size limits (the checkpointer's and the joiner's states are held to them).
+new runs, after reading their standing once more in the transaction), the tenants'
+own state size limits (the checkpointer's and the joiner's states are held to them) and
+the tenants whose learner is off (the learner passes their runs by).
 PostgreSQL being away keeps what was read before (logged): the batch's own
 transaction then says so."""
 
@@ -58,12 +59,14 @@ class LimitsReader:
     async def _read(self) -> TenantLimits:
         rows = await guarded("reading tenants' settings", tenant_settings.load_all(self.pool))
         state_bytes = tenant_settings.state_limits(rows, self.max_state_bytes)
+        off = tenant_settings.not_learning(rows)
         if not self.storage:
-            return TenantLimits(state_bytes=state_bytes)
+            return TenantLimits(state_bytes=state_bytes, not_learning=off)
         standings = await guarded(
             "reading tenants' storage", tenant_settings.storage(self.pool, self.storage_quota)
         )
         for s in standings:
             self.metrics.tenant_storage.labels(s.tenant_id).set(s.used)
             self.metrics.tenant_storage_quota.labels(s.tenant_id).set(s.quota)
-        return TenantLimits(frozenset(s.tenant_id for s in standings if s.full), state_bytes)
+        full = frozenset(s.tenant_id for s in standings if s.full)
+        return TenantLimits(full, state_bytes, off)

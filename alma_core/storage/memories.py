@@ -29,7 +29,7 @@ from alma_core.learning import LearningPolicy, OutcomeDraft
 from alma_core.schemas.decoder import Rejection
 from alma_core.schemas.events import ArtifactRef, WorkflowCompleted
 from alma_core.sequencing import Coordinates
-from alma_core.storage import retention, tenant_settings
+from alma_core.storage import retention
 from alma_core.storage.batches import Batch, BatchStore, Effects, guarded
 from alma_core.storage.dead_letters import dead_letter_for
 from alma_core.storage.embeddings import Vector, vector_literal
@@ -162,11 +162,6 @@ class PostgresLearnStore(BatchStore[dict[Coordinates, Prepared], LearnEffects, N
             return rows
 
         return {(r["t"], r["e"]) for r in await guarded("reading known outcomes", read())}
-
-    async def not_learning(self) -> frozenset[str]:
-        """The tenants whose learner is off (``alma tenants set T --learner off``)."""
-        rows = await guarded("reading tenants' settings", tenant_settings.load_all(self.pool))
-        return tenant_settings.not_learning(rows)
 
     # -- the transaction ----------------------------------------------------------
 
