@@ -7,9 +7,9 @@ batches off the event loop, then apply one transaction. Join requests on the sam
 topic are the joiner's; the learner only moves its offsets past them. When idle,
 it publishes leftover outbox rows and prunes what outlived its retention (the global
 lifetimes, and a tenant's own checkpoint retention: :mod:`alma_core.storage.retention`).
-A tenant whose learner is off (``alma tenants set T --learner off``, read every
-seconds, :mod:`alma_core.consumers.tenant_limits`) is passed by: nothing of its runs drafted,
-embedded or stored.
+A tenant whose learner is off (``alma tenants set T --learner off``, read every few
+seconds: :mod:`alma_core.consumers.tenant_limits`) is passed by: nothing of its runs
+drafted, embedded or stored.
 """
 
 from __future__ import annotations
