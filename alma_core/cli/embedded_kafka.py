@@ -27,6 +27,7 @@ import asyncio
 import base64
 import re
 import shutil
+import signal
 import subprocess
 import uuid
 from dataclasses import dataclass
@@ -202,6 +203,10 @@ class KafkaBroker(Service):
     title = "Kafka broker (Apache Kafka)"
     kind = "kafka"
     in_memory = False  # its log is on disk: a restart keeps every acknowledged record
+    # SIGTERM, Kafka's own stop signal: a JVM started with SIGINT ignored (what a
+    # non-interactive shell does to a job it puts in the background: `alma up &`, a
+    # script, CI) ignores SIGINT, and was killed after the grace instead of shutting down
+    stop_signal = signal.SIGTERM
 
     def __init__(
         self,

@@ -119,6 +119,8 @@ class Service:
 
     name = "service"
     title = "service"  # what a person calls it: "the embedded {title}"
+    # the signal that asks it to stop (PostgreSQL: fast shutdown; Redis: shut down)
+    stop_signal: int = signal.SIGINT
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
@@ -205,17 +207,23 @@ class Service:
     def pid(self) -> int | None:
         return self.proc.pid if self.running and self.proc is not None else None
 
-    async def stop(self, sig: int = signal.SIGINT, grace_s: float = 15.0) -> None:
-        """Stop gracefully (SIGINT by default), then kill if it does not exit in time."""
+    async def stop(self, sig: int | None = None, grace_s: float = 15.0) -> None:
+        """Stop gracefully (``stop_signal`` unless ``sig``), then kill if it does not exit
+        in time (logged, with the end of its log: a kill skips its own shutdown)."""
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(sig)
+            proc.send_signal(self.stop_signal if sig is None else sig)
         deadline = time.monotonic() + grace_s
         while proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110 - polls a child
             await asyncio.sleep(0.02)
         if proc.poll() is None:
+            log.warning(
+                f"the embedded {self.title} did not stop within {grace_s:g} s: killed; the end "
+                f"of its log ({self.log_path}):\n{tail(self.log_path)}",
+                extra={"action": "embedded_stop_killed", "service": self.name},
+            )
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await asyncio.to_thread(proc.wait)

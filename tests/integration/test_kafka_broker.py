@@ -7,6 +7,7 @@ the broker acknowledged lost."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -297,20 +298,33 @@ async def test_the_topics_alma_creates_take_the_records_it_accepts(
         )
 
 
-async def test_a_cluster_id_that_begins_with_a_dash_formats(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+async def test_a_cluster_id_that_begins_with_a_dash_formats_and_sigint_ignored_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A KRaft cluster id is base64: 1 in 32 begins with "-", which the storage tool's
-    parser took for an option (the suite's broker failed to start once in a while)."""
+    parser took for an option (the suite's broker failed to start once in a while).
+
+    Started by a process that ignores SIGINT (a job a non-interactive shell puts in the
+    background: `alma up &`, a script, CI), the JVM ignores SIGINT too: the broker is
+    stopped with SIGTERM, its own stop signal, and shuts down rather than being killed
+    once the grace runs out (it was, in every full run of the suite)."""
     from alma_core.cli import embedded_kafka
 
     monkeypatch.setattr(embedded_kafka, "new_cluster_id", lambda: "-" + "A" * 21)
     broker = KafkaBroker(tmp_path / "kafka", tmp_path / "run", libs=embedded_kafka.default_libs())
-    await broker.start()
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        await broker.start()  # the JVM inherits SIGINT ignored
+    finally:
+        signal.signal(signal.SIGINT, before)
+    proc = broker.proc
+    assert proc is not None
     try:
         assert broker.cluster_id == "-" + "A" * 21
     finally:
         await broker.stop()
+    assert proc.returncode != -signal.SIGKILL  # it shut down: not killed after the grace
+    assert "did not stop" not in caplog.text
 
 
 async def test_alma_topics_describe_checks_the_topics_on_the_broker(
