@@ -15,7 +15,7 @@ from alma_core.consumers.handler import StoreHandler
 from alma_core.consumers.tenant_limits import LimitsReader
 from alma_core.quotas import TenantLimits
 from alma_core.storage.batches import Batch
-from alma_core.storage.checkpoints import CheckpointEffects
+from alma_core.storage.checkpoints import CheckpointEffects, PostgresCheckpointStore
 
 NAME = "checkpointer"
 GROUP = "checkpointer"  # the group id is f"{ALMA_GROUP_PREFIX}-checkpointer"
@@ -23,10 +23,18 @@ GROUP = "checkpointer"  # the group id is f"{ALMA_GROUP_PREFIX}-checkpointer"
 
 class CheckpointHandler(StoreHandler[TenantLimits, CheckpointEffects]):
     name = NAME
+    store: PostgresCheckpointStore
 
-    def __init__(self, *args: Any, limits: LimitsReader, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limits: LimitsReader | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.limits = limits
+        config = self.store.config  # the tenants' limits below its global ones
+        self.limits = limits or LimitsReader(
+            self.store.pool,
+            self.metrics,
+            max_state_bytes=config.max_state_bytes,
+            storage_quota=config.storage_quota,
+            storage=True,
+        )
 
     async def prepare(self, incoming: Batch) -> tuple[Batch, TenantLimits]:
         """The tenants' own limits (:mod:`alma_core.consumers.tenant_limits`);

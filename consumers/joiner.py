@@ -11,7 +11,7 @@ from alma_core.consumers.handler import StoreHandler
 from alma_core.consumers.tenant_limits import LimitsReader
 from alma_core.quotas import TenantLimits
 from alma_core.storage.batches import Batch
-from alma_core.storage.joins import JoinEffects
+from alma_core.storage.joins import JoinEffects, PostgresJoinStore
 
 NAME = "joiner"
 GROUP = "joiner"
@@ -19,10 +19,14 @@ GROUP = "joiner"
 
 class JoinHandler(StoreHandler[TenantLimits, JoinEffects]):
     name = NAME
+    store: PostgresJoinStore
 
-    def __init__(self, *args: Any, limits: LimitsReader, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limits: LimitsReader | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.limits = limits
+        # the tenants' own state size limits, below the store's (its records' is larger)
+        self.limits = limits or LimitsReader(
+            self.store.pool, self.metrics, max_state_bytes=self.store.config.max_state_bytes
+        )
 
     async def prepare(self, incoming: Batch) -> tuple[Batch, TenantLimits]:
         """The tenants' own state size limits (:mod:`alma_core.consumers.tenant_limits`);

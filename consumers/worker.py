@@ -33,7 +33,6 @@ from alma_core.consumers.outbox import OutboxRelay
 from alma_core.consumers.retry import backoff_delay, retry_start, wait
 from alma_core.consumers.runtime import ConsumerRuntime, RuntimeConfig
 from alma_core.consumers.spans import BatchTracer
-from alma_core.consumers.tenant_limits import LimitsReader
 from alma_core.consumers.throttle import Throttle
 from alma_core.learning import LearningPolicy
 from alma_core.messaging import acls, kafka, topic_checks
@@ -497,13 +496,6 @@ class _Wiring:
             max_record_bytes=s.max_record_bytes,
             concurrency=s.checkpoint_transactions,
             topics=s.topic_names,
-            limits=LimitsReader(
-                self.pool,
-                self.metrics,
-                max_state_bytes=s.max_state_bytes,
-                storage_quota=s.tenant_storage_quota_bytes,
-                storage=True,
-            ),
         )
         if not s.tenant_topics:
             return self._runtime(checkpointer.GROUP, s.lifecycle_topic, handler)
@@ -541,7 +533,6 @@ class _Wiring:
             # the sequenced topic carries join states as the checkpointer accepted them
             max_state_bytes=s.max_record_bytes,
             max_record_bytes=s.max_record_bytes,
-            limits=LimitsReader(self.pool, self.metrics, max_state_bytes=s.max_state_bytes),
         )
         return self._runtime(joiner.GROUP, s.sequenced_topic, handler)
 
