@@ -325,13 +325,14 @@ class Sequencer:
                 f"quota allows: run {event.run_id!r} is refused, its events kept in the dead "
                 f"letters. What to do: raise the quota (alma tenants set {event.tenant_id} "
                 "--storage-quota-bytes N) or let retention free room, then replay them in "
-                "order (alma dlq replay)"
+                f"order (alma dlq replay --run {event.run_id} --tenant {event.tenant_id})"
             )
         if run.status == REFUSED:
             raise errors.StorageQuotaExceeded(
                 f"run {event.run_id!r} was refused at its start (its tenant was at its "
                 "storage quota): its events wait in the dead letters. What to do: once there "
-                "is room, replay them in order (alma dlq replay), which reopens the run"
+                f"is room, replay them in order (alma dlq replay --run {event.run_id} "
+                f"--tenant {event.tenant_id}), which reopens the run"
             )
         if run.pruned:
             raise errors.RunPruned(

@@ -283,7 +283,9 @@ def test_a_tenant_at_its_storage_quota_begins_no_run_and_a_refused_run_stays_ref
     # later, with room: the refused run's next events are refused all the same
     room = sequencer(runs={("acme", "new"): RunView("new", "acme", "wf", None, "refused")})
     for late in (ev("node.started", run="new"), ev(state={"a": 2}, run="new")):
-        with pytest.raises(errors.StorageQuotaExceeded, match="replay them in order"):
+        with pytest.raises(
+            errors.StorageQuotaExceeded, match="alma dlq replay --run new --tenant acme"
+        ):
             room.fold(late, AT)
     assert (room.effects.checkpoints, room.effects.events) == ([], [])
     assert room.fold(ev(state={"a": 1}, run="other"), AT) == "checkpointed"
