@@ -90,6 +90,14 @@ def run(make: Callable[[], Awaitable[T]]) -> T:
         fail(exc.message, USAGE)
     except errors.AlmaError as exc:
         fail(exc.message, FAILED)
+    except asyncpg.InsufficientPrivilegeError as exc:  # a tenant's role (alma tenants role)
+        fail(
+            f"PostgreSQL refused it: {str(exc).rstrip('.')}. What to do: a tenant's own role "
+            "reads its tenant's rows and writes only its reducers and its dead letters' "
+            "replays; run this with ALMA's own credentials (ALMA_POSTGRES_DSN), or ask "
+            "ALMA's operator",
+            FAILED,
+        )
     except (typer.Exit, typer.Abort, typer.exceptions.TyperException, KeyboardInterrupt):
         raise
     except Exception as exc:  # noqa: BLE001 - one masked line instead of a traceback

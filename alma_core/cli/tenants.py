@@ -3,11 +3,13 @@ the global ALMA_TENANT_RATE / ALMA_TENANT_BURST; the learner on or off; its chec
 retention; its storage quota; its state size limit). The checkpointer, the joiner and
 the learner read them every few seconds
 (:data:`alma_core.storage.tenant_settings.REFRESH_S`), each pruning round at its
-start: no restart."""
+start: no restart. And each tenant's own PostgreSQL roles (``alma tenants role``), with
+which its tools read its rows and nothing else."""
 
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import asdict
 from typing import Any
 
@@ -17,12 +19,12 @@ from rich.table import Table
 from alma_core.cli import common
 from alma_core.quotas import Quota
 from alma_core.settings import Settings
-from alma_core.storage import runs, tenant_settings
+from alma_core.storage import cache, runs, tenant_roles, tenant_settings
 from alma_core.storage.tenant_settings import TenantSettings
 
 tenants_app = common.app(
     help="Tenants' own settings (rate quotas, the learner, checkpoint retention, storage "
-    "quotas, state size limits)."
+    "quotas, state size limits) and their own PostgreSQL roles."
 )
 
 
@@ -108,7 +110,8 @@ def tenants_show(
 ) -> None:
     """A tenant's effective settings, its own values, what it holds in PostgreSQL now
     (runs, checkpoints and their states' stored bytes, events, dead letters, outcomes,
-    memories) and its kept bytes against its storage quota, as JSON."""
+    memories), its kept bytes against its storage quota, and the PostgreSQL roles bound
+    to it (``alma tenants role``), as JSON."""
     s = common.settings()
 
     async def main() -> None:
@@ -117,10 +120,13 @@ def tenants_show(
             row = await tenant_settings.load(conn, tenant)
             used = await tenant_settings.usage(conn, tenant)
             held = await tenant_settings.standing(conn, tenant, s.tenant_storage_quota_bytes)
+            roles = await tenant_roles.roles_of(conn, tenant)
         finally:
             await conn.close()
         storage = {"used_bytes": held.used, "quota_bytes": held.quota or None, "full": held.full}
-        print(json.dumps(_doc(row, s) | {"usage": asdict(used), "storage": storage}))
+        print(
+            json.dumps(_doc(row, s) | {"usage": asdict(used), "storage": storage, "roles": roles})
+        )
 
     common.run(main)
 
@@ -236,3 +242,76 @@ def tenants_set(
             )
 
     common.run(main)
+
+
+@tenants_app.command("role")
+def tenants_role(
+    tenant: str = typer.Argument(..., help="The tenant."),
+    role: str = typer.Argument(
+        ..., help="The tenant's PostgreSQL login role (created, without a password, when new)."
+    ),
+    remove: bool = typer.Option(
+        False, "--remove", help="Unbind the role (it stays, without ALMA's grants)."
+    ),
+) -> None:
+    """Bind a PostgreSQL login role to a tenant: a session logged in as it reads that
+    tenant's rows and nothing else, whatever tenant it names (row-level security), and
+    writes only its workflows' reducers and its dead letters' replays. Give it, not
+    ALMA's own credentials, to the tenant's orchestrator and tools (SDK, CLI, inspector,
+    MCP). Needs a role that may create roles (ALMA's owner, as for `alma db upgrade`)."""
+    s = common.settings()
+
+    async def main() -> None:
+        conn = await common.connect(common.dsn(s))
+        try:
+            if remove:
+                if not await tenant_roles.unbind(conn, tenant, role):
+                    common.fail(
+                        f"role {role!r} is not bound to tenant {tenant!r} "
+                        f"(alma tenants show {tenant} lists its roles)",
+                        common.USAGE,
+                    )
+                common.out.print(
+                    f"tenant {tenant!r}: role {role!r} unbound; it reads nothing of ALMA's "
+                    "now (the role stays: DROP ROLE is the database administrator's)",
+                    markup=False,
+                )
+                return
+            bound = await tenant_roles.bind(conn, tenant, role)
+        finally:
+            await conn.close()
+        common.out.print(
+            f"tenant {tenant!r}: role {role!r} bound; its sessions read {tenant!r}'s rows "
+            "and nothing else",
+            markup=False,
+        )
+        if bound.created:
+            common.err.print(
+                f"note: role {role!r} was created without a password: set one "
+                f"(ALTER ROLE \"{role}\" PASSWORD '...', or your database's own "
+                "authentication) before the tenant connects",
+                markup=False,
+            )
+
+    common.run(main)
+
+
+@tenants_app.command("redis-acl")
+def tenants_redis_acl(
+    tenant: str = typer.Argument(..., help="The tenant."),
+    user: str = typer.Option(..., "--user", help="The tenant's own Redis user."),
+) -> None:
+    """Print the Redis ACL of a tenant's own Redis user (for `redis-cli`; on every node
+    of a Redis Cluster): its runs' cache entries and in-flight marks, the partitions'
+    epochs, and no other key; no administration. Add its password (`>password`) before
+    running it. Give the tenant's orchestrator this user, not ALMA's."""
+    s = common.settings()
+    rules = cache.tenant_acl_rules(s.redis_prefix, tenant, s.partitions)
+    print(shlex.join(["ACL", "SETUSER", user, *rules]))
+    common.err.print(
+        f"note: {len(rules)} rules for ALMA_REDIS_PREFIX={s.redis_prefix!r} and "
+        f"ALMA_PARTITIONS={s.partitions}; add the user's password ('>password') and run it "
+        "with redis-cli against ALMA's Redis (every node of a cluster); print it again "
+        "after changing either setting",
+        markup=False,
+    )

@@ -107,6 +107,49 @@ def run_key(tenant_id: str, run_id: str) -> str:
     return f"{len(tenant_id)}:{tenant_id}:{run_id}"
 
 
+def partition_key(prefix: str, partition: int, name: str) -> str:
+    """A key of cache partition ``partition``: ``epoch``, ``h:<run key>`` (a run's
+    hash), ``inflight:<run key>`` (its writes in flight, :mod:`.inflight`)."""
+    return f"{{{prefix}:{partition}}}:{name}"
+
+
+def _glob_escaped(text: str) -> str:
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
+
+
+def tenant_key_patterns(prefix: str, tenant_id: str, partitions: int) -> list[str]:
+    """The Redis key patterns (ACL ``~pattern``) a tenant's own orchestrator needs: its
+    runs' hashes and in-flight marks, and the partitions' epochs every cache read checks
+    (Redis 6 cannot make those read-only: a tenant that bumps one costs the others cache
+    hits, never a wrong read). Exact per partition, so no other tenant's key matches."""
+    own = _glob_escaped(run_key(tenant_id, ""))
+    return [
+        partition_key(prefix, p, name)
+        for p in range(partitions)
+        for name in ("epoch", f"h:{own}*", f"inflight:{own}*")
+    ]
+
+
+# What a tenant's orchestrator runs on Redis: reads and writes of its keys, the cache's
+# scripts, the transactions of its marks; nothing of the server's administration.
+TENANT_COMMANDS = (
+    "-@all",
+    "+@read",
+    "+@write",
+    "+@scripting",
+    "+@transaction",
+    "+@connection",
+    "-@dangerous",
+)
+
+
+def tenant_acl_rules(prefix: str, tenant_id: str, partitions: int) -> list[str]:
+    """The rules of ``ACL SETUSER USER RULES...`` for a tenant's own Redis user (its
+    password is the operator's to add: ``>password``)."""
+    patterns = tenant_key_patterns(prefix, tenant_id, partitions)
+    return ["on", "resetkeys", "resetchannels", *TENANT_COMMANDS, *(f"~{p}" for p in patterns)]
+
+
 @functools.lru_cache(maxsize=65_536)
 def partition_of(run_id: str, partitions: int) -> int:
     """The run's partition as Kafka's default partitioner picks it for the key
@@ -196,11 +239,11 @@ class RedisCheckpointCache:
         return partition_of(run_id, self.partitions)
 
     def _epoch_key(self, partition: int) -> str:
-        return f"{{{self.prefix}:{partition}}}:epoch"
+        return partition_key(self.prefix, partition, "epoch")
 
     def _key(self, tenant_id: str, run_id: str) -> tuple[int, str]:
         p = self.partition(run_id)
-        return p, f"{{{self.prefix}:{p}}}:h:{run_key(tenant_id, run_id)}"
+        return p, partition_key(self.prefix, p, f"h:{run_key(tenant_id, run_id)}")
 
     async def bump_epoch(self, partitions: Iterable[int] | None = None) -> None:
         """Make the cached entries of these partitions (None: all) unreachable."""

@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import time
 
-from alma_core.storage.cache import CLIENT_FAILURES, RedisCheckpointCache, run_key
+from alma_core.storage.cache import (
+    CLIENT_FAILURES,
+    RedisCheckpointCache,
+    partition_key,
+    run_key,
+)
 
 TTL_S = 3600
 
@@ -27,7 +32,7 @@ class InFlight:
 
     def _key(self, tenant_id: str, run_id: str) -> str:
         p = self.cache.partition(run_id)
-        return f"{{{self.cache.prefix}:{p}}}:inflight:{run_key(tenant_id, run_id)}"
+        return partition_key(self.cache.prefix, p, f"inflight:{run_key(tenant_id, run_id)}")
 
     async def mark(self, tenant_id: str, run_id: str, event_id: str) -> bool:
         """Mark a published event of the run (one round trip); False when Redis did

@@ -9,6 +9,7 @@ import pytest
 
 from alma_core import errors
 from alma_core.storage.migrations import VERSION_TABLE, Migrator, load_migrations
+from tests.integration.test_tenant_identity import TENANT_TABLES
 
 CATALOG = {
     "columns": """SELECT table_name, column_name, data_type, udt_name, is_nullable,
@@ -62,11 +63,14 @@ async def test_upgrade_downgrade_upgrade_equals_fresh(empty_database: str, datab
         assert await snapshot(conn) == once == await snapshot(fresh)
         assert ("workflow_outcomes", "embedding", 384) in once["vector_dims"]
         assert ("memories", "embedding", 384) in once["vector_dims"]
-        assert {p[0] for p in once["policies"]} == {
+        # row-level security: retrieval's role on the learning tables (0002), a tenant's
+        # own role on every table of tenants' rows (0022)
+        assert {p[0] for p in once["policies"] if p[1] == "tenant_isolation"} == {
             "memories",
             "workflow_outcomes",
             "artifact_links",
         }
+        assert {p[0] for p in once["policies"] if p[1] == "tenant_own"} == TENANT_TABLES
     finally:
         await conn.close()
         await fresh.close()
