@@ -119,14 +119,7 @@ def dlq_replay(
         try:
             if run is not None and owner is not None:
                 sent = await letters.replay_run(
-                    conn,
-                    send,
-                    owner,
-                    run,
-                    topics=s.topic_names,
-                    max_state_bytes=s.max_state_bytes,
-                    storage_quota=s.tenant_storage_quota_bytes,
-                    force=force,
+                    conn, send, owner, run, letters.ReplayChecks.of(s), force=force
                 )
                 done = f"replayed dead letters {', '.join(map(str, sent))} of run {run!r}"
             else:
@@ -134,9 +127,7 @@ def dlq_replay(
                     conn,
                     send,
                     letter_id,
-                    topics=s.topic_names,
-                    max_state_bytes=s.max_state_bytes,
-                    storage_quota=s.tenant_storage_quota_bytes,
+                    letters.ReplayChecks.of(s),
                     corrected=corrected,
                     force=force,
                 )

@@ -7,6 +7,7 @@ laundered into another's), keyed by its run, and the letter marked replayed. Wha
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import asyncpg
 
@@ -14,20 +15,37 @@ from alma_core import errors
 from alma_core.schemas.decoder import Rejection, decode
 from alma_core.schemas.events import Event
 from alma_core.sequencing import REFUSED, refused_now
+from alma_core.settings import Settings
 from alma_core.storage import dead_letters, tenant_settings
 from alma_core.tenancy import TenantTopics
 
 Send = Callable[[str, bytes, bytes | None], Awaitable[None]]  # (topic, value, key)
 
 
+@dataclass(frozen=True)
+class ReplayChecks:
+    """What a replay checks a letter against, as the workers would: where it goes back
+    (``topics``: with ALMA_TENANT_TOPICS its tenant's own), the decoder's state size
+    limit and the global storage quota (ALMA_TENANT_STORAGE_QUOTA_BYTES; a tenant's own
+    is read from PostgreSQL)."""
+
+    topics: TenantTopics
+    max_state_bytes: int
+    storage_quota: int = 0
+
+    @classmethod
+    def of(cls, settings: Settings) -> ReplayChecks:
+        return cls(
+            settings.topic_names, settings.max_state_bytes, settings.tenant_storage_quota_bytes
+        )
+
+
 async def replay(
     conn: asyncpg.Connection,
     send: Send,
     letter_id: int,
+    checks: ReplayChecks,
     *,
-    topics: TenantTopics,
-    max_state_bytes: int,
-    storage_quota: int = 0,
     tenant_id: str | None = None,
     corrected: bytes | None = None,
     force: bool = False,
@@ -38,10 +56,9 @@ async def replay(
     twice; two asking at once, one is refused), and a value that would be rejected
     again, by the decoder or by its run as it stands now (completed, or at another seq
     than the event's ``expected_seq``, or refused at its start while its tenant is
-    still at its storage quota: ``storage_quota``, ALMA_TENANT_STORAGE_QUOTA_BYTES, is
-    the global one). A run refused at its start is reopened (its empty row deleted in
-    the replay's transaction): replay its letters oldest first, and it begins again
-    from its first event."""
+    still at its storage quota: ``checks``). A run refused at its start is reopened
+    (its empty row deleted in the replay's transaction): replay its letters oldest
+    first, and it begins again from its first event."""
     async with conn.transaction():
         row = await dead_letters.original(conn, letter_id, tenant_id, for_update=True)
         if row is None:
@@ -55,8 +72,9 @@ async def replay(
         value: bytes = corrected if corrected is not None else (row["value"] or b"")
         key: bytes | None = row["key"]
         owner: str | None = row["tenant_id"]
+        topics = checks.topics
         topic = topics.lifecycle_for(owner) if topics.per_tenant and owner else topics.lifecycle
-        decoded = decode(value, max_state_bytes=max_state_bytes)
+        decoded = decode(value, max_state_bytes=checks.max_state_bytes)
         if topics.per_tenant:
             decoded = topics.bind(topic, decoded)
         if isinstance(decoded, Rejection):
@@ -69,7 +87,7 @@ async def replay(
             key = decoded.run_id.encode()
             run = await dead_letters.run_standing(conn, decoded.tenant_id, decoded.run_id)
             if run is not None and run["status"] == REFUSED:
-                await _reopen(conn, letter_id, decoded, storage_quota, force)
+                await _reopen(conn, letter_id, decoded, checks.storage_quota, force)
                 run = None  # a new run again: its first event replayed first begins it
             refusal = refused_now(
                 decoded,
@@ -92,10 +110,8 @@ async def replay_run(
     send: Send,
     tenant_id: str,
     run_id: str,
+    checks: ReplayChecks,
     *,
-    topics: TenantTopics,
-    max_state_bytes: int,
-    storage_quota: int = 0,
     force: bool = False,
 ) -> list[int]:
     """Every letter of the tenant's run not replayed yet, oldest first, each as
@@ -111,16 +127,7 @@ async def replay_run(
     sent: list[int] = []
     for letter in waiting:
         try:
-            await replay(
-                conn,
-                send,
-                letter,
-                topics=topics,
-                max_state_bytes=max_state_bytes,
-                storage_quota=storage_quota,
-                tenant_id=tenant_id,
-                force=force,
-            )
+            await replay(conn, send, letter, checks, tenant_id=tenant_id, force=force)
         except errors.AlmaError as exc:
             before = f"letters {sent} were sent before it" if sent else "none was sent before it"
             raise type(exc)(

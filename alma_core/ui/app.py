@@ -443,10 +443,8 @@ class Inspector:
                     conn,
                     self.client.publish_record,
                     letter,
+                    letters.ReplayChecks.of(self.settings),
                     tenant_id=tenant,
-                    topics=self.settings.topic_names,
-                    max_state_bytes=self.settings.max_state_bytes,
-                    storage_quota=self.settings.tenant_storage_quota_bytes,
                 )
             except errors.AlmaError as exc:
                 raise HTTPException(409, exc.message) from exc

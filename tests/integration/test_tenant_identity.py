@@ -263,9 +263,8 @@ async def test_an_event_claiming_another_tenant_is_dead_lettered_as_its_producer
                     conn,
                     acme.publish_record,
                     letter,
+                    letters.ReplayChecks.of(t.tenants[tenant]),
                     tenant_id=tenant,
-                    topics=t.tenants[tenant].topic_names,
-                    max_state_bytes=t.worker.max_state_bytes,
                     force=force,
                 )
 
@@ -507,19 +506,14 @@ async def test_a_tenants_database_role_reads_writes_and_replays_nothing_of_anoth
         try:  # dead-letter replay: globex's letter is not there, acme's own goes back
             with pytest.raises(errors.AlmaError, match="no dead letter"):
                 await letters.replay(
-                    conn,
-                    client.publish_record,
-                    letter["globex"],
-                    topics=own.topic_names,
-                    max_state_bytes=own.max_state_bytes,
+                    conn, client.publish_record, letter["globex"], letters.ReplayChecks.of(own)
                 )
             await letters.replay(
                 conn,
                 client.publish_record,
                 letter["acme"],
+                letters.ReplayChecks.of(own),
                 tenant_id="acme",
-                topics=own.topic_names,
-                max_state_bytes=own.max_state_bytes,
                 force=True,
             )
         finally:

@@ -126,12 +126,7 @@ async def test_a_tenant_at_its_storage_quota_begins_no_new_run_and_loses_nothing
 
                 async def replay(letter: int) -> None:
                     await letters.replay(
-                        conn,
-                        client.publish_record,
-                        letter,
-                        topics=settings.topic_names,
-                        max_state_bytes=settings.max_state_bytes,
-                        storage_quota=settings.tenant_storage_quota_bytes,
+                        conn, client.publish_record, letter, letters.ReplayChecks.of(settings)
                     )
 
                 with pytest.raises(errors.StorageQuotaExceeded, match="refused again"):
