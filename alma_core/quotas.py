@@ -25,18 +25,6 @@ CHUNK_S = 0.1  # a throttled tenant is let in again once its bucket holds this m
 
 
 @dataclass(frozen=True)
-class TenantLimits:
-    """What tenants' own settings bound in a batch, as a worker read them last
-    (:mod:`alma_core.consumers.tenant_limits`): the tenants at their storage quota, whose
-    new runs are refused, the tenants' own state size limits (below the global), and the
-    tenants whose learner is off."""
-
-    full: frozenset[str] = frozenset()
-    state_bytes: Mapping[str, int] = field(default_factory=dict)
-    not_learning: frozenset[str] = frozenset()  # their learner off: their runs passed by
-
-
-@dataclass(frozen=True)
 class Quota:
     """``rate`` events per second (0: no limit) with ``burst`` events at once (0: one
     second's worth)."""
@@ -52,6 +40,20 @@ class Quota:
         """(rate, burst) for a member holding ``share`` of the tenant's partitions."""
         burst = self.burst or self.rate
         return self.rate * share, max(1.0, burst * share)
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """What tenants' own settings bound in a batch, as a worker read them last
+    (:mod:`alma_core.consumers.tenant_limits`): the tenants at their storage quota, whose
+    new runs are refused, the tenants' own state size limits (below the global), the
+    tenants whose learner is off, and each tenant's rate quota where it has its own (the
+    checkpointer's throttle)."""
+
+    full: frozenset[str] = frozenset()
+    state_bytes: Mapping[str, int] = field(default_factory=dict)
+    not_learning: frozenset[str] = frozenset()  # their learner off: their runs passed by
+    quotas: Mapping[str, Quota] = field(default_factory=dict)
 
 
 @dataclass
@@ -88,12 +90,20 @@ class TenantGate:
         bucket.at = now
         return bucket, rate, burst
 
-    def admit(self, tenant: str, wanted: int, share: float, now: float) -> int:
+    def admit(
+        self, tenant: str, wanted: int, share: float, now: float, *, waiting: bool = False
+    ) -> int:
         """How many of ``wanted`` records ``tenant`` may have handled now (all of them
-        without a quota); they are taken from its bucket."""
+        without a quota); they are taken from its bucket. ``waiting``: the tenant is held
+        back already; it goes on by chunks (:data:`CHUNK_S` of its rate, or all it
+        wants if less), not by the token or two that refilled since the last poll: a
+        few fuller batches a second instead of one per poll, which every other
+        tenant's poll would otherwise bring (each batch costs a transaction)."""
         if wanted <= 0 or not self.limited(tenant):
             return max(0, wanted)
-        bucket, _, _ = self._refilled(tenant, share, now)
+        bucket, rate, burst = self._refilled(tenant, share, now)
+        if waiting and bucket.tokens < min(wanted, _chunk(rate, burst)):
+            return 0
         admitted = min(wanted, math.floor(bucket.tokens))
         bucket.tokens -= admitted
         return admitted
@@ -103,7 +113,12 @@ class TenantGate:
         if not self.limited(tenant):
             return 0.0
         bucket, rate, burst = self._refilled(tenant, share, now)
-        chunk = max(1.0, min(burst, rate * CHUNK_S))
+        chunk = _chunk(rate, burst)
         if bucket.tokens >= chunk or rate <= 0:
             return 0.0
         return (chunk - bucket.tokens) / rate
+
+
+def _chunk(rate: float, burst: float) -> float:
+    """The tokens a held-back tenant goes on with: CHUNK_S of its rate (at least one)."""
+    return max(1.0, min(burst, rate * CHUNK_S))

@@ -239,7 +239,7 @@ class ConsumerRuntime:
             if not await retry_start(consumer.start, stop, "consumer", self._refused):
                 return
             if self.throttle is not None:  # the tenants' own quotas before any record
-                await self.throttle.refresh(time.monotonic())
+                await self.throttle.refresh()
             self.last_poll = time.monotonic()
             self.started.set()
             await self._loop(consumer, stop)
@@ -386,7 +386,7 @@ class ConsumerRuntime:
         round tries again), like every other work, and never ends the consumer."""
         self._last_periodic = time.monotonic()
         if self.throttle is not None:
-            await self.throttle.refresh(self._last_periodic)
+            await self.throttle.refresh()
         try:
             await self.handler.idle()
         except errors.StorageError as exc:

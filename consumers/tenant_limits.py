@@ -3,8 +3,9 @@
 transaction (the handler's ``prepare``), so that ``alma tenants set`` takes effect
 without a restart: the tenants at their storage quota (the checkpointer refuses their
 new runs, after reading their standing once more in the transaction), the tenants'
-own state size limits (the checkpointer's and the joiner's states are held to them) and
-the tenants whose learner is off (the learner passes their runs by).
+own state size limits (the checkpointer's and the joiner's states are held to them),
+the tenants whose learner is off (the learner passes their runs by) and, for the
+checkpointer's throttle, each tenant's own rate quota (one read for all of them).
 PostgreSQL being away keeps what was read before (logged): the batch's own
 transaction then says so."""
 
@@ -17,7 +18,7 @@ import asyncpg
 
 from alma_core import errors
 from alma_core.consumers.metrics import Metrics
-from alma_core.quotas import TenantLimits
+from alma_core.quotas import Quota, TenantLimits
 from alma_core.storage import tenant_settings
 from alma_core.storage.batches import guarded
 
@@ -33,12 +34,14 @@ class LimitsReader:
         max_state_bytes: int,
         storage_quota: int = 0,
         storage: bool = False,
+        rate: Quota | None = None,
     ) -> None:
         self.pool = pool
         self.metrics = metrics
         self.max_state_bytes = max_state_bytes  # ALMA_MAX_STATE_BYTES: the ceiling
         self.storage_quota = storage_quota  # ALMA_TENANT_STORAGE_QUOTA_BYTES
         self.storage = storage  # read the storage standings too (the checkpointer)
+        self.rate = rate  # ALMA_TENANT_RATE / _BURST, with tenant topics (the checkpointer)
         self.limits = TenantLimits()
         self._read_at: float | None = None
 
@@ -60,8 +63,9 @@ class LimitsReader:
         rows = await guarded("reading tenants' settings", tenant_settings.load_all(self.pool))
         state_bytes = tenant_settings.state_limits(rows, self.max_state_bytes)
         off = tenant_settings.not_learning(rows)
+        quotas = {} if self.rate is None else tenant_settings.quotas(rows, self.rate)
         if not self.storage:
-            return TenantLimits(state_bytes=state_bytes, not_learning=off)
+            return TenantLimits(state_bytes=state_bytes, not_learning=off, quotas=quotas)
         standings = await guarded(
             "reading tenants' storage", tenant_settings.storage(self.pool, self.storage_quota)
         )
@@ -69,4 +73,4 @@ class LimitsReader:
             self.metrics.tenant_storage.labels(s.tenant_id).set(s.used)
             self.metrics.tenant_storage_quota.labels(s.tenant_id).set(s.quota)
         full = frozenset(s.tenant_id for s in standings if s.full)
-        return TenantLimits(full, state_bytes, off)
+        return TenantLimits(full, state_bytes, off, quotas)

@@ -11,23 +11,18 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
-import asyncpg
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from alma_core import errors
 from alma_core.consumers.assignment import Assignment
 from alma_core.consumers.metrics import Metrics
-from alma_core.quotas import Quota, TenantGate
-from alma_core.storage.tenant_settings import REFRESH_S
+from alma_core.consumers.tenant_limits import LimitsReader
+from alma_core.quotas import TenantGate
 from alma_core.tenancy import TenantTopics
 
 log = logging.getLogger("alma.consumers")
-
-
-Load = Callable[[], Awaitable[dict[str, Quota]]]  # every tenant's own quota
 
 
 class Throttle:
@@ -36,36 +31,22 @@ class Throttle:
         gate: TenantGate,
         topics: TenantTopics,
         metrics: Metrics,
-        load: Load | None = None,
-        refresh_s: float = REFRESH_S,
+        limits: LimitsReader | None = None,
     ) -> None:
         self.gate = gate
         self.topics = topics
         self.metrics = metrics
-        self.load = load
-        self.refresh_s = refresh_s
-        self._loaded_at: float | None = None
+        self.limits = limits  # the tenants' own quotas, read with their other limits
         # records fetched and not admitted yet, in order, by partition (each paused)
         self.held: dict[TopicPartition, list[Any]] = {}
         self._generation = -1
 
-    async def refresh(self, now: float) -> None:
-        """Read the tenants' own quotas again (``alma tenants set``) once ``refresh_s``
-        has passed; PostgreSQL being away keeps the quotas it has (logged, never raised)."""
-        if self.load is None or (
-            self._loaded_at is not None and now - self._loaded_at < self.refresh_s
-        ):
-            return
-        self._loaded_at = now
-        try:
-            quotas = await self.load()
-        except (errors.StorageError, OSError, asyncpg.PostgresError) as exc:
-            log.warning(
-                "tenants' quotas not read; the ones read before stay",
-                extra={"action": "tenant_settings_unread", "error": repr(exc)},
-            )
-            return
-        self.gate.configure(self.gate.default, quotas)
+    async def refresh(self) -> None:
+        """The tenants' own quotas (``alma tenants set``) as last read: the reader reads
+        them again every :data:`~alma_core.storage.tenant_settings.REFRESH_S` seconds;
+        PostgreSQL being away keeps the quotas it has (logged, never raised)."""
+        if self.limits is not None:
+            self.gate.configure(self.gate.default, dict((await self.limits.current()).quotas))
 
     @staticmethod
     def _shares(consumer: AIOKafkaConsumer) -> Callable[[str], float]:
@@ -111,7 +92,8 @@ class Throttle:
                 continue
             share = shares(topic)
             wanted = sum(len(batch[tp]) for tp in tps)
-            left = self.gate.admit(tenant, wanted, share, now) if wanted else 0
+            waiting = any(tp in a.throttled for tp in tps)
+            left = self.gate.admit(tenant, wanted, share, now, waiting=waiting) if wanted else 0
             if left:
                 self.metrics.tenant_events.labels(tenant).inc(left)
             if left == wanted:

@@ -33,6 +33,7 @@ from alma_core.consumers.outbox import OutboxRelay
 from alma_core.consumers.retry import backoff_delay, retry_start, wait
 from alma_core.consumers.runtime import ConsumerRuntime, RuntimeConfig
 from alma_core.consumers.spans import BatchTracer
+from alma_core.consumers.tenant_limits import LimitsReader
 from alma_core.consumers.throttle import Throttle
 from alma_core.learning import LearningPolicy
 from alma_core.messaging import acls, kafka, topic_checks
@@ -40,7 +41,7 @@ from alma_core.messaging.topic_checks import TopicFacts
 from alma_core.quotas import Quota, TenantGate
 from alma_core.reducers import ReducerRegistry, default_registry
 from alma_core.settings import Settings
-from alma_core.storage import postgres, tenant_settings
+from alma_core.storage import postgres
 from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.cache_writer import CacheWriter
 from alma_core.storage.checkpoints import PostgresCheckpointStore, StoreConfig
@@ -487,6 +488,15 @@ class _Wiring:
             ),
             registry,
         )
+        default = Quota(s.tenant_rate, s.tenant_burst)
+        limits = LimitsReader(  # one read of the tenants' settings for the batch and quotas
+            self.pool,
+            self.metrics,
+            max_state_bytes=s.max_state_bytes,
+            storage_quota=s.tenant_storage_quota_bytes,
+            storage=True,
+            rate=default if s.tenant_topics else None,
+        )
         handler = checkpointer.CheckpointHandler(
             store,
             self.cache_writer,
@@ -496,16 +506,11 @@ class _Wiring:
             max_record_bytes=s.max_record_bytes,
             concurrency=s.checkpoint_transactions,
             topics=s.topic_names,
+            limits=limits,
         )
         if not s.tenant_topics:
             return self._runtime(checkpointer.GROUP, s.lifecycle_topic, handler)
-        default = Quota(s.tenant_rate, s.tenant_burst)
-        gate = TenantGate(default)
-
-        async def load() -> dict[str, Quota]:
-            return tenant_settings.quotas(await tenant_settings.load_all(self.pool), default)
-
-        throttle = Throttle(gate, s.topic_names, self.metrics, load)
+        throttle = Throttle(TenantGate(default), s.topic_names, self.metrics, limits)
         pattern = s.topic_names.lifecycle_pattern()
         return self._runtime(
             checkpointer.GROUP, s.lifecycle_topic, handler, pattern=pattern, throttle=throttle

@@ -26,6 +26,16 @@ def test_a_burst_then_the_rate() -> None:
     assert gate.admit("globex", 500, 1.0, 10.0) == 50  # its own bucket
 
 
+def test_a_tenant_held_back_goes_on_by_chunks_not_by_the_token() -> None:
+    gate = TenantGate(Quota(rate=100, burst=100))
+    assert gate.admit("acme", 500, 1.0, 0.0) == 100  # its burst, then held back
+    assert gate.admit("acme", 500, 1.0, 0.02, waiting=True) == 0  # 2 tokens: not yet
+    assert gate.admit("acme", 500, 1.0, 0.05, waiting=True) == 0
+    assert gate.admit("acme", 500, 1.0, 0.1, waiting=True) == 10  # a chunk: 0.1 s of it
+    assert gate.admit("acme", 3, 1.0, 0.13, waiting=True) == 3  # wants less than a chunk
+    assert gate.admit("acme", 500, 1.0, 0.135) == 0  # not waiting: what the bucket holds
+
+
 def test_per_tenant_quotas_override_the_default() -> None:
     gate = TenantGate(Quota(rate=10))
     gate.configure(Quota(rate=10), {"globex": Quota()})
@@ -42,16 +52,16 @@ def test_a_member_holding_a_third_admits_a_third() -> None:
 @given(
     rate=st.floats(1, 1000),
     burst=st.integers(0, 1000),
-    steps=st.lists(st.tuples(st.floats(0, 2), st.integers(0, 2000)), max_size=50),
+    steps=st.lists(st.tuples(st.floats(0, 2), st.integers(0, 2000), st.booleans()), max_size=50),
 )
 def test_never_more_than_burst_plus_rate_times_elapsed(
-    rate: float, burst: int, steps: list[tuple[float, int]]
+    rate: float, burst: int, steps: list[tuple[float, int, bool]]
 ) -> None:
     gate = TenantGate(Quota(rate=rate, burst=burst))
     now, admitted = 0.0, 0
-    for elapsed, wanted in steps:
+    for elapsed, wanted, waiting in steps:
         now += elapsed
-        got = gate.admit("acme", wanted, 1.0, now)
+        got = gate.admit("acme", wanted, 1.0, now, waiting=waiting)
         assert 0 <= got <= wanted
         admitted += got
     assert admitted <= (burst or rate) + rate * now + 1e-6
