@@ -62,6 +62,35 @@ class Stat:
         }
 
 
+@dataclass
+class Pooled(Stat):
+    """A percentile of every repetition's samples together (``value``), with each
+    repetition's own beside it (``runs``, shown as their range): a tail percentile of
+    one short run is one of its few slowest samples, and two runs' tails differ by more
+    than what is measured; pooled, it rests on all of them."""
+
+    value: float = float("nan")
+
+    @property
+    def median(self) -> float:
+        return self.value
+
+    def __str__(self) -> str:
+        d = self.digits
+        if len(self.runs) < 2:
+            return f"{self.value:,.{d}f}"
+        return f"{self.value:,.{d}f} ({min(self.runs):,.{d}f}–{max(self.runs):,.{d}f})"
+
+    def to_json(self) -> dict[str, Any]:
+        return super().to_json() | {"median": self.value, "pooled": True}
+
+    @classmethod
+    def of(cls, samples: list[list[float]], p: float, digits: int = 2) -> Pooled:
+        """Percentile ``p`` of ``samples`` (one list per repetition), pooled."""
+        every = [x for run in samples for x in run]
+        return cls([pct(run, p) for run in samples], digits, pct(every, p))
+
+
 def ratio(a: Stat, b: Stat, digits: int = 2) -> Stat:
     """a / b per repetition (paired runs: the same noise hits both sides)."""
     return Stat([x / y for x, y in zip(a.runs, b.runs, strict=True) if y], digits)
