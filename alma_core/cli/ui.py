@@ -3,10 +3,13 @@ Ctrl-C. Read-only unless ``--allow-writes``; on 127.0.0.1 unless told otherwise.
 
 from __future__ import annotations
 
+import asyncpg
 import typer
 
 from alma_core import errors
 from alma_core.cli import common
+from alma_core.settings import Settings
+from alma_core.storage import tenant_roles
 
 
 def register(app: typer.Typer) -> None:
@@ -47,6 +50,8 @@ def ui(
         common.fail("`alma ui` needs the ui extra: pip install 'alma-stream[ui]'", common.USAGE)
     s = common.resolved(common.settings())
     pinned = None if tenant_header else common.tenant(s, tenant, required=False)
+    if pinned is None and not tenant_header and s.require_tenant:
+        pinned = common.run(lambda: _bound_tenant(s))  # a tenant's own role: its tenant
     names = allowed_hosts(host, allowed_host or [], LOOPBACK_HOSTS)
     try:
         app = create_app(
@@ -66,6 +71,18 @@ def ui(
     )
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
     common.run(uvicorn.Server(config).serve)
+
+
+async def _bound_tenant(s: Settings) -> str | None:
+    """The tenant ALMA_POSTGRES_DSN's role is bound to (``alma tenants role``), if any:
+    an inspector started with a tenant's own credentials shows that tenant."""
+    conn = await common.connect(common.dsn(s))
+    try:
+        return await tenant_roles.session_tenant(conn) or None
+    except asyncpg.UndefinedFunctionError:  # a schema before 0022: no tenant roles yet
+        return None
+    finally:
+        await conn.close()
 
 
 def allowed_hosts(host: str, given: list[str], loopback: tuple[str, ...]) -> list[str]:

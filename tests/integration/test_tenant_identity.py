@@ -558,6 +558,12 @@ async def test_a_tenants_database_role_reads_writes_and_replays_nothing_of_anoth
             page = await http.get("/tenant", headers={"X-Tenant": tenant})
             assert f"<tr><th>runs</th><td>{held}</td></tr>" in page.text, tenant
 
+    # started with acme's credentials and no tenant named, the inspector is acme's
+    async with served(environ) as base, httpx.AsyncClient(base_url=base) as http:
+        assert (await http.get("/run", params={"id": run})).status_code == 200
+        asked = {"id": run, "tenant": "globex"}
+        assert (await http.get("/run", params=asked)).status_code == 404
+
     # MCP, started with acme's credentials
     server = StdioServerParameters(
         command=sys.executable, args=["-m", "alma_core.cli", "mcp"], env=environ
