@@ -180,6 +180,26 @@ class Settings(BaseSettings):
             "commits; off: clients poll PostgreSQL (set it alike for workers and clients)"
         ),
     )
+    unlocked_reads: bool = Field(
+        default=True,
+        description=(
+            "the checkpointer reads a batch's runs without locks and writes it in one "
+            "statement that commits alone, checking that nothing it read changed (two "
+            "round trips where a transaction takes four); a batch whose check fails is "
+            "applied again under the runs' locks. false: every batch in a transaction "
+            "under the locks"
+        ),
+    )
+    run_memory_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=0,
+        description=(
+            "with ALMA_UNLOCKED_READS, the checkpointer remembers what it wrote of its runs "
+            "(their rows' versions, heads and states, up to this many bytes of states) and "
+            "a batch of remembered runs takes one round trip, its checked write; 0: every "
+            "batch reads its runs first"
+        ),
+    )
     max_record_bytes: int = Field(default=8 * 1024 * 1024, ge=4096)
     cache_ttl_seconds: int = Field(default=7 * 24 * 3600, ge=1)
     require_tenant: bool = True

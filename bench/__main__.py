@@ -7,8 +7,9 @@ curves, and the scaling trend over checkpointer processes.
 Suites: peers, curves, scaling, temporal, langgraph, replay, retention, cache, quality, ui,
 hop, tracing, tenants
 (all by default), and, only when named, soak (`--only soak`, 30 minutes; 5 with --quick;
---soak-seconds and --window-seconds set its length) and round-trips (the checkpointer's
-first round trip as one statement against three, issue 54).
+--soak-seconds and --window-seconds set its length), round-trips (the checkpointer's
+first round trip as one statement against three, issue 54) and unlocked (its batch read
+without locks and written in one checked statement, against a transaction under locks).
 
 Brings up the embedded stack (PostgreSQL with fsync on) or uses the services
 named by ALMA_KAFKA_BOOTSTRAP, ALMA_POSTGRES_DSN and ALMA_REDIS_URL, shows one
@@ -68,7 +69,7 @@ SUITES = (
     "tracing",
     "tenants",
 )
-ON_REQUEST = ("soak", "round-trips")  # run only when named
+ON_REQUEST = ("soak", "round-trips", "unlocked")  # run only when named
 
 
 SINGLE_MODULE_SUITES: dict[str, Callable[[Env, Section], Awaitable[None]]] = {
@@ -84,6 +85,7 @@ SINGLE_MODULE_SUITES: dict[str, Callable[[Env, Section], Awaitable[None]]] = {
     "tracing": tracing.run,
     "tenants": tenants.run,
     "round-trips": round_trips.run,
+    "unlocked": round_trips.run_unlocked,
 }
 
 
@@ -115,8 +117,7 @@ def steps(env: Env, only: set[str], length: soak.Length) -> int:
         n += len(tracing.MODES)
     if "tenants" in only:
         n += tenants.STEPS_PER_REP * env.reps
-    if "round-trips" in only:
-        n += round_trips.STEPS
+    n += round_trips.STEPS * len({"round-trips", "unlocked"} & only)
     return n
 
 

@@ -61,5 +61,7 @@ class CheckpointHandler(StoreHandler[TenantLimits, CheckpointEffects]):
             m.duplicates.labels(NAME).inc(effects.duplicates)
         if effects.read_again:
             m.read_again.labels(NAME).inc()
+        path = "remembered" if effects.recalled else "unlocked" if effects.unlocked else "locked"
+        m.batch_writes.labels(NAME, path).inc()
         if effects.dead_letters:
             m.events.labels(NAME, "unknown", "dead_letter").inc(len(effects.dead_letters))

@@ -96,6 +96,7 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
         """The cache entries of partitions newly assigned here become unreachable: a
         member that died may have left some its successor's writes would not replace.
         The cache is partitioned as the topics are (``ALMA_PARTITIONS``)."""
+        await self.store.assigned(partitions)
         if self.cache is not None:
             await self.cache.invalidate(p for _, p in partitions)
         if self.tracer is not None:

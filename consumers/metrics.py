@@ -66,9 +66,18 @@ class Metrics:
         )
         self.read_again = Counter(
             "alma_batches_read_again_total",
-            "Batches whose first round trip (fence, run locks, reads) waited on a lock "
-            "another transaction committed through, and so read again: one more round trip",
+            "Batches whose reads were stale and were read again: a lock waited on that "
+            "another transaction committed through, or, for a batch read without locks, a "
+            "run or offset its write found changed (then applied under the runs' locks)",
             ["consumer"],
+            registry=r,
+        )
+        self.batch_writes = Counter(
+            "alma_batch_writes_total",
+            "Checkpointer batches applied, by path: remembered (folded from memory, one "
+            "round trip), unlocked (read without locks, then one checked statement "
+            "committing alone) or locked (a transaction under the runs' locks)",
+            ["consumer", "path"],
             registry=r,
         )
         self.dead_letters = Counter(

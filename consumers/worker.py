@@ -485,6 +485,8 @@ class _Wiring:
                 s.merged_topic,
                 s.tenant_topics,
                 s.tenant_storage_quota_bytes,
+                s.unlocked_reads,
+                s.run_memory_bytes,
             ),
             registry,
         )

@@ -162,14 +162,21 @@ class BatchStore(Generic[PreparedT, EffectsT, ReadsT]):
             if not fence.fresh:
                 return Committed(fence.progress)
             effects = await self.write(conn, cluster_id, fence.fresh, prepared, reads)
-            rows = list(effects.outbox)
-            for dl in effects.dead_letters:
-                await dead_letters.insert(conn, self.consumer, cluster_id, dl)
-                rows.append(dead_letter_record(self.consumer, self.dlq_topic, dl))
-            ids = await outbox.insert(conn, rows)
+            ids = await self.store_extras(conn, cluster_id, effects)
             if not effects.offsets_stored:
                 await offsets.advance(conn, self.group_id, cluster_id, offsets.ends(fence.fresh))
         return Committed(fence.progress_after(), effects, ids)
+
+    async def store_extras(
+        self, conn: asyncpg.Connection, cluster_id: str, effects: EffectsT
+    ) -> list[int]:
+        """In the batch's transaction: its dead letters and its outbox rows (hand-offs,
+        replies, the dead letters' records); the outbox rows' ids, to publish."""
+        rows = list(effects.outbox)
+        for dl in effects.dead_letters:
+            await dead_letters.insert(conn, self.consumer, cluster_id, dl)
+            rows.append(dead_letter_record(self.consumer, self.dlq_topic, dl))
+        return await outbox.insert(conn, rows)
 
     async def open(
         self, conn: asyncpg.Connection, cluster_id: str, batch: Batch
@@ -189,6 +196,10 @@ class BatchStore(Generic[PreparedT, EffectsT, ReadsT]):
         """The store's own effects of the records in ``fresh`` (none applied before), in
         the batch's transaction; ``reads``: what :meth:`open` read."""
         raise NotImplementedError
+
+    async def assigned(self, partitions: list[PartitionKey]) -> None:
+        """Partitions newly assigned to this member (what a store keeps of them in
+        memory may be stale)."""
 
     async def skip(self, cluster_id: str, batch: Batch) -> tuple[Progress, bool]:
         """The last resort: store that these records are done without any effect (their

@@ -44,17 +44,27 @@ from alma_core.sequencing import (
     EventRow,
     HeadKey,
     RunKey,
+    RunView,
     Sequencer,
     branch_key,
 )
-from alma_core.storage import graphs, locked, tenant_settings
-from alma_core.storage.batches import RUN_SEQ_HEADER, Batch, BatchStore, Effects, Incoming
+from alma_core.storage import graphs, locked, offsets, tenant_settings
+from alma_core.storage.batches import (
+    RUN_SEQ_HEADER,
+    Batch,
+    BatchStore,
+    Committed,
+    Effects,
+    Incoming,
+)
 from alma_core.storage.cache_entries import CacheEntry, cache_entries
 from alma_core.storage.checkpoint_rows import ROWS, rows_args
 from alma_core.storage.dead_letters import DeadLetter, dead_letter_for, headers_json
 from alma_core.storage.effects import CHANNEL, NOTIFY, announce, tokens
-from alma_core.storage.offsets import ADVANCE, Fence, advance_args, ends
+from alma_core.storage.offsets import ADVANCE, Fence, PartitionKey, advance_args, ends
 from alma_core.storage.outbox import OutboxRow, join_reply
+from alma_core.storage.postgres import columns, is_storage_failure, storage_error
+from alma_core.storage.run_memory import Recalled, RunMemory, WorkflowKey
 from alma_core.types import Checkpoint
 
 # the audit log's mark of an event whose state was given in full (kept in its checkpoint)
@@ -72,6 +82,11 @@ class CheckpointEffects(Effects):
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     folded: list[EventRow] = field(default_factory=list)  # each new event's effect
     read_again: bool = False  # its first round trip's reads were stale: read once more
+    unlocked: bool = False  # read without locks, written by one checked statement
+    recalled: bool = False  # folded from the checkpointer's memory: no read at all
+    # under the locks: the batch as folded and its runs' new row versions, for memory
+    plan: _Plan | None = field(default=None, repr=False)
+    versions: dict[RunKey, str] = field(default_factory=dict, repr=False)
     unlisted_outcome = "duplicate"  # a new event with no effect: its event_id was known
 
     def span_attributes(self) -> dict[str, dict[str, Any]]:
@@ -85,6 +100,155 @@ class CheckpointEffects(Effects):
 
 
 @dataclass(frozen=True)
+class _Checks:
+    """What a batch read without locks checks in its write statement (``_WRITE``'s
+    ``verdict``): each fresh partition's stored next offset, in the order of the
+    advance's partitions; each run written that existed, with its row version; each run
+    written that did not."""
+
+    offsets: list[int] = field(default_factory=list)
+    runs: list[tuple[str, str, str]] = field(default_factory=list)  # tenant, run, version
+    new: list[RunKey] = field(default_factory=list)
+    # a batch folded from memory: its workflows' reducers (tenant, workflow, version)
+    configs: list[tuple[str, str, str | None]] = field(default_factory=list)
+    # the heads of the runs in ``runs`` as read: tenant, run, branch key, seq, hash
+    heads: list[tuple[str, str, str, int, str]] = field(default_factory=list)
+
+    def args(self) -> list[Any]:
+        """``_WRITE``'s $49 to $62."""
+        return [
+            [t for t, _, _ in self.runs],
+            [r for _, r, _ in self.runs],
+            [v for _, _, v in self.runs],
+            self.offsets,
+            [t for t, _ in self.new],
+            [r for _, r in self.new],
+            [t for t, _, _ in self.configs],
+            [w for _, w, _ in self.configs],
+            [v for _, _, v in self.configs],
+            *columns(self.heads, 5),
+        ]
+
+
+_NO_CHECKS = _Checks()  # a batch under the runs' locks
+
+
+@dataclass
+class _Plan:
+    """A batch folded, before its write: the sequencer's effects, its dead letters and
+    outbox rows, the new heads, the runs to notify, the offsets' advance."""
+
+    sequencer: Sequencer
+    letters: list[DeadLetter]
+    outbox: list[OutboxRow]
+    heads: dict[HeadKey, CheckpointRow]
+    touched: list[RunKey]
+    notify: list[str]
+    advance: tuple[list[str], list[int], list[int], str, str]
+    created_at: datetime
+    existing: frozenset[RunKey]  # the runs that had a row when the batch read them
+    heads_read: dict[HeadKey, tuple[int, str]]  # seq and hash, before the fold's
+    reads: locked.Reads
+    wants: locked.Wants
+
+    @property
+    def runs_written(self) -> list[RunView]:
+        """The runs the fold changed, in the runs' lock order (tenant, run id)."""
+        changed = (r for r in self.sequencer.runs.values() if r.changed)
+        return sorted(changed, key=lambda r: (r.tenant_id, r.run_id))
+
+    @property
+    def writes_runs(self) -> bool:
+        """Whether the batch writes anything of its runs (else at most dead letters)."""
+        effects = self.sequencer.effects
+        return bool(effects.checkpoints or effects.events or self.runs_written)
+
+    def checks(
+        self,
+        stored: dict[PartitionKey, int],
+        configs: dict[WorkflowKey, str | None] | None = None,
+    ) -> _Checks:
+        """What the write must find unchanged of what the batch read: the partitions'
+        ``stored`` offsets, its runs' row versions, and (folded from memory) its
+        workflows' reducers' ``configs``."""
+        topics, partitions = self.advance[0], self.advance[1]
+        versions = self.reads.versions
+        runs = self.runs_written
+        checked = {r.key for r in runs if r.key in versions}
+        return _Checks(
+            offsets=[stored[tp] for tp in zip(topics, partitions, strict=True)],
+            runs=[(*r.key, versions[r.key]) for r in runs if r.key in versions],
+            new=[r.key for r in runs if r.key not in versions],
+            configs=[(*wf, v) for wf, v in sorted((configs or {}).items())],
+            heads=[
+                (t, r, b, seq, digest)
+                for (t, r, b), (seq, digest) in self.heads_read.items()
+                if (t, r) in checked
+            ],
+        )
+
+    def remember(self, memory: RunMemory, versions: dict[RunKey, str], recalled: bool) -> None:
+        """Once the batch committed: what it wrote, into the checkpointer's memory."""
+        wants = self.wants
+        states_known = (
+            wants.with_state
+            | {r.key for r in self.runs_written if r.key not in self.existing}
+            | self.reads.states_known
+        )
+        configs = {
+            wf: (self.reads.locked.configs.get(wf), self.reads.locked.config_versions.get(wf))
+            for wf in wants.workflows
+        }
+        memory.remember(
+            dict(
+                zip(
+                    zip(self.advance[0], self.advance[1], strict=True), self.advance[2], strict=True
+                )
+            ),
+            [(r, versions[r.key]) for r in self.runs_written if r.key in versions],
+            self.reads.locked.heads,
+            self.heads,
+            states_known,
+            configs,
+            recalled=recalled,
+        )
+
+
+def _redo_locked(exc: BaseException) -> bool:
+    """Whether an unlocked batch's failure sends it to the locked path: its check found
+    a change (or its write met one: a key another batch took, a deadlock), or
+    PostgreSQL refused the statement for its data (the locked path meets the same
+    refusal, and the handler isolates the record). Not when PostgreSQL is unavailable:
+    that is the runtime's to retry."""
+    if isinstance(exc, _MET_A_CHANGE):
+        return True
+    return isinstance(exc, asyncpg.PostgresError) and not storage_error(exc, "").retriable
+
+
+_MET_A_CHANGE = (
+    asyncpg.SerializationError,
+    asyncpg.DeadlockDetectedError,
+    asyncpg.IntegrityConstraintViolationError,
+)
+
+
+def _reads(recalled: Recalled) -> locked.Reads:
+    """What a batch folded from memory reads: memory's runs, heads and reducers, no
+    event id (a known one fails the write, and the batch is read again)."""
+    return locked.Reads(
+        recalled.runs,
+        locked.Locked(
+            recalled.heads,
+            recalled.configs,
+            {},
+            {wf: v for wf, v in recalled.config_versions.items() if v is not None},
+        ),
+        versions=recalled.versions,
+        states_known=frozenset(recalled.states_known),
+    )
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     group_id: str
     consumer: str
@@ -95,6 +259,8 @@ class StoreConfig:
     reply_topic: str = "alma.merged.v1"  # a refused join's answer, unless it names one
     tenant_topics: bool = False  # ALMA_TENANT_TOPICS: the reply topic is the tenant's own
     storage_quota: int = 0  # ALMA_TENANT_STORAGE_QUOTA_BYTES: each tenant's, unless its own
+    unlocked_reads: bool = True  # ALMA_UNLOCKED_READS: read without locks, write checked
+    memory_bytes: int = 0  # ALMA_RUN_MEMORY_BYTES: fold from memory of its writes (0: off)
 
 
 def _audit_payload(event: Event) -> str:
@@ -150,15 +316,71 @@ def _wants(events: list[Event]) -> locked.Wants:
 # A data-modifying CTE runs to completion whether or not the main query reads it; the
 # main query names the batch's runs to the effect listeners (delivered on commit), and
 # the batch's offsets advance in it too (the batch transaction's last write otherwise).
+#
+# A batch read without locks (:meth:`PostgresCheckpointStore._unlocked`) is checked in
+# the same statement: ``verdict``, which the main query evaluates first and the runs' and
+# offsets' writes wait for, locks each partition's offset row and each run row read, in
+# the locked path's order, where they still hold what was read ($52: the stored next
+# offsets; $49-$51: each run's row version; READ COMMITTED re-checks a row another
+# transaction changed once it commits) and finds those runs' heads as read ($58-$62:
+# every writer of a run's heads updates its row too; this holds without that), and the
+# main query checks that every run read as new ($53-$54) was inserted, not found;
+# otherwise ``alma_stale`` fails the statement, so nothing of it is written. A batch
+# folded from the checkpointer's memory
+# (:mod:`alma_core.storage.run_memory`) checks its workflows' reducers too ($55-$57:
+# each one's row version, or NULL where it had none), on the statement's snapshot as
+# a read would see them. A batch under the locks passes empty lists: no check. The main
+# query returns each run's new row version, for that memory.
 _WRITE = (
     ROWS
-    + """, new_runs AS (
+    + """, checked_offsets AS (
+    SELECT 1 FROM consumer_offsets o
+    JOIN unnest($44::text[], $45::int[], $52::bigint[]) AS u(t, p, e)
+      ON o.topic = u.t AND o.partition = u.p
+    WHERE o.group_id = $47 AND o.cluster_id = $48 AND o.next_offset = u.e
+    ORDER BY o.topic, o.partition FOR UPDATE OF o
+), checked_runs AS (
+    SELECT 1 FROM runs r JOIN unnest($49::text[], $50::text[], $51::text[]) AS u(t, r, v)
+      ON r.tenant_id = u.t AND r.run_id = u.r
+    WHERE r.xmin::text = u.v
+    ORDER BY r.tenant_id, r.run_id FOR UPDATE OF r
+), checked_configs AS (
+    SELECT 1 FROM unnest($55::text[], $56::text[], $57::text[]) AS u(t, w, v)
+    WHERE CASE WHEN u.v IS NULL
+               THEN NOT EXISTS (SELECT 1 FROM reducer_configs rc
+                                WHERE rc.tenant_id = u.t AND rc.workflow_id = u.w)
+               ELSE EXISTS (SELECT 1 FROM reducer_configs rc
+                            WHERE rc.tenant_id = u.t AND rc.workflow_id = u.w
+                              AND rc.xmin::text = u.v) END
+), checked_heads AS (
+    SELECT count(*) FILTER (WHERE e.t IS NOT NULL) AS same, count(*) AS found
+    FROM run_heads h JOIN unnest($49::text[], $50::text[]) AS u(t, r)
+      ON h.tenant_id = u.t AND h.run_id = u.r
+    LEFT JOIN unnest($58::text[], $59::text[], $60::text[], $61::bigint[], $62::text[])
+           AS e(t, r, b, s, x)
+      ON e.t = h.tenant_id AND e.r = h.run_id AND e.b = h.branch_key AND e.s = h.seq
+     AND e.x = h.state_hash
+), verdict AS (
+    SELECT CASE
+      WHEN cardinality($52::bigint[]) = 0 AND cardinality($51::text[]) = 0
+           AND cardinality($55::text[]) = 0 THEN true
+      WHEN (SELECT count(*) FROM checked_offsets) <> cardinality($52::bigint[])
+        THEN alma_stale('a partition''s stored offset')
+      WHEN (SELECT count(*) FROM checked_runs) <> cardinality($51::text[])
+        THEN alma_stale('a run')
+      WHEN (SELECT count(*) FROM checked_configs) <> cardinality($55::text[])
+        THEN alma_stale('a workflow''s reducers')
+      WHEN (SELECT same <> found OR found <> cardinality($58::text[]) FROM checked_heads)
+        THEN alma_stale('a run''s heads')
+      ELSE true END AS ok
+), new_runs AS (
     INSERT INTO runs (run_id, tenant_id, workflow_id, workflow_version, status,
                       last_seq, event_count, completed_at, released_at)
     SELECT u.r, u.t, u.w, u.v, u.s, u.l, u.c, u.d, CASE WHEN u.x THEN $14::timestamptz END
     FROM unnest($20::text[], $21::text[], $22::text[], $23::text[], $24::text[],
                 $25::bigint[], $26::bigint[], $27::timestamptz[], $28::boolean[])
          AS u(r, t, w, v, s, l, c, d, x)
+    WHERE (SELECT ok FROM verdict)
     ON CONFLICT (tenant_id, run_id) DO UPDATE SET
       workflow_id = EXCLUDED.workflow_id, status = EXCLUDED.status,
       released_at = CASE WHEN EXCLUDED.released_at IS NOT NULL
@@ -167,6 +389,7 @@ _WRITE = (
       event_count = EXCLUDED.event_count, completed_at = EXCLUDED.completed_at,
       workflow_version = coalesce(runs.workflow_version, EXCLUDED.workflow_version),
       updated_at = now()
+    RETURNING runs.tenant_id, runs.run_id, xmax = 0 AS inserted, runs.xmin::text AS version
 ), new_events AS (
     INSERT INTO run_events (event_id, run_id, tenant_id, type, node_id, branch_id,
                             emitted_at, checkpoint_seq, effect, payload, source_topic,
@@ -180,9 +403,21 @@ _WRITE = (
 """
     + ADVANCE.format(topics="$44", partitions="$45", nexts="$46", group="$47", cluster="$48")
     + """
+      AND (SELECT ok FROM verdict)
 )
-"""
+SELECT (SELECT ok FROM verdict) AS ok,
+       (SELECT count(*) FROM ("""
     + NOTIFY.format(channel="$42", tokens="$43")
+    + """) AS n) AS notified,
+       (SELECT CASE WHEN EXISTS (
+                  SELECT 1 FROM new_runs n JOIN unnest($53::text[], $54::text[]) AS u(t, r)
+                    ON n.tenant_id = u.t AND n.run_id = u.r
+                  WHERE NOT n.inserted)
+               THEN alma_stale('a run read as new (another batch created it)')
+               ELSE true END) AS created,
+       (SELECT coalesce(json_agg(json_build_array(n.tenant_id, n.run_id, n.version)), '[]')
+        FROM new_runs n) AS versions
+"""
 )
 
 
@@ -198,6 +433,11 @@ class PostgresCheckpointStore(BatchStore[TenantLimits, CheckpointEffects, locked
         )
         self.config = config
         self.registry = registry
+        self.memory = (
+            RunMemory(config.memory_bytes)
+            if config.unlocked_reads and config.memory_bytes > 0
+            else None
+        )
 
     async def open(
         self, conn: asyncpg.Connection, cluster_id: str, batch: Batch
@@ -211,6 +451,96 @@ class PostgresCheckpointStore(BatchStore[TenantLimits, CheckpointEffects, locked
             conn, self.group_id, cluster_id, batch, _wants(_events(batch))
         )
 
+    async def transact(
+        self, cluster_id: str, batch: Batch, prepared: TenantLimits
+    ) -> Committed[CheckpointEffects]:
+        """The batch read without locks (or folded from memory) and written in one
+        statement that commits alone and checks what was read (:meth:`_unlocked`,
+        ``StoreConfig.unlocked_reads``); in a transaction under the runs' locks (the
+        base's) where that declines, or where its check finds a run, an offset or a
+        workflow's reducers changed since the read (then the effects say
+        ``read_again``, and memory forgets the batch's runs and partitions)."""
+        stale = False
+        if self.config.unlocked_reads and any(batch.values()):
+            try:
+                done = await self._unlocked(cluster_id, batch, prepared)
+            except Exception as exc:
+                if not _redo_locked(exc):
+                    if is_storage_failure(exc):
+                        raise storage_error(exc, self.doing) from exc
+                    raise
+                stale = True
+                if self.memory is not None:
+                    self.memory.forget(_wants(_events(batch)).runs, batch)
+            else:
+                if done is not None:
+                    return done
+        committed = await super().transact(cluster_id, batch, prepared)
+        effects = committed.effects
+        if effects is not None:
+            effects.read_again = effects.read_again or stale
+            if self.memory is not None and effects.plan is not None:
+                effects.plan.remember(self.memory, effects.versions, recalled=False)
+        return committed
+
+    async def assigned(self, partitions: list[PartitionKey]) -> None:
+        """Partitions newly assigned here: what memory holds may be another member's
+        past (its writes were checked anyway); start afresh."""
+        if self.memory is not None:
+            self.memory.clear()
+
+    async def _unlocked(
+        self, cluster_id: str, batch: Batch, prepared: TenantLimits
+    ) -> Committed[CheckpointEffects] | None:
+        """The batch's offsets, runs and reducers from the checkpointer's memory of its
+        own writes (:class:`RunMemory`) where it holds them all, else read as committed
+        without a lock and outside a transaction (:func:`locked.load_unlocked`: one
+        round trip); fold; write in one statement that commits alone: one or two round
+        trips where a transaction takes four (BEGIN, the first statement, the write,
+        COMMIT). The statement checks that each partition's stored offset, each run
+        written and (from memory) each workflow's reducers are what was read or
+        remembered (``_WRITE``'s ``verdict``), or fails whole. In a transaction still
+        (the write's locks held to its end) when the batch has dead letters,
+        hand-offs, replies or LangGraph rows to store beside it. None: the locked path
+        applies the batch (a partition with no stored offset yet, or a batch that
+        writes no run)."""
+        events = _events(batch)
+        wants = _wants(events)
+        partitions = [tp for tp, records in batch.items() if records]
+        recalled = (
+            self.memory.recall(partitions, wants.runs, wants.with_state, wants.workflows)
+            if self.memory is not None
+            else None
+        )
+        async with self.pool.acquire() as conn:
+            if recalled is None:
+                seen = await locked.load_unlocked(conn, self.group_id, cluster_id, batch, wants)
+                stored, reads, configs = seen.stored, seen.reads, None
+            else:
+                stored, reads, configs = recalled.stored, _reads(recalled), recalled.config_versions
+            if any(tp not in stored for tp in partitions):
+                return None  # a partition's first batch: its offsets' row is made fenced
+            fence = offsets.fenced(batch, stored)
+            if not fence.fresh:
+                return Committed(fence.progress)
+            plan = await self._fold(conn, cluster_id, fence.fresh, prepared, reads)
+            if not plan.writes_runs:
+                return None
+            checks = plan.checks(stored, configs)
+            effects = self._effects(plan, written=True, read_again=False)
+            effects.unlocked = True
+            if effects.dead_letters or effects.outbox or plan.sequencer.effects.graph:
+                async with conn.transaction():
+                    versions = await self._write(conn, plan, checks)
+                    ids = await self.store_extras(conn, cluster_id, effects)
+            else:
+                versions = await self._write(conn, plan, checks)
+                ids = []
+        if self.memory is not None:
+            plan.remember(self.memory, versions, recalled=recalled is not None)
+        effects.recalled = recalled is not None
+        return Committed(fence.progress_after(), effects, ids)
+
     async def write(
         self,
         conn: asyncpg.Connection,
@@ -219,12 +549,33 @@ class PostgresCheckpointStore(BatchStore[TenantLimits, CheckpointEffects, locked
         prepared: TenantLimits,
         reads: locked.Reads | None,
     ) -> CheckpointEffects:
-        """Load what the batch needs (unless :meth:`open` did), fold it in pure code
-        (:class:`Sequencer`), write (advancing the offsets in the same statement); see
-        the module docstring."""
-        events = _events(fresh)
+        """Under the runs' locks: load what the batch needs (unless :meth:`open` did),
+        fold it in pure code (:class:`Sequencer`), write (advancing the offsets in the
+        same statement); see the module docstring."""
         if reads is None:
-            reads = await locked.lock_and_load(conn, _wants(events))
+            reads = await locked.lock_and_load(conn, _wants(_events(fresh)))
+        plan = await self._fold(conn, cluster_id, fresh, prepared, reads)
+        if not plan.writes_runs:
+            await graphs.insert(conn, plan.sequencer.effects.graph)
+            if plan.notify:
+                await announce(conn, plan.touched)  # dead letters only: nothing written
+            return self._effects(plan, written=False, read_again=reads.read_again)
+        versions = await self._write(conn, plan, _NO_CHECKS)
+        effects = self._effects(plan, written=True, read_again=reads.read_again)
+        effects.plan, effects.versions = plan, versions  # memory's, once committed
+        return effects
+
+    async def _fold(
+        self,
+        conn: asyncpg.Connection,
+        cluster_id: str,
+        fresh: Batch,
+        prepared: TenantLimits,
+        reads: locked.Reads,
+    ) -> _Plan:
+        """The batch's effects, in pure code (:class:`Sequencer`) but for the standing
+        of tenants at their storage quota, read again before refusing a new run."""
+        events = _events(fresh)
         full = prepared.full
         if full:
             starting = {
@@ -233,6 +584,8 @@ class PostgresCheckpointStore(BatchStore[TenantLimits, CheckpointEffects, locked
                 if e.tenant_id in full and (e.tenant_id, e.run_id) not in reads.runs
             }  # tenants of the batch's new runs: read again before refusing one
             full = await self._still_full(conn, starting) if starting else frozenset()
+        existing = frozenset(reads.runs)
+        heads_read = {key: (h.seq, h.state_hash) for key, h in reads.locked.heads.items()}
         sequencer = Sequencer(
             runs=reads.runs,
             heads=reads.locked.heads,
@@ -267,30 +620,41 @@ class PostgresCheckpointStore(BatchStore[TenantLimits, CheckpointEffects, locked
                                 per_tenant=self.config.tenant_topics,
                             )
                         )
-        effects = sequencer.effects
-        created_at = datetime.now(UTC)
         heads: dict[HeadKey, CheckpointRow] = {}
-        for row in effects.checkpoints:
+        for row in sequencer.effects.checkpoints:
             heads[(row.tenant_id, row.run_id, branch_key(row.branch_id))] = row
         touched = [(e.tenant_id, e.run_id) for e in events] + [
             (d.tenant_id, d.run_id) for d in letters if d.tenant_id and d.run_id
         ]
-        notify = tokens(touched) if self.config.notify_effects else []
-        advance = advance_args(self.group_id, cluster_id, ends(fresh))
-        written = await self._write(conn, sequencer, created_at, heads, notify, advance)
-        if not written and notify:
-            await announce(conn, touched)  # dead letters only: nothing written
-        return CheckpointEffects(
-            dead_letters=letters,
+        return _Plan(
+            sequencer=sequencer,
+            letters=letters,
             outbox=self._handoffs(sequencer, fresh) + answers,
-            cache_writes=_cache_entries(heads.values(), created_at),
+            heads=heads,
+            touched=touched,
+            notify=tokens(touched) if self.config.notify_effects else [],
+            advance=advance_args(self.group_id, cluster_id, ends(fresh)),
+            created_at=datetime.now(UTC),
+            existing=existing,
+            heads_read=heads_read,
+            reads=reads,
+            wants=_wants(events),
+        )
+
+    @staticmethod
+    def _effects(plan: _Plan, *, written: bool, read_again: bool) -> CheckpointEffects:
+        effects = plan.sequencer.effects
+        return CheckpointEffects(
+            dead_letters=plan.letters,
+            outbox=plan.outbox,
+            cache_writes=_cache_entries(plan.heads.values(), plan.created_at),
             offsets_stored=written,
             checkpoints=effects.checkpoints,
             applied=[(e.event.type, e.effect, e.event.emitted_at) for e in effects.events],
             duplicates=effects.duplicates,
-            created_at=created_at,
+            created_at=plan.created_at,
             folded=effects.events,
-            read_again=reads.read_again,
+            read_again=read_again,
         )
 
     async def _still_full(self, conn: asyncpg.Connection, tenants: set[str]) -> frozenset[str]:
@@ -301,59 +665,52 @@ class PostgresCheckpointStore(BatchStore[TenantLimits, CheckpointEffects, locked
     # -- writes ---------------------------------------------------------------
 
     async def _write(
-        self,
-        conn: asyncpg.Connection,
-        seq: Sequencer,
-        created_at: datetime,
-        heads: dict[HeadKey, CheckpointRow],
-        notify: list[str],
-        advance: tuple[list[str], list[int], list[int], str, str],
-    ) -> bool:
-        """The batch's runs, checkpoints, heads and audit rows, the notifications of
-        ``notify`` and the offsets' ``advance`` (:func:`offsets.advance_args`) in one
-        statement (one round trip, one execution per table rather than one per row),
-        then its LangGraph rows. False when there was nothing to write (and so nobody
-        was notified, and the offsets are still to advance)."""
-        runs = [r for r in seq.runs.values() if r.changed]
-        cps = seq.effects.checkpoints
+        self, conn: asyncpg.Connection, plan: _Plan, checks: _Checks
+    ) -> dict[RunKey, str]:
+        """The batch's runs, checkpoints, heads and audit rows, the notifications and
+        the offsets' advance (:func:`offsets.advance_args`) in one statement (one round
+        trip, one execution per table rather than one per row), checked as ``checks``
+        says, then its LangGraph rows. Returns each run's new row version."""
+        seq = plan.sequencer
+        runs = plan.runs_written
         events = seq.effects.events
-        written = bool(runs or cps or events)
-        if written:
-            await conn.execute(
-                _WRITE,
-                *rows_args(
-                    cps,
-                    created_at,
-                    [(*key, row.seq, row.state_hash) for key, row in heads.items()],
-                ),
-                [r.run_id for r in runs],
-                [r.tenant_id for r in runs],
-                [r.workflow_id for r in runs],
-                [r.workflow_version for r in runs],
-                [r.status for r in runs],
-                [r.last_seq for r in runs],
-                [r.event_count for r in runs],
-                [r.completed_at for r in runs],
-                [r.released for r in runs],
-                [e.event.event_id for e in events],
-                [e.event.run_id for e in events],
-                [e.event.tenant_id for e in events],
-                [e.event.type for e in events],
-                [e.event.node_id for e in events],
-                [e.event.branch_id for e in events],
-                [e.event.emitted_at for e in events],
-                [e.checkpoint_seq for e in events],
-                [e.effect for e in events],
-                [_audit_payload(e.event) for e in events],
-                [e.coords.topic for e in events],
-                [e.coords.partition for e in events],
-                [e.coords.offset for e in events],
-                CHANNEL,
-                notify,
-                *advance,
-            )
+        row = await conn.fetchrow(
+            _WRITE,
+            *rows_args(
+                seq.effects.checkpoints,
+                plan.created_at,
+                [(*key, row.seq, row.state_hash) for key, row in plan.heads.items()],
+            ),
+            [r.run_id for r in runs],
+            [r.tenant_id for r in runs],
+            [r.workflow_id for r in runs],
+            [r.workflow_version for r in runs],
+            [r.status for r in runs],
+            [r.last_seq for r in runs],
+            [r.event_count for r in runs],
+            [r.completed_at for r in runs],
+            [r.released for r in runs],
+            [e.event.event_id for e in events],
+            [e.event.run_id for e in events],
+            [e.event.tenant_id for e in events],
+            [e.event.type for e in events],
+            [e.event.node_id for e in events],
+            [e.event.branch_id for e in events],
+            [e.event.emitted_at for e in events],
+            [e.checkpoint_seq for e in events],
+            [e.effect for e in events],
+            [_audit_payload(e.event) for e in events],
+            [e.coords.topic for e in events],
+            [e.coords.partition for e in events],
+            [e.coords.offset for e in events],
+            CHANNEL,
+            plan.notify,
+            *plan.advance,
+            *checks.args(),
+        )
         await graphs.insert(conn, seq.effects.graph)
-        return written
+        assert row is not None
+        return {(t, r): version for t, r, version in row["versions"]}
 
     def _handoffs(self, seq: Sequencer, fresh: Batch) -> list[OutboxRow]:
         """Joins and completions for the joiner and the learner, once durable, each with

@@ -2,7 +2,9 @@
 lock the batch's runs (:func:`lock_runs`), then everything else it needs in one more
 statement (:func:`load_locked`: heads, reducer configs, event ids used before). The
 checkpointer, which knows what it reads before the locks, does the offsets' fence, the
-locks and the reads in one statement (:func:`fence_and_load`).
+locks and the reads in one statement (:func:`fence_and_load`), or, outside any
+transaction, the same reads without a lock (:func:`load_unlocked`), with each run's row
+version, which its write then checks (:mod:`alma_core.storage.checkpoints`).
 
 Both consumers take the run rows' locks first, in one order (tenant, run id), so their
 batches never deadlock with each other, with ``alma replay --apply`` (the same lock) or
@@ -12,8 +14,9 @@ with themselves; what they read after it cannot change until they commit.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
+from typing import Any
 
 import asyncpg
 
@@ -47,7 +50,8 @@ _LOADS = """
      ON h.tenant_id = u.t AND h.run_id = u.r
    LEFT JOIN checkpoints c ON u.f AND c.tenant_id = h.tenant_id
                           AND c.run_id = h.run_id AND c.seq = h.seq) AS heads,
-  (SELECT coalesce(json_agg(json_build_array(rc.tenant_id, rc.workflow_id, rc.config)), '[]')
+  (SELECT coalesce(json_agg(json_build_array(rc.tenant_id, rc.workflow_id, rc.config,
+                                             rc.xmin::text)), '[]')
    FROM reducer_configs rc
    JOIN unnest({wf_tenants}::text[], {workflows}::text[]) AS u(t, w)
      ON rc.tenant_id = u.t AND rc.workflow_id = u.w) AS configs,
@@ -114,6 +118,29 @@ SELECT
 )
 
 
+# The same reads as committed, outside a transaction and without a lock (a row lock would
+# make the statement a writing transaction: a WAL flush of its own): each partition's
+# stored offset, each run with its row version, the loads. Nothing is fenced: the write
+# that follows checks that the offsets and the runs are still these.
+LOAD_UNLOCKED = (
+    """SELECT
+  (SELECT coalesce(json_agg(json_build_array(o.topic, o.partition, o.next_offset)), '[]')
+   FROM consumer_offsets o
+   JOIN unnest($3::text[], $4::int[]) AS u(t, p) ON o.topic = u.t AND o.partition = u.p
+   WHERE o.group_id = $1 AND o.cluster_id = $2) AS offsets,
+  (SELECT coalesce(json_agg(json_build_array(r.run_id, r.tenant_id, r.workflow_id,
+                                             r.workflow_version, r.status, r.last_seq,
+                                             r.event_count, r.completed_at, r.released,
+                                             r.pruned, r.version)), '[]')
+   FROM (SELECT """
+    + _RUN_COLUMNS
+    + """, r.xmin::text AS version
+         FROM runs r JOIN unnest($5::text[], $6::text[]) AS u(t, r)
+           ON r.tenant_id = u.t AND r.run_id = u.r) r) AS runs,"""
+    + _loads(5)
+)
+
+
 async def lock_runs(conn: asyncpg.Connection, runs: Iterable[RunKey]) -> dict[RunKey, RunView]:
     """Lock the runs' rows (in one order) and read them; a run with no row is absent."""
     tenants, run_ids = columns(sorted(set(runs)), 2)
@@ -129,6 +156,7 @@ class Locked:
     heads: dict[HeadKey, Head]
     configs: dict[tuple[str, str], ReducerConfig]
     known: dict[tuple[str, str], str]
+    config_versions: dict[tuple[str, str], str] = field(default_factory=dict)  # row xmin
 
 
 async def load_locked(
@@ -162,8 +190,9 @@ def _locked(row: asyncpg.Record) -> Locked:
             (t, r, key): Head(seq, state_hash, state or {})
             for t, r, key, seq, state_hash, state in row["heads"]
         },
-        configs={(t, w): ReducerConfig.from_json(config) for t, w, config in row["configs"]},
+        configs={(t, w): ReducerConfig.from_json(config) for t, w, config, _ in row["configs"]},
         known={(t, i): r for t, i, r in row["known"]},
+        config_versions={(t, w): version for t, w, _, version in row["configs"]},
     )
 
 
@@ -185,6 +214,11 @@ class Reads:
     runs: dict[RunKey, RunView]
     locked: Locked
     read_again: bool = False  # a lock waited on a commit: read again after the locks
+    # each run's row version (xmin) as read without a lock (:func:`load_unlocked`);
+    # empty for reads under the locks
+    versions: dict[RunKey, str] = field(default_factory=dict)
+    # runs whose every head's state was held (folded from the checkpointer's memory)
+    states_known: frozenset[RunKey] = frozenset()
 
 
 async def lock_and_load(conn: asyncpg.Connection, wants: Wants) -> Reads:
@@ -224,19 +258,65 @@ async def fence_and_load(
     fence = offsets.fenced(batch, {(t, p): n for t, p, n in row["offsets"]})
     if row["stale"]:
         return fence, replace(await lock_and_load(conn, wants), read_again=True)
-    runs = {
-        (t, r): RunView(
-            run_id=r,
-            tenant_id=t,
-            workflow_id=w,
-            workflow_version=v,
-            status=status,
-            last_seq=last_seq,
-            event_count=count,
-            completed_at=None if done is None else datetime.fromisoformat(done),
-            released=released,
-            pruned=pruned,
-        )
-        for r, t, w, v, status, last_seq, count, done, released, pruned in row["runs"]
-    }
+    runs = {(view.tenant_id, view.run_id): view for view in map(_run_view, row["runs"])}
     return fence, Reads(runs, _locked(row))
+
+
+def _run_view(fields: list[Any]) -> RunView:
+    """A run as the statements' ``json_build_array`` gives it (its first ten columns)."""
+    r, t, w, v, status, last_seq, count, done, released, pruned = fields[:10]
+    return RunView(
+        run_id=r,
+        tenant_id=t,
+        workflow_id=w,
+        workflow_version=v,
+        status=status,
+        last_seq=last_seq,
+        event_count=count,
+        completed_at=None if done is None else datetime.fromisoformat(done),
+        released=released,
+        pruned=pruned,
+    )
+
+
+@dataclass(frozen=True)
+class Unlocked:
+    """What :func:`load_unlocked` read: each partition's stored next offset (a partition
+    with no row yet is absent) and the batch's reads, with each run's row version."""
+
+    stored: dict[offsets.PartitionKey, int]
+    reads: Reads
+
+
+async def load_unlocked(
+    conn: asyncpg.Connection,
+    group_id: str,
+    cluster_id: str,
+    batch: dict[offsets.PartitionKey, list[R]],
+    wants: Wants,
+) -> Unlocked:
+    """:data:`LOAD_UNLOCKED`: one round trip, outside a transaction, taking no lock."""
+    tenants, run_ids = columns(sorted(wants.runs), 2)
+    _, _, topics, partitions, _ = offsets.fence_args(group_id, cluster_id, batch)
+    row = await conn.fetchrow(
+        LOAD_UNLOCKED,
+        group_id,
+        cluster_id,
+        topics,
+        partitions,
+        tenants,
+        run_ids,
+        [run in wants.with_state for run in zip(tenants, run_ids, strict=True)],
+        *columns(sorted(wants.workflows), 2),
+        *columns(sorted(wants.event_ids), 2),
+    )
+    assert row is not None
+    views = {(f[1], f[0]): (_run_view(f), f[10]) for f in row["runs"]}
+    return Unlocked(
+        stored={(t, p): n for t, p, n in row["offsets"]},
+        reads=Reads(
+            {key: view for key, (view, _) in views.items()},
+            _locked(row),
+            versions={key: version for key, (_, version) in views.items()},
+        ),
+    )

@@ -1,0 +1,2 @@
+-- Undo 0023.
+DROP FUNCTION IF EXISTS alma_stale(text);
