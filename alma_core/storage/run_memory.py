@@ -109,10 +109,13 @@ class RunMemory:
             config_versions[wf] = version
         heads: dict[HeadKey, Head] = {}
         for run in held:
-            self._runs.move_to_end(run.view.key)
+            key = run.view.key
+            self._runs.move_to_end(key)
+            folds = key in with_state  # as a read: the states only of runs folded into
             for branch, head in run.heads.items():
-                state = jsoncodec.parse(head.state_json.encode()) if head.state_json else {}
-                heads[(*run.view.key, branch)] = Head(head.seq, head.state_hash, state)
+                held_state = head.state_json if folds else None
+                state = jsoncodec.parse(held_state.encode()) if held_state is not None else {}
+                heads[(*key, branch)] = Head(head.seq, head.state_hash, state)
         self.recalled += 1
         return Recalled(
             runs={run.view.key: replace(run.view) for run in held},
@@ -121,7 +124,7 @@ class RunMemory:
             stored=stored,
             versions={run.view.key: run.version for run in held},
             config_versions=config_versions,
-            states_known={run.view.key for run in held if run.states_known},
+            states_known={run.view.key for run in held if run.view.key in with_state},
         )
 
     def remember(
@@ -162,8 +165,9 @@ class RunMemory:
             key = view.key
             heads = before.get(key, {})
             size = sum(len(h.state_json or "") for h in heads.values())
+            prior = self._runs.get(key) if recalled else None
+            known = key in states_known or (prior is not None and prior.states_known)
             self._drop(key)
-            known = key in states_known
             self._runs[key] = RememberedRun(
                 replace(view, changed=False), version, heads, known, size
             )

@@ -58,9 +58,26 @@ def test_a_run_written_with_its_states_is_recalled_as_written() -> None:
     assert got.config_versions == {("acme", "wf"): None}
     assert got.configs == {}
     got.runs[("acme", "r")].last_seq = 99  # the fold changes its copy, not memory
-    again = memory.recall([TP], [("acme", "r")], set(), [])
+    again = memory.recall([TP], [("acme", "r")], set(), [])  # folds into no head
     assert again is not None
     assert again.runs[("acme", "r")].last_seq == 2
+    assert again.heads[("acme", "r", "")] == Head(2, "h2", {})  # as a read: no state
+    # written again, from memory, without needing the states: they are still held
+    memory.remember(
+        {TP: 6},
+        [(view("r", 3), "102")],
+        again.heads,
+        {("acme", "r", ""): row("r", 3, '{"n":3}')},
+        again.states_known,
+        {},
+        recalled=True,
+    )
+    last = memory.recall([TP], [("acme", "r")], {("acme", "r")}, [])
+    assert last is not None
+    assert last.heads == {
+        ("acme", "r", ""): Head(3, "h3", {"n": 3}),
+        ("acme", "r", "b"): Head(1, "h1", {"b": 1}),
+    }
 
 
 def test_what_memory_does_not_hold_is_read() -> None:
