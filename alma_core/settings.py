@@ -260,6 +260,12 @@ class Settings(BaseSettings):
         description="PostgreSQL ends a session idle inside a transaction this long (a stalled "
         "member's), releasing its locks",
     )
+    pg_generic_plans: bool = Field(
+        default=True,
+        description="workers' sessions plan each statement once (plan_cache_mode="
+        "force_generic_plan): their batch statements take arrays of keys, and planning "
+        "them again at each execution cost ~1 ms a batch; false: PostgreSQL chooses",
+    )
 
     # Learning and retrieval.
     embedding_model_path: Path | None = Field(

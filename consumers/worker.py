@@ -93,6 +93,7 @@ async def _wait_for_pool(
                 max_size=settings.pg_pool_size,
                 lock_timeout_ms=settings.pg_lock_timeout_ms,
                 idle_in_transaction_timeout_ms=settings.pg_idle_in_transaction_timeout_ms,
+                generic_plans=settings.pg_generic_plans,
             )
         except errors.StorageError as exc:
             attempt += 1

@@ -127,6 +127,7 @@ async def create_pool(
     max_size: int = 8,
     lock_timeout_ms: int = 10_000,
     idle_in_transaction_timeout_ms: int = 60_000,
+    generic_plans: bool = False,
 ) -> asyncpg.Pool:
     """A pool for ``dsn``; a failure to connect names the DSN and what to check.
 
@@ -134,7 +135,10 @@ async def create_pool(
     consumers back off from and retry (55P03, retriable), and PostgreSQL ends a
     session left idle inside a transaction for ``idle_in_transaction_timeout_ms`` (a
     member that stalled mid-batch), which releases the locks it held on its
-    partitions' offsets. 0 turns either off."""
+    partitions' offsets. 0 turns either off. ``generic_plans``: each prepared statement
+    is planned once, not at each execution (a worker's: its batch statements, keyed by
+    arrays of primary keys, whose plans the values do not change; docs/benchmarks.md)."""
+    plans = {"plan_cache_mode": "force_generic_plan"} if generic_plans else {}
     try:
         pool: asyncpg.Pool = await asyncpg.create_pool(
             dsn,
@@ -148,6 +152,7 @@ async def create_pool(
                 "application_name": "alma-stream",
                 "lock_timeout": str(lock_timeout_ms),
                 "idle_in_transaction_session_timeout": str(idle_in_transaction_timeout_ms),
+                **plans,
             },
         )
     except Exception as exc:
@@ -161,8 +166,10 @@ async def create_pool(
 
 
 @contextlib.asynccontextmanager
-async def connect(dsn: str, *, min_size: int = 1, max_size: int = 8) -> AsyncIterator[asyncpg.Pool]:
-    pool = await create_pool(dsn, min_size=min_size, max_size=max_size)
+async def connect(
+    dsn: str, *, min_size: int = 1, max_size: int = 8, generic_plans: bool = False
+) -> AsyncIterator[asyncpg.Pool]:
+    pool = await create_pool(dsn, min_size=min_size, max_size=max_size, generic_plans=generic_plans)
     try:
         yield pool
     finally:

@@ -12,13 +12,17 @@ from typing import Any
 from alma_core.quotas import TenantLimits
 from alma_core.reducers import ReducerConfig, ReducerRegistry
 from alma_core.schemas.decoder import decode
-from alma_core.storage import locked, reducer_configs
+from alma_core.storage import locked, postgres, reducer_configs
 from alma_core.storage.batches import Incoming
 from alma_core.storage.checkpoints import PostgresCheckpointStore, StoreConfig
-from alma_core.storage.postgres import connect
 from tests.integration.harness import completed, count, fetch, wait_for
 
 TOPIC = "lifecycle"
+
+
+def connect(database: str, *, max_size: int = 8) -> Any:
+    """A pool as a worker's: each statement planned once (ALMA_PG_GENERIC_PLANS)."""
+    return postgres.connect(database, max_size=max_size, generic_plans=True)
 
 
 def records(
@@ -53,6 +57,7 @@ def store_for(pool: Any, *, unlocked: bool = True, memory: int = 0) -> PostgresC
 async def test_redelivered_batch_has_no_second_effect(database: str) -> None:
     docs = [completed("r", updates={"i": i}) for i in range(5)]
     async with connect(database) as pool:
+        assert await pool.fetchval("SHOW plan_cache_mode") == "force_generic_plan"
         store = store_for(pool)
         first = await store.transact("cluster-a", {(TOPIC, 0): records(docs)}, TenantLimits())
         assert first.progress.next_offsets == {(TOPIC, 0): 5}
