@@ -199,12 +199,9 @@ class _Plan:
             wf: (self.reads.locked.configs.get(wf), self.reads.locked.config_versions.get(wf))
             for wf in wants.workflows
         }
+        topics, partitions, nexts = self.advance[:3]
         memory.remember(
-            dict(
-                zip(
-                    zip(self.advance[0], self.advance[1], strict=True), self.advance[2], strict=True
-                )
-            ),
+            dict(zip(zip(topics, partitions, strict=True), nexts, strict=True)),
             [(r, versions[r.key]) for r in self.runs_written if r.key in versions],
             self.reads.locked.heads,
             self.heads,
