@@ -338,6 +338,17 @@ async def test_a_zombie_committing_after_an_unlocked_read_wins_alone(
     assert [(r["seq"], r["state"]["i"]) for r in rows] == [(s, s - 1) for s in range(1, 5)]
 
 
+async def _first_batches(store: PostgresCheckpointStore, other: PostgresCheckpointStore) -> None:
+    """Partition 0's first batch (run "r") by ``store``, partition 1's (run "x") by
+    ``other``: both partitions have their offsets' rows, so ``store`` reads unlocked."""
+    await store.transact(
+        "c", {(TOPIC, 0): records([completed("r", updates={"i": 0})])}, TenantLimits()
+    )
+    await other.transact(
+        "c", {(TOPIC, 1): records([completed("x", state={"i": 0})], partition=1)}, TenantLimits()
+    )
+
+
 async def test_a_run_written_by_another_partition_after_an_unlocked_read(
     database: str, monkeypatch: Any
 ) -> None:
@@ -347,14 +358,7 @@ async def test_a_run_written_by_another_partition_after_an_unlocked_read(
     and the batch, read again under the locks, numbers after them."""
     async with connect(database, max_size=4) as pool:
         store, other = store_for(pool), store_for(pool, unlocked=False)
-        await store.transact(
-            "c", {(TOPIC, 0): records([completed("r", updates={"i": 0})])}, TenantLimits()
-        )
-        await other.transact(
-            "c",
-            {(TOPIC, 1): records([completed("x", state={"i": 0})], partition=1)},
-            TenantLimits(),
-        )
+        await _first_batches(store, other)
 
         async def other_partition_applies() -> None:
             docs = [completed("r", updates={"i": 1}), completed("n", updates={"i": 0})]
@@ -384,14 +388,7 @@ async def test_a_new_run_created_after_an_unlocked_read_is_not_overwritten(
     inserted by another batch since, and the batch is read again."""
     async with connect(database, max_size=4) as pool:
         store, other = store_for(pool), store_for(pool, unlocked=False)
-        await store.transact(
-            "c", {(TOPIC, 0): records([completed("r", updates={"i": 0})])}, TenantLimits()
-        )
-        await other.transact(
-            "c",
-            {(TOPIC, 1): records([completed("x", state={"i": 0})], partition=1)},
-            TenantLimits(),
-        )
+        await _first_batches(store, other)
 
         async def other_creates() -> None:
             docs = [completed("n", updates={"i": 0})]
