@@ -49,9 +49,12 @@ class Merge:
     merged_from: tuple[int, ...]
 
 
+_NO_REDUCERS = ReducerConfig()  # a workflow with none registered
+
+
 def config_for(payload: BranchJoinPayload, registered: ReducerConfig | None) -> ReducerConfig:
     """The request's reducer settings, falling back field by field to the workflow's."""
-    base = registered or ReducerConfig()
+    base = registered or _NO_REDUCERS
     return ReducerConfig(
         field_reducers={**base.field_reducers, **(payload.reducers or {})},
         default_reducer=payload.default_reducer or base.default_reducer,
@@ -84,15 +87,15 @@ def merge(
         heads = [branches[b] for b in payload.branch_ids]
         merged_from = tuple(h.seq for h in heads)
         try:
-            folded = merge_states([h.state for h in heads], config, registry)
+            folded = merge_states([h.state for h in heads], config, registry, validated=True)
         except errors.ConflictingUpdate as exc:
             raise errors.ConflictingUpdate(
                 f"{exc.message} (branches {', '.join(payload.branch_ids)})"
             ) from None
-        state = apply_updates(main.state if main else {}, folded, config, registry)
+        state = apply_updates(main.state if main else {}, folded, config, registry, validated=True)
     else:
         assert payload.states is not None  # the contract requires one of them
-        state = merge_states(payload.states, config, registry)
+        state = merge_states(payload.states, config, registry, validated=True)
     state_json, digest, size = canonical_state(state, _scheme(main, branches))
     if size > max_state_bytes:
         says = says or f"the limit is {max_state_bytes}"

@@ -55,6 +55,11 @@ class Reducer:
 
 
 def _is_number(value: Any) -> bool:
+    kind = type(value)
+    if kind is int:  # the common cases first: a merge checks every value it folds
+        return True
+    if kind is float:
+        return math.isfinite(value)
     return (
         isinstance(value, int | float)
         and not isinstance(value, bool)
@@ -338,10 +343,11 @@ def fold_field(
     """Fold the values one field received, left to right."""
     registry = registry or default_registry()
     reducer = config.reducer_for(key, registry)
-    explicit = key in config.field_reducers
+    accepts, skips_none = reducer.accepts, reducer.skips_none
     for value in values:
-        _check(reducer, key, value)
-    if config.strict and not explicit:
+        if not (value is None and skips_none) and not accepts(value):
+            _check(reducer, key, value)  # raises, naming the field
+    if config.strict and key not in config.field_reducers:
         distinct = {_canonical(v) for v in values}
         if len(distinct) > 1:
             raise errors.ConflictingUpdate(
@@ -362,15 +368,23 @@ def merge_states(
     states: Sequence[Mapping[str, Any]],
     config: ReducerConfig | None = None,
     registry: ReducerRegistry | None = None,
+    *,
+    validated: bool = False,
 ) -> dict[str, Any]:
-    """Merge states in the order given. Keys keep the order of first appearance."""
+    """Merge states in the order given. Keys keep the order of first appearance.
+    ``validated``: the caller validated ``config`` against ``registry`` already."""
     config = config or ReducerConfig()
     registry = registry or default_registry()
-    config.validate(registry)
+    if not validated:
+        config.validate(registry)
     columns: dict[str, list[Any]] = {}
     for state in states:
         for key, value in state.items():
-            columns.setdefault(key, []).append(value)
+            column = columns.get(key)
+            if column is None:
+                columns[key] = [value]
+            else:
+                column.append(value)
     return {key: fold_field(key, values, config, registry) for key, values in columns.items()}
 
 
@@ -379,21 +393,29 @@ def apply_updates(
     updates: Mapping[str, Any],
     config: ReducerConfig | None = None,
     registry: ReducerRegistry | None = None,
+    *,
+    validated: bool = False,
 ) -> dict[str, Any]:
     """Fold semantic-key updates into a state; untouched keys are kept as they are.
+    ``validated``: the caller validated ``config`` against ``registry`` already.
 
     Strict mode does not apply here: an update to a field is meant to change it.
     """
     config = config or ReducerConfig()
     registry = registry or default_registry()
-    config.validate(registry)
+    if not validated:
+        config.validate(registry)
     out = dict(current)
     for key, value in updates.items():
         reducer = config.reducer_for(key, registry)
-        _check(reducer, key, value)
+        accepts, skips_none = reducer.accepts, reducer.skips_none
+        if not (value is None and skips_none) and not accepts(value):
+            _check(reducer, key, value)  # raises, naming the field
         if key in out:
-            _check(reducer, key, out[key])
-            out[key] = _combine(reducer, key, out[key], value)
+            held = out[key]
+            if not (held is None and skips_none) and not accepts(held):
+                _check(reducer, key, held)
+            out[key] = _combine(reducer, key, held, value)
         else:
             out[key] = value
     return out
