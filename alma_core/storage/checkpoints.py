@@ -13,6 +13,12 @@ How a batch becomes effects exactly once, without Kafka transactions:
    the audit log, dead letters, and the outbox rows (hand-offs to the joiner
    and learner, dead-letter records) that are published only after commit.
 
+The transaction is one statement where it can be (:meth:`PostgresCheckpointStore.
+transact`): the batch read without locks, or folded from the checkpointer's memory of
+its own writes (:mod:`alma_core.storage.run_memory`), is written by ``_WRITE``, which
+checks what was read and commits alone; a batch whose check fails is applied again
+under the runs' locks, in a transaction of its own.
+
 The caller commits to Kafka after this returns (Postgres first, then Kafka).
 """
 
