@@ -195,7 +195,8 @@ class Settings(BaseSettings):
         ge=0,
         description=(
             "with ALMA_UNLOCKED_READS, the checkpointer remembers what it wrote of its runs "
-            "(their rows' versions, heads and states, up to this many bytes of states) and "
+            "(their rows' versions, heads and states, up to this many bytes: the states' "
+            "JSON and 512 a run) and "
             "a batch of remembered runs takes one round trip, its checked write; 0: every "
             "batch reads its runs first"
         ),

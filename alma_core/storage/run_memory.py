@@ -8,9 +8,10 @@ or their absence) are the ones remembered, and writes nothing otherwise; the bat
 then applied under the runs' locks and memory forgets what it held of them. Pure code,
 no I/O: the store fills it after each commit from what it wrote and read back.
 
-Bounded by the bytes of the head states it holds (least recently written runs go
-first); heads whose states were never read (a run whose events carried whole states)
-are held without them, and a batch that must fold into one reads the run.
+Bounded in bytes: each run counts its head states' JSON and :data:`RUN_BYTES` for the
+rest (least recently written runs go first); heads whose states were never read (a run
+whose events carried whole states) are held without them, and a batch that must fold
+into one reads the run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from alma_core.sequencing import CheckpointRow, Head, HeadKey, RunKey, RunView
 from alma_core.storage.offsets import PartitionKey
 
 WorkflowKey = tuple[str, str]  # (tenant, workflow id)
+RUN_BYTES = 512  # what a run held costs beside its states: its row, versions, heads' keys
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class RememberedRun:
     version: str  # the row's xmin after the write
     heads: dict[str, RememberedHead]  # by branch key
     states_known: bool  # every head's state is held
-    size: int  # bytes of the states held
+    size: int  # bytes it counts: its states' JSON and RUN_BYTES
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,7 @@ class RunMemory:
         for view, version in written:
             key = view.key
             heads = before.get(key, {})
-            size = sum(len(h.state_json or "") for h in heads.values())
+            size = RUN_BYTES + sum(len(h.state_json or "") for h in heads.values())
             prior = self._runs.get(key) if recalled else None
             known = key in states_known or (prior is not None and prior.states_known)
             self._drop(key)

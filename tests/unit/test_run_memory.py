@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from alma_core.reducers import ReducerConfig
 from alma_core.sequencing import CheckpointRow, Head, RunView
-from alma_core.storage.run_memory import RunMemory
+from alma_core.storage.run_memory import RUN_BYTES, RunMemory
 
 TP = ("lifecycle", 0)
 
@@ -107,7 +107,7 @@ def test_what_memory_does_not_hold_is_read() -> None:
 
 
 def test_the_least_recently_written_runs_go_first_past_the_budget() -> None:
-    memory = RunMemory(25)
+    memory = RunMemory(2 * RUN_BYTES + 25)  # two runs and their states
     for i, run in enumerate(("a", "b", "c")):
         memory.remember(
             {TP: i + 1},
@@ -118,7 +118,7 @@ def test_the_least_recently_written_runs_go_first_past_the_budget() -> None:
             {},
             recalled=False,
         )
-    assert memory.size == 24
+    assert memory.size == 2 * RUN_BYTES + 24
     assert memory.recall([TP], [("acme", "a")], set(), []) is None  # went first
     assert memory.recall([TP], [("acme", "c")], set(), []) is not None
     memory.remember(
@@ -130,7 +130,7 @@ def test_the_least_recently_written_runs_go_first_past_the_budget() -> None:
         {},
         recalled=False,
     )
-    assert memory.size == 18  # "c" went, "b" was replaced
+    assert memory.size == RUN_BYTES + 18  # "c" went, "b" was replaced
     got = memory.recall([TP], [("acme", "b")], {("acme", "b")}, [])
     assert got is not None
     assert got.stored == {TP: 9}
