@@ -63,7 +63,8 @@ class Recalled:
 
 
 class RunMemory:
-    """See the module docstring. ``budget_bytes``: the head states' bytes held at most."""
+    """See the module docstring. ``budget_bytes``: what it holds at most (states' JSON
+    and :data:`RUN_BYTES` a run)."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
