@@ -50,9 +50,17 @@ class Comparison:
     note: str  # the ratio table's sentence, before the run's figures
 
 
-@contextlib.contextmanager
-def _as_is(env: Env) -> Iterator[Env]:
-    yield env
+def _with(**settings: Any) -> Callable[[Env], contextlib.AbstractContextManager[Env]]:
+    """A way that runs the loop with these settings changed (none: as the Env is)."""
+
+    @contextlib.contextmanager
+    def way(env: Env) -> Iterator[Env]:
+        yield dataclasses.replace(env, s=env.s.model_copy(update=settings))
+
+    return way
+
+
+_locked = _with(unlocked_reads=False)
 
 
 @contextlib.contextmanager
@@ -60,28 +68,10 @@ def _three_statements(env: Env) -> Iterator[Env]:
     one = PostgresCheckpointStore.open
     PostgresCheckpointStore.open = BatchStore.open  # type: ignore[method-assign]
     try:
-        yield _locked_env(env)
+        with _locked(env) as on:
+            yield on
     finally:
         PostgresCheckpointStore.open = one  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def _one_statement(env: Env) -> Iterator[Env]:
-    yield _locked_env(env)
-
-
-def _locked_env(env: Env) -> Env:
-    return dataclasses.replace(env, s=env.s.model_copy(update={"unlocked_reads": False}))
-
-
-@contextlib.contextmanager
-def _locked(env: Env) -> Iterator[Env]:
-    yield _locked_env(env)
-
-
-@contextlib.contextmanager
-def _no_memory(env: Env) -> Iterator[Env]:
-    yield dataclasses.replace(env, s=env.s.model_copy(update={"run_memory_bytes": 0}))
 
 
 REMEMBERED = "remembered: write"
@@ -96,7 +86,7 @@ ROUND_TRIPS = Comparison(
     column="first round trip",
     news=("one statement",),
     old="three statements (before)",
-    ways={"one statement": _one_statement, "three statements (before)": _three_statements},
+    ways={"one statement": _locked, "three statements (before)": _three_statements},
     note="One statement instead of three, two round trips fewer per batch (both in a "
     "transaction under the runs' locks)",
 )
@@ -109,7 +99,7 @@ UNLOCKED = Comparison(
     column="batch",
     news=(REMEMBERED, UNLOCKED_READ),
     old=LOCKED,
-    ways={REMEMBERED: _as_is, UNLOCKED_READ: _no_memory, LOCKED: _locked},
+    ways={REMEMBERED: _with(), UNLOCKED_READ: _with(run_memory_bytes=0), LOCKED: _locked},
     note="One checked write that commits alone, after a read without locks or none (the "
     "runs remembered): two round trips or one where the transaction takes four",
 )
@@ -120,11 +110,8 @@ async def run(env: Env, section: Section) -> None:
 
 
 async def run_unlocked(env: Env, section: Section) -> None:
-    await _run(
-        dataclasses.replace(env, s=env.s.model_copy(update={"unlocked_reads": True})),
-        section,
-        UNLOCKED,
-    )
+    with _with(unlocked_reads=True)(env) as on:
+        await _run(on, section, UNLOCKED)
 
 
 async def _run(env: Env, section: Section, c: Comparison) -> None:

@@ -24,6 +24,7 @@ The caller commits to Kafka after this returns (Postgres first, then Kafka).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -157,9 +158,10 @@ class _Plan:
     reads: locked.Reads
     wants: locked.Wants
 
-    @property
+    @functools.cached_property
     def runs_written(self) -> list[RunView]:
-        """The runs the fold changed, in the runs' lock order (tenant, run id)."""
+        """The runs the fold changed, in the runs' lock order (tenant, run id); the fold
+        is over when a plan is made."""
         changed = (r for r in self.sequencer.runs.values() if r.changed)
         return sorted(changed, key=lambda r: (r.tenant_id, r.run_id))
 
@@ -530,8 +532,9 @@ class PostgresCheckpointStore(BatchStore[TenantLimits, CheckpointEffects, locked
             if not plan.writes_runs:
                 return None
             checks = plan.checks(stored, configs)
-            effects = self._effects(plan, written=True, read_again=False)
-            effects.unlocked = True
+            effects = self._effects(
+                plan, written=True, read_again=False, unlocked=True, recalled=recalled is not None
+            )
             if effects.dead_letters or effects.outbox or plan.sequencer.effects.graph:
                 async with conn.transaction():
                     versions = await self._write(conn, plan, checks)
@@ -541,7 +544,6 @@ class PostgresCheckpointStore(BatchStore[TenantLimits, CheckpointEffects, locked
                 ids = []
         if self.memory is not None:
             plan.remember(self.memory, versions, recalled=recalled is not None)
-        effects.recalled = recalled is not None
         return Committed(fence.progress_after(), effects, ids)
 
     async def write(
@@ -564,9 +566,10 @@ class PostgresCheckpointStore(BatchStore[TenantLimits, CheckpointEffects, locked
                 await announce(conn, plan.touched)  # dead letters only: nothing written
             return self._effects(plan, written=False, read_again=reads.read_again)
         versions = await self._write(conn, plan, _NO_CHECKS)
-        effects = self._effects(plan, written=True, read_again=reads.read_again)
-        effects.plan, effects.versions = plan, versions  # memory's, once committed
-        return effects
+        # the plan and the runs' new versions: memory's, once the transaction commits
+        return self._effects(
+            plan, written=True, read_again=reads.read_again, plan_kept=True, versions=versions
+        )
 
     async def _fold(
         self,
@@ -645,7 +648,16 @@ class PostgresCheckpointStore(BatchStore[TenantLimits, CheckpointEffects, locked
         )
 
     @staticmethod
-    def _effects(plan: _Plan, *, written: bool, read_again: bool) -> CheckpointEffects:
+    def _effects(
+        plan: _Plan,
+        *,
+        written: bool,
+        read_again: bool,
+        unlocked: bool = False,
+        recalled: bool = False,
+        plan_kept: bool = False,
+        versions: dict[RunKey, str] | None = None,
+    ) -> CheckpointEffects:
         effects = plan.sequencer.effects
         return CheckpointEffects(
             dead_letters=plan.letters,
@@ -658,6 +670,10 @@ class PostgresCheckpointStore(BatchStore[TenantLimits, CheckpointEffects, locked
             created_at=plan.created_at,
             folded=effects.events,
             read_again=read_again,
+            unlocked=unlocked,
+            recalled=recalled,
+            plan=plan if plan_kept else None,
+            versions=versions or {},
         )
 
     async def _still_full(self, conn: asyncpg.Connection, tenants: set[str]) -> frozenset[str]:
