@@ -8,6 +8,9 @@ the tenant's partitions are paused until the bucket has refilled a chunk, so the
 meanwhile bring only the other tenants' records: a tenant's backlog never sits in front
 of another's (this needs ALMA_TENANT_TOPICS, where each tenant has its own partitions;
 on a shared topic one tenant's pause would hold back every run of its partitions).
+A held-back tenant goes on one partition at a time (each such fetch brings one
+partition's backlog, not all of them at once), and with all of them once its bucket is
+full again (:meth:`TenantGate.full`).
 Each run's order is kept: records of a partition are admitted from its front only.
 
 A tenant's partitions may be spread over several members of the group: each member
@@ -107,6 +110,14 @@ class TenantGate:
         admitted = min(wanted, math.floor(bucket.tokens))
         bucket.tokens -= admitted
         return admitted
+
+    def full(self, tenant: str, share: float, now: float) -> bool:
+        """Whether ``tenant``'s bucket holds its whole burst (no quota: always): what
+        it admitted lately it could have had at once, it is not over its quota."""
+        if not self.limited(tenant):
+            return True
+        bucket, _, burst = self._refilled(tenant, share, now)
+        return bucket.tokens >= burst
 
     def wait_s(self, tenant: str, share: float, now: float) -> float:
         """Seconds until ``tenant``'s bucket holds a chunk again (0: now)."""

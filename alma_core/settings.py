@@ -243,6 +243,14 @@ class Settings(BaseSettings):
         "as soon as data arrives, so a long wait costs no latency and saves idle CPU (500, "
         "Kafka's own consumer default); alma up's embedded Tansu, which does not: 20",
     )
+    fetch_max_bytes: int = Field(
+        default=50 * 1024 * 1024,
+        ge=64 * 1024,
+        description="the most a worker's consumer brings in one fetch, every partition "
+        "together (each partition at most 16 MiB of it; a record larger still comes "
+        "whole): a checkpointer draining a backlog of 100 KB states carried 584 a second "
+        "with 50 MiB, 297 with 4 MiB (larger batches, fewer writes of each run)",
+    )
     fetch_idle_wait_ms: int = Field(
         default=0,
         ge=0,

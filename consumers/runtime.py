@@ -51,6 +51,7 @@ from alma_core.messaging import acls
 from alma_core.storage.offsets import PartitionKey, Progress
 
 log = logging.getLogger("alma.consumers")
+PARTITION_FETCH_BYTES = 16 * 1024 * 1024  # the most of one partition in a fetch
 
 
 class BatchHandler(Protocol):
@@ -92,6 +93,7 @@ class RuntimeConfig:
     max_records: int = 500
     poll_timeout_ms: int = 200
     fetch_max_wait_ms: int = 500  # Settings.fetch_max_wait_ms
+    fetch_max_bytes: int = 50 * 1024 * 1024  # Settings.fetch_max_bytes
     fetch_idle_wait_ms: int = 0  # once no record came for 2 s (retry.FetchPacer); 0: off
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 1_000
@@ -224,7 +226,9 @@ class ConsumerRuntime:
             heartbeat_interval_ms=cfg.heartbeat_interval_ms,
             max_poll_interval_ms=cfg.max_poll_interval_ms,
             fetch_max_wait_ms=cfg.fetch_max_wait_ms,
-            max_partition_fetch_bytes=16 * 1024 * 1024,
+            # a record larger than either still comes whole (Kafka's KIP-74; Tansu too)
+            fetch_max_bytes=cfg.fetch_max_bytes,
+            max_partition_fetch_bytes=min(PARTITION_FETCH_BYTES, cfg.fetch_max_bytes),
             metadata_max_age_ms=cfg.metadata_max_age_ms,
         )
         self.consumer = consumer

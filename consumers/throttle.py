@@ -3,9 +3,15 @@ tenant's records are admitted by its bucket (:class:`alma_core.quotas.TenantGate
 is not admitted is held here, in order (at most one poll's worth: nothing is dropped and
 each run's order is kept), and every partition of the tenant held by this member is
 paused (:attr:`Assignment.throttled`), so the rest of its backlog waits in the broker,
-fetched once, when its turn comes. Meanwhile the fetches bring the other tenants'
-records only: one tenant's backlog never waits in front of another's. A new assignment
-drops what is held (it is read again from the stored offsets)."""
+fetched when its turn comes. Meanwhile the fetches bring the other tenants' records
+only: one tenant's backlog never waits in front of another's. A held-back tenant goes on
+one partition at a time, in turn: aiokafka drops what it fetched of a partition once it
+is paused, so each time the tenant goes on its backlog is fetched again, and one fetch
+of every partition's backlog at once (up to ``fetch_max_bytes``, 50 MiB) is read while
+every consumer of the worker waits (30-50 ms on Apache Kafka, every few seconds: the
+other tenants' events waited that long). Once its bucket is full again (it is not over
+its quota) all its partitions go on. A new assignment drops what is held (it is read
+again from the stored offsets)."""
 
 from __future__ import annotations
 
@@ -40,6 +46,7 @@ class Throttle:
         # records fetched and not admitted yet, in order, by partition (each paused)
         self.held: dict[TopicPartition, list[Any]] = {}
         self._generation = -1
+        self._turn: dict[str, int] = {}  # by topic: the partition that went on last
 
     async def refresh(self) -> None:
         """The tenants' own quotas (``alma tenants set``) as last read: the reader reads
@@ -98,7 +105,7 @@ class Throttle:
                 self.metrics.tenant_events.labels(tenant).inc(left)
             if left == wanted:
                 if wanted or self.gate.wait_s(tenant, share, now) <= 0:
-                    changed |= self._resume(a, topic)
+                    changed |= self._go_on(consumer, a, topic, tenant, share, now)
                 continue
             for tp in sorted(tps, key=lambda tp: tp.partition):
                 records = batch.pop(tp)
@@ -125,11 +132,29 @@ class Throttle:
         a.throttled |= held
         return True
 
-    def _resume(self, a: Assignment, topic: str) -> bool:
-        kept = {tp for tp in a.throttled if tp.topic != topic}
-        if kept == a.throttled:
+    def _go_on(
+        self,
+        consumer: AIOKafkaConsumer,
+        a: Assignment,
+        topic: str,
+        tenant: str,
+        share: float,
+        now: float,
+    ) -> bool:
+        """Let a held-back tenant go on: every partition of ``topic`` once its bucket is
+        full, else the next paused one in turn, when none of them is being fetched."""
+        paused = sorted((tp for tp in a.throttled if tp.topic == topic), key=_number)
+        if not paused:
             return False
-        a.throttled = kept
+        if self.gate.full(tenant, share, now):
+            a.throttled -= set(paused)
+            return True
+        if len(paused) < sum(1 for tp in consumer.assignment() if tp.topic == topic):
+            return False  # one went on already: its fetch is under way
+        last = self._turn.get(topic, -1)
+        tp = next((tp for tp in paused if tp.partition > last), paused[0])
+        self._turn[topic] = tp.partition
+        a.throttled.discard(tp)
         return True
 
     def wait_ms(self, consumer: AIOKafkaConsumer, a: Assignment, now: float) -> int | None:
@@ -146,3 +171,7 @@ class Throttle:
             wait = self.gate.wait_s(tenant, shares(topic), now)
             soonest = wait if soonest is None else min(soonest, wait)
         return None if soonest is None else max(10, int(soonest * 1000))
+
+
+def _number(tp: TopicPartition) -> int:
+    return int(tp.partition)

@@ -466,6 +466,7 @@ class _Wiring:
             session_timeout_ms=s.session_timeout_ms,
             heartbeat_interval_ms=s.heartbeat_interval_ms,
             fetch_max_wait_ms=s.fetch_max_wait_ms,
+            fetch_max_bytes=s.fetch_max_bytes,
             fetch_idle_wait_ms=s.fetch_idle_wait_ms,
             client_options=kafka.client_options(s),
             principal=acls.principal(s),

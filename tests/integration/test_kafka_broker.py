@@ -270,7 +270,9 @@ async def test_the_topics_alma_creates_take_the_records_it_accepts(
 ) -> None:
     """Apache Kafka refuses records over 1 MB by default, ALMA accepts 8 MB: the topics
     ALMA creates take what it accepts (a 3 MB record lands, and reaches the dead
-    letters as too large for the state limit rather than being refused at the door)."""
+    letters as too large for the state limit rather than being refused at the door),
+    and a worker whose fetches bring far less at once (ALMA_FETCH_MAX_BYTES, 64 KiB
+    here) still gets it whole."""
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
     admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka_bootstrap)
@@ -289,7 +291,7 @@ async def test_the_topics_alma_creates_take_the_records_it_accepts(
         await pub.flush()  # MessageSizeTooLargeError here on a topic of Kafka's defaults
     dsn = settings.postgres_dsn
     assert dsn
-    async with Worker.start(settings):
+    async with Worker.start(settings.model_copy(update={"fetch_max_bytes": 64 << 10})):
         await wait_for(
             lambda: count(
                 dsn, "SELECT count(*) FROM dead_letters WHERE reason = 'state_too_large'"

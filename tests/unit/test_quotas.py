@@ -36,6 +36,20 @@ def test_a_tenant_held_back_goes_on_by_chunks_not_by_the_token() -> None:
     assert gate.admit("acme", 500, 1.0, 0.135) == 0  # not waiting: what the bucket holds
 
 
+def test_a_bucket_is_full_again_only_once_the_tenant_took_less_than_its_rate() -> None:
+    """What lets a held-back tenant's partitions all go on again: its whole burst in
+    the bucket (no quota: always)."""
+    gate = TenantGate(Quota(rate=100, burst=100))
+    assert gate.full("acme", 1.0, 0.0)  # nothing taken yet
+    assert gate.admit("acme", 500, 1.0, 0.0) == 100
+    assert not gate.full("acme", 1.0, 0.5)  # half of it back
+    assert gate.admit("acme", 500, 1.0, 0.5, waiting=True) == 50
+    assert not gate.full("acme", 1.0, 1.4)  # still taking its rate
+    assert gate.full("acme", 1.0, 1.5)  # took nothing for a second: full again
+    assert gate.full("globex", 1.0, 0.0)
+    assert TenantGate().full("acme", 1.0, 0.0)  # no quota
+
+
 def test_per_tenant_quotas_override_the_default() -> None:
     gate = TenantGate(Quota(rate=10))
     gate.configure(Quota(rate=10), {"globex": Quota()})
