@@ -32,7 +32,7 @@ from alma_core.cli import embedded_kafka
 from alma_core.cli.embedded import BrokerKind, EmbeddedStack, free_port, in_memory
 from alma_core.cli.topics import alma_topics, ensure_topics
 from alma_core.consumers import checkpointer
-from alma_core.consumers.worker import Services, run_worker
+from alma_core.consumers.worker import Services, freeze_heap, run_worker
 from alma_core.quotas import TenantLimits
 from alma_core.reducers import ReducerRegistry
 from alma_core.schemas import jsoncodec
@@ -262,7 +262,10 @@ async def checkpoint_worker(
     on_batch: Callable[[int, float, float], None] | None = None,
 ) -> AsyncIterator[None]:
     """One checkpoint consumer in this process, calling ``on_done(record, time)`` for
-    each event and ``on_batch(events, received, done)`` for each batch."""
+    each event and ``on_batch(events, received, done)`` for each batch. Once it is
+    ready, what is alive is frozen out of the garbage collector's sight, as `alma
+    worker` does (ALMA_GC_FREEZE): a full collection then walks what the run makes, not
+    the benchmark's modules and earlier results while the consumer stands still."""
     SignallingHandler.on_done = staticmethod(on_done)  # type: ignore[assignment]
     SignallingHandler.on_batch = staticmethod(on_batch) if on_batch else None
     stop, ready = asyncio.Event(), asyncio.Event()
@@ -273,6 +276,8 @@ async def checkpoint_worker(
         await asyncio.wait_for(ready.wait(), 60)
     finally:
         checkpointer.CheckpointHandler = original  # type: ignore[misc]
+    if s.gc_freeze:
+        freeze_heap()
     await asyncio.sleep(1.0)  # the group's first assignment
     try:
         yield

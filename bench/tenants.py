@@ -144,8 +144,10 @@ async def run(env: Env, section: Section) -> None:
         ],
     )
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in MODES}
-    for _ in range(env.reps):
-        for name, flood, quota in MODES:
+    for rep in range(env.reps):
+        # each repetition one step further round: what a flood leaves behind (the
+        # broker's log, PostgreSQL's dirty pages) falls on a different load each time
+        for name, flood, quota in MODES[rep % len(MODES) :] + MODES[: rep % len(MODES)]:
             env.step(f"tenants: {name}")
             results[name].append(await one(env, flood, quota))
             env.done()
@@ -186,7 +188,9 @@ async def run(env: Env, section: Section) -> None:
         f"lifecycle topic of {PARTITIONS} partitions (ALMA_TENANT_TOPICS). B's percentiles "
         f"are of every repetition's samples pooled ({samples:,} of B alone), each "
         "repetition's own in parentheses: one run's p99 is its few slowest samples, and "
-        "those of two runs of the same load differ by more than the flood does. With the "
+        "those of two runs of the same load differ by more than the flood does; each "
+        "repetition takes the loads in turn from one further on, so that what a flood "
+        "leaves behind does not always fall on the same load. With the "
         "quota (ALMA_TENANT_RATE), A's events beyond it are held back in order and its "
         "partitions paused until its bucket refills: B's never wait behind them. After the "
         "flood A's quota is lifted through the tenant settings table, without a restart, "
