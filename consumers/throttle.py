@@ -4,12 +4,15 @@ is not admitted is held here, in order (at most one poll's worth: nothing is dro
 each run's order is kept), and every partition of the tenant held by this member is
 paused (:attr:`Assignment.throttled`), so the rest of its backlog waits in the broker,
 fetched when its turn comes. Meanwhile the fetches bring the other tenants' records
-only: one tenant's backlog never waits in front of another's. A held-back tenant goes on
-one partition at a time, in turn: aiokafka drops what it fetched of a partition once it
-is paused, so each time the tenant goes on its backlog is fetched again, and one fetch
-of every partition's backlog at once (up to ``fetch_max_bytes``, 50 MiB) is read while
-every consumer of the worker waits (30-50 ms on Apache Kafka, every few seconds: the
-other tenants' events waited that long). Once its bucket is full again (it is not over
+only: one tenant's backlog never waits in front of another's.
+
+A held-back tenant goes on one partition at a time, in turn: aiokafka drops what it
+fetched of a partition once it is paused, so each time the tenant goes on its backlog is
+fetched again, and one fetch of every partition's backlog at once (up to
+``fetch_max_bytes``, 50 MiB) is read while every consumer of the worker waits (30-50 ms
+on Apache Kafka, every few seconds: the other tenants' events waited that long). The
+next partition goes on in place of the last once that one delivered, so one that keeps
+up never holds the others back; once the tenant's bucket is full again (it is not over
 its quota) all its partitions go on. A new assignment drops what is held (it is read
 again from the stored offsets)."""
 
@@ -105,7 +108,7 @@ class Throttle:
                 self.metrics.tenant_events.labels(tenant).inc(left)
             if left == wanted:
                 if wanted or self.gate.wait_s(tenant, share, now) <= 0:
-                    changed |= self._go_on(consumer, a, topic, tenant, share, now)
+                    changed |= self._go_on(consumer, a, topic, tenant, share, now, wanted > 0)
                 continue
             for tp in sorted(tps, key=lambda tp: tp.partition):
                 records = batch.pop(tp)
@@ -140,21 +143,25 @@ class Throttle:
         tenant: str,
         share: float,
         now: float,
+        delivered: bool,
     ) -> bool:
         """Let a held-back tenant go on: every partition of ``topic`` once its bucket is
-        full, else the next paused one in turn, when none of them is being fetched."""
+        full; else the next paused one in turn, in place of the one that went on before
+        once that one ``delivered`` (all of it admitted: it caught up), never while its
+        fetch is under way."""
         paused = sorted((tp for tp in a.throttled if tp.topic == topic), key=_number)
         if not paused:
             return False
         if self.gate.full(tenant, share, now):
             a.throttled -= set(paused)
             return True
-        if len(paused) < sum(1 for tp in consumer.assignment() if tp.topic == topic):
-            return False  # one went on already: its fetch is under way
+        going = {tp for tp in consumer.assignment() if tp.topic == topic} - a.throttled
+        if going and not delivered:
+            return False  # its fetch is under way
         last = self._turn.get(topic, -1)
         tp = next((tp for tp in paused if tp.partition > last), paused[0])
         self._turn[topic] = tp.partition
-        a.throttled.discard(tp)
+        a.throttled = (a.throttled | going) - {tp}
         return True
 
     def wait_ms(self, consumer: AIOKafkaConsumer, a: Assignment, now: float) -> int | None:
