@@ -110,7 +110,7 @@ class Throttle:
                 if wanted or self.gate.wait_s(tenant, share, now) <= 0:
                     changed |= self._go_on(consumer, a, topic, tenant, share, now, wanted > 0)
                 continue
-            for tp in sorted(tps, key=lambda tp: tp.partition):
+            for tp in sorted(tps, key=_partition):
                 records = batch.pop(tp)
                 if left < len(records):
                     self.held[tp] = records[left:]  # waits here, in order
@@ -149,7 +149,7 @@ class Throttle:
         full; else the next paused one in turn, in place of the one that went on before
         once that one ``delivered`` (all of it admitted: it caught up), never while its
         fetch is under way."""
-        paused = sorted((tp for tp in a.throttled if tp.topic == topic), key=_number)
+        paused = sorted((tp for tp in a.throttled if tp.topic == topic), key=_partition)
         if not paused:
             return False
         if self.gate.full(tenant, share, now):
@@ -180,5 +180,5 @@ class Throttle:
         return None if soonest is None else max(10, int(soonest * 1000))
 
 
-def _number(tp: TopicPartition) -> int:
+def _partition(tp: TopicPartition) -> int:
     return int(tp.partition)
