@@ -102,7 +102,7 @@ class Throttle:
                 continue
             share = shares(topic)
             wanted = sum(len(batch[tp]) for tp in tps)
-            waiting = any(tp in a.throttled for tp in tps)
+            waiting = any(tp.topic == topic for tp in a.throttled)  # held back: by chunks
             left = self.gate.admit(tenant, wanted, share, now, waiting=waiting) if wanted else 0
             if left:
                 self.metrics.tenant_events.labels(tenant).inc(left)
