@@ -255,11 +255,17 @@ async def _guarded_fetch(pool: asyncpg.Pool, sql: str, *args: Any) -> list[async
     return rows
 
 
-# a thread another graph owns (not released) is not this graph's to read: $5 is the
-# graph (None: any), in every query that says it
-_NOT_OTHERS = """($5::text IS NULL OR NOT EXISTS (
-                  SELECT 1 FROM runs r WHERE r.tenant_id = c.tenant_id
-                    AND r.run_id = c.thread_id AND r.workflow_id <> $5
+def _not_others(thread: str) -> str:
+    """A thread another graph owns (not released) is not this graph's to read: $5 is the
+    graph (None: any), in every query that says it. ``thread`` is ``$2`` when the query
+    names one thread: then the check is one primary-key lookup, made once per query. The
+    same check against each row's ``c.thread_id`` let PostgreSQL hash every unreleased run
+    of the database for a thread it expected many rows of, whatever the LIMIT: a latest
+    checkpoint of a 3,000-checkpoint thread took 42 ms with 100,000 runs stored, 0.4 ms
+    this way (2026-11-29, CHANGELOG.md). Across threads, per row."""
+    return f"""($5::text IS NULL OR NOT EXISTS (
+                  SELECT 1 FROM runs r WHERE r.tenant_id = $1
+                    AND r.run_id = {thread} AND r.workflow_id <> $5
                     AND r.released_at IS NULL))"""
 
 
@@ -289,6 +295,15 @@ class ThreadSummary:
     started_at: datetime | None
 
 
+# One checkpoint of a thread's namespace ($1 tenant, $2 thread, $3 namespace): by id
+# ($4), else the newest; $5 the reading graph (None: any)
+ONE_CHECKPOINT = f"""{_SELECT}
+    WHERE c.tenant_id = $1 AND c.thread_id = $2 AND c.checkpoint_ns = $3
+      AND ($4::text IS NULL OR c.checkpoint_id = $4)
+      AND {_not_others("$2")}
+    ORDER BY c.checkpoint_id DESC LIMIT 1"""
+
+
 @dataclass(frozen=True)
 class GraphReader:
     """One tenant's reads of LangGraph threads, for a saver: every query carries the
@@ -306,11 +321,7 @@ class GraphReader:
         another graph owns too when ``any_graph``)."""
         rows = await _guarded_fetch(
             self.pool,
-            f"""{_SELECT}
-                WHERE c.tenant_id = $1 AND c.thread_id = $2 AND c.checkpoint_ns = $3
-                  AND ($4::text IS NULL OR c.checkpoint_id = $4)
-                  AND {_NOT_OTHERS}
-                ORDER BY c.checkpoint_id DESC LIMIT 1""",
+            ONE_CHECKPOINT,
             self.tenant,
             thread,
             ns,
@@ -337,7 +348,7 @@ class GraphReader:
                 WHERE c.tenant_id = $1 AND ($2::text IS NULL OR c.thread_id = $2)
                   AND ($3::text IS NULL OR c.checkpoint_ns = $3)
                   AND ($4::text IS NULL OR c.checkpoint_id = $4)
-                  AND {_NOT_OTHERS}
+                  AND {_not_others("c.thread_id" if thread is None else "$2")}
                   AND ($6::jsonb IS NULL OR c.metadata @> $6::jsonb)
                   AND ($7::text IS NULL OR c.checkpoint_id < $7)
                 ORDER BY c.checkpoint_id DESC

@@ -134,6 +134,13 @@ async def count(dsn: str, sql: str, *args: Any) -> int:
         await conn.close()
 
 
+def plan_nodes(node: dict[str, Any]) -> Any:
+    """Every node of an ``EXPLAIN (FORMAT JSON)`` plan, depth first."""
+    yield node
+    for child in node.get("Plans", []):
+        yield from plan_nodes(child)
+
+
 async def fetch(dsn: str, sql: str, *args: Any) -> list[asyncpg.Record]:
     conn = await asyncpg.connect(dsn)
     for kind in ("json", "jsonb"):

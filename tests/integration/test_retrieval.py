@@ -22,6 +22,7 @@ from alma_core.storage.embeddings import AsyncEmbedder, vector_literal
 from alma_core.storage.postgres import connect
 from alma_core.storage.retrieval import Retriever
 from alma_core.types import RetrievalScope, WorkflowContext
+from tests.integration.harness import plan_nodes
 
 TENANTS = ["t0", "t1", "t2"]
 WORKFLOWS = ["w0", "w1", "w2"]
@@ -356,12 +357,6 @@ async def test_the_plan_follows_estimates_that_know_workflows_belong_to_tenants(
         small = await retriever.retrieve("x", WorkflowContext("t0", "t0-w1"), top_k=3)
         tenant = await retriever.retrieve("x", WorkflowContext("t1"), RetrievalScope.TENANT)
     assert (big.plan, small.plan, tenant.plan) == ("approximate", "exact", "exact")
-
-
-def plan_nodes(node: dict[str, Any]) -> Any:
-    yield node
-    for child in node.get("Plans", []):
-        yield from plan_nodes(child)
 
 
 async def test_full_vectors_stay_in_the_row(database: str) -> None:
