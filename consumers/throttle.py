@@ -83,6 +83,7 @@ class Throttle:
         tenant with nothing held and tokens again is resumed."""
         if a.generation != self._generation:  # a new assignment is read from its offsets
             self.held.clear()
+            self._turn.clear()  # and its partitions' turns start from the first
             self._generation = a.generation
         for tp, records in self.held.items():
             batch[tp] = records + batch.get(tp, [])
