@@ -86,9 +86,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
             os.close(_held.pop())
 
 
+_stacks_dirs: list[str] = []
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
-    # the suite's own registry of running `alma up` stacks (tests/services.py)
-    os.environ["ALMA_STACKS_DIR"] = tempfile.mkdtemp(prefix="alma-stacks-")
+    # the suite's own registry of running `alma up` stacks (tests/services.py), removed
+    # at the end (every stack the suite started has stopped by then)
+    _stacks_dirs.append(tempfile.mkdtemp(prefix="alma-stacks-"))
+    os.environ["ALMA_STACKS_DIR"] = _stacks_dirs[-1]
     tmp = tempfile.gettempdir()
     free = shutil.disk_usage(tmp).free
     if free < MIN_FREE_BYTES:
@@ -98,3 +103,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             "alma-pytest-* directories there are safe to remove) or point TMPDIR elsewhere",
             returncode=3,
         )
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    while _stacks_dirs:
+        shutil.rmtree(_stacks_dirs.pop(), ignore_errors=True)
