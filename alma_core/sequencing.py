@@ -59,6 +59,8 @@ from alma_core.schemas.events import (
 
 MAIN = ""  # branch key of the main line
 REFUSED = "refused"  # a run refused at its start (storage quota): it holds nothing
+# every status a run's row holds (the runs table's CHECK): on its way, ended, or refused
+RUN_STATUSES: Final = ("running", "succeeded", "failed", REFUSED)
 # what a completed run refuses (errors.RunCompleted); LangGraph's graph.* go on
 AFTER_THE_END = (NodeStarted, NodeCompleted, NodeFailed, BranchJoin)
 

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from alma_core import errors
 from alma_core.cli import common
-from alma_core.sequencing import short_hash
+from alma_core.sequencing import RUN_STATUSES, short_hash
 from alma_core.storage import graphs, runs
 from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.cache_entries import checkpoint_to_doc
@@ -56,9 +56,9 @@ def runs_list(
 ) -> None:
     """Runs, latest activity first."""
     s = common.settings()
-    if status not in (None, "running", "succeeded", "failed", "refused", "deleted"):
+    if status is not None and status not in (*RUN_STATUSES, "deleted"):
         common.fail(
-            f"unknown status {status!r}: running, succeeded, failed, refused or deleted",
+            f"unknown status {status!r}: {', '.join(RUN_STATUSES)} or deleted",
             common.USAGE,
         )
     who = common.tenant(s, tenant)

@@ -17,6 +17,7 @@ from typing import Any, TypeAlias
 import asyncpg
 
 from alma_core import errors
+from alma_core.sequencing import RUN_STATUSES
 from alma_core.storage import dead_letters
 
 Conn: TypeAlias = asyncpg.Connection | asyncpg.Pool
@@ -84,6 +85,46 @@ async def unrecorded(conn: Conn, tenant_id: str, run_id: str, event_ids: list[st
     return [e for e in event_ids if e not in recorded]
 
 
+# The runs a listing picks, latest activity first. Of all of one tenant's runs: the
+# newest of each status from its index (tenant, status, updated_at), merged; a single
+# ORDER BY over them would sort every run the tenant has (a sequential scan: ~130 ms at
+# a million runs). Otherwise one query: of one status, from the same index; of one
+# workflow, from its (tenant, workflow) index; across tenants (an operator's
+# own listing), a scan of every run.
+_NEWEST_OF_EACH_STATUS = (
+    "SELECT * FROM ("
+    + " UNION ALL ".join(
+        f"""(SELECT * FROM runs
+             WHERE tenant_id = $1 AND status = '{status}'
+             ORDER BY updated_at DESC LIMIT $4)"""
+        for status in RUN_STATUSES
+    )
+    + ") picked WHERE $2::text IS NULL ORDER BY updated_at DESC LIMIT $4"  # no workflow
+)
+_NEWEST = """SELECT * FROM runs
+             WHERE ($1::text IS NULL OR tenant_id = $1)
+               AND ($2::text IS NULL OR workflow_id = $2)
+               AND ($3::text IS NULL OR status = $3
+                    OR ($3 = 'deleted' AND status = 'running'))
+             ORDER BY updated_at DESC LIMIT $4"""
+_LISTING = """SELECT * FROM (
+           SELECT r.run_id, r.tenant_id, r.workflow_id, r.workflow_version, r.last_seq,
+                  r.event_count, r.created_at, r.updated_at, r.completed_at, t.kind,
+                  CASE WHEN t.kind = 'thread' AND r.status = 'running' AND NOT EXISTS (
+                         SELECT 1 FROM graph_checkpoints g
+                         WHERE g.tenant_id = r.tenant_id AND g.thread_id = r.run_id)
+                       THEN 'deleted' ELSE r.status END AS status
+           FROM ({picked}) r
+           CROSS JOIN LATERAL (
+             SELECT CASE WHEN EXISTS (
+                      SELECT 1 FROM run_events e
+                      WHERE e.tenant_id = r.tenant_id AND e.run_id = r.run_id
+                        AND e.type LIKE 'graph.%') THEN 'thread' ELSE 'run' END AS kind) t
+           ) listed
+           WHERE $3::text IS NULL OR status = $3
+           ORDER BY updated_at DESC"""
+
+
 async def listing(
     conn: Conn,
     *,
@@ -96,33 +137,16 @@ async def listing(
     says which are LangGraph threads; a thread whose checkpoints were deleted
     (``adelete_thread``) shows as ``deleted`` (``running`` in its row: it may go on)."""
     rows: list[asyncpg.Record] = await conn.fetch(
-        """SELECT * FROM (
-           SELECT r.run_id, r.tenant_id, r.workflow_id, r.workflow_version, r.last_seq,
-                  r.event_count, r.created_at, r.updated_at, r.completed_at, t.kind,
-                  CASE WHEN t.kind = 'thread' AND r.status = 'running' AND NOT EXISTS (
-                         SELECT 1 FROM graph_checkpoints g
-                         WHERE g.tenant_id = r.tenant_id AND g.thread_id = r.run_id)
-                       THEN 'deleted' ELSE r.status END AS status
-           FROM (SELECT * FROM runs
-                 WHERE ($1::text IS NULL OR tenant_id = $1)
-                   AND ($2::text IS NULL OR workflow_id = $2)
-                   AND ($3::text IS NULL OR status = $3
-                        OR ($3 = 'deleted' AND status = 'running'))
-                 ORDER BY updated_at DESC LIMIT $4) r
-           CROSS JOIN LATERAL (
-             SELECT CASE WHEN EXISTS (
-                      SELECT 1 FROM run_events e
-                      WHERE e.tenant_id = r.tenant_id AND e.run_id = r.run_id
-                        AND e.type LIKE 'graph.%') THEN 'thread' ELSE 'run' END AS kind) t
-           ) listed
-           WHERE $3::text IS NULL OR status = $3
-           ORDER BY updated_at DESC""",
-        tenant_id,
-        workflow_id,
-        status,
-        limit,
+        listing_query(tenant_id, workflow_id, status), tenant_id, workflow_id, status, limit
     )
     return rows
+
+
+def listing_query(tenant_id: str | None, workflow_id: str | None, status: str | None) -> str:
+    """The statement :func:`listing` runs for these filters ($1 to $4: the tenant, the
+    workflow, the status, the limit)."""
+    whole_tenant = tenant_id is not None and workflow_id is None and status is None
+    return _LISTING.format(picked=_NEWEST_OF_EACH_STATUS if whole_tenant else _NEWEST)
 
 
 _HAS_CHECKPOINT = (

@@ -47,6 +47,7 @@ from alma_core.schemas import jsoncodec
 from alma_core.sdk import dead_letters as letters
 from alma_core.sdk.client import AlmaClient
 from alma_core.sdk.timeline import Timeline
+from alma_core.sequencing import RUN_STATUSES
 from alma_core.settings import Settings
 from alma_core.storage import dead_letters, retrieval, runs, tenant_settings
 from alma_core.types import RetrievalScope, WorkflowContext
@@ -57,7 +58,7 @@ PAGE_SIZE = 50
 EVENTS_PAGE = 100  # a run's history, per page
 CHANGES_PAGE = 200  # a diff's changes, per page
 COUNT_CAP = 1000  # runs counted by status when searching by node or error text
-STATUSES = ("running", "succeeded", "failed", "refused")  # refused: at a storage quota
+STATUSES = RUN_STATUSES  # refused: at a storage quota
 _CSP = (
     "default-src 'none'; script-src 'self'; connect-src 'self'; style-src 'self'; "
     "img-src 'self' data:; form-action 'self'; "

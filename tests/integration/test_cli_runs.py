@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
+import uuid
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from alma_core.sdk.client import AlmaClient
+from alma_core.sequencing import RUN_STATUSES
 from alma_core.settings import Settings
+from alma_core.storage import runs as run_reads
 from alma_core.types import WorkflowContext
 from tests.integration.harness import (
     Publisher,
@@ -16,6 +21,7 @@ from tests.integration.harness import (
     completed,
     count,
     event,
+    plan_nodes,
     wait_for,
     worker_env,
 )
@@ -203,6 +209,71 @@ async def test_runs_list_and_show(settings: Settings, worker: Worker) -> None:
     bad_status = alma("runs", "list", "--tenant", "acme", "--status", "done", env=env)
     assert bad_status.returncode == 2
     assert "unknown status" in bad_status.stderr
+
+
+async def test_a_tenants_runs_are_listed_from_the_status_index_whatever_it_holds(
+    settings: Settings, worker: Worker
+) -> None:
+    """`alma runs list` of a tenant (no status, no workflow) lists its latest runs of
+    every status in their order of activity, reading no more than ``limit`` runs of
+    each status from the (tenant, status, updated_at) index: it sorted every run the
+    tenant had (a sequential scan, ~130 ms at a million runs). The statuses it merges
+    are every status the runs table allows."""
+    dsn = settings.postgres_dsn
+    assert dsn
+    tenant, limit = f"many-{uuid.uuid4().hex[:8]}", 20
+    conn = await asyncpg.connect(dsn)
+    try:
+        check = await conn.fetchval(
+            """SELECT pg_get_constraintdef(oid) FROM pg_constraint
+               WHERE conrelid = 'runs'::regclass AND conname = 'runs_status_check'"""
+        )
+        assert set(re.findall(r"'(\w+)'", check)) == set(RUN_STATUSES), check
+        # 3,000 runs, statuses and activity times interleaved (refused ones rare)
+        await conn.execute(
+            """INSERT INTO runs (tenant_id, run_id, workflow_id, status, updated_at)
+               SELECT $1, 'run-' || g, 'wf',
+                      CASE WHEN g % 97 = 0 THEN 'refused'
+                           ELSE (ARRAY['running', 'succeeded', 'failed'])[g % 3 + 1] END,
+                      now() - make_interval(secs => (g * 7919) % 3001)
+               FROM generate_series(1, 3000) g""",
+            tenant,
+        )
+        await conn.execute("ANALYZE runs")  # what autovacuum does in time
+        expected = [
+            r["run_id"]
+            for r in await conn.fetch(
+                """SELECT run_id FROM runs WHERE tenant_id = $1
+                   ORDER BY updated_at DESC LIMIT $2""",
+                tenant,
+                limit,
+            )
+        ]
+        listed = await run_reads.listing(
+            conn, tenant_id=tenant, workflow_id=None, status=None, limit=limit
+        )
+        assert [r["run_id"] for r in listed] == expected
+        assert {r["status"] for r in listed} >= {"running", "succeeded", "failed"}
+        everything = await run_reads.listing(
+            conn, tenant_id=tenant, workflow_id=None, status=None, limit=10_000
+        )
+        assert len(everything) == 3000
+        assert len({r["run_id"] for r in everything}) == 3000
+        plan = await conn.fetchval(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + run_reads.listing_query(tenant, None, None),
+            tenant,
+            None,
+            None,
+            limit,
+        )
+    finally:
+        await conn.execute("DELETE FROM runs WHERE tenant_id = $1", tenant)
+        await conn.close()
+    reads = [n for n in plan_nodes(json.loads(plan)[0]["Plan"]) if n.get("Relation Name") == "runs"]
+    assert {(n["Node Type"], n["Index Name"]) for n in reads} == {
+        ("Index Scan", "runs_tenant_status")
+    }, reads
+    assert sum(n["Actual Rows"] * n["Actual Loops"] for n in reads) <= limit * len(RUN_STATUSES)
 
 
 async def test_a_run_without_a_checkpoint_resumes_from_the_start_in_the_cli_and_the_sdk(
