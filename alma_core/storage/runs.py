@@ -87,7 +87,7 @@ async def unrecorded(conn: Conn, tenant_id: str, run_id: str, event_ids: list[st
 
 # The runs a listing picks, latest activity first. Of all of one tenant's runs: the
 # newest of each status from its index (tenant, status, updated_at), merged; a single
-# ORDER BY over them would sort every run the tenant has (a sequential scan: ~130 ms at
+# ORDER BY over them would sort every run the tenant has (a sequential scan: 232 ms at
 # a million runs). Otherwise one query: of one status, from the same index; of one
 # workflow, from its (tenant, workflow) index; across tenants (an operator's
 # own listing), a scan of every run.
