@@ -52,7 +52,7 @@ class Publisher:
             # no linger: a caller waits for each send, and sends from many tasks batch
             # anyway while one request is in flight (aiokafka sends one at a time to a
             # broker). Apache Kafka, 2 cores: one caller's send 2.2-2.5 -> 0.9-1.0 ms
-            # p50 (linger_ms=1 before); 50 callers at once 5,900-6,800 -> 8,800-9,000/s
+            # p50 warm (linger_ms=1 before); 50 callers at once 5,900-6,800 -> 8,800-9,000/s
             linger_ms=0,
             max_request_size=settings.max_record_bytes + 64 * 1024,
         )
