@@ -217,7 +217,7 @@ async def test_a_tenants_runs_are_listed_from_the_status_index_whatever_it_holds
     """`alma runs list` of a tenant (no status, no workflow) lists its latest runs of
     every status in their order of activity, reading no more than ``limit`` runs of
     each status from the (tenant, status, updated_at) index: it sorted every run the
-    tenant had (a sequential scan, ~130 ms at a million runs). The statuses it merges
+    tenant had (a sequential scan, 232 ms at a million runs). The statuses it merges
     are every status the runs table allows."""
     dsn = settings.postgres_dsn
     assert dsn
