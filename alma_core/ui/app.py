@@ -58,7 +58,6 @@ PAGE_SIZE = 50
 EVENTS_PAGE = 100  # a run's history, per page
 CHANGES_PAGE = 200  # a diff's changes, per page
 COUNT_CAP = 1000  # runs counted by status when searching by node or error text
-STATUSES = RUN_STATUSES  # refused: at a storage quota
 _CSP = (
     "default-src 'none'; script-src 'self'; connect-src 'self'; style-src 'self'; "
     "img-src 'self' data:; form-action 'self'; "
@@ -184,8 +183,8 @@ class Inspector:
         tenant = self.tenant(request)
         q = request.query_params
         status = q.get("status") or None
-        if status is not None and status not in STATUSES:
-            raise HTTPException(400, f"no status {status!r}: one of {', '.join(STATUSES)}")
+        if status is not None and status not in RUN_STATUSES:
+            raise HTTPException(400, f"no status {status!r}: one of {', '.join(RUN_STATUSES)}")
         chosen = runs.RunFilter(
             tenant_id=tenant,
             workflow_id=q.get("workflow") or None,
@@ -227,7 +226,7 @@ class Inspector:
             total=sum(counts.values()),
             capped=inside and sum(counts.values()) > COUNT_CAP,
             cap=COUNT_CAP,
-            statuses=STATUSES,
+            statuses=RUN_STATUSES,
             query=dict(q),
             after=after,
             newer=before,
