@@ -99,7 +99,8 @@ _NEWEST_OF_EACH_STATUS = (
              ORDER BY updated_at DESC LIMIT $4)"""
         for status in RUN_STATUSES
     )
-    + ") picked WHERE $2::text IS NULL ORDER BY updated_at DESC LIMIT $4"  # no workflow
+    # $2, the workflow, is NULL on this path; named so that every parameter has a type
+    + ") picked WHERE $2::text IS NULL ORDER BY updated_at DESC LIMIT $4"
 )
 _NEWEST = """SELECT * FROM runs
              WHERE ($1::text IS NULL OR tenant_id = $1)
