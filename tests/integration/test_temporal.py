@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowHistory
 from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
@@ -47,6 +48,7 @@ from tests.integration.harness import (
 )
 
 ROOT = Path(__file__).parents[2]
+HISTORIES = Path(__file__).parent / "histories"
 
 
 @contextlib.asynccontextmanager
@@ -326,6 +328,36 @@ async def test_a_replay_publishes_nothing(
         replayed = await replayer.replay_workflow(history, raise_on_replay_failure=True)
         assert replayed.replay_failure is None
     assert await count(dsn, "SELECT count(*) FROM run_events") == before == 7
+    # the run's completion is a local activity: one marker, no activity Temporal schedules
+    kinds = [EventType.Name(e.event_type) for e in history.events]
+    assert kinds.count("EVENT_TYPE_ACTIVITY_TASK_SCHEDULED") == 3  # plan, fetch, write
+    assert kinds.count("EVENT_TYPE_MARKER_RECORDED") == 2  # the patch, alma.complete
+    scheduled = [
+        e.activity_task_scheduled_event_attributes.activity_type.name
+        for e in history.events
+        if e.HasField("activity_task_scheduled_event_attributes")
+    ]
+    assert scheduled == ["plan", "fetch", "write"]
+
+
+async def test_a_workflow_from_before_the_local_completion_replays(
+    temporal: WorkflowEnvironment, settings: Settings
+) -> None:
+    """A history recorded by the release before alma.complete ran as a local activity
+    (ALMA's completion a scheduled activity, no patch marker) replays on this one: a
+    worker upgraded under running workflows meets no nondeterminism. (Recorded from
+    Research on 46801e3: keep Research's activities as they are, or record it again.)"""
+    dsn = settings.postgres_dsn or ""
+    recorded = (HISTORIES / "research-before-local-complete.json").read_text()
+    history = WorkflowHistory.from_json("research-before-local-complete", recorded)
+    kinds = [EventType.Name(e.event_type) for e in history.events]
+    assert kinds.count("EVENT_TYPE_ACTIVITY_TASK_SCHEDULED") == 4  # alma.complete's too
+    assert "EVENT_TYPE_MARKER_RECORDED" not in kinds
+    before = await count(dsn, "SELECT count(*) FROM run_events")
+    replayer = Replayer(workflows=app.WORKFLOWS, plugins=[AlmaPlugin(settings)])
+    replayed = await replayer.replay_workflow(history, raise_on_replay_failure=True)
+    assert replayed.replay_failure is None
+    assert await count(dsn, "SELECT count(*) FROM run_events") == before
 
 
 async def test_the_outcome_is_learned_and_retrieved_by_the_next_run(

@@ -44,6 +44,7 @@ MEMO_TENANT = "alma.tenant_id"
 MEMO_VERSION = "alma.workflow_version"
 MEMO_TASK = "alma.task"
 INTERNAL_PREFIX = "alma."  # ALMA's own activities (alma.join, ...) are not nodes
+PATCH_LOCAL_COMPLETE = "alma-complete-local"  # workflow.patched: alma.complete runs locally
 ID_LIMIT = 256  # the contract's longest id
 
 ResultMode = Literal["updates", "state", "ignore"]

@@ -350,9 +350,10 @@ class AlmaPlugin(SimplePlugin):
     return once their checkpoint is durable (False: once Kafka has the event);
     ``record_starts``: publish ``node.started`` per attempt; ``complete_runs``: finish
     the ALMA run when the workflow returns or fails; ``task_queue``: where ALMA's own
-    activities run (default: the workflow's); ``reducers``: per workflow type, the
-    reducer of each state field its activities' ``updates`` fold with (registered
-    for ``tenant_id`` when the worker starts, as ``alma reducers set`` would)."""
+    activities run (default: the workflow's, and ``alma.complete`` then runs as a local
+    activity); ``reducers``: per workflow type, the reducer of each state field its
+    activities' ``updates`` fold with (registered for ``tenant_id`` when the worker
+    starts, as ``alma reducers set`` would)."""
 
     def __init__(
         self,
