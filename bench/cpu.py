@@ -40,8 +40,10 @@ class CpuShare:
     unseen: list[str] = field(default_factory=list)  # services not found on this machine
 
     def per(self, count: int) -> dict[str, float]:
-        """Milliseconds of CPU per item (checkpoint) by group, and in total."""
-        out = {g: self.seconds.get(g, 0.0) * 1000 / max(1, count) for g in GROUPS}
+        """Milliseconds of CPU per item (checkpoint) by group (:data:`GROUPS`, then any
+        other group the meter was given), and in total."""
+        groups = (*GROUPS, *sorted(set(self.seconds) - set(GROUPS)))
+        out = {g: self.seconds.get(g, 0.0) * 1000 / max(1, count) for g in groups}
         out["total"] = sum(out.values())
         return out
 
