@@ -340,6 +340,46 @@ async def test_a_replay_publishes_nothing(
     assert scheduled == ["plan", "fetch", "write"]
 
 
+async def test_almas_activities_run_on_the_plugins_task_queue(
+    temporal: WorkflowEnvironment, settings: Settings
+) -> None:
+    """With the plugin's ``task_queue`` ALMA's activities run on that queue (another
+    worker's), so the run's completion is a scheduled activity there, not a local one."""
+    dsn = settings.postgres_dsn or ""
+    side = f"alma-{uuid.uuid4().hex[:10]}"
+    async with (
+        AlmaWorker.start(settings),
+        Worker(
+            temporal.client,
+            task_queue=side,
+            activities=[],  # the plugin brings ALMA's own
+            plugins=[AlmaPlugin(settings, tenant_id="acme")],
+        ),
+        temporal_worker(temporal, settings, task_queue=side) as queue,
+    ):
+        _, run = await run_to_end(temporal.client, app.Research.run, "kelp", queue)
+
+        await finished(dsn, run, "succeeded")
+        workflow_id = run.split("/")[0]
+        history = await temporal.client.get_workflow_handle(workflow_id).fetch_history()
+    scheduled = [
+        (a.activity_type.name, a.task_queue.name)
+        for a in (
+            e.activity_task_scheduled_event_attributes
+            for e in history.events
+            if e.HasField("activity_task_scheduled_event_attributes")
+        )
+    ]
+    assert scheduled == [
+        ("plan", queue),
+        ("fetch", queue),
+        ("write", queue),
+        ("alma.complete", side),
+    ]
+    kinds = [EventType.Name(e.event_type) for e in history.events]
+    assert "EVENT_TYPE_MARKER_RECORDED" not in kinds  # no patch either: nothing local
+
+
 async def test_a_workflow_from_before_the_local_completion_replays(
     temporal: WorkflowEnvironment, settings: Settings
 ) -> None:
