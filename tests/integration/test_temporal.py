@@ -328,7 +328,7 @@ async def test_a_replay_publishes_nothing(
         replayed = await replayer.replay_workflow(history, raise_on_replay_failure=True)
         assert replayed.replay_failure is None
     assert await count(dsn, "SELECT count(*) FROM run_events") == before == 7
-    # the run's completion is a local activity: one marker, no activity Temporal schedules
+    # the run's completion is a local activity: a marker, not an activity Temporal schedules
     kinds = [EventType.Name(e.event_type) for e in history.events]
     assert kinds.count("EVENT_TYPE_ACTIVITY_TASK_SCHEDULED") == 3  # plan, fetch, write
     assert kinds.count("EVENT_TYPE_MARKER_RECORDED") == 2  # the patch, alma.complete
