@@ -304,6 +304,22 @@ def assigned(port: int) -> int:
     )
 
 
+@asynccontextmanager
+async def alma_workers(env: Env, topic: str) -> AsyncIterator[settings_mod.Settings]:
+    """A checkpointer in this process on its own lifecycle topic (a group of its own);
+    yields its settings."""
+    s = env.settings_for(topic, group_prefix=f"bt{uuid.uuid4().hex[:6]}")
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(run_worker(s, env.services, ["checkpointer"], stop, ready=ready))
+    await asyncio.wait_for(ready.wait(), 60)
+    await asyncio.sleep(1.0)  # the group's first assignment
+    try:
+        yield s
+    finally:
+        stop.set()
+        await task
+
+
 WORKER_ARGS = ("worker", "--consumers", "checkpointer")
 
 

@@ -37,10 +37,9 @@ from langgraph.types import Send
 
 from alma_core.integrations.langgraph import AlmaSaver
 from alma_core.sdk.client import AlmaClient
-from bench.env import Env
+from bench.env import Env, alma_workers
 from bench.peers import langgraph_saver_pool
 from bench.report import Section, Stat, pct, ratio
-from bench.temporal import alma_workers
 
 DURABILITY = ("sync", "async", "exit")
 SAVERS = ("AsyncPostgresSaver", "AlmaSaver, wait=applied", "AlmaSaver, wait=published")

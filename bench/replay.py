@@ -35,9 +35,8 @@ from alma_core.storage import postgres, replays
 from alma_core.storage.batches import Incoming
 from alma_core.storage.checkpoints import PostgresCheckpointStore, StoreConfig
 from alma_core.types import WorkflowContext
-from bench.env import Env
+from bench.env import Env, alma_workers
 from bench.report import Section, Stat, pct
-from bench.temporal import alma_workers
 
 EVENTS_PER_RUN = 50
 BATCH = 250

@@ -39,7 +39,6 @@ from temporalio.worker import (
     Worker,
 )
 
-from alma_core.consumers.worker import run_worker
 from alma_core.integrations.temporal.worker import AlmaPlugin
 from bench.cpu import GROUPS, CpuMeter, CpuShare, service_ports
 from bench.env import Env, checkpoint_processes
@@ -93,21 +92,6 @@ async def temporal_server() -> AsyncIterator[Client]:
         yield env.client
     finally:
         await env.shutdown()
-
-
-@asynccontextmanager
-async def alma_workers(env: Env, topic: str) -> AsyncIterator[Any]:
-    """A checkpointer in this process on its own lifecycle topic."""
-    s = env.settings_for(topic, group_prefix=f"bt{uuid.uuid4().hex[:6]}")
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(run_worker(s, env.services, ["checkpointer"], stop, ready=ready))
-    await asyncio.wait_for(ready.wait(), 60)
-    await asyncio.sleep(1.0)  # the group's first assignment
-    try:
-        yield s
-    finally:
-        stop.set()
-        await task
 
 
 async def measure(
