@@ -23,9 +23,12 @@ ALTER POLICY tenant_isolation ON artifact_links
 -- the larger, the full vector, out of line, adding a TOAST read to every other plan.
 -- Adding a stored column rewrites the table (and rebuilds its indexes, HNSW included:
 -- ~10 minutes at 1M memories on 2 cores): apply this step in a quiet hour.
+-- (halfvec's own storage is EXTERNAL; it is set again by name, in a statement of its
+-- own: a STORAGE clause inside ADD COLUMN needs PostgreSQL 16.)
 ALTER TABLE memories
     ALTER COLUMN embedding SET STORAGE MAIN,
-    ADD COLUMN embedding_half halfvec(384) STORAGE EXTERNAL
+    ADD COLUMN embedding_half halfvec(384)
         GENERATED ALWAYS AS (embedding::halfvec(384)) STORED;
+ALTER TABLE memories ALTER COLUMN embedding_half SET STORAGE EXTERNAL;
 CREATE INDEX memories_vectors ON memories (tenant_id, kind, agent)
     INCLUDE (id, embedding_half) WHERE embedding_half IS NOT NULL;
