@@ -54,9 +54,9 @@ async def migrated_template(services: Services) -> str:
     return TEMPLATE_DB
 
 
-async def _create_db(services: Services, template: str) -> str:
+async def _create_db(admin_dsn: str, template: str) -> str:
     name = f"t_{uuid.uuid4().hex[:16]}"
-    admin = await asyncpg.connect(services.postgres_dsn)
+    admin = await asyncpg.connect(admin_dsn)
     try:
         await admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
     finally:
@@ -64,8 +64,8 @@ async def _create_db(services: Services, template: str) -> str:
     return name
 
 
-async def _drop_db(services: Services, name: str) -> None:
-    admin = await asyncpg.connect(services.postgres_dsn)
+async def _drop_db(admin_dsn: str, name: str) -> None:
+    admin = await asyncpg.connect(admin_dsn)
     try:
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     finally:
@@ -75,17 +75,17 @@ async def _drop_db(services: Services, name: str) -> None:
 @pytest.fixture
 async def database(services: Services, migrated_template: str) -> AsyncIterator[str]:
     """DSN of a fresh, fully migrated database for this test."""
-    name = await _create_db(services, migrated_template)
+    name = await _create_db(services.postgres_dsn, migrated_template)
     yield _with_db(services.postgres_dsn, name)
-    await _drop_db(services, name)
+    await _drop_db(services.postgres_dsn, name)
 
 
 @pytest.fixture
 async def empty_database(services: Services) -> AsyncIterator[str]:
     """DSN of a fresh database with no ALMA schema."""
-    name = await _create_db(services, "template0")
+    name = await _create_db(services.postgres_dsn, "template0")
     yield _with_db(services.postgres_dsn, name)
-    await _drop_db(services, name)
+    await _drop_db(services.postgres_dsn, name)
 
 
 # The oldest PostgreSQL the tests run on (the suite's own is the embedded 18): Debian's
@@ -118,26 +118,24 @@ async def oldest_postgres(tmp_path_factory: pytest.TempPathFactory) -> AsyncIter
 
 
 @pytest.fixture
+async def oldest_empty_database(oldest_postgres: str) -> AsyncIterator[str]:
+    """DSN of a fresh database with no ALMA schema on PostgreSQL 15."""
+    name = await _create_db(oldest_postgres, "template0")
+    yield _with_db(oldest_postgres, name)
+    await _drop_db(oldest_postgres, name)
+
+
+@pytest.fixture
 async def oldest_database(oldest_postgres: str) -> AsyncIterator[str]:
     """DSN of a fresh, fully migrated database on PostgreSQL 15."""
-    name = f"t_{uuid.uuid4().hex[:16]}"
-    admin = await asyncpg.connect(oldest_postgres)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    dsn = _with_db(oldest_postgres, name)
-    conn = await asyncpg.connect(dsn)
+    name = await _create_db(oldest_postgres, "template0")
+    conn = await asyncpg.connect(_with_db(oldest_postgres, name))
     try:
         await Migrator(conn).migrate()
     finally:
         await conn.close()
-    yield dsn
-    admin = await asyncpg.connect(oldest_postgres)
-    try:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await admin.close()
+    yield _with_db(oldest_postgres, name)
+    await _drop_db(oldest_postgres, name)
 
 
 @dataclass(frozen=True)
