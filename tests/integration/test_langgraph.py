@@ -530,11 +530,14 @@ async def test_reading_a_long_thread_looks_up_its_owner_once_whatever_the_runs_s
         assert latest.checkpoint["channel_values"] == {"scratch": f"step {steps - 1}"}
     conn = await asyncpg.connect(dsn)
     try:
-        await conn.execute(
-            """INSERT INTO runs (tenant_id, run_id, workflow_id)
-               SELECT $1, 'run-' || g, 'other-graph' FROM generate_series(1, 5000) g""",
-            others,
-        )
+        # other runs, of another tenant and of this one (another graph's)
+        for tenant in (others, app.TENANT):
+            await conn.execute(
+                """INSERT INTO runs (tenant_id, run_id, workflow_id)
+                   SELECT $1, $2 || g, 'other-graph' FROM generate_series(1, 5000) g""",
+                tenant,
+                f"{others}-run-",
+            )
         await conn.execute("ANALYZE runs, graph_checkpoints")  # what autovacuum does in time
         plan = await conn.fetchval(
             f"EXPLAIN (ANALYZE, FORMAT JSON) {graphs.ONE_CHECKPOINT}",
@@ -545,7 +548,7 @@ async def test_reading_a_long_thread_looks_up_its_owner_once_whatever_the_runs_s
             app.GRAPH,
         )
     finally:
-        await conn.execute("DELETE FROM runs WHERE tenant_id = $1", others)
+        await conn.execute("DELETE FROM runs WHERE run_id LIKE $1 || '-run-%'", others)
         await conn.close()
     runs = [n for n in plan_nodes(json.loads(plan)[0]["Plan"]) if n.get("Relation Name") == "runs"]
     assert [(n["Node Type"], n["Actual Loops"]) for n in runs] == [("Index Scan", 1)], runs
