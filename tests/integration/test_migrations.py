@@ -40,6 +40,12 @@ async def snapshot(conn: asyncpg.Connection) -> dict[str, list[tuple[Any, ...]]]
 
 
 async def test_upgrade_downgrade_upgrade_equals_fresh(empty_database: str, database: str) -> None:
+    await assert_up_down_up(empty_database, database)
+
+
+async def assert_up_down_up(empty_database: str, database: str) -> None:
+    """Every migration up on an empty database, all down, all up again: the schema each
+    time equals ``database``'s, migrated fresh."""
     newest = len(load_migrations())
     conn = await asyncpg.connect(empty_database)
     fresh = await asyncpg.connect(database)

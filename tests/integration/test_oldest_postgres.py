@@ -14,11 +14,10 @@ import pytest
 
 from alma_core.settings import Settings
 from alma_core.storage.embeddings import AsyncEmbedder
-from alma_core.storage.migrations import Migrator, load_migrations
 from tests.integration import test_checkpointer, test_retrieval
 from tests.integration.conftest import Topics, settings_for
 from tests.integration.harness import Worker, assert_replays_the_same
-from tests.integration.test_migrations import lz4_available, snapshot
+from tests.integration.test_migrations import assert_up_down_up, lz4_available
 from tests.integration.test_migrations import (
     test_states_are_compressed_with_lz4_where_the_server_has_it as lz4_columns_check,
 )
@@ -29,19 +28,11 @@ async def test_the_migrations_go_up_down_and_up_again(
     oldest_empty_database: str, oldest_database: str
 ) -> None:
     conn = await asyncpg.connect(oldest_empty_database)
-    fresh = await asyncpg.connect(oldest_database)
     try:
         assert int(await conn.fetchval("SHOW server_version_num")) // 10000 == 15
-        migrator = Migrator(conn)
-        newest = len(load_migrations())
-        assert [s.migration.version for s in await migrator.migrate()] == list(range(1, newest + 1))
-        once = await snapshot(conn)
-        assert len(await migrator.migrate(0)) == newest
-        await migrator.migrate()
-        assert await snapshot(conn) == once == await snapshot(fresh)
     finally:
         await conn.close()
-        await fresh.close()
+    await assert_up_down_up(oldest_empty_database, oldest_database)
 
 
 async def test_states_are_compressed_with_lz4(oldest_database: str) -> None:
