@@ -78,16 +78,5 @@ async def test_scoped_retrieval(oldest_database: str, embedder: AsyncEmbedder) -
 
 
 async def test_full_vectors_stay_in_the_row(oldest_database: str) -> None:
-    """Migration 0009's storage, as its statements on 15 set it: the full vector kept in
-    the row (MAIN), the half copy out of line (EXTERNAL). (The suite's own test reads
-    where each value went with pg_column_toast_chunk_id, which 15 lacks.)"""
-    conn = await asyncpg.connect(oldest_database)
-    try:
-        rows = await conn.fetch(
-            """SELECT attname, attstorage::text FROM pg_attribute
-               WHERE attrelid = 'memories'::regclass AND attname LIKE 'embedding%'
-               ORDER BY 1"""
-        )
-    finally:
-        await conn.close()
-    assert [tuple(r) for r in rows] == [("embedding", "m"), ("embedding_half", "e")]
+    """Migration 0009's storage, as its statements on 15 set it."""
+    await test_retrieval.test_full_vectors_stay_in_the_row(oldest_database)
