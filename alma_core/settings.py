@@ -234,6 +234,14 @@ class Settings(BaseSettings):
         "on its own partitions (below pg_pool_size)",
     )
     session_timeout_ms: int = Field(default=10_000, ge=1000)
+    log_behind_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="how long a partition whose log ends before the offset already applied "
+        "waits for its leader's log to reach it again (a leader change: the new leader's "
+        "high watermark trails for a moment) before it is reported as a log that lost "
+        "records (alma_offsets_ahead_of_log, the error) and stays paused",
+    )
     heartbeat_interval_ms: int = Field(default=1_000, ge=100)
     fetch_max_wait_ms: int = Field(
         default=500,

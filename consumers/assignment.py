@@ -38,7 +38,11 @@ class Assignment:
         self.unplaced: set[TopicPartition] = set()  # assigned, not yet sought by the loop
         self.moved_here: set[TopicPartition] = set()  # their cache to invalidate first
         self.retrying = False  # a batch is being retried: nothing is fetched
-        self.log_behind: set[TopicPartition] = set()
+        # partitions whose log ended before what the store applied: when first seen
+        self.log_behind: dict[TopicPartition, float] = {}
+        # where a partition's leader said its log ends when asked (:meth:`caught_up`):
+        # aiokafka's high watermark is only updated by a fetch that brings records
+        self.known_end: dict[TopicPartition, int] = {}
         self.throttled: set[TopicPartition] = set()  # their tenant is over its rate quota
         self.applied_to: dict[TopicPartition, int] = {}  # next offset the store expects
         # unknown where the store has no offset (Kafka's committed one was used)
@@ -54,6 +58,7 @@ class Assignment:
         self.generation += 1
         self.applied_to.clear()
         self.log_behind.clear()
+        self.known_end.clear()
         self.throttled.clear()
         self.position.clear()
         if consumer is not None and assigned:
@@ -81,7 +86,9 @@ class Assignment:
         """What is fetched, decided in one place (see the module docstring)."""
         assignment = consumer.assignment()
         held = (
-            set(assignment) if self.retrying else (self.unplaced | self.log_behind | self.throttled)
+            set(assignment)
+            if self.retrying
+            else (self.unplaced | self.log_behind.keys() | self.throttled)
         )
         held &= assignment
         if held:
@@ -90,23 +97,45 @@ class Assignment:
             consumer.resume(*free)
 
     def behind(
-        self, consumer: AIOKafkaConsumer, batch: dict[TopicPartition, list[Any]]
+        self, consumer: AIOKafkaConsumer, batch: dict[TopicPartition, list[Any]], now: float
     ) -> list[tuple[TopicPartition, int, int, bool]]:
         """Leave out of the batch, and pause, every partition whose log (its high
         watermark) ends before what the store already applied: (partition, applied to,
-        high watermark, newly found). It stays paused until the next assignment reads
-        the stored offsets again."""
+        high watermark, newly found). It stays paused until :meth:`caught_up` finds its
+        log whole again (a leader change) or the next assignment reads the stored
+        offsets again."""
         found = []
         for tp in consumer.assignment():
             applied, high = self.applied_to.get(tp), consumer.highwater(tp)
+            if high is not None and tp in self.known_end:
+                high = max(high, self.known_end[tp])
             if applied is None or high is None or applied <= high:
                 continue
             batch.pop(tp, None)
             found.append((tp, applied, high, tp not in self.log_behind))
-            self.log_behind.add(tp)
+            self.log_behind.setdefault(tp, now)
         if any(new for *_, new in found):
             self.sync_pauses(consumer)
         return found
+
+    def caught_up(
+        self, consumer: AIOKafkaConsumer, ends: dict[TopicPartition, int]
+    ) -> list[TopicPartition]:
+        """Resume the partitions behind whose log now ends at or past what the store
+        applied (``ends``: their high watermarks, asked of their leaders): a new leader's
+        high watermark trails the old one's until its followers fetch again, so a
+        leader change looks, for a moment, like a log that lost its end."""
+        back = [
+            tp
+            for tp in self.log_behind
+            if tp in ends and ends[tp] >= self.applied_to.get(tp, ends[tp] + 1)
+        ]
+        for tp in back:
+            del self.log_behind[tp]
+            self.known_end[tp] = ends[tp]
+        if back:
+            self.sync_pauses(consumer)
+        return back
 
     def read(self, batch: dict[TopicPartition, list[Any]]) -> dict[PartitionKey, int]:
         """Where the consumer read each partition of this batch from (where it knows),

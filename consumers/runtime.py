@@ -22,11 +22,16 @@ What the runtime guarantees the handler:
   assignment starts again from its stored offset once placed;
 * what is paused, and why, is decided in one place (:mod:`alma_core.consumers.assignment`):
   a partition paused for one reason is never resumed for another;
-* a partition whose log ends before the offset the handler already applied (the
-  broker lost or replaced its log: a restart without its data, a new cluster with
-  the same id) is paused and reported, never skipped silently: its records would
-  otherwise look "already applied" (``alma_offsets_ahead_of_log``, an alert, and
-  a log line that says to run ``alma offsets reset``).
+* a partition whose log ends before the offset the handler already applied is
+  paused, never skipped silently: its records would otherwise look "already
+  applied". A leader change looks like this for a moment (the new leader's high
+  watermark trails the old one's until its followers fetch again), so its leader
+  is asked again every ``log_recheck_every_s`` and the partition resumes once its
+  log reaches the applied offset. Past ``log_behind_grace_s`` it is what it looks
+  like, a broker that lost or replaced its log (a restart without its data, a new
+  cluster with the same id): it stays paused and is reported
+  (``alma_offsets_ahead_of_log``, an alert, and a log line that says to run
+  ``alma offsets reset``).
 """
 
 from __future__ import annotations
@@ -103,6 +108,8 @@ class RuntimeConfig:
     backoff_max_s: float = 5.0
     leave_timeout_s: float = 5.0
     commit_timeout_s: float = 5.0  # aiokafka's commit waits for a coordinator forever
+    log_behind_grace_s: float = 30.0  # Settings.log_behind_grace_s
+    log_recheck_every_s: float = 0.5  # how often a partition behind asks its leader again
     linger_ms: int = 0  # after a short poll, keep polling this long to fill the batch
     periodic_every_s: float = 1.0  # the handler's periodic work runs under load too
     # TLS/SASL options for every Kafka client (alma_core.messaging.kafka.client_options)
@@ -156,6 +163,9 @@ class ConsumerRuntime:
         self._pending: dict[TopicPartition, int] = {}
         self._last_commit = 0.0
         self._last_periodic = 0.0
+        self._last_recheck = 0.0
+        # partitions reported behind past the grace: when each fell behind (logged once)
+        self._reported_behind: dict[TopicPartition, float] = {}
         self._poll_ms = config.poll_timeout_ms
         self._pacer = (
             FetchPacer(config.fetch_max_wait_ms, config.fetch_idle_wait_ms)
@@ -309,6 +319,8 @@ class ConsumerRuntime:
                 placing = 0 if await self._place(consumer) else placing + 1
                 if placing:
                     await wait(stop, self._backoff(placing))  # then poll: stay a member
+            if a.log_behind:
+                await self._recheck_log_ends(consumer)
             generation = a.generation
             # a throttled tenant may go on after this long: the poll waits no longer
             cap_ms = (
@@ -409,30 +421,96 @@ class ConsumerRuntime:
     def _check_log_ends(
         self, consumer: AIOKafkaConsumer, batch: dict[TopicPartition, list[Any]]
     ) -> dict[TopicPartition, list[Any]]:
-        """Leave out, pause and report the partitions whose log ends before what the
-        store already applied (:meth:`Assignment.behind`)."""
+        """Leave out and pause the partitions whose log ends before what the store
+        already applied (:meth:`Assignment.behind`); report those still behind past
+        the grace (a leader change has settled by then)."""
         name = self.handler.name
-        for tp, applied, high, new in self.assignment.behind(consumer, batch):
-            self.metrics.offsets_ahead_of_log.labels(name, tp.topic, str(tp.partition)).set(
-                applied - high
-            )
+        now = time.monotonic()
+        for tp, applied, high, new in self.assignment.behind(consumer, batch, now):
             if new:
-                log.error(
-                    "the broker's log ends before what this group already applied; the "
-                    "partition is paused, nothing is skipped. If the broker lost its log "
-                    "and those records are gone, run `alma offsets reset` for it, then "
-                    "restart the workers",
+                log.warning(
+                    "the broker's log ends before what this group already applied: the "
+                    "partition is paused while its leader is asked again (a leader change "
+                    "looks like this for a moment)",
                     extra={
-                        "action": "log_behind_stored_offset",
+                        "action": "log_behind_waiting",
                         "consumer": name,
                         "topic": tp.topic,
                         "partition": tp.partition,
                         "applied_to": applied,
                         "high_watermark": high,
-                        "cluster_id": self.cluster_id,
                     },
                 )
+            self._report_behind(tp, applied, high, now)
         return batch
+
+    def _report_behind(self, tp: TopicPartition, applied: int, high: int, now: float) -> None:
+        """Past the grace: the metric, and the error once."""
+        first = self.assignment.log_behind.get(tp)
+        if first is None or now - first < self.config.log_behind_grace_s:
+            return
+        name = self.handler.name
+        if self._reported_behind.get(tp) != first:  # once for each time it fell behind
+            self._reported_behind[tp] = first
+            log.error(
+                "the broker's log ends before what this group already applied; the "
+                "partition is paused, nothing is skipped. If the broker lost its log "
+                "and those records are gone, run `alma offsets reset` for it, then "
+                "restart the workers",
+                extra={
+                    "action": "log_behind_stored_offset",
+                    "consumer": name,
+                    "topic": tp.topic,
+                    "partition": tp.partition,
+                    "applied_to": applied,
+                    "high_watermark": high,
+                    "cluster_id": self.cluster_id,
+                },
+            )
+        self.metrics.offsets_ahead_of_log.labels(name, tp.topic, str(tp.partition)).set(
+            applied - high
+        )
+
+    async def _recheck_log_ends(self, consumer: AIOKafkaConsumer) -> None:
+        """Ask the leaders of the partitions behind, still within the grace, where their
+        logs end now; resume those whose log reaches what was applied."""
+        now = time.monotonic()
+        a = self.assignment
+        waiting = [
+            tp for tp, first in a.log_behind.items() if now - first < self.config.log_behind_grace_s
+        ]
+        if not waiting or now - self._last_recheck < self.config.log_recheck_every_s:
+            return
+        self._last_recheck = now
+        try:
+            ends = await asyncio.wait_for(consumer.end_offsets(waiting), 5.0)
+        except (KafkaError, TimeoutError) as exc:
+            log.info(
+                "where the logs end could not be asked: asked again shortly",
+                extra={
+                    "action": "log_recheck_failed",
+                    "consumer": self.handler.name,
+                    "error": repr(exc),
+                },
+            )
+            return
+        firsts = dict(a.log_behind)
+        for tp in a.caught_up(consumer, ends):
+            log.info(
+                "the partition's log reaches what this group applied again (a leader "
+                "change): resumed",
+                extra={
+                    "action": "log_caught_up",
+                    "consumer": self.handler.name,
+                    "topic": tp.topic,
+                    "partition": tp.partition,
+                    "waited_s": round(now - firsts[tp], 3),
+                },
+            )
+        for tp in a.log_behind:
+            applied, high = a.applied_to.get(tp), ends.get(tp)
+            if applied is not None and high is not None:
+                self._report_behind(tp, applied, high, now)
 
     async def _linger(
         self, consumer: AIOKafkaConsumer, batch: dict[TopicPartition, list[Any]]
