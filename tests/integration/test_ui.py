@@ -521,6 +521,14 @@ def big_pages(acme: str, run: str, long_id: str, out: Path) -> None:
                 "return [document.documentElement.scrollWidth, window.innerWidth]"
             )
             assert wide[0] <= wide[1], (page, wide)
+            # and with another machine's fonts: a field's width follows its font (the
+            # memory page's task field widened the page to 425 px on a fresh machine)
+            wide = driver.execute_script(
+                "for (const e of document.querySelectorAll('input, select'))"
+                "  e.style.font = '16px monospace';"  # the CSSOM: the page's CSP allows it
+                "return [document.documentElement.scrollWidth, window.innerWidth]"
+            )
+            assert wide[0] <= wide[1], (page, "a wider font", wide)
         driver.get(f"{acme}/runs")
         driver.save_screenshot(str(out / "ui-narrow.png"))
 

@@ -32,7 +32,9 @@ def test_freezing_leaves_a_full_collection_nothing_of_what_was_alive() -> None:
     kept = [{"n": i} for i in range(20_000)]  # alive before the freeze
     try:
         frozen = freeze_heap()
-        assert frozen == gc.get_freeze_count() >= len(kept)
+        # a frozen object still dies when its last reference goes (another thread's,
+        # in a full run: 2 of 792,941 once), so the count may only fall after the freeze
+        assert frozen >= gc.get_freeze_count() >= len(kept)
         collected = {id(o) for o in gc.get_objects(generation=2)}
         assert id(kept) not in collected
         assert not {id(x) for x in kept} & collected
