@@ -6,6 +6,8 @@
 #   make kafka  copy Apache Kafka's broker jars (Maven) for the embedded stack and tests
 #   make test   lint, type-check and run the whole test suite on real services
 #   make postgres15  Debian's PostgreSQL 15 with pgvector, the oldest PostgreSQL tested
+#   make faults lose each machine of a cluster of real hosts (network namespaces, as
+#               root) and print what was acknowledged, applied, lost and doubled
 #   make check  the developer loop (~2 min): lint, types, the unit tests with fewer
 #               hypothesis examples and one smoke test of each part on real services;
 #               `pytest -m "not slow"` leaves out the slow integration and chaos tests
@@ -54,7 +56,7 @@ KAFKA_VERSION := $(shell sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:
 KAFKA_LIBS ?= $(HOME)/.cache/alma-stream/kafka-$(KAFKA_VERSION)
 KAFKA_STAMP := $(KAFKA_LIBS)/.fetched
 
-.PHONY: up demo bench test check lint typecheck docs unit integration clean-venv tools lock image kafka kafka-if-java postgres15
+.PHONY: up demo bench test check lint typecheck docs unit integration clean-venv tools lock image kafka kafka-if-java postgres15 faults
 
 $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) (PyTorch: $(TORCH))"
@@ -107,16 +109,30 @@ integration: $(STAMP) tools kafka
 	$(PY) -m pytest tests/integration
 
 # Test tools that come from Debian, not PyPI: Prometheus (a real server scrapes a
-# worker in the tests), promtool (checks the alert rules), and chromium with its
-# driver (the run inspector's pages are tested in a headless browser).
+# worker in the tests), promtool (checks the alert rules), chromium with its driver
+# (the run inspector's pages are tested in a headless browser), and for the cluster
+# tests (tests/cluster) nftables (cuts one host off from some others), Patroni and etcd
+# (PostgreSQL's primary and standby; the packages' own services are not started).
 tools:
 	@command -v prometheus >/dev/null && command -v promtool >/dev/null \
-	  && command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
-	  echo "==> installing Debian's prometheus, chromium and chromium-driver (the tests use them)"; \
+	  && command -v chromium >/dev/null && command -v chromedriver >/dev/null \
+	  && command -v nft >/dev/null && command -v patroni >/dev/null \
+	  && command -v etcd >/dev/null || { \
+	  echo "==> installing Debian's prometheus, chromium, chromium-driver, nftables, patroni"; \
+	  echo "    and etcd-server (the tests use them)"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends \
-	    prometheus chromium chromium-driver; }
+	    prometheus chromium chromium-driver nftables patroni etcd-server; }
+
+# Guarantee 10's report: a cluster of real hosts on this machine (network namespaces,
+# as root: three Apache Kafka brokers, PostgreSQL 15 as a primary and a standby under
+# Patroni with etcd, Redis, two worker hosts, an orchestrator host), every fault
+# scenario in its long form, one table (also written to build/faults.md). `make test`
+# runs the short form (tests/cluster/test_faults.py).
+faults: $(STAMP) tools kafka postgres15
+	@mkdir -p build
+	$(PY) -m tests.cluster --long --markdown build/faults.md
 
 # The oldest PostgreSQL the tests run on (tests/integration/test_oldest_postgres.py):
 # Debian's PostgreSQL 15, with pgvector built for it from the source of the version the

@@ -113,15 +113,17 @@ def problem(libs: Path) -> str | None:
     return None
 
 
-async def answers_as(port: int, cluster_id: str, options: dict[str, Any] | None = None) -> bool:
-    """Whether the broker on ``port`` (loopback) is the one of ``cluster_id``: a port
-    taken by another program or broker, or a broker still starting, is not."""
+async def answers_as(
+    port: int, cluster_id: str, options: dict[str, Any] | None = None, host: str = "127.0.0.1"
+) -> bool:
+    """Whether the broker on ``host:port`` is the one of ``cluster_id``: a port taken by
+    another program or broker, or a broker still starting, is not."""
     from aiokafka.admin import AIOKafkaAdminClient
 
-    if not port_open(port):
+    if not port_open(port, host):
         return False
     admin = AIOKafkaAdminClient(
-        bootstrap_servers=f"127.0.0.1:{port}", request_timeout_ms=2000, **(options or {})
+        bootstrap_servers=f"{host}:{port}", request_timeout_ms=2000, **(options or {})
     )
     try:
         await admin.start()
@@ -255,7 +257,7 @@ class KafkaBroker(Service):
 
     async def _format(self) -> str:
         """Format the (new) log directory under a new cluster id, once."""
-        cluster_id = new_cluster_id()
+        cluster_id = self._new_cluster_id()
         self._write_config(free_port(), free_port())
         # one argument: an id may begin with "-" (base64), which argparse takes for an option
         command = [*self._java(), STORAGE_TOOL, "format", f"--cluster-id={cluster_id}"]
@@ -278,6 +280,10 @@ class KafkaBroker(Service):
                 f"remove {self.data_dir} to start a new broker"
             )
         return cluster_id
+
+    def _new_cluster_id(self) -> str:
+        """The id a new log directory is formatted with (a cluster's nodes share one)."""
+        return new_cluster_id()
 
     def _java(self) -> list[str]:
         java = shutil.which("java") or "java"

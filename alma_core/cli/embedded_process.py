@@ -92,10 +92,10 @@ def free_port_pair(offset: int, highest: int, attempts: int = 200) -> int:
     )
 
 
-def port_open(port: int) -> bool:
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(0.2)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
+        return sock.connect_ex((host, port)) == 0
 
 
 def tail(path: Path, lines: int = 15) -> str:

@@ -248,12 +248,21 @@ def worker_env(settings: Settings) -> dict[str, str]:
 
 
 class WorkerProcess:
-    """`alma worker` as a separate process, for SIGKILL and restarts."""
+    """`alma worker` as a separate process, for SIGKILL and restarts; ``prefix`` runs
+    it elsewhere (``ip netns exec HOST``: a worker host of the cluster tests)."""
 
-    def __init__(self, settings: Settings, log_path: Path, consumers: str = "checkpointer") -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        log_path: Path,
+        consumers: str = "checkpointer",
+        *,
+        prefix: list[str] | None = None,
+    ) -> None:
         self.env = worker_env(settings)
         self.log_path = log_path
         self.consumers = consumers
+        self.prefix = prefix or []
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_start = 0
 
@@ -261,7 +270,15 @@ class WorkerProcess:
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "alma_core.cli", "worker", "--consumers", self.consumers],
+                [
+                    *self.prefix,
+                    sys.executable,
+                    "-m",
+                    "alma_core.cli",
+                    "worker",
+                    "--consumers",
+                    self.consumers,
+                ],
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

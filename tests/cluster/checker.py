@@ -1,0 +1,168 @@
+"""One checker for every fault scenario, independent of the workers' code: it reads the
+orchestrator's record of what the broker acknowledged, the topic itself (with
+confluent-kafka, a client the workers do not use), PostgreSQL's tables with plain SQL,
+and Redis through the cache's own reader.
+
+What it holds ALMA to (docs/guarantees.md, guarantee 10):
+
+* every acknowledged event is on the topic (the cluster lost no acknowledged record);
+* every acknowledged event has exactly one checkpoint (``lost``, ``doubled``), each
+  run's seqs are 1..n in the order its events were acknowledged, and each run's state
+  folded every step once (an ``append`` history equal to its steps);
+* the cache holds each run's latest checkpoint or nothing (never another state);
+* no dead letters (nothing here is poison).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+from confluent_kafka import Consumer, TopicPartition
+
+from alma_core.settings import Settings
+from alma_core.storage.cache import RedisCheckpointCache
+from tests.cluster.orchestrator import TENANT
+
+
+@dataclass
+class Verdict:
+    acknowledged: int = 0
+    on_topic: int = 0
+    applied: int = 0
+    lost: int = 0
+    doubled: int = 0
+    dead_letters: int = 0
+    cache_entries: int = 0
+    longest_wait_s: float = 0.0  # from an event's acknowledgement to its checkpoint
+    longest_publish_s: float = 0.0  # from an event's first send to its acknowledgement
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def acknowledged(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def topic_event_ids(bootstrap: str, topic: str, limit_s: float = 60) -> Counter[str]:
+    """Every record's event id on ``topic``, read to the end of each partition."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": "alma-cluster-checker",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+        }
+    )
+    try:
+        partitions = consumer.list_topics(topic, timeout=20).topics[topic].partitions
+        ends = {}
+        for p in partitions:
+            _, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=20)
+            ends[p] = high
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        seen: Counter[str] = Counter()
+        positions = dict.fromkeys(partitions, 0)
+        deadline = time.monotonic() + limit_s
+        while any(positions[p] < ends[p] for p in partitions) and time.monotonic() < deadline:
+            for msg in consumer.consume(500, timeout=1.0):
+                if msg.error():
+                    continue
+                positions[msg.partition()] = msg.offset() + 1
+                seen[json.loads(msg.value())["event_id"]] += 1
+        short = {p: (positions[p], ends[p]) for p in partitions if positions[p] < ends[p]}
+        if short:
+            raise AssertionError(f"{topic}: not read to the end within {limit_s} s: {short}")
+        return seen
+    finally:
+        consumer.close()
+
+
+async def check(settings: Settings, acked_path: Path) -> Verdict:
+    assert settings.kafka_bootstrap
+    assert settings.postgres_dsn
+    verdict = Verdict()
+    acked = acknowledged(acked_path)
+    verdict.acknowledged = len(acked)
+    on_topic = await asyncio.to_thread(
+        topic_event_ids, settings.kafka_bootstrap, settings.lifecycle_topic
+    )
+    missing_on_topic = [a["event_id"] for a in acked if a["event_id"] not in on_topic]
+    verdict.on_topic = len(acked) - len(missing_on_topic)
+    if missing_on_topic:
+        verdict.problems.append(
+            f"{len(missing_on_topic)} acknowledged events are not on the topic, e.g. "
+            f"{missing_on_topic[:3]}"
+        )
+    conn = await asyncpg.connect(settings.postgres_dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT run_id, seq, event_id, extract(epoch FROM created_at)::float8 AS created "
+            "FROM checkpoints WHERE tenant_id = $1 ORDER BY run_id, seq",
+            TENANT,
+        )
+        finals = await conn.fetch(
+            """SELECT DISTINCT ON (run_id) run_id, seq, state_hash, state::text AS state
+               FROM checkpoints WHERE tenant_id = $1 ORDER BY run_id, seq DESC""",
+            TENANT,
+        )
+        verdict.dead_letters = int(await conn.fetchval("SELECT count(*) FROM dead_letters"))
+    finally:
+        await conn.close()
+    applied = Counter(r["event_id"] for r in rows)
+    verdict.applied = sum(1 for a in acked if applied[a["event_id"]] >= 1)
+    verdict.lost = len(acked) - verdict.applied
+    verdict.doubled = sum(1 for n in applied.values() if n > 1)
+    created = {r["event_id"]: r["created"] for r in rows}
+    waits = [created[a["event_id"]] - a["at"] for a in acked if a["event_id"] in created]
+    verdict.longest_wait_s = max(waits, default=0.0)
+    verdict.longest_publish_s = max((a.get("publish_s", 0.0) for a in acked), default=0.0)
+    if verdict.lost:
+        lost = [a["event_id"] for a in acked if not applied[a["event_id"]]]
+        verdict.problems.append(f"{verdict.lost} acknowledged events not applied, e.g. {lost[:3]}")
+    if verdict.doubled:
+        verdict.problems.append(f"{verdict.doubled} events applied more than once")
+    if verdict.dead_letters:
+        verdict.problems.append(f"{verdict.dead_letters} dead letters (no event here is poison)")
+    # each run: seqs 1..n, in the order its events were acknowledged, every step folded once
+    by_run: dict[str, list[str]] = {}
+    for r in rows:
+        by_run.setdefault(r["run_id"], []).append(r["event_id"])
+    expected: dict[str, list[str]] = {}
+    for a in acked:
+        expected.setdefault(a["run"], []).append(a["event_id"])
+    for run, event_ids in expected.items():
+        got = by_run.get(run, [])
+        if got[: len(event_ids)] != event_ids:
+            verdict.problems.append(f"{run}: checkpoints {got[:5]}... not its events in order")
+    seqs: dict[str, list[int]] = {}
+    for r in rows:
+        seqs.setdefault(r["run_id"], []).append(r["seq"])
+    for run, numbers in seqs.items():
+        if numbers != list(range(1, len(numbers) + 1)):
+            verdict.problems.append(f"{run}: seqs are not 1..n")
+    for f in finals:
+        history = json.loads(f["state"]).get("history")
+        if history != list(range(len(history or []))) or len(history) != len(seqs[f["run_id"]]):
+            verdict.problems.append(f"{f['run_id']}: history {history} is not each step once")
+    # the cache: each run's latest, or nothing
+    async with RedisCheckpointCache.for_settings(settings) as cache:
+        for f in finals:
+            doc, _ = await cache.get(TENANT, f["run_id"], "latest")
+            if doc is None:
+                continue
+            verdict.cache_entries += 1
+            if (doc["seq"], doc["state_hash"]) != (f["seq"], f["state_hash"]):
+                verdict.problems.append(
+                    f"{f['run_id']}: the cache holds seq {doc['seq']}, PostgreSQL {f['seq']}"
+                )
+    return verdict
