@@ -1,6 +1,6 @@
 """Each worker's HTTP endpoints: ``/metrics`` (Prometheus), ``/healthz`` (the
 process answers), ``/readyz`` (every consumer started and polled recently, and
-PostgreSQL answers) and, where the learner runs, ``POST /embed`` (``{"texts":
+PostgreSQL and a Kafka broker answer) and, where the learner runs, ``POST /embed`` (``{"texts":
 [...]}`` → ``{"model", "dimension", "vectors"}``, at most 64 texts): the model it
 holds, for retrieval elsewhere without loading it. A tiny asyncio server: nothing
 else to deploy.

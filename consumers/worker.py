@@ -384,10 +384,19 @@ async def _run(
             async def database_ok() -> bool:
                 return bool(await pool.fetchval("SELECT 1"))
 
+            async def broker_ok() -> bool:
+                """A metadata request answered by some broker: a worker that lost the
+                brokers polls on (nothing comes) and must not look ready for it."""
+                consumer = next((r.consumer for r in runtimes if r.consumer is not None), None)
+                if consumer is not None:  # else not started, which readiness says already
+                    await consumer.topics()
+                return True
+
             health.runtimes = runtimes
             if status is not None:
                 status.runtimes = runtimes
             health.checks["postgres"] = database_ok
+            health.checks["kafka"] = broker_ok
             if learner.NAME in consumers:
                 health.embedder = embedder  # the model, for retrieval elsewhere
             log.info(

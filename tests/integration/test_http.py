@@ -1,20 +1,25 @@
-"""A worker's /metrics, /healthz and /readyz over real HTTP; readiness follows PostgreSQL."""
+"""A worker's /metrics, /healthz and /readyz over real HTTP; readiness follows PostgreSQL
+and the brokers."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import socket
+import uuid
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from alma_core.cli.embedded_kafka import KafkaBroker, default_libs
+from alma_core.cli.topics import ensure_topics
 from alma_core.consumers import http
 from alma_core.settings import Settings, load
 from alma_core.storage.embeddings import AsyncEmbedder
-from tests.integration.conftest import PrivateStack
+from tests.integration.conftest import TEST_PARTITIONS, PrivateStack, Topics, settings_for
 from tests.integration.harness import Publisher, Worker, completed, count, wait_for
+from tests.services import Services
 
 
 async def get(port: int, path: str, accept: str | None = None) -> tuple[int, str]:
@@ -83,6 +88,42 @@ async def test_readiness_follows_postgres(private_stack: PrivateStack) -> None:
             return (await get(port, "/readyz"))[0] == 200
 
         await wait_for(ready_again, what="ready again")
+
+
+async def test_readiness_follows_the_broker(
+    services: Services, database: str, tmp_path: Path
+) -> None:
+    """A worker whose brokers are gone polls on (nothing comes) and must not look ready:
+    a load balancer or a rollout would count it as serving (issue 73: /readyz answered
+    200 through every broker outage). Apache Kafka of its own, killed and restarted."""
+    broker = KafkaBroker(tmp_path / "kafka", tmp_path / "kafka-run", libs=default_libs())
+    await broker.start()
+    try:
+        suffix = uuid.uuid4().hex[:10]
+        topics = Topics(f"lc-{suffix}", f"mg-{suffix}", f"dl-{suffix}", f"sq-{suffix}")
+        await ensure_topics(broker.url, topics.all, partitions=TEST_PARTITIONS)
+        settings = settings_for(broker.url, database, services.redis_url, topics, broker="kafka")
+        async with Worker.start(settings) as worker:
+            port = worker.status.http_port
+
+            async def ready() -> bool:
+                return (await get(port, "/readyz"))[0] == 200
+
+            await wait_for(ready, what="ready")
+            kafka_port = broker.port
+            broker.kill()
+
+            async def broker_missed() -> str:
+                status, body = await get(port, "/readyz")
+                return body if status == 503 else ""
+
+            body = await wait_for(broker_missed, limit_s=30, what="not ready without a broker")
+            assert "kafka: not reachable" in json.loads(body)["reasons"]
+            assert (await get(port, "/healthz"))[0] == 200  # alive, just not ready
+            await broker.start(port=kafka_port)
+            await wait_for(ready, limit_s=60, what="ready again once the broker is back")
+    finally:
+        await broker.stop()
 
 
 async def request(port: int, method: str, path: str, body: bytes = b"") -> tuple[int, str]:
