@@ -28,7 +28,7 @@ from alma_core import settings as settings_mod
 from alma_core.cli.embedded import Endpoints
 from alma_core.logs import configure as configure_logs
 from alma_core.logs import redact
-from alma_core.storage import embeddings
+from alma_core.storage import embeddings, postgres
 from alma_core.storage.cache import RedisCheckpointCache
 
 UNWRAPPED = 100_000  # a pipe's width: tables as wide as their content, lines whole
@@ -204,7 +204,7 @@ def bootstrap(s: settings_mod.Settings) -> str:
 
 async def connect(dsn: str) -> asyncpg.Connection:
     try:
-        return await asyncpg.connect(dsn, timeout=10)
+        return await postgres.connect_first(dsn, timeout=10)
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
         raise errors.StorageError(
             f"cannot connect to PostgreSQL at {redact(dsn)}: {redact(str(exc))}. What to do: "

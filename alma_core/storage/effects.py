@@ -26,6 +26,8 @@ from typing import Any
 
 import asyncpg
 
+from alma_core.storage import postgres
+
 CHANNEL = "alma_effects"
 POLL_S = 1.0  # a waiter's re-read while notifications arrive (a safety net only)
 EXPECTED_KEPT = 4096  # events published and expected, not yet waited for (per listener)
@@ -69,7 +71,7 @@ class EffectListener:
 
     @classmethod
     async def open(cls, dsn: str) -> EffectListener:
-        conn = await asyncpg.connect(dsn)
+        conn = await postgres.connect_first(dsn)
         listener = cls(conn)
         conn.add_termination_listener(listener._lost)
         await conn.add_listener(CHANNEL, listener._notified)

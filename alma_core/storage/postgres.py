@@ -120,6 +120,65 @@ def columns(rows: Iterable[Sequence[Any]], width: int) -> list[list[Any]]:
     return arrays or [[] for _ in range(width)]
 
 
+# How long a connection waits for one of a DSN's hosts before it tries the next. asyncpg
+# spends its one timeout on the whole list, host after host: a host that is gone without a
+# word (a lost machine: no reset, no refusal) took all of it, and the next host, the
+# promoted standby, was never tried (tests/cluster, a lost PostgreSQL primary).
+HOST_CONNECT_TIMEOUT_S = 5.0
+
+
+def host_dsns(dsn: str) -> list[str]:
+    """``dsn`` once for each of its hosts, in order, all else kept (its database, user,
+    ``target_session_attrs``); a DSN of one host is itself."""
+    scheme, sep, rest = dsn.partition("://")
+    netloc, slash, tail = rest.partition("/")
+    userinfo, at, hostlist = netloc.rpartition("@")
+    hosts = hostlist.split(",")
+    if not sep or len(hosts) < 2:
+        return [dsn]
+    return [f"{scheme}://{userinfo}{at}{host}{slash}{tail}" for host in hosts]
+
+
+# The host of each multi-host DSN that last took a connection: tried first next time, so
+# after a failover only the first connection pays for the lost host's timeout.
+_last_good: dict[str, str] = {}
+
+
+async def connect_first(dsn: str, **kwargs: Any) -> asyncpg.Connection:
+    """``asyncpg.connect`` to the first of the DSN's hosts that answers and has the
+    ``target_session_attrs`` asked for, each host given :data:`HOST_CONNECT_TIMEOUT_S`
+    of the whole ``timeout``, the host that last answered first; the last host's error
+    when none does. One host: asyncpg's own connect. The pool's and every connection's
+    way in (``connect`` of :func:`create_pool`)."""
+    targets = host_dsns(dsn)
+    if len(targets) == 1:
+        return await asyncpg.connect(dsn, **kwargs)
+    last = _last_good.get(dsn)
+    if last in targets:
+        targets.remove(last)
+        targets.insert(0, last)
+    whole = float(kwargs.pop("timeout", 60.0))
+    failure: BaseException | None = None
+    for target in targets:
+        try:
+            conn: asyncpg.Connection = await asyncpg.connect(
+                target, timeout=min(whole, HOST_CONNECT_TIMEOUT_S), **kwargs
+            )
+        except (
+            OSError,
+            TimeoutError,
+            asyncpg.PostgresError,  # starting, shutting down, behind (no such database yet)
+            asyncpg.InterfaceError,
+            pgx.TargetServerAttributeNotMatched,  # a standby, where writes were asked for
+        ) as exc:
+            failure = exc  # the next host may do
+            continue
+        _last_good[dsn] = target
+        return conn
+    assert failure is not None
+    raise failure
+
+
 async def create_pool(
     dsn: str,
     *,
@@ -142,6 +201,7 @@ async def create_pool(
     try:
         pool: asyncpg.Pool = await asyncpg.create_pool(
             dsn,
+            connect=connect_first,
             min_size=min_size,
             max_size=max_size,
             init=_init_connection,
