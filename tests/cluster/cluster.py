@@ -22,6 +22,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient
@@ -147,24 +148,47 @@ class Cluster:
                 cwd=Path(__file__).parents[2],
             )
 
+    async def readiness(self, host: str) -> int:
+        """The HTTP status of ``/readyz`` of the worker on ``host`` (asked from inside
+        the host: a worker's endpoints listen on its loopback); 0 when it does not
+        answer."""
+        port = self.workers[0].env.get("ALMA_METRICS_PORT", "9464")
+        code = (
+            "import sys, urllib.request, urllib.error\n"
+            "try:\n"
+            f"    r = urllib.request.urlopen('http://127.0.0.1:{port}/readyz', timeout=5)\n"
+            "    print(r.status)\n"
+            "except urllib.error.HTTPError as e:\n"
+            "    print(e.code)\n"
+            "except OSError:\n"
+            "    print(0)\n"
+        )
+        proc = await asyncio.create_subprocess_exec(
+            *self.host(host).prefix,
+            sys.executable,
+            "-c",
+            code,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        out, _ = await asyncio.wait_for(proc.communicate(), 30)
+        return int(out.decode().strip() or 0)
+
+    async def partitions(self, topic: str) -> list[dict[str, Any]]:
+        """The brokers' description of each partition of ``topic`` (leader, ISR)."""
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=5000)
+        await admin.start()
+        try:
+            described = await admin.describe_topics([topic])
+        finally:
+            await admin.close()
+        return list(described[0]["partitions"])
+
     async def leaders(self, topic: str) -> dict[int, int]:
         """Partition -> the node id leading it."""
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=5000)
-        await admin.start()
-        try:
-            described = await admin.describe_topics([topic])
-        finally:
-            await admin.close()
-        return {p["partition"]: p["leader"] for p in described[0]["partitions"]}
+        return {p["partition"]: p["leader"] for p in await self.partitions(topic)}
 
     async def under_replicated(self, topic: str) -> int:
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=5000)
-        await admin.start()
-        try:
-            described = await admin.describe_topics([topic])
-        finally:
-            await admin.close()
-        return sum(1 for p in described[0]["partitions"] if len(p["isr"]) < 3)
+        return sum(1 for p in await self.partitions(topic) if len(p["isr"]) < 3)
 
     def active_controller(self) -> int:
         """The KRaft quorum's leader, as the nodes' own quorum-state files say (the

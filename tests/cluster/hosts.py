@@ -24,6 +24,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from alma_core.pids import alive
+
 PREFIX = "almac"
 NETNS_DIR = Path("/run/netns")
 
@@ -52,16 +54,6 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return done
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _kill_namespace(name: str) -> None:
     """SIGKILL every process in namespace ``name``, then delete it."""
     pids = run("ip", "netns", "pids", name, check=False).stdout.split()
@@ -79,13 +71,13 @@ def sweep() -> list[str]:
     names = [p.name for p in NETNS_DIR.iterdir()] if NETNS_DIR.exists() else []
     for name in names:
         found = re.match(rf"^{PREFIX}-(\d+)-", name)
-        if found and not _alive(int(found.group(1))):
+        if found and not alive(int(found.group(1))):
             _kill_namespace(name)
             removed.append(name)
     for line in run("ip", "-o", "link", "show").stdout.splitlines():
         link = line.split(":")[1].strip().split("@")[0]
         found = re.match(rf"^{PREFIX}(\d+)(h\d+)?$", link)
-        if found and not _alive(int(found.group(1))):
+        if found and not alive(int(found.group(1))):
             run("ip", "link", "delete", link, check=False)
             removed.append(link)
     return removed

@@ -233,10 +233,6 @@ class PatroniNode(Service):
         status, _ = http_json(f"{self.api}/liveness")
         return bool(status == 200)
 
-    async def start(self, port: int | None = None) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        await super().start(PATRONI_PORT)
-
     def role(self) -> str | None:
         """``primary``, ``replica`` (streaming), or None (down, starting)."""
         try:
@@ -248,15 +244,32 @@ class PatroniNode(Service):
         return "primary" if doc.get("role") in ("master", "primary") else "replica"
 
     def die(self) -> None:
-        """The host dies: Patroni and every PostgreSQL process of it, SIGKILLed."""
-        for pid in subprocess.run(
-            ["ip", "netns", "pids", self.host.netns], capture_output=True, text=True, check=False
-        ).stdout.split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
+        """The host dies: off the network at once (a dead machine sends nothing more,
+        not even the WAL a surviving backend still held), then Patroni and every
+        PostgreSQL process of it SIGKILLed, until none is left (a postmaster may fork
+        while its children are being killed). :meth:`start` brings it back."""
+        self.host.cut_off()
+        for _ in range(50):
+            pids = subprocess.run(
+                ["ip", "netns", "pids", self.host.netns],
+                capture_output=True,
+                text=True,
+                check=False,
+            ).stdout.split()
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            time.sleep(0.05)
         if self.proc is not None:
             self.proc.wait()
         self.proc = None
+
+    async def start(self, port: int | None = None) -> None:
+        self.host.reconnect()  # back on the network if it had died
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        await Service.start(self, PATRONI_PORT)
 
 
 class PostgresHA:

@@ -46,6 +46,7 @@ class Fault:
     served_newer: int = 0
     rolled_back: int = 0
     cache_ahead: int = 0  # runs whose cache entry was newer than PostgreSQL's latest
+    readiness: tuple[int, int] | None = None  # a worker's /readyz during the fault, after
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Outcome:
     rolled_back: int = 0  # checkpoints a failover lost, applied again from Kafka
     served_newer: int = 0  # reads that returned a state PostgreSQL did not have
     cache_ahead: int = 0  # runs whose cache was newer than PostgreSQL when they were read
+    readiness: tuple[int, int] | None = None  # the cut-off worker's /readyz during, after
 
 
 class Watcher:
@@ -181,12 +183,26 @@ async def worker_cut_from_kafka(cluster: Cluster, settings: Settings, hold_s: fl
     started = time.monotonic()
     w1.block(*(b.host.address for b in cluster.brokers.values()))
     await _hold(hold_s)
+    during = await cluster.readiness("w1")  # what a load balancer sees of it now
     w1.unblock()
+    healed = time.monotonic()
+    after = await _ready_again(cluster, "w1")
     return Fault(
-        f"worker host w1 cut off from the brokers (not PostgreSQL) for {hold_s:.0f} s",
+        f"worker host w1 cut off from the brokers (not PostgreSQL) for {hold_s:.0f} s; "
+        f"its /readyz {during} then, {after} again {time.monotonic() - healed:.1f} s after",
         started,
-        time.monotonic(),
+        healed,
+        readiness=(during, after),
     )
+
+
+async def _ready_again(cluster: Cluster, host: str, limit_s: float = 60) -> int:
+    deadline = time.monotonic() + limit_s
+    status = await cluster.readiness(host)
+    while status != 200 and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        status = await cluster.readiness(host)
+    return status
 
 
 async def worker_frozen(cluster: Cluster, settings: Settings, hold_s: float) -> Fault:
@@ -271,12 +287,12 @@ async def _primary_lost(cluster: Cluster, settings: Settings, hold_s: float, syn
         # what an asynchronous failover loses, made certain rather than left to luck
         standby.host.block(old.host.address)
         await _hold(3)
-    had = await _checkpoints(old, settings)
-    # the workers are kept from the new primary until a reader has looked: what the
-    # cache holds then is what it held when the old primary died
+    # the workers are kept from PostgreSQL from now until a reader has looked at the
+    # promoted primary: what the cache holds then is what it held when the old one died
     workers = [cluster.host(name) for name in WORKER_HOSTS]
     for host in workers:
         host.block(*(n.host.address for n in pg.nodes))
+    had = await _checkpoints(old, settings)
     old.die()
     standby.host.unblock()
     kept = await _checkpoints(standby, settings)  # a hot standby answers reads until promoted
@@ -388,6 +404,7 @@ async def run(
             max(watcher.rolled_back, fault.rolled_back),
             fault.served_newer,
             fault.cache_ahead,
+            fault.readiness,
         )
     finally:
         if orchestrator.poll() is None:

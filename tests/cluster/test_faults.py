@@ -42,5 +42,7 @@ async def test_losing_a_machine_loses_nothing(hosts: Cluster, scenario: str) -> 
         assert outcome.rolled_back > 0
         # the cache held states the new primary had lost, and no reader was served them
         assert outcome.cache_ahead > 0
+    if scenario == "worker cut off from kafka":
+        assert outcome.readiness == (503, 200)  # not ready without brokers, ready with them
     if scenario == "postgres primary lost, synchronous":
         assert outcome.rolled_back == 0
