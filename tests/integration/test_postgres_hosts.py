@@ -12,7 +12,7 @@ import asyncpg
 import pytest
 
 from alma_core.storage import postgres
-from tests.integration.conftest import _with_db
+from tests.integration.conftest import _drop_db, _with_db
 from tests.services import Services
 
 
@@ -65,10 +65,6 @@ async def test_a_read_only_first_host_is_passed_over_for_the_writable_one(
         finally:
             await conn.close()
     finally:
-        for admin_dsn in (services.postgres_dsn, oldest_postgres):
-            drop = await asyncpg.connect(admin_dsn)
-            try:
-                await drop.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-            finally:
-                await drop.close()
         await admin.close()
+        for admin_dsn in (services.postgres_dsn, oldest_postgres):
+            await _drop_db(admin_dsn, name)
