@@ -12,6 +12,10 @@ each node rewriting a 5 KB field (a branch adding 1 KB to a list) and appending 
 * Storage per checkpoint: the tables' size (with indexes and TOAST) over the
   checkpoints stored; ALMA's includes the audit log's rows of the thread's events.
 * ``aget_tuple`` of a thread's latest checkpoint at 10 and 10,000 checkpoints.
+* A chat whose history is a LangGraph 1.2 ``DeltaChannel`` (:mod:`bench.langgraph_chat`,
+  LangGraph's default snapshot every 100 updates): each turn's time over a long thread
+  (a turn rebuilds the history from the last snapshot and the writes since), and
+  ``aget_state_history`` over the whole thread.
 
 The checkpointer runs in this process, on the same 2 cores as the graph.
 """
@@ -37,6 +41,7 @@ from langgraph.types import Send
 
 from alma_core.integrations.langgraph import AlmaSaver
 from alma_core.sdk.client import AlmaClient
+from bench import langgraph_chat as chat
 from bench.env import Env, alma_workers
 from bench.peers import langgraph_saver_pool
 from bench.report import Section, Stat, pct, ratio
@@ -45,6 +50,8 @@ DURABILITY = ("sync", "async", "exit")
 SAVERS = ("AsyncPostgresSaver", "AlmaSaver, wait=applied", "AlmaSaver, wait=published")
 FIELD = 5 * 1024
 READ_SIZES = (10, 10_000)
+CHAT_TURNS = 200  # the delta-channel chat's turns (quick: 40)
+CHAT_SNAPSHOT_EVERY = 100  # LangGraph's default snapshot_frequency
 
 
 class State(TypedDict, total=False):
@@ -172,6 +179,23 @@ async def reads(saver: BaseCheckpointSaver[Any], n: int, samples: int) -> list[f
     return seconds
 
 
+async def chat_thread(saver: BaseCheckpointSaver[Any], turns: int) -> tuple[list[float], float]:
+    """Each turn's seconds over one chat thread of ``turns`` turns, and the seconds of
+    ``aget_state_history`` over the whole thread (every state rebuilt)."""
+    graph = chat.build(saver, CHAT_SNAPSHOT_EVERY)
+    thread, seconds = f"c-{uuid.uuid4().hex[:12]}", []
+    for i in range(turns):
+        started = time.perf_counter()
+        await graph.ainvoke({"messages": [f"user {i}"]}, chat.turn(thread))
+        seconds.append(time.perf_counter() - started)
+    started = time.perf_counter()
+    states = [s async for s in graph.aget_state_history(chat.turn(thread))]
+    history_s = time.perf_counter() - started
+    if len(states) != 3 * turns or len(states[0].values["messages"]) != 2 * turns:
+        raise RuntimeError(f"{type(saver).__name__} lost states or messages of a chat thread")
+    return seconds, history_s
+
+
 async def run(env: Env, section: Section) -> None:
     section.table(
         "langgraph",
@@ -183,6 +207,14 @@ async def run(env: Env, section: Section) -> None:
         "LangGraph `aget_tuple` of a thread's latest checkpoint, and storage per checkpoint",
         ["saver", "checkpoints in the thread", "p50 ms", "p99 ms", "bytes per checkpoint"],
     )
+    section.table(
+        "langgraph_delta",
+        f"A chat whose history is a `DeltaChannel` (snapshot every {CHAT_SNAPSHOT_EVERY} "
+        "updates): one thread, turn after turn",
+        ["saver", "turns", "turn p50 ms", "turn p99 ms", "history s", "turn p50 × reference"],
+    )
+    turns = 40 if env.quick else CHAT_TURNS
+    chats: dict[str, list[tuple[list[float], float]]] = {}
     # 20 threads at once: issue 40's measure of the saver against the reference
     sequential, concurrent, rounds = (5, 20, 1) if env.quick else (20, 20, 5)
     stored = STORED_INVOKES // 4 if env.quick else STORED_INVOKES
@@ -209,6 +241,10 @@ async def run(env: Env, section: Section) -> None:
                         seconds = await reads(by_name[name], n, samples)
                         read_got.setdefault((name.split(",")[0], n), []).append(seconds)
                     env.done()
+                env.step(f"LangGraph delta-channel chat, {turns} turns, each saver")
+                for name, saver in by_name.items():
+                    chats.setdefault(name, []).append(await chat_thread(saver, turns))
+                env.done()
                 env.step("LangGraph storage per checkpoint, both savers")
                 for name, dsn, tables in (
                     (SAVERS[0], env.peer_dsn, PEER_TABLES),
@@ -250,6 +286,27 @@ async def run(env: Env, section: Section) -> None:
                     Stat(sizes[name], 0),
                 ],
             )
+    base_turn = Stat([pct(s, 50) * 1000 for s, _ in chats[SAVERS[0]]])
+    for name in SAVERS:
+        turn_p50 = Stat([pct(s, 50) * 1000 for s, _ in chats[name]])
+        section.add(
+            "langgraph_delta",
+            [
+                name,
+                turns,
+                turn_p50,
+                Stat([pct(s, 99) * 1000 for s, _ in chats[name]]),
+                Stat([h for _, h in chats[name]], 2),
+                ratio(turn_p50, base_turn),
+            ],
+        )
+    section.note(
+        "langgraph_delta",
+        f"{turns} turns of one thread (3 checkpoints a turn, two updates of `messages`); a "
+        "turn reads the thread's latest state, which LangGraph rebuilds from the last "
+        "snapshot and the writes since (AlmaSaver: one query, `aget_delta_channel_history`"
+        "); history: `aget_state_history` of the whole thread, every state rebuilt.",
+    )
     section.note(
         "langgraph",
         f"{sequential} invokes one after another (threads = 1), or {concurrent} at once "
@@ -325,4 +382,4 @@ async def _timed(graph: Any, durability: str, threads: int, n: int) -> tuple[lis
     return await invokes(graph, durability, threads, n)
 
 
-STEPS_PER_REP = len(DURABILITY) * len(SAVERS) + 2 + 1  # invokes, reads, storage
+STEPS_PER_REP = len(DURABILITY) * len(SAVERS) + 2 + 1 + 1  # invokes, reads, chat, storage

@@ -122,41 +122,72 @@ async def _upkeep(conn: Conn, event: GraphUpkeep) -> None:
             )
     elif p.op == "delete_runs":
         await _delete_checkpoints(
-            conn,
-            tenant,
-            thread,
-            "run_id = ANY($3::text[])",
-            p.run_ids or [],
+            conn, tenant, thread, "{c}.run_id = ANY($3::text[])", p.run_ids or []
         )
+        await _drop_unheld_values(conn, tenant, thread)
     elif p.op == "prune":  # keep_latest: each namespace's newest checkpoint
         await _delete_checkpoints(
             conn,
             tenant,
             thread,
-            """checkpoint_id < (SELECT max(k.checkpoint_id) FROM graph_checkpoints k
-                                 WHERE k.tenant_id = c.tenant_id AND k.thread_id = c.thread_id
-                                   AND k.checkpoint_ns = c.checkpoint_ns)""",
+            """{c}.checkpoint_id < (SELECT max(k.checkpoint_id) FROM graph_checkpoints k
+                                   WHERE k.tenant_id = $1 AND k.thread_id = $2
+                                     AND k.checkpoint_ns = {c}.checkpoint_ns)""",
         )
-        await conn.execute(  # the values no checkpoint left holds
-            """DELETE FROM graph_blobs b WHERE b.tenant_id = $1 AND b.thread_id = $2
-               AND NOT EXISTS (
-                   SELECT 1 FROM graph_checkpoints c
-                   WHERE c.tenant_id = b.tenant_id AND c.thread_id = b.thread_id
-                     AND c.checkpoint_ns = b.checkpoint_ns
-                     AND c.checkpoint->'channel_versions'->>b.channel = b.version)""",
-            tenant,
-            thread,
-        )
+        await _drop_unheld_values(conn, tenant, thread)
     elif p.op == "copy":
         await _copy(conn, tenant, thread, p.target_thread_id or thread)
 
 
+def _holds(c: str, channel: str) -> str:
+    """SQL: checkpoint ``c`` stores a value of ``channel``: inline in its JSON (a
+    primitive, or a snapshot's marker), or as the blob of the channel's version there.
+    What a delta channel's rebuild stops at (LangGraph's ``get_delta_channel_history``)."""
+    return f"""(coalesce({c}.checkpoint->'channel_values' ? {channel}, false) OR EXISTS (
+                  SELECT 1 FROM graph_blobs hb
+                  WHERE hb.tenant_id = {c}.tenant_id AND hb.thread_id = {c}.thread_id
+                    AND hb.checkpoint_ns = {c}.checkpoint_ns AND hb.channel = {channel}
+                    AND hb.version = {c}.checkpoint->'channel_versions'->>{channel}
+                    AND hb.type <> 'empty'))"""
+
+
+def _needed_by(survivor: str) -> str:
+    """SQL of a recursive CTE ``needed(ns, checkpoint_id, channel)``: the checkpoints of
+    thread $2 (tenant $1) a checkpoint that stays (``survivor``, a condition on ``s``)
+    is rebuilt from. A LangGraph delta channel (named in the checkpoint's
+    ``counters_since_delta_snapshot``: written since its last snapshot) is stored as
+    the writes of each step after its nearest snapshot: every checkpoint back to that
+    snapshot, with its writes, is needed, or the channel reads empty."""
+    return f"""needed(ns, checkpoint_id, channel) AS (
+            SELECT s.checkpoint_ns, s.parent_checkpoint_id, d.channel
+            FROM graph_checkpoints s
+            CROSS JOIN LATERAL jsonb_object_keys(
+                coalesce(s.metadata->'counters_since_delta_snapshot', '{{}}'::jsonb)) d(channel)
+            WHERE s.tenant_id = $1 AND s.thread_id = $2 AND ({survivor})
+              AND s.parent_checkpoint_id IS NOT NULL
+              AND coalesce(s.checkpoint->'channel_versions' ? d.channel, false)
+              AND NOT {_holds("s", "d.channel")}
+          UNION
+            SELECT a.checkpoint_ns, a.parent_checkpoint_id, n.channel
+            FROM needed n JOIN graph_checkpoints a
+              ON a.tenant_id = $1 AND a.thread_id = $2 AND a.checkpoint_ns = n.ns
+             AND a.checkpoint_id = n.checkpoint_id
+            WHERE a.parent_checkpoint_id IS NOT NULL AND NOT {_holds("a", "n.channel")})"""
+
+
 async def _delete_checkpoints(conn: Conn, tenant: str, thread: str, where: str, *args: Any) -> None:
-    """Delete the thread's checkpoints matching ``where`` (on ``c``) and their writes."""
+    """Delete the thread's checkpoints matching ``where`` (``{c}`` names the row) and
+    their writes, but never one a checkpoint that stays is rebuilt from
+    (:func:`_needed_by`): what LangGraph's delta channels need is kept, so no later
+    state loses what it held."""
+    survivor = f"({where.format(c='s')}) IS NOT TRUE"
     await conn.execute(
-        f"""WITH gone AS (
+        f"""WITH RECURSIVE {_needed_by(survivor)},
+            gone AS (
                 DELETE FROM graph_checkpoints c
-                WHERE c.tenant_id = $1 AND c.thread_id = $2 AND {where}
+                WHERE c.tenant_id = $1 AND c.thread_id = $2 AND {where.format(c="c")}
+                  AND NOT EXISTS (SELECT 1 FROM needed n WHERE n.ns = c.checkpoint_ns
+                                                           AND n.checkpoint_id = c.checkpoint_id)
                 RETURNING c.checkpoint_ns, c.checkpoint_id)
             DELETE FROM graph_writes w USING gone
             WHERE w.tenant_id = $1 AND w.thread_id = $2
@@ -164,6 +195,20 @@ async def _delete_checkpoints(conn: Conn, tenant: str, thread: str, where: str, 
         tenant,
         thread,
         *args,
+    )
+
+
+async def _drop_unheld_values(conn: Conn, tenant: str, thread: str) -> None:
+    """Delete the thread's values no checkpoint left holds (after checkpoints went)."""
+    await conn.execute(
+        """DELETE FROM graph_blobs b WHERE b.tenant_id = $1 AND b.thread_id = $2
+           AND NOT EXISTS (
+               SELECT 1 FROM graph_checkpoints c
+               WHERE c.tenant_id = b.tenant_id AND c.thread_id = b.thread_id
+                 AND c.checkpoint_ns = b.checkpoint_ns
+                 AND c.checkpoint->'channel_versions'->>b.channel = b.version)""",
+        tenant,
+        thread,
     )
 
 
@@ -305,6 +350,53 @@ ONE_CHECKPOINT = f"""{_SELECT}
 
 
 @dataclass(frozen=True)
+class DeltaRows:
+    """What a checkpoint's delta channels are rebuilt from, as stored: per channel, the
+    writes of the checkpoints back to its nearest stored value, unordered (checkpoint
+    id, task path, task id, index, type, bytes: the saver orders them as LangGraph
+    does), and that value (``seeds``: the blob's type and bytes, or the inline JSON
+    value as ``("json", value)``)."""
+
+    writes: dict[str, list[tuple[str, str, str, int, str, bytes | None]]]
+    seeds: dict[str, tuple[str, Any]]
+
+
+# A checkpoint's delta channels ($6) in one query: from the checkpoint ($4; None: the
+# newest of namespace $3) each channel walks its parent chain (one primary-key lookup a
+# step) to the nearest ancestor holding a value of it; the writes of the walked
+# checkpoints and that value come back. The target's own writes are pending, not part.
+DELTA_HISTORY = f"""
+WITH RECURSIVE target AS (
+    SELECT c.parent_checkpoint_id FROM graph_checkpoints c
+    WHERE c.tenant_id = $1 AND c.thread_id = $2 AND c.checkpoint_ns = $3
+      AND ($4::text IS NULL OR c.checkpoint_id = $4) AND {_not_others("$2")}
+    ORDER BY c.checkpoint_id DESC LIMIT 1),
+walk(checkpoint_id, parent_id, channel, holds) AS (
+    SELECT a.checkpoint_id, a.parent_checkpoint_id, ch.channel, {_holds("a", "ch.channel")}
+    FROM target t CROSS JOIN unnest($6::text[]) ch(channel)
+    JOIN graph_checkpoints a ON a.tenant_id = $1 AND a.thread_id = $2
+     AND a.checkpoint_ns = $3 AND a.checkpoint_id = t.parent_checkpoint_id
+  UNION ALL
+    SELECT a.checkpoint_id, a.parent_checkpoint_id, w.channel, {_holds("a", "w.channel")}
+    FROM walk w JOIN graph_checkpoints a ON a.tenant_id = $1 AND a.thread_id = $2
+     AND a.checkpoint_ns = $3 AND a.checkpoint_id = w.parent_id
+    WHERE NOT w.holds)
+SELECT w.channel, w.checkpoint_id, x.task_id, x.idx, x.task_path, x.type, x.blob,
+       NULL::jsonb AS inline, false AS seed
+FROM walk w JOIN graph_writes x ON x.tenant_id = $1 AND x.thread_id = $2
+ AND x.checkpoint_ns = $3 AND x.checkpoint_id = w.checkpoint_id AND x.channel = w.channel
+UNION ALL
+SELECT w.channel, w.checkpoint_id, NULL, NULL, NULL, b.type, b.blob,
+       a.checkpoint->'channel_values'->w.channel, true
+FROM walk w JOIN graph_checkpoints a ON a.tenant_id = $1 AND a.thread_id = $2
+ AND a.checkpoint_ns = $3 AND a.checkpoint_id = w.checkpoint_id
+LEFT JOIN graph_blobs b ON b.tenant_id = $1 AND b.thread_id = $2 AND b.checkpoint_ns = $3
+ AND b.channel = w.channel AND b.version = a.checkpoint->'channel_versions'->>w.channel
+ AND b.type <> 'empty'
+WHERE w.holds"""
+
+
+@dataclass(frozen=True)
 class GraphReader:
     """One tenant's reads of LangGraph threads, for a saver: every query carries the
     tenant, and with ``workflow`` a thread another graph owns (not released) is not
@@ -363,6 +455,45 @@ class GraphReader:
             limit,
         )
         return [_stored(r) for r in rows]
+
+    async def delta_history(
+        self, thread: str, ns: str, checkpoint_id: str | None, channels: list[str]
+    ) -> DeltaRows:
+        """What the checkpoint's delta ``channels`` are rebuilt from (:class:`DeltaRows`),
+        in one query whatever the distance to their snapshots."""
+        rows = await _guarded_fetch(
+            self.pool,
+            DELTA_HISTORY,
+            self.tenant,
+            thread,
+            ns,
+            checkpoint_id,
+            self.workflow,
+            channels,
+        )
+        found = DeltaRows({}, {})
+        writes, seeds = found.writes, found.seeds
+        for r in rows:
+            if not r["seed"]:
+                writes.setdefault(r["channel"], []).append(
+                    (
+                        r["checkpoint_id"],
+                        r["task_path"],
+                        r["task_id"],
+                        r["idx"],
+                        r["type"],
+                        r["blob"],
+                    )
+                )
+            elif r["type"] is not None:  # a blob wins: a snapshot's inline value is a marker
+                seeds[r["channel"]] = (r["type"], r["blob"])
+            else:
+                inline = r["inline"]
+                seeds[r["channel"]] = (
+                    "json",
+                    json.loads(inline) if isinstance(inline, str) else inline,
+                )
+        return found
 
     async def threads_of_runs(self, run_ids: list[str]) -> list[str]:
         """The threads holding checkpoints of these LangGraph runs."""

@@ -27,7 +27,7 @@ import contextlib
 import random
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -39,6 +39,7 @@ from langgraph.checkpoint.base import (
     Checkpoint,
     CheckpointMetadata,
     CheckpointTuple,
+    DeltaChannelHistory,
     get_checkpoint_id,
     get_serializable_checkpoint_metadata,
     writes_sort_key,
@@ -444,6 +445,45 @@ class AlmaSaver(BaseCheckpointSaver[str]):
         for stored in rows:
             yield await asyncio.to_thread(self._tuple, stored)
 
+    async def aget_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Mapping[str, DeltaChannelHistory]:
+        """What LangGraph rebuilds the checkpoint's delta channels from (its base class's
+        contract): each channel's writes since its nearest stored value, and that value.
+        One query (:data:`alma_core.storage.graphs.DELTA_HISTORY`), however far back the
+        last snapshot is, where the base class reads one checkpoint at a time."""
+        if not channels:
+            return {}
+        configurable = config["configurable"]
+        thread = thread_of(configurable["thread_id"])
+        await self._readable(thread)
+        found = await (await self._graphs()).delta_history(
+            thread, configurable.get("checkpoint_ns", ""), get_checkpoint_id(config), list(channels)
+        )
+
+        def decoded() -> dict[str, DeltaChannelHistory]:
+            out: dict[str, DeltaChannelHistory] = {}
+            for channel in channels:
+                rows = sorted(
+                    found.writes.get(channel, ()),
+                    key=lambda w: (w[0], writes_sort_key(w[1], w[2], w[3])),
+                )
+                entry: DeltaChannelHistory = {
+                    "writes": [
+                        (task, channel, self.serde.loads_typed((kind, data or b"")))
+                        for _, _, task, _, kind, data in rows
+                    ]
+                }
+                if channel in found.seeds:
+                    kind, value = found.seeds[channel]
+                    entry["seed"] = (
+                        value if kind == "json" else self.serde.loads_typed((kind, value or b""))
+                    )
+                out[channel] = entry
+            return out
+
+        return await asyncio.to_thread(decoded)
+
     # -- writes ---------------------------------------------------------------------
 
     async def aput(
@@ -640,6 +680,14 @@ class AlmaSaver(BaseCheckpointSaver[str]):
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         result: CheckpointTuple | None = self._sync(self.aget_tuple(config))
+        return result
+
+    def get_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Mapping[str, DeltaChannelHistory]:
+        result: Mapping[str, DeltaChannelHistory] = self._sync(
+            self.aget_delta_channel_history(config=config, channels=channels)
+        )
         return result
 
     def list(
