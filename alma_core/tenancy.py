@@ -43,6 +43,23 @@ def tenant_topic(base: str, tenant_id: str) -> str:
     return f"{base}.{tenant_id}"
 
 
+MAX_TENANT_ID = 256  # the event contract's id (schemas: 1 to 256 characters)
+
+
+def tenant_problem(tenant_id: str, topics_base: str | None = None) -> str | None:
+    """Why ``tenant_id`` can be no tenant: the contract's rule for an id (1 to 256
+    characters, not only blanks) and, where tenants have topics (``topics_base``: the
+    lifecycle topic under ALMA_TENANT_TOPICS), a Kafka topic's. The one rule the SDK,
+    the command line and the tenant settings check; None when it can."""
+    if not tenant_id.strip() or len(tenant_id) > MAX_TENANT_ID:
+        shown = f"{tenant_id[:40]!r}..." if len(tenant_id) > 40 else repr(tenant_id)
+        return (
+            f"tenant id {shown} ({len(tenant_id)} characters) can be no tenant: an event's "
+            f"tenant_id is 1 to {MAX_TENANT_ID} characters, not only blanks"
+        )
+    return None if topics_base is None else topic_problem(topics_base, tenant_id)
+
+
 def topic_problem(base: str, tenant_id: str) -> str | None:
     """Why ``tenant_id`` can have no topic of its own under ``base``; None when it can."""
     if not _TOPIC_SAFE.fullmatch(tenant_id):

@@ -9,6 +9,7 @@ which its tools read its rows and nothing else."""
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from dataclasses import asdict
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
+from alma_core import errors, tenancy
 from alma_core.cli import common
 from alma_core.quotas import Quota
 from alma_core.settings import Settings
@@ -69,6 +71,23 @@ def _days(days: float, own: float | None) -> str:
     return text if own is not None else f"{text} (global)"
 
 
+def _checked(tenant: str, s: Settings) -> str:
+    """The tenant id as typed, or exit 2 naming why it can be no tenant (the rule the
+    event contract and the SDK apply: :func:`alma_core.tenancy.tenant_problem`)."""
+    base = s.lifecycle_topic if s.tenant_topics else None
+    if problem := tenancy.tenant_problem(tenant, base):
+        common.fail(f"{problem}. What to do: check the id (alma tenants list)", common.USAGE)
+    return tenant
+
+
+def _unknown(tenant: str) -> str:
+    return (
+        f"tenant {tenant!r} is unknown here: no run, dead letter, role or settings of its "
+        "own. A typo? `alma tenants list` shows the tenants with settings, `alma runs list "
+        "--tenant T` a tenant's runs"
+    )
+
+
 @tenants_app.command("list")
 def tenants_list(as_json: bool = common.json_option("the tenants")) -> None:
     """Every tenant with runs or settings of its own, and its effective quota."""
@@ -113,10 +132,16 @@ def tenants_show(
     memories), its kept bytes against its storage quota, and the PostgreSQL roles bound
     to it (``alma tenants role``), as JSON."""
     s = common.settings()
+    _checked(tenant, s)
 
     async def main() -> None:
         conn = await common.connect(common.dsn(s))
         try:
+            if not await tenant_settings.known(conn, tenant):
+                raise errors.NotFound(
+                    f"{_unknown(tenant)}; the settings a new tenant gets are the global ones "
+                    "(`alma tenants list` shows them)"
+                )
             row = await tenant_settings.load(conn, tenant)
             used = await tenant_settings.usage(conn, tenant)
             held = await tenant_settings.standing(conn, tenant, s.tenant_storage_quota_bytes)
@@ -169,6 +194,12 @@ def tenants_set(
         "(the ceiling); a state over it is refused (state_too_large).",
     ),
     reset: bool = typer.Option(False, "--reset", help="Back to the global settings."),
+    create: bool = typer.Option(
+        False,
+        "--create",
+        help="Set a tenant that has nothing here yet (no run, dead letter, role or "
+        "settings): without it such a tenant is refused, as a typo would be.",
+    ),
 ) -> None:
     """Set a tenant's own rate quota, learner, checkpoint retention, storage quota or
     state size limit (what is not given keeps its value); in effect within a few
@@ -187,11 +218,24 @@ def tenants_set(
     learns = {"on": True, "off": False, "global": None}
     if learner is not None and learner not in learns:
         common.fail(f"--learner takes on, off or global (got {learner!r})", common.USAGE)
+    _checked(tenant, s)
+    for option, number in (("--rate", rate), ("--checkpoint-retention-days", checkpoint_days)):
+        if number is not None and not math.isfinite(number):
+            common.fail(
+                f"{option} takes a finite number, 0 or more (0: no limit; got {number!r})",
+                common.USAGE,
+            )
 
     async def main() -> None:
         conn = await common.connect(common.dsn(s))
         try:
             async with conn.transaction():
+                if not create and not await tenant_settings.known(conn, tenant):
+                    common.fail(
+                        f"{_unknown(tenant)}. What to do: to set up a tenant before its "
+                        "first run, pass --create",
+                        common.USAGE,
+                    )
                 before = await tenant_settings.load(conn, tenant)
                 row = await tenant_settings.store(
                     conn,
@@ -260,6 +304,7 @@ def tenants_role(
     ALMA's own credentials, to the tenant's orchestrator and tools (SDK, CLI, inspector,
     MCP). Needs a role that may create roles (ALMA's owner, as for `alma db upgrade`)."""
     s = common.settings()
+    _checked(tenant, s)
 
     async def main() -> None:
         conn = await common.connect(common.dsn(s))
@@ -306,6 +351,7 @@ def tenants_redis_acl(
     epochs, and no other key; no administration. Add its password (`>password`) before
     running it. Give the tenant's orchestrator this user, not ALMA's."""
     s = common.settings()
+    _checked(tenant, s)
     rules = cache.tenant_acl_rules(s.redis_prefix, tenant, s.partitions)
     print(shlex.join(["ACL", "SETUSER", user, *rules]))
     common.err.print(

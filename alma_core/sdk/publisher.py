@@ -98,10 +98,9 @@ class Publisher:
             raise errors.ContextError(f"{type_} needs tenant_id, workflow_id and run_id")
         if type_.startswith("node.") and not ctx.node_id:
             raise errors.ContextError(f"{type_} needs node_id")
-        if self.settings.tenant_topics:
-            problem = tenancy.topic_problem(self.settings.lifecycle_topic, ctx.tenant_id)
-            if problem:
-                raise errors.ContextError(f"{problem}; choose a tenant id that can")
+        base = self.settings.lifecycle_topic if self.settings.tenant_topics else None
+        if problem := tenancy.tenant_problem(ctx.tenant_id, base):
+            raise errors.ContextError(f"{problem}; choose a tenant id that can")
         doc = {
             "event_id": event_id or uuid.uuid4().hex,
             "type": type_,

@@ -9,12 +9,14 @@ and the learner every :data:`REFRESH_S` seconds, and by each pruning round
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
 
 import asyncpg
 
+from alma_core import errors, tenancy
 from alma_core.quotas import Quota
 
 REFRESH_S = 5.0  # a change takes effect within this (plus one batch)
@@ -92,7 +94,20 @@ async def store(
     storage_quota_bytes: int | None = None,
     max_state_bytes: int | None = None,
 ) -> TenantSettings:
-    """Set ``tenant_id``'s own values (None: the global one); all None removes its row."""
+    """Set ``tenant_id``'s own values (None: the global one); all None removes its row.
+    A tenant id that can be no tenant, or a number that is not finite, raises
+    ConfigError and stores nothing."""
+    if problem := tenancy.tenant_problem(tenant_id):
+        raise errors.ConfigError(problem)
+    for name, number in (
+        ("rate", rate_per_s),
+        ("checkpoint retention days", checkpoint_retention_days),
+    ):
+        if number is not None and not (math.isfinite(number) and number >= 0):
+            raise errors.ConfigError(
+                f"{name} {number!r} for tenant {tenant_id!r}: give a finite number, 0 or "
+                "more (0: no limit), or leave it out to keep the global one"
+            )
     own = (
         rate_per_s,
         burst,
@@ -134,6 +149,20 @@ class TenantUsage:
     dead_letters: int
     outcomes: int
     memories: int
+
+
+async def known(conn: asyncpg.Connection | asyncpg.Pool, tenant_id: str) -> bool:
+    """Whether ``tenant_id`` is a tenant here: it has settings of its own, a run, a
+    dead letter or a bound PostgreSQL role (a name typed wrong has none of them)."""
+    return bool(
+        await conn.fetchval(
+            """SELECT EXISTS (SELECT 1 FROM tenant_settings WHERE tenant_id = $1)
+                   OR EXISTS (SELECT 1 FROM runs WHERE tenant_id = $1)
+                   OR EXISTS (SELECT 1 FROM dead_letters WHERE tenant_id = $1)
+                   OR EXISTS (SELECT 1 FROM tenant_roles WHERE tenant_id = $1)""",
+            tenant_id,
+        )
+    )
 
 
 async def usage(conn: asyncpg.Connection | asyncpg.Pool, tenant_id: str) -> TenantUsage:

@@ -533,7 +533,7 @@ async def test_a_tenants_database_role_reads_writes_and_replays_nothing_of_anoth
     refused = alma("dlq", "replay", str(letter["globex"]), "--tenant", "globex", env=env)
     assert refused.returncode != 0
     assert "no dead letter" in refused.stderr
-    settings_refused = alma("tenants", "set", "globex", "--rate", "1", env=env)
+    settings_refused = alma("tenants", "set", "globex", "--rate", "1", "--create", env=env)
     assert settings_refused.returncode == 1
     assert "a tenant's own role" in settings_refused.stderr
     shown = alma("tenants", "show", "acme", env=env)

@@ -130,7 +130,35 @@ def test_alma_tenants_sets_shows_lists_and_resets(settings: Settings) -> None:
         "ALMA_CHECKPOINT_RETENTION_DAYS": "30",
         "ALMA_TENANT_STORAGE_QUOTA_BYTES": "1000000",
     }
-    saved = alma("tenants", "set", "acme", "--rate", "10", "--burst", "20", env=env)
+    # ids that can be no tenant, numbers that are no limit, and a name never seen here
+    for tenant, why in (
+        ("", "1 to 256 characters"),
+        ("  ", "1 to 256 characters"),
+        ("x" * 257, "1 to 256 characters"),
+        ("bad tenant!", "cannot name a Kafka topic"),  # ALMA_TENANT_TOPICS
+    ):
+        for args in (("set", tenant, "--rate", "5", "--create"), ("show", tenant)):
+            refused = alma("tenants", *args, env=env)
+            assert refused.returncode == 2, (args, refused.stdout)
+            assert why in refused.stderr, refused.stderr
+    for option, value in (
+        ("--rate", "inf"),
+        ("--rate", "nan"),
+        ("--checkpoint-retention-days", "inf"),
+    ):
+        refused = alma("tenants", "set", "acme", option, value, "--create", env=env)
+        assert refused.returncode == 2, refused.stdout
+        assert option in refused.stderr  # nan: typer's own range check
+        assert value == "nan" or f"{option} takes a finite number" in refused.stderr
+    typo = alma("tenants", "set", "acme", "--rate", "10", env=env)
+    assert typo.returncode == 2
+    assert "tenant 'acme' is unknown here" in typo.stderr
+    assert "pass --create" in typo.stderr
+    unknown = alma("tenants", "show", "acme", env=env)
+    assert (unknown.returncode, unknown.stdout) == (1, "")
+    assert "tenant 'acme' is unknown here" in unknown.stderr
+    assert json.loads(alma("tenants", "list", "--json", env=env).stdout) == []  # none stored
+    saved = alma("tenants", "set", "acme", "--rate", "10", "--burst", "20", "--create", env=env)
     assert saved.returncode == 0, saved.stderr
     assert "rate 10, burst 20" in saved.stdout
     burst_only = alma("tenants", "set", "acme", "--burst", "30", env=env)  # rate kept
@@ -198,21 +226,22 @@ def test_alma_tenants_sets_shows_lists_and_resets(settings: Settings) -> None:
     wrong = alma("tenants", "set", "acme", "--learner", "maybe", env=env)
     assert wrong.returncode == 2
     assert "--learner takes on, off or global (got 'maybe')" in wrong.stderr
-    other = json.loads(alma("tenants", "show", "globex", env=env).stdout)
-    assert (other["rate_per_s"], other["burst"], other["own"]["rate_per_s"]) == (100, 100, None)
+    other = alma("tenants", "show", "globex", env=env)  # nothing of globex's here
+    assert other.returncode == 1
+    assert "the settings a new tenant gets are the global ones" in other.stderr
     listed = json.loads(alma("tenants", "list", "--json", env=env).stdout)
     assert [d["tenant_id"] for d in listed] == ["acme"]
     assert alma("tenants", "set", "acme", "--reset", env=env).returncode == 0
-    reset = json.loads(alma("tenants", "show", "acme", env=env).stdout)
-    assert set(reset["own"].values()) == {None}
-    assert reset["rate_per_s"] == 100
+    # its own settings were all acme had here: back to the global ones, none stored
+    assert json.loads(alma("tenants", "list", "--json", env=env).stdout) == []
+    assert alma("tenants", "show", "acme", env=env).returncode == 1
     nothing = alma("tenants", "set", "acme", env=env)
     assert nothing.returncode == 2
     assert (
         "pass --rate, --burst, --learner, --checkpoint-retention-days, --storage-quota-bytes, "
         "--max-state-bytes or --reset" in nothing.stderr
     )
-    above = alma("tenants", "set", "acme", "--max-state-bytes", "99999999", env=env)
+    above = alma("tenants", "set", "acme", "--max-state-bytes", "99999999", "--create", env=env)
     assert above.returncode == 0, above.stderr
     assert "ALMA_MAX_STATE_BYTES (" in above.stderr  # the ceiling: held to it, said so
     ceiling = json.loads(alma("tenants", "show", "acme", env=env).stdout)

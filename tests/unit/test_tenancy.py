@@ -17,7 +17,7 @@ from alma_core import errors
 from alma_core.messaging import acls
 from alma_core.schemas import Rejection, RejectReason, decode
 from alma_core.settings import Settings
-from alma_core.tenancy import TenantTopics, topic_problem
+from alma_core.tenancy import TenantTopics, tenant_problem, topic_problem
 
 TOPICS = TenantTopics("alma.lifecycle.v1", "alma.merged.v1", per_tenant=True)
 
@@ -115,6 +115,15 @@ def test_a_tenant_id_that_cannot_name_a_topic_is_refused() -> None:
     assert "only letters" in (topic_problem("alma.lifecycle.v1", "acme corp") or "")
     assert topic_problem("alma.lifecycle.v1", "..") is not None
     assert "249" in (topic_problem("alma.lifecycle.v1", "a" * 240) or "")
+
+
+def test_a_tenant_id_is_checked_by_the_contracts_rule_and_with_topics_by_kafkas() -> None:
+    for tenant in ("", "   ", "x" * 257):
+        assert "1 to 256 characters" in (tenant_problem(tenant) or "")
+    assert tenant_problem("x" * 256) is None
+    assert tenant_problem("bad tenant!") is None  # shared topics: the contract's rule only
+    assert "only letters" in (tenant_problem("bad tenant!", "alma.lifecycle.v1") or "")
+    assert tenant_problem("acme", "alma.lifecycle.v1") is None
 
 
 def test_each_tenants_orchestrator_is_granted_its_own_topics_literally() -> None:
