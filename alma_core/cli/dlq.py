@@ -12,7 +12,7 @@ from aiokafka.errors import KafkaError
 from rich.table import Table
 
 from alma_core.cli import common
-from alma_core.messaging import kafka
+from alma_core.messaging import acls, kafka
 from alma_core.sdk import dead_letters as letters
 from alma_core.storage import dead_letters
 
@@ -110,6 +110,9 @@ def dlq_replay(
                 if not sent_to:
                     await producer.start()
                 await producer.send_and_wait(topic, value, key=key)
+            except acls.REFUSALS as exc:  # the authorizer said no: no outage to wait out
+                who = acls.principal(s)
+                raise acls.denied(who, acls.Acl("WRITE", "topic", topic), exc) from exc
             except KafkaError as exc:
                 raise common.kafka_unavailable(
                     common.bootstrap(s), f"publish to {topic}", exc

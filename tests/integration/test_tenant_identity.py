@@ -285,6 +285,19 @@ async def test_an_event_claiming_another_tenant_is_dead_lettered_as_its_producer
     for table in ("runs", "checkpoints", "run_events"):
         assert await count(database, sql.format(table)) == 0, table
 
+    # replayed by the workers' principal, which may read acme's topic and not write it:
+    # the broker's refusal, named as one (not "cannot reach Kafka"), and nothing sent
+    again = "SELECT max(id) FROM dead_letters WHERE reason = 'tenant_not_producer'"
+    newest = (await fetch(database, again))[0][0]
+    before = await _end_offsets(t, names.lifecycle_for("acme"))
+    env = env_of(t.worker) | {"ALMA_POSTGRES_DSN": database}
+    denied = await asyncio.to_thread(alma, "dlq", "replay", str(newest), "--force", env=env)
+    assert denied.returncode == 1, denied.stdout
+    lifecycle = names.lifecycle_for("acme")
+    assert f"Kafka refused WRITE on topic '{lifecycle}' to User:worker" in denied.stderr
+    assert "cannot publish" not in denied.stderr
+    assert await _end_offsets(t, lifecycle) == before
+
 
 async def test_a_tenant_principal_that_may_write_nothing_is_told_which_topic(
     tenanted: Tenanted, services: Services, database: str
