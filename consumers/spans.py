@@ -45,9 +45,12 @@ class BatchTracer:
         if self.marks is None:
             return
         loaded = await self.marks.load(partitions)
-        for tp in partitions:
-            if tp in loaded:
-                self.read_to[tp] = max(self.read_to.get(tp, -1), loaded[tp])
+        if loaded is None:  # Redis did not answer: unknown (what this member knew of an
+            for tp in partitions:  # earlier assignment is stale), alma.redelivery left out
+                self.read_to.pop(tp, None)
+            return
+        for tp in partitions:  # no mark: no member read past the committed offset
+            self.read_to[tp] = max(self.read_to.get(tp, -1), loaded.get(tp, -1))
 
     def open(self, incoming: Batch) -> BatchSpans:
         return BatchSpans(self, incoming)
@@ -77,7 +80,8 @@ class BatchSpans:
         self.incoming: Batch = {}
         read_to: dict[PartitionKey, int] = {}
         for tp, records in incoming.items():
-            before = tracer.read_to.get(tp, -1)
+            known = tracer.read_to.get(tp)  # None: how far it was read is unknown
+            before = -1 if known is None else known
             rewritten = []
             for r in records:
                 parent = tracing.extract(r.headers)
@@ -90,7 +94,7 @@ class BatchSpans:
                     rewritten.append(r if parent is not None else with_context(r, span))
                     continue
                 attrs = attributes_of(r)
-                if before >= 0:
+                if known is not None:
                     attrs["alma.redelivery"] = r.offset < before
                 span.set_attributes(attrs)
                 self.spans.append(span)

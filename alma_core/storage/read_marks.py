@@ -49,9 +49,10 @@ class RedisReadMarks:
     def _field(tp: PartitionKey) -> str:
         return f"{tp[0]}:{tp[1]}"
 
-    async def load(self, partitions: Sequence[PartitionKey]) -> dict[PartitionKey, int]:
+    async def load(self, partitions: Sequence[PartitionKey]) -> dict[PartitionKey, int] | None:
         """Each partition's mark (the next offset any member had read to); none for a
-        partition never read while traces were on, or when Redis does not answer."""
+        partition no member read while traces were on (within the marks' TTL); None when
+        Redis does not answer (nothing is known)."""
         if not partitions:
             return {}
         try:
@@ -62,7 +63,7 @@ class RedisReadMarks:
                 "read marks unavailable; spans will not say which records are redelivered",
                 extra={"action": "read_marks_unavailable", "error": repr(exc)},
             )
-            return {}
+            return None
         return {tp: int(v) for tp, v in zip(partitions, values, strict=True) if v is not None}
 
     async def mark(self, read_to: Mapping[PartitionKey, int]) -> None:

@@ -162,6 +162,17 @@ async def test_a_join_followed_end_to_end_across_a_joiner_kill(
     if path := os.environ.get("ALMA_TRACE_PICTURE"):  # docs/operations.md's picture
         await asyncio.to_thread(waterfall_png, spans, Path(path))
 
+    # Redis up: every event span of a worker says whether it is a redelivery, the first
+    # reads of a partition too (they left it out before: a third of the spans)
+    worker_events = [
+        s for s in everything if s.service.startswith("alma-") and "alma.event_id" in s.attributes
+    ]
+    assert worker_events
+    unsaid = [
+        s.name for s in worker_events if not isinstance(s.attributes.get("alma.redelivery"), bool)
+    ]
+    assert unsaid == []
+
     def one(name: str, **attrs: Any) -> ReceivedSpan:
         found = [
             s
