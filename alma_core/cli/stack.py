@@ -125,6 +125,7 @@ def up(
             common.out.print(
                 f"metrics: {base}/metrics  health: {base}/healthz  ready: {base}/readyz"
             )
+            common.out.print(traces_line(ws), markup=False)
             running = {"metrics_url": f"{base}/metrics", "embed_url": f"{base}/embed"}
             common.write_private(endpoints_file, json.dumps({**mine, **running}, indent=2))
             if check:
@@ -140,6 +141,17 @@ def up(
             common.out.print("stopped")
 
     common.run(main)
+
+
+def traces_line(s: Settings) -> str:
+    """Where the workers' spans go, as ``alma up`` says it (docs/operations.md, "Traces")."""
+    exporter = s.traces_exporter
+    if exporter == "none":
+        return "traces: off (set OTEL_EXPORTER_OTLP_ENDPOINT to export them)"
+    if exporter == "console":
+        return "traces: on, printed to the workers' output (OTEL_TRACES_EXPORTER=console)"
+    endpoint = s.otel_exporter_otlp_endpoint or "http://localhost:4318 (the OTLP default)"
+    return f"traces: on, exported over OTLP/HTTP to {redact(endpoint)}"
 
 
 def _claim(endpoints_file: Path) -> None:

@@ -132,3 +132,15 @@ def test_an_exporter_that_cannot_be_used_is_refused_with_what_to_do() -> None:
     with pytest.raises(errors.ConfigError, match="http/protobuf"):
         tracing.configure("alma-checkpointer", exporter="otlp", protocol="grpc")
     assert not tracing.active()
+
+
+def test_alma_up_says_whether_and_where_traces_go() -> None:
+    from alma_core.cli.stack import traces_line
+
+    assert traces_line(Settings()).startswith("traces: off")
+    endpoint = Settings(otel_exporter_otlp_endpoint="http://collector:4318")
+    assert traces_line(endpoint) == "traces: on, exported over OTLP/HTTP to http://collector:4318"
+    console = Settings(otel_traces_exporter="console")
+    assert "printed to the workers' output" in traces_line(console)
+    disabled = Settings(otel_exporter_otlp_endpoint="http://c:4318", otel_sdk_disabled=True)
+    assert traces_line(disabled).startswith("traces: off")
