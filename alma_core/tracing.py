@@ -229,9 +229,10 @@ def exemplar() -> dict[str, str] | None:
     return {"trace_id": f"{ctx.trace_id:032x}"}
 
 
-def current_ids() -> dict[str, str]:
-    """The current span's trace and span ids as hex (for a log line), or nothing."""
-    ctx = trace.get_current_span().get_span_context()
+def current_ids(within: otel_context.Context | None = None) -> dict[str, str]:
+    """The current span's trace and span ids as hex (for a log line), or nothing;
+    ``within``: the span of that context instead (a record's, :func:`extract`)."""
+    ctx = trace.get_current_span(within).get_span_context()
     if not ctx.is_valid:
         return {}
     return {"trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}"}

@@ -206,9 +206,13 @@ class StoreHandler(Generic[PreparedT, EffectsT]):
                 m.tenant_refusals.labels(dl.tenant_id or "", dl.reason).inc()
             elif dl.reason == errors.StorageQuotaExceeded.reason:
                 m.tenant_storage_refused.labels(dl.tenant_id or "").inc()
+            # the event's own trace (its span's context, which the record carries here),
+            # not the batch's: a search of the logs for the event's trace finds it
+            event = tracing.extract(getattr(dl.record, "headers", ())) if self.tracer else None
             log.warning(
                 "dead letter",
                 extra={
+                    **(tracing.current_ids(event) if event is not None else {}),
                     "action": "dead_letter",
                     "consumer": self.name,
                     "reason": dl.reason,

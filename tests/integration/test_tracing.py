@@ -7,6 +7,7 @@ and no trace ever holds another tenant's event."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,6 +81,7 @@ async def test_a_join_followed_end_to_end_across_a_joiner_kill(
     assert dsn
     tracer = trace.get_tracer("test")
     main = traced_worker(settings, tmp_path / "main.log", "checkpointer,learner", receiver)
+    main.env["ALMA_MAX_STATE_BYTES"] = "4096"  # a larger state is a dead letter
     joiner = traced_worker(settings, tmp_path / "joiner.log", "joiner", receiver)
     main.start()
     joiner.start()
@@ -100,6 +102,8 @@ async def test_a_join_followed_end_to_end_across_a_joiner_kill(
             globex_root = tracer.start_span("orchestrate globex", context=otel_context.Context())
             with tracer.start_as_current_span("orchestrate acme") as acme_root:
                 await asyncio.gather(fan_out(acme), _under(globex_root, fan_out(globex)))
+                too_big = WorkflowContext("acme", "wf", None, "r-big", "n")
+                refused = await client.node_completed(too_big, state={"blob": "x" * 8192})
                 # The joiner reads acme's join and blocks on the table lock held here;
                 # SIGKILLed there, its successor gets the join again (a redelivery).
                 conn = await asyncpg.connect(dsn)
@@ -155,6 +159,16 @@ async def test_a_join_followed_end_to_end_across_a_joiner_kill(
     finally:
         stopped = (joiner.terminate(), main.terminate())
     assert stopped == (0, 0)  # a clean stop exports what is buffered
+
+    # the dead letter's log line carries the refused event's trace, not its batch's
+    lines = [
+        json.loads(line)
+        for line in (tmp_path / "main.log").read_text().splitlines()
+        if line.startswith("{")
+    ]
+    (letter,) = [d for d in lines if d.get("action") == "dead_letter"]
+    assert (letter["event_id"], letter["reason"]) == (refused, "state_too_large")
+    assert letter["trace_id"] == acme_trace
 
     everything = receiver.snapshot()
     by_id = {s.span_id: s for s in everything}
