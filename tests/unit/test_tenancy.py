@@ -62,6 +62,17 @@ def test_a_rejection_read_from_a_tenants_topic_is_that_tenants() -> None:
     assert TOPICS.bind("alma.lifecycle.v1.acme", claimed).tenant_id == "acme"
 
 
+def test_an_event_without_a_tenant_on_a_tenants_topic_is_refused_as_that_tenants() -> None:
+    """The contract requires tenant_id on every topic: not filled in from the topic."""
+    doc = json.loads(raw("acme"))
+    del doc["tenant_id"]
+    bound = TOPICS.bind("alma.lifecycle.v1.acme", decode(json.dumps(doc).encode()))
+    assert isinstance(bound, Rejection)
+    assert bound.reason is RejectReason.SCHEMA_VIOLATION
+    assert (bound.path, bound.detail) == ("tenant_id", "Field required")
+    assert (bound.tenant_id, bound.event_id) == ("acme", "e-1")
+
+
 def test_a_prefix_of_a_tenants_topic_is_no_tenants_topic() -> None:
     assert TOPICS.tenant_of("alma.lifecycle.v1.acme") == "acme"
     assert TOPICS.tenant_of("alma.lifecycle.v1.acme.eu") == "acme.eu"
