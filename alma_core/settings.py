@@ -25,7 +25,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 from alma_core import errors, stacks
 from alma_core.logs import redact
 from alma_core.scoring import ScoringWeights
-from alma_core.tenancy import TenantTopics
+from alma_core.tenancy import TenantTopics, tenant_problem
 
 KafkaSecurity = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"]
@@ -454,6 +454,15 @@ class Settings(BaseSettings):
     @classmethod
     def _home(cls, value: Path) -> Path:
         return value.expanduser()
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant_id(cls, value: str | None) -> str | None:
+        """ALMA_TENANT: the contract's rule for a tenant id (the topic rule is checked
+        where the tenant's topic is named: it needs ALMA_TENANT_TOPICS)."""
+        if value is not None and (problem := tenant_problem(value)):
+            raise ValueError(problem)
+        return value
 
     @field_validator("postgres_dsn")
     @classmethod

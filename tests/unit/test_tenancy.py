@@ -151,3 +151,9 @@ def test_each_tenants_orchestrator_is_granted_its_own_topics_literally() -> None
     worker = {(a.operation, a.name, a.prefixed) for a in acls.for_role("worker", s)}
     assert {("READ", "lc.", True), ("WRITE", "mg.", True)} <= worker
     assert ("READ", "mg.", True) not in worker
+
+
+def test_alma_tenant_is_checked_by_the_same_rule() -> None:
+    with pytest.raises(ValueError, match="1 to 256 characters"):
+        Settings(tenant="   ")
+    assert Settings(tenant="acme").tenant == "acme"
