@@ -361,6 +361,10 @@ class DeltaRows:
     seeds: dict[str, tuple[str, Any]]
 
 
+# LangGraph snapshots a delta channel within 5,000 supersteps: a walk longer than this
+# is a chain of parents that loops (a hostile producer's ids), not a history
+MAX_WALK = 10_000
+
 # A checkpoint's delta channels ($6) in one query: from the checkpoint ($4; None: the
 # newest of namespace $3) each channel walks its parent chain (one primary-key lookup a
 # step) to the nearest ancestor holding a value of it; the writes of the walked
@@ -371,16 +375,17 @@ WITH RECURSIVE target AS (
     WHERE c.tenant_id = $1 AND c.thread_id = $2 AND c.checkpoint_ns = $3
       AND ($4::text IS NULL OR c.checkpoint_id = $4) AND {_not_others("$2")}
     ORDER BY c.checkpoint_id DESC LIMIT 1),
-walk(checkpoint_id, parent_id, channel, holds) AS (
-    SELECT a.checkpoint_id, a.parent_checkpoint_id, ch.channel, {_holds("a", "ch.channel")}
+walk(checkpoint_id, parent_id, channel, holds, depth) AS (
+    SELECT a.checkpoint_id, a.parent_checkpoint_id, ch.channel, {_holds("a", "ch.channel")}, 1
     FROM target t CROSS JOIN unnest($6::text[]) ch(channel)
     JOIN graph_checkpoints a ON a.tenant_id = $1 AND a.thread_id = $2
      AND a.checkpoint_ns = $3 AND a.checkpoint_id = t.parent_checkpoint_id
   UNION ALL
-    SELECT a.checkpoint_id, a.parent_checkpoint_id, w.channel, {_holds("a", "w.channel")}
+    SELECT a.checkpoint_id, a.parent_checkpoint_id, w.channel, {_holds("a", "w.channel")},
+           w.depth + 1
     FROM walk w JOIN graph_checkpoints a ON a.tenant_id = $1 AND a.thread_id = $2
      AND a.checkpoint_ns = $3 AND a.checkpoint_id = w.parent_id
-    WHERE NOT w.holds)
+    WHERE NOT w.holds AND w.depth < {MAX_WALK})
 SELECT w.channel, w.checkpoint_id, x.task_id, x.idx, x.task_path, x.type, x.blob,
        NULL::jsonb AS inline, false AS seed
 FROM walk w JOIN graph_writes x ON x.tenant_id = $1 AND x.thread_id = $2

@@ -16,15 +16,18 @@ it from the nearest snapshot and the writes after it. What must hold:
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
 import pytest
+from langgraph.checkpoint.base import empty_checkpoint
 
 from alma_core.integrations.langgraph import AlmaSaver
 from alma_core.integrations.langgraph.saver import Wait
 from alma_core.sdk.client import AlmaClient
 from alma_core.settings import Settings
+from alma_core.storage import graphs
 from bench import langgraph_chat as chat
 from tests.integration.harness import Worker as AlmaWorker
 from tests.integration.harness import count, fetch
@@ -173,3 +176,37 @@ async def test_a_copied_thread_reads_and_goes_on_as_its_source(
             "turns": 9,
         }
         assert await states(graph, target) == await states(graph, source)
+
+
+async def test_a_looping_chain_of_parents_is_read_to_a_bound_not_forever(
+    settings: Settings, worker: AlmaWorker
+) -> None:
+    """Checkpoint ids come from the producer: two checkpoints each naming the other as
+    its parent (a hostile or broken writer) make no endless walk."""
+    thread = f"loop-{uuid.uuid4().hex[:8]}"
+    async with AlmaClient(settings) as client:
+        saver = AlmaSaver(client, tenant_id="acme", workflow_id=chat.GRAPH)
+        ids = ["1f000000-0000-6000-8000-00000000000a", "1f000000-0000-6000-8000-00000000000b"]
+        for own, parent in (ids, ids[::-1]):
+            checkpoint = empty_checkpoint()
+            checkpoint["id"] = own
+            checkpoint["channel_versions"] = {"messages": saver.get_next_version(None, None)}
+            config = {
+                "configurable": {"thread_id": thread, "checkpoint_ns": "", "checkpoint_id": parent}
+            }
+            await saver.aput(
+                config, checkpoint, {"counters_since_delta_snapshot": {"messages": [1, 1]}}, {}
+            )
+            await saver.aput_writes(
+                {"configurable": {**config["configurable"], "checkpoint_id": own}},
+                [("messages", ["hi"])],
+                task_id=f"task-{own[-1]}",
+            )
+        target = {
+            "configurable": {"thread_id": thread, "checkpoint_ns": "", "checkpoint_id": ids[0]}
+        }
+        history = await asyncio.wait_for(
+            saver.aget_delta_channel_history(config=target, channels=["messages"]), 30
+        )
+    assert "seed" not in history["messages"]  # no value anywhere: the walk ran to its bound
+    assert 0 < len(history["messages"]["writes"]) <= graphs.MAX_WALK
