@@ -28,6 +28,7 @@ from alma_core import settings as settings_mod
 from alma_core.cli.embedded import Endpoints
 from alma_core.logs import configure as configure_logs
 from alma_core.logs import redact
+from alma_core.messaging import acls
 from alma_core.storage import embeddings, postgres
 from alma_core.storage.cache import RedisCheckpointCache
 
@@ -218,8 +219,17 @@ async def connect(dsn: str) -> asyncpg.Connection:
         ) from exc
 
 
-def kafka_unavailable(bootstrap: str, doing: str, exc: BaseException) -> errors.BrokerUnavailable:
-    """Kafka did not answer while ``doing``: exit 1, with what to check."""
+def kafka_unavailable(bootstrap: str, doing: str, exc: BaseException) -> errors.AlmaError:
+    """Kafka failed while ``doing``: exit 1, with what to check. A refusal of the
+    authorizer is :class:`errors.BrokerDenied` (an ACL is missing: no outage to wait
+    out); anything else :class:`errors.BrokerUnavailable`."""
+    if isinstance(exc, acls.REFUSALS):
+        return errors.BrokerDenied(
+            f"Kafka at {redact(bootstrap)} refused to {doing} ({type(exc).__name__}): this "
+            "client's principal lacks an ACL for it. What to do: run it with credentials "
+            "that may (an admin's for topics; ALMA_KAFKA_SASL_USERNAME/PASSWORD), or grant "
+            "the ACL (`alma topics acls --role worker|orchestrator` prints each role's)"
+        )
     return errors.BrokerUnavailable(
         f"cannot {doing} at {redact(bootstrap)}: {redact(repr(exc))}. What to do: check "
         "ALMA_KAFKA_BOOTSTRAP (and the ALMA_KAFKA_SECURITY_PROTOCOL/SASL/SSL settings) and "
