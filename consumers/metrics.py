@@ -225,6 +225,13 @@ class Metrics:
         self.rebalances = Counter(
             "alma_rebalances_total", "Group rebalances seen", ["consumer"], registry=r
         )
+        self.consumer_restarts = Counter(
+            "alma_consumer_restarts_total",
+            "Consumers this worker replaced with a new one (reason: starved, a partition "
+            "not fetched though its log holds more)",
+            ["consumer", "reason"],
+            registry=r,
+        )
         self.last_poll = Gauge(
             "alma_last_poll_timestamp_seconds",
             "Unix time of the last successful poll",

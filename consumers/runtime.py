@@ -51,6 +51,7 @@ from alma_core import errors
 from alma_core.consumers.assignment import Assignment, key
 from alma_core.consumers.metrics import Metrics
 from alma_core.consumers.retry import FetchPacer, backoff_delay, retry_start, wait
+from alma_core.consumers.starvation import StarvationWatch
 from alma_core.consumers.throttle import Throttle
 from alma_core.messaging import acls
 from alma_core.storage.offsets import PartitionKey, Progress
@@ -110,11 +111,22 @@ class RuntimeConfig:
     commit_timeout_s: float = 5.0  # aiokafka's commit waits for a coordinator forever
     log_behind_grace_s: float = 30.0  # Settings.log_behind_grace_s
     log_recheck_every_s: float = 0.5  # how often a partition behind asks its leader again
+    # fetching time without a record of a partition whose log holds more, before the
+    # consumer is started again (consumers/starvation.py)
+    starved_after_s: float = 60.0
     linger_ms: int = 0  # after a short poll, keep polling this long to fill the batch
     periodic_every_s: float = 1.0  # the handler's periodic work runs under load too
     # TLS/SASL options for every Kafka client (alma_core.messaging.kafka.client_options)
     client_options: dict[str, Any] = field(default_factory=dict)
     principal: str = "this client"  # who the broker sees, as an ACL names it
+
+
+class _Starved(Exception):
+    """Partitions the client stopped fetching though their logs hold more."""
+
+    def __init__(self, partitions: list[TopicPartition]) -> None:
+        super().__init__(partitions)
+        self.partitions = partitions
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -166,6 +178,7 @@ class ConsumerRuntime:
         self._last_recheck = 0.0
         # partitions reported behind past the grace: when each fell behind (logged once)
         self._reported_behind: dict[TopicPartition, float] = {}
+        self._watch = StarvationWatch(config.starved_after_s)
         self._poll_ms = config.poll_timeout_ms
         self._pacer = (
             FetchPacer(config.fetch_max_wait_ms, config.fetch_idle_wait_ms)
@@ -221,10 +234,9 @@ class ConsumerRuntime:
         )
         return True
 
-    async def run(self, stop: asyncio.Event) -> None:
+    def _new_consumer(self) -> AIOKafkaConsumer:
         cfg = self.config
-        self._admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap, **cfg.client_options)
-        consumer = AIOKafkaConsumer(
+        return AIOKafkaConsumer(
             bootstrap_servers=cfg.bootstrap,
             **cfg.client_options,
             group_id=cfg.group_id,
@@ -241,17 +253,36 @@ class ConsumerRuntime:
             max_partition_fetch_bytes=min(PARTITION_FETCH_BYTES, cfg.fetch_max_bytes),
             metadata_max_age_ms=cfg.metadata_max_age_ms,
         )
-        self.consumer = consumer
+
+    async def run(self, stop: asyncio.Event) -> None:
+        cfg = self.config
+        self._admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap, **cfg.client_options)
         if not await retry_start(self._admin.start, stop, "admin client"):
             return
         try:
             await self._refresh_cluster_id()
+            while not stop.is_set():
+                if await self._member(stop):
+                    return
+        finally:
+            with contextlib.suppress(Exception):
+                await self._admin.close()
+            self.metrics.assigned_partitions.labels(self.handler.name).set(0)
+
+    async def _member(self, stop: asyncio.Event) -> bool:
+        """One consumer in the group, from its start to its leave: True when the worker
+        stops, False when a starved partition (:mod:`alma_core.consumers.starvation`)
+        asks for a new consumer, which joins the group again and starts every
+        partition afresh (what is applied is stored: nothing is lost or doubled)."""
+        cfg = self.config
+        consumer = self.consumer = self._new_consumer()
+        try:
             if cfg.pattern is not None:
                 consumer.subscribe(pattern=cfg.pattern, listener=_Listener(self))
             else:
                 consumer.subscribe(cfg.topics, listener=_Listener(self))
             if not await retry_start(consumer.start, stop, "consumer", self._refused):
-                return
+                return True
             if self.throttle is not None:  # the tenants' own quotas before any record
                 await self.throttle.refresh()
             self.last_poll = time.monotonic()
@@ -259,11 +290,27 @@ class ConsumerRuntime:
             await self._loop(consumer, stop)
             with contextlib.suppress(KafkaError):
                 await self.commit_pending(consumer)
+            return True
+        except _Starved as starved:
+            self.metrics.consumer_restarts.labels(self.handler.name, "starved").inc()
+            log.warning(
+                "partitions not fetched for %g s of polling though their logs hold more: "
+                "this consumer leaves the group and a new one joins",
+                cfg.starved_after_s,
+                extra={
+                    "action": "consumer_starved",
+                    "consumer": self.handler.name,
+                    "partitions": [f"{tp.topic}[{tp.partition}]" for tp in starved.partitions],
+                },
+            )
+            return False
         finally:
             await self._leave(consumer)
-            with contextlib.suppress(Exception):
-                await self._admin.close()
-            self.metrics.assigned_partitions.labels(self.handler.name).set(0)
+            # the next consumer's assignment is new in every way: each partition moved
+            # here (its cache invalidated), nothing pending to commit
+            self.assignment = Assignment()
+            self._pending.clear()
+            self._watch = StarvationWatch(cfg.starved_after_s)
 
     def _refused(self, exc: KafkaError) -> errors.BrokerDenied:
         """What a consumer of this group lacks when the authorizer refuses it."""
@@ -321,6 +368,8 @@ class ConsumerRuntime:
                     await wait(stop, self._backoff(placing))  # then poll: stay a member
             if a.log_behind:
                 await self._recheck_log_ends(consumer)
+            if due := self._watch.due():
+                await self._check_starved(consumer, due)
             generation = a.generation
             # a throttled tenant may go on after this long: the poll waits no longer
             cap_ms = (
@@ -328,7 +377,9 @@ class ConsumerRuntime:
                 if self.throttle is None
                 else self.throttle.wait_ms(consumer, a, time.monotonic())
             )
+            polling = time.monotonic()
             batch = await self._poll(consumer, stop, cap_ms)
+            self._watch.polled(self._fetchable(consumer), batch, time.monotonic() - polling)
             self._pace(consumer, bool(batch))
             if batch and self.config.linger_ms > 0:
                 batch = await self._linger(consumer, batch)
@@ -470,6 +521,25 @@ class ConsumerRuntime:
         self.metrics.offsets_ahead_of_log.labels(name, tp.topic, str(tp.partition)).set(
             applied - high
         )
+
+    def _fetchable(self, consumer: AIOKafkaConsumer) -> set[TopicPartition]:
+        """The partitions the client should be fetching now: placed, and not held back
+        here (behind their stored offset, throttled, a batch being retried)."""
+        a = self.assignment
+        if a.retrying:
+            return set()
+        return set(consumer.assignment()) - a.unplaced - a.log_behind.keys() - a.throttled
+
+    async def _check_starved(self, consumer: AIOKafkaConsumer, due: list[TopicPartition]) -> None:
+        """Ask the leaders of partitions that brought nothing for a while where their
+        logs end; raise :class:`_Starved` for those with records past the position read
+        (a leader that does not answer is an outage, not starvation: asked again later)."""
+        try:
+            ends = await asyncio.wait_for(consumer.end_offsets(due), 5.0)
+        except (KafkaError, TimeoutError):
+            return
+        if starved := StarvationWatch.starved(due, self.assignment.position, ends):
+            raise _Starved(starved)
 
     async def _recheck_log_ends(self, consumer: AIOKafkaConsumer) -> None:
         """Ask the leaders of the partitions behind, still within the grace, where their

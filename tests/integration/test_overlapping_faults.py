@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaProducer, TopicPartition
 
 from alma_core.cli.offsets import cluster_id
 from alma_core.consumers.checkpointer import CheckpointHandler
@@ -246,6 +246,7 @@ class RecordingHandler(CheckpointHandler):
     invalidates the cache of a new assignment."""
 
     tasks: set[str]
+    runtime: ConsumerRuntime  # the member's, set by recording_member
 
     def _note(self) -> None:
         task = asyncio.current_task()
@@ -263,7 +264,9 @@ class RecordingHandler(CheckpointHandler):
 
 
 @contextlib.asynccontextmanager
-async def recording_member(settings: Settings, name: str) -> AsyncIterator[RecordingHandler]:
+async def recording_member(
+    settings: Settings, name: str, *, starved_after_s: float = 60.0
+) -> AsyncIterator[RecordingHandler]:
     """A checkpointer member of the test's group, its main loop a task named ``name``."""
     bootstrap, dsn = settings.kafka_bootstrap or "", settings.postgres_dsn or ""
     metrics = Metrics()
@@ -301,10 +304,12 @@ async def recording_member(settings: Settings, name: str) -> AsyncIterator[Recor
                     session_timeout_ms=settings.session_timeout_ms,
                     heartbeat_interval_ms=settings.heartbeat_interval_ms,
                     fetch_max_wait_ms=settings.fetch_max_wait_ms,
+                    starved_after_s=starved_after_s,
                 ),
                 handler,
                 metrics,
             )
+            handler.runtime = runtime
             task = asyncio.create_task(runtime.run(stop), name=name)
             try:
                 yield handler
@@ -346,4 +351,43 @@ async def test_the_assignment_is_placed_by_the_main_loop_not_the_coordinator(
             await wait_for(both_placed, what="the rebalance and both events of each partition")
     assert first.tasks == {"first-main"}
     assert second.tasks == {"second-main"}
+    await assert_exactly_once(dsn, published)
+
+
+async def test_a_partition_the_client_stops_fetching_is_fetched_by_a_new_consumer(
+    settings: Settings,
+) -> None:
+    """The Kafka client can stop fetching a partition for good while the others flow
+    (aiokafka, after a group coordinator's broker was cut off: tests/cluster). Injected
+    here by pausing the client's partition behind ALMA's back: once it has brought no
+    record for ``starved_after_s`` of polling while its leader says the log holds
+    more, the member leaves the group and a new consumer joins, and every event is
+    applied once."""
+    dsn = settings.postgres_dsn or ""
+    published: dict[str, list[Any]] = {}
+    async with (
+        Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub,
+        recording_member(settings, "starving", starved_after_s=2.0) as member,
+    ):
+        for p in range(TEST_PARTITIONS):
+            await send_to(pub, p, completed(f"st-{p}", updates={"step": 0}), published)
+        await pub.flush()
+
+        async def applied(n: int) -> bool:
+            return await count(dsn, "SELECT count(*) FROM checkpoints") == n
+
+        await wait_for(lambda: applied(TEST_PARTITIONS), what="the first events")
+        runtime = member.runtime
+        stalled = runtime.consumer
+        assert stalled is not None
+        stalled.pause(TopicPartition(settings.lifecycle_topic, 0))  # the client's, not ALMA's
+        for p in range(TEST_PARTITIONS):
+            await send_to(pub, p, completed(f"st-{p}", updates={"step": 1}), published)
+        await pub.flush()
+        await wait_for(lambda: applied(2 * TEST_PARTITIONS), limit_s=60, what="every event")
+        restarts = runtime.metrics.registry.get_sample_value(
+            "alma_consumer_restarts_total", {"consumer": "checkpointer", "reason": "starved"}
+        )
+        assert restarts == 1
+        assert runtime.consumer is not stalled
     await assert_exactly_once(dsn, published)
