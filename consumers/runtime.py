@@ -307,8 +307,11 @@ class ConsumerRuntime:
         finally:
             await self._leave(consumer)
             # the next consumer's assignment is new in every way: each partition moved
-            # here (its cache invalidated), nothing pending to commit
+            # here (its cache invalidated), nothing pending to commit; its generation
+            # goes on counting (what keys on it, the throttle's held records, starts over)
+            generation = self.assignment.generation
             self.assignment = Assignment()
+            self.assignment.generation = generation
             self._pending.clear()
             self._watch = StarvationWatch(cfg.starved_after_s)
 
