@@ -61,6 +61,10 @@ MAIN = ""  # branch key of the main line
 REFUSED = "refused"  # a run refused at its start (storage quota): it holds nothing
 # every status a run's row holds (the runs table's CHECK): on its way, ended, or refused
 RUN_STATUSES: Final = ("running", "succeeded", "failed", REFUSED)
+# a running run one of whose events waits in the dead letters (docs/guarantees.md §11):
+# a status shown (lists, counts, pages), derived from the letters, never a row's
+BLOCKED = "blocked"
+SHOWN_STATUSES: Final = ("running", BLOCKED, "succeeded", "failed", REFUSED)
 # what a completed run refuses (errors.RunCompleted); LangGraph's graph.* go on
 AFTER_THE_END = (NodeStarted, NodeCompleted, NodeFailed, BranchJoin)
 

@@ -1,4 +1,5 @@
-"""Domain types: the workflow context, retrieval scopes and checkpoints."""
+"""Domain types: the workflow context, retrieval scopes, checkpoints and the dead letters
+that block a run."""
 
 from __future__ import annotations
 
@@ -66,3 +67,16 @@ class Checkpoint:
     merged_from: tuple[int, ...] = ()
     metadata: dict[str, Any] = field(default_factory=dict)
     created_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class BlockingLetter:
+    """A dead letter of one of a run's events that the run waits on (docs/guarantees.md
+    §11): replay it (``alma dlq replay ID``) once what refused it is fixed, or have the
+    orchestrator send what comes next."""
+
+    id: int
+    reason: str
+    detail: str
+    event_id: str | None
+    created_at: datetime

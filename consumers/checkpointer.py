@@ -41,6 +41,13 @@ class CheckpointHandler(StoreHandler[TenantLimits, CheckpointEffects]):
         everything else the fold needs is read in its transaction."""
         return incoming, await self.limits.current()
 
+    async def idle(self) -> None:
+        """The outbox's sweep, and the tenants' limits and their gauges (storage, blocked
+        runs) read again on time when no batch comes: an alert on a gauge stays true to
+        what PostgreSQL holds while the topics are quiet."""
+        await super().idle()
+        await self.limits.current()
+
     def observe(self, effects: CheckpointEffects) -> None:
         m = self.metrics
         # Counted per kind, type and effect, not per event: a series' lookup costs more

@@ -121,6 +121,14 @@ class Metrics:
             ["tenant"],
             registry=r,
         )
+        self.runs_blocked = Gauge(
+            "alma_runs_blocked",
+            "Running runs of each tenant that wait on a dead letter of one of their events "
+            "(not replayed, not applied since, the run not advanced since), read by the "
+            "checkpointer every few seconds",
+            ["tenant"],
+            registry=r,
+        )
         self.tenant_storage_refused = Counter(
             "alma_tenant_storage_refused_total",
             "Events refused because their tenant was at its storage quota (a new run's, or "

@@ -5,7 +5,8 @@ without a restart: the tenants at their storage quota (the checkpointer refuses 
 new runs, after reading their standing once more in the transaction), the tenants'
 own state size limits (the checkpointer's and the joiner's states are held to them),
 the tenants whose learner is off (the learner passes their runs by) and, for the
-checkpointer's throttle, each tenant's own rate quota (one read for all of them).
+checkpointer's throttle, each tenant's own rate quota (one read for all of them); the
+checkpointer's reader also counts each tenant's blocked runs (``alma_runs_blocked``).
 PostgreSQL being away keeps what was read before (logged): the batch's own
 transaction then says so."""
 
@@ -19,7 +20,7 @@ import asyncpg
 from alma_core import errors
 from alma_core.consumers.metrics import Metrics
 from alma_core.quotas import Quota, TenantLimits
-from alma_core.storage import tenant_settings
+from alma_core.storage import runs, tenant_settings
 from alma_core.storage.batches import guarded
 
 log = logging.getLogger("alma.consumers")
@@ -44,6 +45,7 @@ class LimitsReader:
         self.rate = rate  # ALMA_TENANT_RATE / _BURST, with tenant topics (the checkpointer)
         self.limits = TenantLimits()
         self._read_at: float | None = None
+        self._blocked_tenants: set[str] = set()  # those alma_runs_blocked was set for
 
     async def current(self) -> TenantLimits:
         """The limits, read again once :data:`REFRESH_S` passed."""
@@ -73,4 +75,14 @@ class LimitsReader:
             self.metrics.tenant_storage.labels(s.tenant_id).set(s.used)
             self.metrics.tenant_storage_quota.labels(s.tenant_id).set(s.quota)
         full = frozenset(s.tenant_id for s in standings if s.full)
+        await self._count_blocked()
         return TenantLimits(full, state_bytes, off, quotas)
+
+    async def _count_blocked(self) -> None:
+        """``alma_runs_blocked`` of every tenant, 0 for one whose runs are no longer."""
+        blocked = await guarded("counting blocked runs", runs.blocked_counts(self.pool))
+        for tenant in self._blocked_tenants - blocked.keys():
+            self.metrics.runs_blocked.labels(tenant).set(0)
+        for tenant, n in blocked.items():
+            self.metrics.runs_blocked.labels(tenant).set(n)
+        self._blocked_tenants |= blocked.keys()

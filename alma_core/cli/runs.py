@@ -4,6 +4,7 @@ Exit codes: 0 done, 1 not found or a service failed, 2 bad input."""
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any
 
 import typer
@@ -11,7 +12,7 @@ from rich.table import Table
 
 from alma_core import errors
 from alma_core.cli import common
-from alma_core.sequencing import RUN_STATUSES, short_hash
+from alma_core.sequencing import SHOWN_STATUSES, short_hash
 from alma_core.storage import graphs, runs
 from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.cache_entries import checkpoint_to_doc
@@ -48,17 +49,18 @@ def runs_list(
     status: str = typer.Option(
         None,
         "--status",
-        help="running, succeeded, failed, refused (at its tenant's storage quota) or "
-        "deleted (a LangGraph thread).",
+        help="running, blocked (running, and waiting on a dead letter of its own), "
+        "succeeded, failed, refused (at its tenant's storage quota) or deleted (a LangGraph "
+        "thread).",
     ),
     limit: int = typer.Option(50, min=1, max=10_000, help="How many, latest activity first."),
     as_json: bool = common.json_option("the runs"),
 ) -> None:
     """Runs, latest activity first."""
     s = common.settings()
-    if status is not None and status not in (*RUN_STATUSES, "deleted"):
+    if status is not None and status not in (*SHOWN_STATUSES, "deleted"):
         common.fail(
-            f"unknown status {status!r}: {', '.join(RUN_STATUSES)} or deleted",
+            f"unknown status {status!r}: {', '.join(SHOWN_STATUSES)} or deleted",
             common.USAGE,
         )
     who = common.tenant(s, tenant)
@@ -105,13 +107,18 @@ async def run_report(conn: Any, run_id: str, tenant: str | None) -> dict[str, An
     if not found:
         raise _not_found(run_id, tenant)
     return {
-        "run": _jsonable(found["run"]),
+        "run": _jsonable(found["run"]) | {"status": found["status"]},
         "forked_from": found["forked_from"],
         "events": [_jsonable(r) for r in found["events"]],
         "checkpoints": [_jsonable(r) for r in found["checkpoints"]],
         "joins": [_jsonable(r) for r in found["joins"]],
         "outcome": _jsonable(found["outcome"]) if found["outcome"] else None,
         "dead_letters": [_jsonable(r) for r in found["dead_letters"]],
+        "blocked_by": [
+            _jsonable(r)
+            | {"replay": f"alma dlq replay {r['id']} --tenant {shlex.quote(r['tenant_id'])}"}
+            for r in found["blocked_by"]
+        ],
     }
 
 
@@ -142,6 +149,21 @@ def runs_show(
         f"{run['workflow_id']}  status {run['status']}  "
         f"last seq {run['last_seq']}"
     )
+    if blocked := doc["blocked_by"]:
+        common.out.print(
+            f"[bold]blocked[/bold]: the run cannot advance until {len(blocked)} dead "
+            f"letter{'s' if len(blocked) > 1 else ''} of its events "
+            f"{'are' if len(blocked) > 1 else 'is'} replayed (or its orchestrator sends "
+            "what comes next):",
+            highlight=False,
+        )
+        for d in blocked:
+            common.out.print(
+                f"  #{d['id']} {d['reason']} (event {d['event_id']}): {d['detail'][:200]}; "
+                f"`{d['replay']}`",
+                highlight=False,
+                markup=False,
+            )
     if lineage := doc["forked_from"]:
         common.out.print(
             f"forked from run {lineage['run_id']} at seq {lineage['seq']} "

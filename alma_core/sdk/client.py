@@ -38,7 +38,7 @@ from alma_core.storage.migrations import Migrator
 from alma_core.storage.observer import ReadMetrics, ReadObserver
 from alma_core.storage.reader import CheckpointReader
 from alma_core.storage.retrieval import Retriever
-from alma_core.types import Checkpoint, RetrievalScope, WorkflowContext
+from alma_core.types import BlockingLetter, Checkpoint, RetrievalScope, WorkflowContext
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,14 @@ class ResumePoint:
     latest: Checkpoint | None
     branch_heads: dict[str | None, Checkpoint]
     status: str | None = None  # running, succeeded, failed; None: no event of it applied
+    # a running run waiting on dead letters of its own events (docs/guarantees.md §11):
+    # resuming it repeats what was refused unless what refused it is fixed first
+    blocked_by: tuple[BlockingLetter, ...] = ()
+
+    @property
+    def blocked(self) -> bool:
+        """Whether the run waits on a dead letter of its own (see ``blocked_by``)."""
+        return bool(self.blocked_by)
 
     @property
     def state(self) -> dict[str, Any]:
@@ -247,7 +255,9 @@ class AlmaClient:
         reader = await self.reader(ctx.tenant_id)
         heads = await reader.branch_heads(ctx.run_id)  # the latest is one of them
         latest = max(heads.values(), key=lambda cp: cp.seq) if heads else None
-        return ResumePoint(ctx.run_id, latest, heads, await reader.status(ctx.run_id))
+        status = await reader.status(ctx.run_id)
+        blocked = await reader.blocked_by(ctx.run_id) if status == "running" else []
+        return ResumePoint(ctx.run_id, latest, heads, status, tuple(blocked))
 
     # -- writes -----------------------------------------------------------------------
 

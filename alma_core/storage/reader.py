@@ -18,12 +18,12 @@ import asyncpg
 from alma_core import errors, joining
 from alma_core.reducers import ReducerConfig
 from alma_core.schemas.events import BranchJoinPayload
-from alma_core.storage import reducer_configs
+from alma_core.storage import reducer_configs, runs
 from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.cache_entries import cache_entries, checkpoint_from_doc, field_for
 from alma_core.storage.observer import ReadMetrics, ReadObserver
 from alma_core.storage.postgres import is_storage_failure, storage_error
-from alma_core.types import Checkpoint
+from alma_core.types import BlockingLetter, Checkpoint
 
 _COLUMNS = """run_id, tenant_id, seq, kind, node_id, branch_id, parent_seq, event_id, state,
               state_hash, size_bytes, merged_from, metadata, created_at"""
@@ -232,6 +232,23 @@ class CheckpointReader:
             "SELECT status FROM runs WHERE tenant_id = $1 AND run_id = $2", tenant_id, run_id
         )
         return str(rows[0]["status"]) if rows else None
+
+    async def blocked_by(self, run_id: str) -> list[BlockingLetter]:
+        """The dead letters of the run's events that block it, oldest first: none for a
+        run that is not blocked (docs/guarantees.md §11)."""
+        tenant_id = await self._tenant_of(run_id)
+        if tenant_id is None:
+            return []
+        try:
+            rows = await runs.blocking_letters(self.pool, tenant_id, run_id)
+        except Exception as exc:
+            if is_storage_failure(exc):
+                raise storage_error(exc, "reading a run's dead letters") from exc
+            raise
+        return [
+            BlockingLetter(r["id"], r["reason"], r["detail"], r["event_id"], r["created_at"])
+            for r in rows
+        ]
 
     async def workflow_of(self, run_id: str) -> str | None:
         """The workflow the run belongs to; None when no event of it was applied."""

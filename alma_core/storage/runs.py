@@ -12,12 +12,12 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import asyncpg
 
 from alma_core import errors
-from alma_core.sequencing import RUN_STATUSES
+from alma_core.sequencing import BLOCKED, RUN_STATUSES
 from alma_core.storage import dead_letters
 
 Conn: TypeAlias = asyncpg.Connection | asyncpg.Pool
@@ -85,6 +85,63 @@ async def unrecorded(conn: Conn, tenant_id: str, run_id: str, event_ids: list[st
     return [e for e in event_ids if e not in recorded]
 
 
+# A run is blocked (docs/guarantees.md §11) while it is running and one of its events
+# was dead-lettered since the run last advanced, that letter neither replayed nor its
+# event applied since: the run waits on an operator. It stops being blocked when the
+# letter is replayed (a replay dead-lettered again is a new letter), when the event is
+# applied, when the run advances anyway (a later event or a merge applied) or ends. A
+# producer's refusal (tenant_not_producer, reply_to_refused) names a run its producer
+# may not write to, so it blocks nothing. One statement, read from the letters' side
+# (few) and joined to the runs, so that a listing hashes it once instead of probing the
+# letters for every running run; ``{tenant}``: the SQL of the tenant (NULL: all).
+NOT_BLOCKING: Final = ("tenant_not_producer", "reply_to_refused")
+_BLOCKING_LETTERS = f"""
+SELECT d.tenant_id, d.run_id, d.id, d.reason, d.detail, d.event_id, d.created_at
+FROM dead_letters d
+JOIN runs br ON br.tenant_id = d.tenant_id AND br.run_id = d.run_id
+WHERE ({{tenant}}::text IS NULL OR d.tenant_id = {{tenant}}) AND d.replayed_at IS NULL
+  AND d.reason NOT IN ({", ".join(f"'{r}'" for r in NOT_BLOCKING)})
+  AND br.status = 'running' AND d.created_at >= br.updated_at
+  AND NOT EXISTS (SELECT 1 FROM run_events be WHERE be.tenant_id = d.tenant_id
+                  AND be.run_id = d.run_id AND be.event_id = d.event_id)"""
+
+
+def blocked_runs(tenant: str) -> str:
+    """A subquery of the (tenant_id, run_id) of every blocked run of the tenant the
+    SQL ``tenant`` names (a parameter such as ``$1``; NULL: every tenant's), for
+    ``(tenant_id, run_id) IN (...)``."""
+    return f"SELECT tenant_id, run_id FROM ({_BLOCKING_LETTERS.format(tenant=tenant)}) b"
+
+
+def shown_status(tenant: str) -> str:
+    """A run's status as shown (``blocked`` for a running run that is), from the columns
+    of the ``runs`` row at hand, for a select list."""
+    return (
+        f"CASE WHEN status = 'running' AND (tenant_id, run_id) IN "
+        f"({blocked_runs(tenant)}) THEN '{BLOCKED}' ELSE status END"
+    )
+
+
+async def blocking_letters(conn: Conn, tenant_id: str, run_id: str) -> list[asyncpg.Record]:
+    """The dead letters that block the run, oldest first (none: it is not blocked)."""
+    rows: list[asyncpg.Record] = await conn.fetch(
+        _BLOCKING_LETTERS.format(tenant="$1") + " AND d.run_id = $2 ORDER BY d.id",
+        tenant_id,
+        run_id,
+    )
+    return rows
+
+
+async def blocked_counts(conn: Conn) -> dict[str, int]:
+    """How many blocked runs each tenant has (only tenants with some)."""
+    rows = await conn.fetch(
+        f"""SELECT tenant_id, count(DISTINCT run_id) AS n
+            FROM ({_BLOCKING_LETTERS.format(tenant="$1")}) b GROUP BY tenant_id""",
+        None,
+    )
+    return {r["tenant_id"]: int(r["n"]) for r in rows}
+
+
 # The runs a listing picks, latest activity first. Of all of one tenant's runs: the
 # newest of each status from its index (tenant, status, updated_at), merged; a single
 # ORDER BY over them would sort every run the tenant has (a sequential scan: 232 ms at
@@ -106,7 +163,9 @@ _NEWEST = """SELECT * FROM runs
              WHERE ($1::text IS NULL OR tenant_id = $1)
                AND ($2::text IS NULL OR workflow_id = $2)
                AND ($3::text IS NULL OR status = $3
-                    OR ($3 = 'deleted' AND status = 'running'))
+                    OR ($3 = 'deleted' AND status = 'running')
+                    OR ($3 = '{blocked}' AND status = 'running'
+                        AND (tenant_id, run_id) IN ({blocked_runs})))
              ORDER BY updated_at DESC LIMIT $4"""
 _LISTING = """SELECT * FROM (
            SELECT r.run_id, r.tenant_id, r.workflow_id, r.workflow_version, r.last_seq,
@@ -114,7 +173,10 @@ _LISTING = """SELECT * FROM (
                   CASE WHEN t.kind = 'thread' AND r.status = 'running' AND NOT EXISTS (
                          SELECT 1 FROM graph_checkpoints g
                          WHERE g.tenant_id = r.tenant_id AND g.thread_id = r.run_id)
-                       THEN 'deleted' ELSE r.status END AS status
+                       THEN 'deleted'
+                       WHEN r.status = 'running' AND (r.tenant_id, r.run_id) IN
+                         ({blocked_runs}) THEN '{blocked}'
+                       ELSE r.status END AS status
            FROM ({picked}) r
            CROSS JOIN LATERAL (
              SELECT CASE WHEN EXISTS (
@@ -147,8 +209,14 @@ def listing_query(tenant_id: str | None, workflow_id: str | None, status: str | 
     """The statement :func:`listing` runs for these filters ($1 to $4: the tenant, the
     workflow, the status, the limit)."""
     whole_tenant = tenant_id is not None and workflow_id is None and status is None
-    return _LISTING.format(picked=_NEWEST_OF_EACH_STATUS if whole_tenant else _NEWEST)
+    picked = _NEWEST_OF_EACH_STATUS if whole_tenant else _NEWEST
+    blocked = {"blocked": BLOCKED, "blocked_runs": blocked_runs("$1")}
+    return _LISTING.format(picked=picked.format(**blocked), **blocked)
 
+
+# of the tenant in $1 (a RunFilter's statements)
+_BLOCKED_OF_1 = blocked_runs("$1")
+_SHOWN_OF_1 = shown_status("$1")
 
 _HAS_CHECKPOINT = (
     "EXISTS (SELECT 1 FROM checkpoints c WHERE c.tenant_id = runs.tenant_id "
@@ -175,7 +243,7 @@ class RunFilter:
 
     tenant_id: str
     workflow_id: str | None = None
-    status: str | None = None
+    status: str | None = None  # as shown: running and blocked are apart
     since: datetime | None = None
     until: datetime | None = None
     text: str | None = None
@@ -187,9 +255,15 @@ class RunFilter:
         its own statement, planned for it), and their values."""
         terms: list[str] = ["tenant_id = $1"]
         args: list[Any] = [self.tenant_id]
+        if status and self.status in ("running", BLOCKED):  # as shown: blocked or not
+            which = "IN" if self.status == BLOCKED else "NOT IN"
+            terms.append(f"status = 'running' AND (tenant_id, run_id) {which} ({_BLOCKED_OF_1})")
         for sql, value in (
             ("workflow_id = ${}", self.workflow_id),
-            ("status = ${}", self.status if status else None),
+            (
+                "status = ${}",
+                self.status if status and self.status not in ("running", BLOCKED) else None,
+            ),
             ("created_at >= ${}", self.since),
             ("created_at < ${}", self.until),
             ("strpos(lower(run_id), lower(${})) > 0", self.text),
@@ -228,8 +302,8 @@ async def page(
     args.append(limit)
     direction = "DESC" if order == "<" else "ASC"
     rows: list[asyncpg.Record] = await conn.fetch(
-        f"""SELECT run_id, workflow_id, workflow_version, status, last_seq, event_count,
-                   projection, created_at, updated_at, completed_at
+        f"""SELECT run_id, workflow_id, workflow_version, {_SHOWN_OF_1} AS status, last_seq,
+                   event_count, projection, created_at, updated_at, completed_at
             FROM runs WHERE {where}
             ORDER BY created_at {direction}, run_id {direction} LIMIT ${len(args)}""",
         *args,
@@ -259,7 +333,7 @@ async def status_counts(conn: Conn, f: RunFilter, cap: int | None = None) -> dic
     ``cap``, counting stops after ``cap + 1`` runs (a sum over ``cap`` means "more"):
     a search inside checkpoints (by node or error) need not read every run to say so."""
     where, args = f.where(status=False)
-    chosen = f"SELECT status FROM runs WHERE {where}"
+    chosen = f"SELECT {_SHOWN_OF_1} AS status FROM runs WHERE {where}"
     if cap is not None:
         chosen += f" LIMIT {int(cap) + 1}"
     rows = await conn.fetch(
@@ -354,6 +428,7 @@ async def report(conn: asyncpg.Connection, run_id: str, tenant_id: str | None) -
         tenant,
         run_id,
     )
+    blocked_by = await blocking_letters(conn, tenant, run_id)
     return {
         "run": run,
         "forked_from": json.loads(lineage) if lineage else None,
@@ -362,6 +437,9 @@ async def report(conn: asyncpg.Connection, run_id: str, tenant_id: str | None) -
         "joins": joins,
         "outcome": outcome,
         "dead_letters": await dead_letters.of_run(conn, run_id, tenant),
+        # the letters it waits on: its status shown is blocked while there are any
+        "blocked_by": blocked_by,
+        "status": BLOCKED if blocked_by else run["status"],
     }
 
 

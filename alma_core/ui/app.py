@@ -47,7 +47,7 @@ from alma_core.schemas import jsoncodec
 from alma_core.sdk import dead_letters as letters
 from alma_core.sdk.client import AlmaClient
 from alma_core.sdk.timeline import Timeline
-from alma_core.sequencing import RUN_STATUSES
+from alma_core.sequencing import SHOWN_STATUSES
 from alma_core.settings import Settings
 from alma_core.storage import dead_letters, retrieval, runs, tenant_settings
 from alma_core.types import RetrievalScope, WorkflowContext
@@ -183,8 +183,8 @@ class Inspector:
         tenant = self.tenant(request)
         q = request.query_params
         status = q.get("status") or None
-        if status is not None and status not in RUN_STATUSES:
-            raise HTTPException(400, f"no status {status!r}: one of {', '.join(RUN_STATUSES)}")
+        if status is not None and status not in SHOWN_STATUSES:
+            raise HTTPException(400, f"no status {status!r}: one of {', '.join(SHOWN_STATUSES)}")
         chosen = runs.RunFilter(
             tenant_id=tenant,
             workflow_id=q.get("workflow") or None,
@@ -226,7 +226,7 @@ class Inspector:
             total=sum(counts.values()),
             capped=inside and sum(counts.values()) > COUNT_CAP,
             cap=COUNT_CAP,
-            statuses=RUN_STATUSES,
+            statuses=SHOWN_STATUSES,
             query=dict(q),
             after=after,
             newer=before,
@@ -275,6 +275,7 @@ class Inspector:
             payloads=payloads,
             events_page=events_page,
             refresh=3 if run["status"] == "running" and completed is None else None,
+            run_status=report["status"],
         )
 
     async def checkpoint_page(self, request: Request) -> Response:
