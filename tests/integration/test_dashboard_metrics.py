@@ -43,13 +43,14 @@ WITH_TENANT_TOPICS = {
     "alma_tenant_throttled_total": "test_tenant_quotas.py",
     "alma_tenant_refused_total": "test_tenant_identity.py",
 }
-# the tenants' storage, read every tenant_settings.REFRESH_S (a tenant's gauges appear at
-# the first reading after its first checkpoint) and refused at a quota; the test that
-# asserts them
+# the tenants' storage and blocked runs, read every tenant_settings.REFRESH_S (a tenant's
+# gauges appear at the first reading after its first checkpoint, or its first blocked
+# run) and refused at a quota; the test that asserts each
 AFTER_A_STORAGE_READ = {
     "alma_tenant_storage_bytes": "test_tenant_limits.py",
     "alma_tenant_storage_quota_bytes": "test_tenant_limits.py",
     "alma_tenant_storage_refused_total": "test_tenant_limits.py",
+    "alma_runs_blocked": "test_blocked_runs.py",
 }
 # what only `alma up` produces (its embedded services), and the test that asserts each
 UNDER_ALMA_UP = {
