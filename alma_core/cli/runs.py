@@ -4,11 +4,12 @@ Exit codes: 0 done, 1 not found or a service failed, 2 bad input."""
 from __future__ import annotations
 
 import json
-import shlex
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from alma_core import errors
 from alma_core.cli import common
@@ -19,6 +20,7 @@ from alma_core.storage.cache_entries import checkpoint_to_doc
 from alma_core.storage.observer import Tally
 from alma_core.storage.postgres import connect
 from alma_core.storage.reader import CheckpointReader
+from alma_core.text import shell_word, visible
 from alma_core.types import Checkpoint
 
 runs_app = common.app(
@@ -84,10 +86,10 @@ def runs_list(
         table.add_column(col, overflow="fold")
     for d in docs:
         table.add_row(
-            d["run_id"],
+            Text(visible(d["run_id"])),
             "LangGraph thread" if d["kind"] == "thread" else "run",
-            d["tenant_id"],
-            d["workflow_id"],
+            Text(visible(d["tenant_id"])),
+            Text(visible(d["workflow_id"])),
             d["status"],
             str(d["last_seq"]),
             str(d["event_count"]),
@@ -116,7 +118,7 @@ async def run_report(conn: Any, run_id: str, tenant: str | None) -> dict[str, An
         "dead_letters": [_jsonable(r) for r in found["dead_letters"]],
         "blocked_by": [
             _jsonable(r)
-            | {"replay": f"alma dlq replay {r['id']} --tenant {shlex.quote(r['tenant_id'])}"}
+            | {"replay": f"alma dlq replay {r['id']} --tenant {shell_word(r['tenant_id'])}"}
             for r in found["blocked_by"]
         ],
     }
@@ -145,8 +147,8 @@ def runs_show(
         return
     run = doc["run"]
     common.out.print(
-        f"[bold]{run_id}[/bold]  tenant {run['tenant_id']}  workflow "
-        f"{run['workflow_id']}  status {run['status']}  "
+        f"[bold]{escape(visible(run_id))}[/bold]  tenant {escape(visible(run['tenant_id']))}  "
+        f"workflow {escape(visible(run['workflow_id']))}  status {run['status']}  "
         f"last seq {run['last_seq']}"
     )
     if blocked := doc["blocked_by"]:
@@ -159,15 +161,15 @@ def runs_show(
         )
         for d in blocked:
             common.out.print(
-                f"  #{d['id']} {d['reason']} (event {d['event_id']}): {d['detail'][:200]}; "
-                f"`{d['replay']}`",
+                f"  #{d['id']} {d['reason']} (event {visible(str(d['event_id']))}): "
+                f"{visible(d['detail'][:200])}; `{d['replay']}`",
                 highlight=False,
                 markup=False,
             )
     if lineage := doc["forked_from"]:
         common.out.print(
-            f"forked from run {lineage['run_id']} at seq {lineage['seq']} "
-            f"(`alma runs state {lineage['run_id']} --seq {lineage['seq']}`)"
+            f"forked from run {escape(visible(lineage['run_id']))} at seq {lineage['seq']} "
+            f"(`alma runs state {escape(shell_word(lineage['run_id']))} --seq {lineage['seq']}`)"
         )
     sections = {
         "events": ("type", "node_id", "branch_id", "effect", "checkpoint_seq", "emitted_at"),
@@ -190,7 +192,9 @@ def runs_show(
         for col in cols:
             table.add_column(col, overflow="fold")
         for row in doc[name]:
-            table.add_row(*("" if row[c] is None else str(row[c])[:80] for c in cols))
+            table.add_row(
+                *(Text("" if row[c] is None else visible(str(row[c])[:80])) for c in cols)
+            )
         common.out.print(table)
     outcome = doc["outcome"]
     if outcome is None:

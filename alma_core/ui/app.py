@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import shlex
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from urllib.parse import urlencode, urlsplit
 
 import asyncpg
 from jinja2 import Environment, FileSystemLoader, select_autoescape
+from markupsafe import Markup, escape
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -39,17 +39,19 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from alma_core import errors, history
 from alma_core.quotas import Quota
 from alma_core.schemas import jsoncodec
+from alma_core.schemas.decoder import Rejection, decode
 from alma_core.sdk import dead_letters as letters
 from alma_core.sdk.client import AlmaClient
 from alma_core.sdk.timeline import Timeline
 from alma_core.sequencing import SHOWN_STATUSES
 from alma_core.settings import Settings
 from alma_core.storage import dead_letters, retrieval, runs, tenant_settings
+from alma_core.text import shell_word
 from alma_core.types import RetrievalScope, WorkflowContext
 from alma_core.ui import views
 
@@ -100,7 +102,10 @@ def _templates() -> Environment:
     env.filters["raw"] = views.shown_bytes
     env.filters["when"] = _when
     env.filters["took"] = views.took
-    env.filters["sh"] = shlex.quote  # an id in a command to copy
+    # an id in a command to copy: shown without its control characters, and pasted
+    # into a shell it is the id again (``$'\u202e...'``); escaped for HTML here
+    env.filters["sh"] = lambda text: Markup(escape(shell_word(str(text))))
+    env.filters["counted"] = views.counted  # "1 run", "2 runs"
     env.filters["pointer"] = lambda key: history.pointer("", key)  # a field's JSON Pointer
     return env
 
@@ -163,6 +168,13 @@ class Inspector:
                 400, "choose a tenant: add ?tenant=T (or start `alma ui --tenant T`)"
             )
         return tenant
+
+    def tenant_shown(self, request: Request) -> str | None:
+        """The tenant whose navigation an error page offers: the request's where it may
+        see one, else the one the inspector is pinned to (None: no navigation)."""
+        with contextlib.suppress(HTTPException):
+            return self.access.tenant_of(request)
+        return self.access.tenant
 
     async def pool(self) -> asyncpg.Pool:
         return await self.client.read_pool()
@@ -422,9 +434,23 @@ class Inspector:
         )
         older = rows[PAGE_SIZE - 1]["id"] if len(rows) > PAGE_SIZE else None
         rows = rows[:PAGE_SIZE]
+        # a record today's decoder refuses as it is can only be sent again corrected: no
+        # Replay button for it, and why (a record longer than the page holds: replay says)
+        refused = {
+            d["id"]: rejection.describe()
+            for d in rows
+            if d["replayed_at"] is None
+            and d["value_head"] is not None
+            and len(d["value_head"]) == d["value_bytes"]
+            and isinstance(
+                rejection := decode(d["value_head"], max_state_bytes=self.settings.max_state_bytes),
+                Rejection,
+            )
+        }
         return self.page(
             request,
             "dead_letters.html",
+            refused=refused,
             tenant=tenant,
             letters=rows,
             reasons=reasons,
@@ -519,8 +545,9 @@ class Inspector:
             )
         # the Host was checked against the allowed names (KnownHosts): the page that
         # posted must be of that same origin
-        origin = request.headers.get("origin") or request.headers.get("referer") or ""
-        if urlsplit(origin).netloc != request.headers.get("host"):
+        origin = urlsplit(request.headers.get("origin") or request.headers.get("referer") or "")
+        own = (request.url.scheme, request.headers.get("host"))
+        if (origin.scheme, origin.netloc) != own:  # https://host is not http://host's page
             raise HTTPException(403, "a write must come from the inspector's own pages")
 
     async def close(self) -> None:
@@ -562,6 +589,36 @@ def _time(raw: str | None, name: str) -> datetime | None:
     return at if at.tzinfo else at.replace(tzinfo=UTC)
 
 
+_HEADERS = (
+    (b"content-security-policy", _CSP.encode()),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"same-origin"),
+)
+
+
+class SecurityHeaders:
+    """Every response the inspector sends carries its Content-Security-Policy,
+    ``nosniff`` and its referrer policy: pages, errors, Starlette's own 404 and 405, the
+    static files and the refusals of :class:`KnownHosts`."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                given = {k.lower() for k, _ in message.get("headers", [])}
+                extra = [(k, v) for k, v in _HEADERS if k not in given]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
 class KnownHosts:
     """Answer only requests addressed to one of the inspector's host names (the
     ``Host`` header): a page of another site whose name resolves to this address (DNS
@@ -582,7 +639,6 @@ class KnownHosts:
                     f"{views.visible(host[:100])!r}. Open it by one of those names; whoever "
                     "runs it adds a name with `alma ui --allowed-host NAME`",
                     status_code=400,
-                    headers={"Content-Security-Policy": _CSP, "X-Content-Type-Options": "nosniff"},
                 )
                 await refused(scope, receive, send)
                 return
@@ -642,13 +698,20 @@ def create_app(
                 response: Response = await getattr(it, name)(request)
             except HTTPException as exc:
                 response = it.page(
-                    request, "error.html", status=exc.status_code, message=exc.detail
+                    request,
+                    "error.html",
+                    status=exc.status_code,
+                    message=exc.detail,
+                    tenant=it.tenant_shown(request),
                 )
             except errors.StorageError as exc:
-                response = it.page(request, "error.html", status=503, message=exc.message)
-            response.headers["Content-Security-Policy"] = _CSP
-            response.headers["X-Content-Type-Options"] = "nosniff"
-            response.headers["Referrer-Policy"] = "same-origin"
+                response = it.page(
+                    request,
+                    "error.html",
+                    status=503,
+                    message=exc.message,
+                    tenant=it.tenant_shown(request),
+                )
             ms = (time.perf_counter() - started) * 1000
             response.headers["Server-Timing"] = f"app;dur={math.floor(ms * 10) / 10}"
             return response
@@ -675,5 +738,5 @@ def create_app(
             Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
         ],
         lifespan=lifespan,
-        middleware=[Middleware(KnownHosts, allowed=allowed_hosts)],
+        middleware=[Middleware(SecurityHeaders), Middleware(KnownHosts, allowed=allowed_hosts)],
     )

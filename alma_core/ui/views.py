@@ -5,20 +5,16 @@ list's paging cursor. No I/O: unit-tested (tests/unit/test_ui_views.py)."""
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 from urllib.parse import urlsplit
 
+from alma_core.text import visible as _visible
+
 MAIN_LANE = "main"
 SHOWN_CHARS = 20_000  # of a state or record on a page; the rest is cut, and said so
-# Shown as escapes wherever text from events is shown: C0 and C1 controls (but tab and
-# newline), DEL, the line and paragraph separators, and the bidirectional controls
-# (embeddings, overrides, isolates, marks): `invoice\u202egpj.exe` must not read
-# `invoice...exe.jpg`.
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -52,12 +48,6 @@ def shown_bytes(raw: bytes | None, limit: int = SHOWN_CHARS) -> Shown:
     return _cut(_visible(text), limit)
 
 
-def _visible(text: str) -> str:
-    """Control and bidirectional characters (but newline and tab) as ``\\xNN`` or
-    ``\\uNNNN`` escapes."""
-    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
-
-
 def visible(value: Any) -> Any:
     """Every value a template shows (Jinja's ``finalize``): text with its control and
     bidirectional characters as escapes; markup the templates made (``__html__``: a
@@ -65,6 +55,11 @@ def visible(value: Any) -> Any:
     if isinstance(value, str) and not hasattr(value, "__html__"):
         return _visible(value)
     return value
+
+
+def counted(n: int, word: str, plural: str | None = None) -> str:
+    """``n`` and ``word``, in the plural unless ``n`` is 1: "1 run", "2 runs"."""
+    return f"{n} {word if n == 1 else plural or word + 's'}"
 
 
 def host_allowed(host: str, allowed: Iterable[str]) -> bool:

@@ -194,3 +194,10 @@ def test_a_search_takes_its_text_literally() -> None:
     assert _contains("50%_a\\b") == "%50\\%\\_a\\\\b%"
     assert _contains("") is None
     assert _contains(None) is None
+
+
+def test_counted_says_one_thing_and_many_things() -> None:
+    assert views.counted(1, "run") == "1 run"
+    assert views.counted(0, "run") == "0 runs"
+    assert views.counted(2, "more character") == "2 more characters"
+    assert views.counted(3, "memory", "memories") == "3 memories"

@@ -1,0 +1,123 @@
+"""The run inspector's answers as a browser or a script receives them (no browser
+needed here): every response carries its security headers (404, 405, static files and
+refused hosts too), a write must come from the inspector's own origin, scheme included,
+an error page keeps the navigation, a dead letter today's decoder refuses as it is
+offers no Replay button, counts read "1 run", and the copyable command for a run id
+with a bidirectional control shows none and, pasted into bash, finds the run. On the
+real stack: the broker, PostgreSQL, Redis and a worker."""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+import httpx
+
+from alma_core.sdk.client import AlmaClient
+from alma_core.settings import Settings
+from alma_core.types import WorkflowContext
+from alma_core.ui import create_app
+from tests.integration.harness import Publisher, Worker, count, event, wait_for, worker_env
+from tests.integration.test_cli import alma
+
+HOSTILE_RUN = "invoice\u202egpj.exe"  # reads "invoiceexe.jpg" where shown raw
+
+
+def pasted(command: str, settings: Settings) -> subprocess.CompletedProcess[str]:
+    """``command`` as a person pastes it into bash (``alma`` being this checkout's)."""
+    bash = shutil.which("bash")
+    assert bash
+    env = worker_env(settings) | {"LC_ALL": "C.UTF-8"}
+    alma_here = f"{shlex.quote(sys.executable)} -m alma_core.cli"
+    script = f'alma() {{ {alma_here} "$@"; }}; {command} --json'
+    return subprocess.run(
+        [bash, "-c", script], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+
+
+async def test_the_inspectors_answers_hold_their_headers_origin_and_words(
+    settings: Settings,
+) -> None:
+    dsn = settings.postgres_dsn
+    assert dsn
+    async with AlmaClient(settings) as client, Worker.start(settings):
+        ctx = WorkflowContext("acme", "wf", None, HOSTILE_RUN, "plan")
+        await client.node_completed(ctx, state={"a": 1}, wait="applied", timeout=60)
+        nul = event("node.completed", "nul-run", node="has\x00nul", state={"a": 1})
+        async with Publisher(settings.kafka_bootstrap or "", settings.lifecycle_topic) as pub:
+            await pub.send(json.dumps(nul).encode(), key=b"nul-run")
+            await pub.flush()
+
+        async def lettered() -> bool:
+            return await count(dsn, "SELECT count(*) FROM dead_letters") == 1
+
+        await wait_for(lettered, what="the NUL record's dead letter")
+
+        app = create_app(settings, tenant="acme", allow_writes=True, client=client)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+            # the security headers on every answer, not only on the pages
+            answers = {
+                "a page": await http.get("/runs"),
+                "404": await http.get("/nowhere"),
+                "405": await http.post("/runs"),
+                "a static file": await http.get("/static/style.css"),
+                "a refused host": await http.get("/runs", headers={"host": "evil.test"}),
+            }
+            assert [a.status_code for a in answers.values()] == [200, 404, 405, 200, 400]
+            for what, answer in answers.items():
+                assert "default-src 'none'" in answer.headers["content-security-policy"], what
+                assert answer.headers["x-content-type-options"] == "nosniff", what
+                assert answer.headers["referrer-policy"] == "same-origin", what
+            # one run, counted as such
+            assert "1 run ·" in answers["a page"].text
+
+            # the run's copyable command: no raw control character, and bash finds the run
+            page = (await http.get("/run", params={"id": HOSTILE_RUN})).text
+            assert "\u202e" not in page
+            found = re.search(r'<code id="run-cli">([^<]+)</code>', page)
+            assert found
+            command = html.unescape(found.group(1))
+            assert command == "alma runs show $'invoice\\u202egpj.exe' --tenant acme"
+            shown = await asyncio.to_thread(pasted, command, settings)
+            assert shown.returncode == 0, shown.stderr
+            assert json.loads(shown.stdout)["run"]["run_id"] == HOSTILE_RUN
+
+            # an error page keeps the navigation
+            missing = await http.get("/run", params={"id": "no-such-run"})
+            assert missing.status_code == 404
+            assert '<a href="/runs?tenant=acme">Runs</a>' in missing.text
+
+            # a write from a page of another scheme (https://127.0.0.1) is another origin's
+            fork = {"id": HOSTILE_RUN, "seq": "1", "new_run_id": "forked-1"}
+            for origin in ("https://127.0.0.1", "http://127.0.0.1:8765", "http://evil.test"):
+                refused = await http.post("/fork", data=fork, headers={"origin": origin})
+                assert refused.status_code == 403, origin
+                assert "own pages" in refused.text
+            done = await http.post("/fork", data=fork, headers={"origin": "http://127.0.0.1"})
+            assert done.status_code == 303
+
+            # a record today's decoder refuses as it is offers no Replay button, says why
+            letters = (await http.get("/dead-letters")).text
+            assert 'class="replay"' not in letters
+            assert "Not replayable as it is" in letters
+            assert "--value-file FILE --tenant acme</code>" in letters
+
+            # the tenant page says why its two sizes differ
+            tenant = (await http.get("/tenant")).text
+            assert 'id="stored-note"' in tenant
+            assert "as it was written" in tenant
+
+    # the CLI shows the id with its escape, never the raw control character
+    printed = await asyncio.to_thread(
+        alma, "runs", "show", HOSTILE_RUN, "--tenant", "acme", env=worker_env(settings)
+    )
+    assert printed.returncode == 0, printed.stderr
+    assert "\u202e" not in printed.stdout
+    assert "invoice\\u202egpj.exe" in printed.stdout
