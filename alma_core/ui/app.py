@@ -503,6 +503,9 @@ class Inspector:
         scope_name = (q.get("scope") or "tenant").upper()
         if scope_name not in RetrievalScope.__members__ or scope_name == "GLOBAL":
             raise HTTPException(400, f"no scope {scope_name.lower()!r} here")
+        top_k = _int_value(q.get("top_k") or "5", "top_k")
+        if not 1 <= top_k <= 50:
+            raise HTTPException(400, f"top_k: {top_k} is not from 1 to 50 (items of each kind)")
         found = None
         took_ms = 0.0
         if task:
@@ -519,18 +522,21 @@ class Inspector:
                     ctx,
                     RetrievalScope[scope_name],
                     agent=q.get("agent") or None,
-                    top_k=min(max(_int_value(q.get("top_k") or "5", "top_k"), 1), 50),
+                    top_k=top_k,
                 )
             except errors.ContextError as exc:
                 raise HTTPException(400, exc.message) from exc
             took_ms = (time.perf_counter() - started) * 1000
+        doc = found.to_doc() if found else None
         return self.page(
             request,
             "memory.html",
             tenant=tenant,
             query=dict(q),
             scopes=[s.value for s in RetrievalScope if s is not RetrievalScope.GLOBAL],
-            found=found.to_doc() if found else None,
+            found=doc,
+            rows=views.memory_rows(doc["items"]) if doc else [],
+            top_k=top_k,
             took_ms=took_ms,
         )
 

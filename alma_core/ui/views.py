@@ -62,6 +62,48 @@ def counted(n: int, word: str, plural: str | None = None) -> str:
     return f"{n} {word if n == 1 else plural or word + 's'}"
 
 
+# what each kind of retrieved item is called on the memory page, in one style
+KIND_LABELS = {
+    "heuristic": "heuristic",
+    "anti_pattern": "anti-pattern",
+    "domain_knowledge": "domain knowledge",
+    "preference": "preference",
+    "outcome": "node outcome",
+    "WorkflowOutcome": "run outcome",
+}
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """One line of the memory page's table: a fact, its best score and how many
+    retrieved items state it."""
+
+    kind: str
+    score: float
+    content: str
+    times: int = 1
+
+
+def memory_rows(items: Iterable[Mapping[str, Any]]) -> list[MemoryRow]:
+    """Retrieved items (``MemorySlice.to_doc``'s, best first) as the table shows them:
+    each labelled in one style, and items of one kind that say the same thing (three
+    runs' identical node outcomes) one row with its count, at the best score."""
+    rows: dict[tuple[str, str], MemoryRow] = {}
+    for item in items:
+        raw = item.get("kind") or item.get("type") or ""
+        kind = KIND_LABELS.get(str(raw), str(raw).replace("_", " "))
+        content = str(item.get("content") or item.get("description") or "")
+        key = (kind, content)
+        if key in rows:
+            seen = rows[key]
+            rows[key] = MemoryRow(
+                kind, max(seen.score, float(item["score"])), content, seen.times + 1
+            )
+        else:
+            rows[key] = MemoryRow(kind, float(item["score"]), content)
+    return list(rows.values())
+
+
 def host_allowed(host: str, allowed: Iterable[str]) -> bool:
     """Whether a request's ``Host`` (a name or address, a port perhaps, IPv6 in
     brackets) names one of ``allowed``: exact names, ``*.example.com`` for its

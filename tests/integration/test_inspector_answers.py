@@ -2,9 +2,10 @@
 needed here): every response carries its security headers (404, 405, static files and
 refused hosts too), a write must come from the inspector's own origin, scheme included,
 an error page keeps the navigation, a dead letter today's decoder refuses as it is
-offers no Replay button, counts read "1 run", and the copyable command for a run id
-with a bidirectional control shows none and, pasted into bash, finds the run. On the
-real stack: the broker, PostgreSQL, Redis and a worker."""
+offers no Replay button, counts read "1 run", a memory count out of range is refused,
+and the copyable command for a run id with a bidirectional control shows none and,
+pasted into bash, finds the run. On the real stack: the broker, PostgreSQL, Redis and
+a worker."""
 
 from __future__ import annotations
 
@@ -108,6 +109,12 @@ async def test_the_inspectors_answers_hold_their_headers_origin_and_words(
             assert 'class="replay"' not in letters
             assert "Not replayable as it is" in letters
             assert "--value-file FILE --tenant acme</code>" in letters
+
+            # memory: a count of items out of 1..50 is refused, not shown as "up to -1"
+            for top_k in ("-1", "0", "51"):
+                bad = await http.get("/memory", params={"task": "t", "top_k": top_k})
+                assert bad.status_code == 400, top_k
+                assert f"top_k: {top_k} is not from 1 to 50" in bad.text
 
             # the tenant page says why its two sizes differ
             tenant = (await http.get("/tenant")).text

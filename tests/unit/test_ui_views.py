@@ -201,3 +201,20 @@ def test_counted_says_one_thing_and_many_things() -> None:
     assert views.counted(0, "run") == "0 runs"
     assert views.counted(2, "more character") == "2 more characters"
     assert views.counted(3, "memory", "memories") == "3 memories"
+
+
+def test_memory_rows_label_kinds_in_one_style_and_state_a_fact_once() -> None:
+    items = [
+        {"type": "Memory", "kind": "anti_pattern", "content": "avoid X", "score": 0.9},
+        {"type": "Memory", "kind": "outcome", "content": "node n succeeded", "score": 0.8},
+        {"type": "Memory", "kind": "outcome", "content": "node n succeeded", "score": 0.8},
+        {"type": "Memory", "kind": "outcome", "content": "node n succeeded", "score": 0.7},
+        {"type": "Memory", "kind": "heuristic", "content": "node n succeeded", "score": 0.6},
+        {"type": "WorkflowOutcome", "description": "run r succeeded", "score": 0.5},
+    ]
+    assert views.memory_rows(items) == [
+        views.MemoryRow("anti-pattern", 0.9, "avoid X"),
+        views.MemoryRow("node outcome", 0.8, "node n succeeded", times=3),
+        views.MemoryRow("heuristic", 0.6, "node n succeeded"),  # another kind: its own row
+        views.MemoryRow("run outcome", 0.5, "run r succeeded"),
+    ]
