@@ -53,7 +53,7 @@ from alma_core.settings import Settings
 from alma_core.storage import dead_letters, retrieval, runs, tenant_settings
 from alma_core.text import shell_word
 from alma_core.types import RetrievalScope, WorkflowContext
-from alma_core.ui import views
+from alma_core.ui import graph, views
 
 HERE = Path(__file__).parent
 PAGE_SIZE = 50
@@ -259,6 +259,7 @@ class Inspector:
             {"at": completed["recorded_at"], "outcome": run["status"]} if completed else None
         )
         steps = views.steps(report["events"])
+        drawn = graph.build(report["events"], report["checkpoints"], run["status"])
         laid_out = views.timeline(
             report["checkpoints"],
             report["joins"],
@@ -278,6 +279,8 @@ class Inspector:
             run=run,
             report=report,
             timeline=laid_out,
+            graph=drawn,
+            checkpoint_link=self.url(request, "/checkpoint", tenant=tenant, id=run_id) + "&seq=",
             outcome=outcome,
             fed=fed,
             seqs=[c["seq"] for c in report["checkpoints"]],

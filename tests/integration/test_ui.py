@@ -243,6 +243,27 @@ def read_only_pages(acme: str, beta: str, run: str, hostile: str, out: Path) -> 
         assert "Timeout: slow" in failure.text
         assert "succeeded" in driver.find_element(By.ID, "outcome").text
         driver.save_screenshot(str(out / "ui-run.png"))
+        # its graph: the nodes it reached, each by its outcome, and the edges it took
+        boxes = driver.find_elements(By.CSS_SELECTOR, "#graph g.gnode")
+        drawn = {
+            (b.get_attribute("data-lane"), b.get_attribute("data-node")): b.get_attribute(
+                "data-status"
+            )
+            for b in boxes
+        }
+        assert drawn == {
+            ("main", "plan"): "succeeded",
+            ("A", "research"): "succeeded",
+            ("B", "draft"): "succeeded",
+            ("main", "join"): "merge",
+            ("main", "check"): "retried",  # failed once, then succeeded
+            ("main", "(end)"): "succeeded",
+        }
+        # plan to each branch and on to the merge, both branches into it, then on
+        assert len(driver.find_elements(By.CSS_SELECTOR, "#graph path.edge")) == 7
+        link = driver.find_element(By.CSS_SELECTOR, "#graph g.retried a")
+        assert (link.get_dom_attribute("href") or "").endswith("&seq=6")  # its latest checkpoint
+        driver.find_element(By.ID, "graph").screenshot(str(out / "ui-graph.png"))
 
         # a checkpoint: its state and its changes; the merge with each field's reducer
         follow(driver, By.CSS_SELECTOR, "td.merge a")
