@@ -61,6 +61,13 @@ class ContextError(AlmaError):
     reason = "context"
 
 
+class InvalidPatch(ContextError):
+    """A JSON Patch (RFC 6902) that is not one, or does not apply to the state it was
+    given for (a fork's edit): nothing was written."""
+
+    reason = "invalid_patch"
+
+
 class NotFound(ContextError):
     """What the context names is not there (a run, a checkpoint, a merge): a failure to
     look again for, not wrong usage (the CLI exits 1, not 2)."""

@@ -15,13 +15,15 @@ by field, and the identity of a fork.
   the reducer that folded it, the main line's value before, each input's value and
   the result.
 * :func:`fork_event_id` names the event that starts a fork: the same source run, seq
-  and new run give the same id, so a fork asked twice (a retry, a re-delivery) is
-  one fork.
+  and new run (and edit) give the same id, so a fork asked twice (a retry, a
+  re-delivery) is one fork; :func:`patched` applies a fork's edit, a JSON Patch, to
+  the state it starts from, refusing one that does not apply.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import math
 import re
 import uuid
@@ -29,6 +31,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+import jsonpatch
+import jsonpointer
+
+from alma_core import errors
 from alma_core.reducers import ReducerConfig
 
 ChangeKind = Literal["added", "removed", "changed"]
@@ -208,8 +214,36 @@ def explain_merge(
     ]
 
 
-def fork_event_id(tenant_id: str, run_id: str, seq: int, new_run_id: str) -> str:
+def fork_event_id(
+    tenant_id: str, run_id: str, seq: int, new_run_id: str, edit: Mapping[str, Any] | None = None
+) -> str:
     """The id of the event that starts the fork of ``run_id`` at ``seq`` as
-    ``new_run_id``: stable, so a fork asked again is the same event (one fork)."""
-    name = "\x1f".join((tenant_id, run_id, str(seq), new_run_id))
-    return f"fork-{uuid.uuid5(_FORKS, name).hex}"
+    ``new_run_id``: stable, so a fork asked again is the same event (one fork); with an
+    ``edit`` (its patch, note and who asked), the same fork only with the same edit."""
+    parts = [tenant_id, run_id, str(seq), new_run_id]
+    if edit:
+        parts.append(json.dumps(edit, sort_keys=True, separators=(",", ":"), default=str))
+    return f"fork-{uuid.uuid5(_FORKS, chr(0x1F).join(parts)).hex}"
+
+
+def patched(state: Mapping[str, Any], patch: Any) -> dict[str, Any]:
+    """``state`` with the JSON Patch (RFC 6902) ``patch`` applied, ``state`` untouched:
+    a fork's edit, checked before anything is written. InvalidPatch when ``patch`` is not
+    a list of operations, an operation is malformed or does not apply (a path that is
+    not there, a ``test`` that fails), or the result is not a JSON object."""
+    if not isinstance(patch, list) or not all(isinstance(op, dict) for op in patch):
+        raise errors.InvalidPatch(
+            "a JSON Patch is a list of operations, each an object such as "
+            '{"op": "replace", "path": "/field", "value": 1} (RFC 6902)'
+        )
+    try:
+        result = jsonpatch.JsonPatch(patch).apply(dict(state), in_place=False)
+    except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as exc:
+        raise errors.InvalidPatch(f"the patch does not apply to the state: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:  # an operation missing a member
+        raise errors.InvalidPatch(f"a malformed operation in the patch: {exc!r}") from None
+    if not isinstance(result, dict):
+        raise errors.InvalidPatch(
+            f"the patched state is a JSON {type(result).__name__}: a state is an object"
+        )
+    return result

@@ -237,12 +237,24 @@ def build(client: AlmaClient) -> MCPServer:
     @server.tool()
     @_tool_errors
     async def alma_fork(
-        tenant_id: str, run_id: str, seq: int, new_run_id: str, branch_id: str | None = None
+        tenant_id: str,
+        run_id: str,
+        seq: int,
+        new_run_id: str,
+        branch_id: str | None = None,
+        patch: list[dict[str, Any]] | None = None,
+        note: str | None = None,
+        asked_by: str | None = None,
     ) -> dict[str, Any]:
         """Start run `new_run_id` from `run_id`'s state at `seq` (same tenant and
-        workflow; its first checkpoint records the lineage). Asked again: the same fork."""
+        workflow; its first checkpoint records the lineage), edited first by `patch`, a
+        JSON Patch (RFC 6902), when given: refused, writing nothing, if it does not
+        apply. `note` (why) and `asked_by` (who) are kept in the lineage. Asked again:
+        the same fork."""
         ctx = WorkflowContext(tenant_id=tenant_id, run_id=run_id)
-        applied = await Timeline(client).fork(ctx, seq, new_run_id, branch_id=branch_id)
+        applied = await Timeline(client).fork(
+            ctx, seq, new_run_id, branch_id=branch_id, patch=patch, note=note, asked_by=asked_by
+        )
         return {"run_id": new_run_id, "event_id": applied.event_id, "seq": applied.seq}
 
     return server

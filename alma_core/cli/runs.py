@@ -171,6 +171,14 @@ def runs_show(
             f"forked from run {escape(visible(lineage['run_id']))} at seq {lineage['seq']} "
             f"(`alma runs state {escape(shell_word(lineage['run_id']))} --seq {lineage['seq']}`)"
         )
+        if lineage.get("patch") is not None:
+            ops = len(lineage["patch"])
+            common.out.print(f"  its state edited first: a JSON Patch of {ops} operation(s)")
+        if lineage.get("note") or lineage.get("asked_by"):
+            common.out.print(
+                f"  why: {escape(visible(lineage.get('note') or '(no note)'))}"
+                f" (asked by {escape(visible(lineage.get('asked_by') or 'someone unnamed'))})"
+            )
     sections = {
         "events": ("type", "node_id", "branch_id", "effect", "checkpoint_seq", "emitted_at"),
         "checkpoints": (

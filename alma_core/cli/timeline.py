@@ -4,8 +4,11 @@ or a service failed, 2 bad input."""
 
 from __future__ import annotations
 
+import getpass
 import json
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
@@ -143,18 +146,33 @@ def runs_fork(
     seq: int = typer.Option(..., "--seq", min=1, help="The moment to fork from."),
     new_run_id: str = typer.Option(..., "--as", help="The new run's id."),
     branch: str = typer.Option(None, "--branch", help="Fork a branch's state instead."),
+    patch_file: Path = typer.Option(
+        None,
+        "--patch",
+        help="A JSON Patch (RFC 6902) file, or - for stdin: the state is edited first "
+        "(checked before anything is written).",
+    ),
+    note: str = typer.Option(None, "--note", help="Why: kept in the new run's lineage."),
+    asked_by: str = typer.Option(
+        None, "--by", help="Who asks (default: this user's login name), kept with the note."
+    ),
     tenant: str = typer.Option(None, "--tenant", help=TENANT_HELP),
     as_json: bool = common.json_option("the new run's first checkpoint"),
 ) -> None:
-    """Start a new run (same tenant and workflow) from the run's state at a seq; its
-    first checkpoint records where it came from. Asked again, it is the same fork."""
+    """Start a new run (same tenant and workflow) from the run's state at a seq, edited
+    by a JSON Patch if given; its first checkpoint records where it came from, the
+    patch, why and who asked. Asked again, it is the same fork."""
     s = common.resolved(common.settings())
     who = common.tenant(s, tenant, required=True)
     ctx = WorkflowContext(tenant_id=who, run_id=run_id)
+    patch = None if patch_file is None else _patch(patch_file)
+    by = asked_by or (getpass.getuser() if patch is not None or note else None)
 
     async def main() -> dict[str, Any]:
         async with AlmaClient(s) as client:
-            applied = await Timeline(client).fork(ctx, seq, new_run_id, branch_id=branch)
+            applied = await Timeline(client).fork(
+                ctx, seq, new_run_id, branch_id=branch, patch=patch, note=note, asked_by=by
+            )
         return {"run_id": new_run_id, "event_id": applied.event_id, "seq": applied.seq}
 
     doc = common.run(main)
@@ -166,3 +184,12 @@ def runs_fork(
         f"next: publish its events with run_id {new_run_id!r}, or "
         f"`alma runs show {new_run_id}`"
     )
+
+
+def _patch(path: Path) -> Any:
+    """The JSON in ``path`` (``-``: stdin); a clear usage error when it is not JSON."""
+    try:
+        text = sys.stdin.read() if str(path) == "-" else path.read_text()
+        return json.loads(text)
+    except (OSError, ValueError) as exc:
+        common.fail(f"--patch {path}: not a JSON file ({exc})", common.USAGE)

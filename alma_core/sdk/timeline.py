@@ -129,12 +129,20 @@ class Timeline:
         new_run_id: str,
         *,
         branch_id: str | None = None,
+        patch: list[dict[str, Any]] | None = None,
+        note: str | None = None,
+        asked_by: str | None = None,
         timeout: float = 30.0,  # noqa: ASYNC109 - the SDK's documented parameter
     ) -> Applied:
         """Start run ``new_run_id`` (same tenant and workflow) from the state of
         ``ctx.run_id``'s main line (or ``branch_id``) at ``at_seq``; waits until its
         first checkpoint is durable. Asked again with the same arguments, it is the same
-        fork; a new run id that has a checkpoint already is refused."""
+        fork; a new run id that has a checkpoint already is refused.
+
+        ``patch``, a JSON Patch (RFC 6902), edits that state first: checked before
+        anything is written (InvalidPatch: not a patch, or it does not apply). The new
+        run's lineage records the patch, ``note`` (why) and ``asked_by`` (who), which
+        its pages and ``alma runs show`` print."""
         tenant, run = self._run(ctx)
         if self.client is None:
             raise errors.ConfigError("a fork publishes: build the Timeline with a client")
@@ -153,16 +161,23 @@ class Timeline:
             raise errors.ContextError(
                 f"run {run!r} belongs to workflow {workflow!r}, not {ctx.workflow_id!r}"
             )
+        state = source.state if patch is None else history.patched(source.state, patch)
         new = WorkflowContext(tenant, workflow, None, new_run_id, FORK_NODE)
+        edit = {
+            k: v
+            for k, v in (("patch", patch), ("note", note), ("asked_by", asked_by))
+            if v is not None
+        }
         lineage = {
             "run_id": run,
             "seq": source.seq,
             "at_seq": at_seq,
             "branch_id": branch_id,
             "state_hash": source.state_hash,
+            **edit,
         }
-        payload = {"state": source.state, "expected_seq": 0, "metadata": {"forked_from": lineage}}
-        event_id = history.fork_event_id(tenant, run, at_seq, new_run_id)
+        payload = {"state": state, "expected_seq": 0, "metadata": {"forked_from": lineage}}
+        event_id = history.fork_event_id(tenant, run, at_seq, new_run_id, edit)
         # Checked before publishing where it can be: a refused fork must write nothing
         # into the record of the run that holds that id (a dead letter would)
         first = (await reader.get_many(new_run_id, [1])).get(1)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -412,10 +413,23 @@ class Inspector:
         seq = _int_value(str(form.get("seq") or ""), "seq")
         if not (run_id and new_run):
             raise HTTPException(400, "a fork needs the run (id) and the new run's id (new_run_id)")
+        patch_text = str(form.get("patch") or "").strip()
+        try:
+            patch = json.loads(patch_text) if patch_text else None
+        except ValueError as exc:
+            raise HTTPException(400, f"the JSON Patch is not JSON: {exc}") from None
+        note = str(form.get("note") or "").strip() or None
+        asked_by = str(form.get("asked_by") or "").strip() or None
+        if (patch is not None or note) and asked_by is None:
+            asked_by = "someone at the inspector"
         workflow = await (await self.client.reader(tenant)).workflow_of(run_id)
         ctx = WorkflowContext(tenant_id=tenant, workflow_id=workflow, run_id=run_id)
         try:
-            await self.timeline.fork(ctx, seq, new_run, timeout=30.0)
+            await self.timeline.fork(
+                ctx, seq, new_run, patch=patch, note=note, asked_by=asked_by, timeout=30.0
+            )
+        except errors.InvalidPatch as exc:
+            raise HTTPException(400, exc.message) from exc
         except errors.AlmaError as exc:
             raise HTTPException(409, exc.message) from exc
         return self.go(request, "/run", tenant=tenant, id=new_run)

@@ -101,8 +101,34 @@ async def test_the_inspectors_answers_hold_their_headers_origin_and_words(
                 refused = await http.post("/fork", data=fork, headers={"origin": origin})
                 assert refused.status_code == 403, origin
                 assert "own pages" in refused.text
-            done = await http.post("/fork", data=fork, headers={"origin": "http://127.0.0.1"})
+            own = {"origin": "http://127.0.0.1"}
+            done = await http.post("/fork", data=fork, headers=own)
             assert done.status_code == 303
+            # edit, then fork: the patch applied, who and why shown on the new run
+            edit = {
+                "id": HOSTILE_RUN,
+                "seq": "1",
+                "new_run_id": "edited-1",
+                "patch": '[{"op": "replace", "path": "/a", "value": 2}]',
+                "note": "a bigger a",
+                "asked_by": "ana",
+            }
+            assert (await http.post("/fork", data=edit, headers=own)).status_code == 303
+            edited = (await http.get("/run", params={"id": "edited-1"})).text
+            assert "a JSON Patch of 1 operation " in edited
+            assert "why: a bigger a · asked by ana" in edited
+            latest = (await client.resume(WorkflowContext("acme", "wf", None, "edited-1"))).latest
+            assert latest is not None
+            assert latest.state == {"a": 2}
+            for patch, says in (
+                ('[{"op": "remove", "path": "/b"}]', "does not apply"),
+                ("[{not json", "is not JSON"),
+            ):
+                bad = await http.post(
+                    "/fork", data=edit | {"new_run_id": "never-1", "patch": patch}, headers=own
+                )
+                assert bad.status_code == 400, patch
+                assert says in bad.text
 
             # a record today's decoder refuses as it is offers no Replay button, says why
             letters = (await http.get("/dead-letters")).text

@@ -1,13 +1,16 @@
 """Time travel on the real services: a run's state at any seq (per branch), the diff
 between two checkpoints, a merge explained with its inputs and reducers, and a fork
-(re-asked, re-delivered, refused onto a run that exists) that goes on like any run.
+(re-asked, re-delivered, refused onto a run that exists) that goes on like any run,
+and a fork whose state is edited first by a JSON Patch (refused when it does not apply).
 Through the SDK (``Timeline(client)``) and the command line."""
 
 from __future__ import annotations
 
 import asyncio
+import getpass
 import json
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,7 +31,9 @@ def cli(settings: Settings, *args: str) -> Any:
     return json.loads(done.stdout)
 
 
-async def test_a_runs_past_is_read_compared_explained_and_forked(settings: Settings) -> None:
+async def test_a_runs_past_is_read_compared_explained_and_forked(
+    settings: Settings, tmp_path: Path
+) -> None:
     dsn = settings.postgres_dsn or ""
     run, fork = f"tt-{uuid.uuid4().hex[:8]}", f"tt-fork-{uuid.uuid4().hex[:8]}"
     ctx = WorkflowContext("acme", "research", None, run)
@@ -119,6 +124,53 @@ async def test_a_runs_past_is_read_compared_explained_and_forked(settings: Setti
         assert await count(dsn, letters, fork) == before
         with pytest.raises(errors.ContextError, match="nothing to fork"):
             await step.fork(WorkflowContext("acme", "research", None, "no-such-run"), 1, "z")
+
+        # edit, then fork: a JSON Patch applied to the state it starts from, who and why kept
+        edit = [
+            {"op": "replace", "path": "/topic", "value": "cold"},
+            {"op": "add", "path": "/notes/-", "value": "edited"},
+        ]
+        edited = f"{fork}-edited"
+        await step.fork(ctx, 3, edited, patch=edit, note="try a colder topic", asked_by="ana")
+        point = await client.resume(WorkflowContext("acme", "research", None, edited, "x"))
+        assert point.state == {"topic": "cold", "notes": ["plan", "edited"], "n": 1}
+        assert point.latest is not None
+        lineage = point.latest.metadata["forked_from"]
+        assert (lineage["patch"], lineage["note"], lineage["asked_by"]) == (
+            edit,
+            "try a colder topic",
+            "ana",
+        )
+        # a patch that does not apply is refused before anything is written
+        for bad, says in (
+            ([{"op": "replace", "path": "/nowhere", "value": 1}], "does not apply"),
+            ([{"op": "test", "path": "/topic", "value": "warm"}], "does not apply"),
+            ({"op": "add"}, "a list of operations"),
+            ([{"op": "replace", "path": "", "value": [1]}], "a state is an object"),
+        ):
+            with pytest.raises(errors.InvalidPatch, match=says):
+                await step.fork(ctx, 3, f"{fork}-never", patch=bad)
+        assert await count(dsn, sql, f"{fork}-never") == 0
+        assert await count(dsn, letters, f"{fork}-never") == 0
+        # the same from the command line: --patch FILE, --note; who asks is its login
+        patch_file = tmp_path / "edit.json"
+        patch_file.write_text(json.dumps([{"op": "remove", "path": "/notes"}]))
+        forked = await asyncio.to_thread(
+            cli, settings, "runs", "fork", run, "--seq", "3", "--as", f"{fork}-cli",
+            "--patch", str(patch_file), "--note", "without notes",
+        )  # fmt: skip
+        assert forked["seq"] == 1
+        shown = await asyncio.to_thread(cli, settings, "runs", "show", f"{fork}-cli")
+        assert shown["forked_from"]["patch"] == [{"op": "remove", "path": "/notes"}]
+        assert shown["forked_from"]["note"] == "without notes"
+        assert shown["forked_from"]["asked_by"] == getpass.getuser()
+        patch_file.write_text("[{not json")
+        broken = await asyncio.to_thread(
+            alma, "runs", "fork", run, "--seq", "3", "--as", f"{fork}-x", "--patch",
+            str(patch_file), "--tenant", "acme", env=env_of(settings),
+        )  # fmt: skip
+        assert broken.returncode == 2
+        assert "not a JSON file" in broken.stderr
 
     # the command line shows the same
     state = await asyncio.to_thread(

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from alma_core import history
+from alma_core import errors, history
 from alma_core.reducers import ReducerConfig
 
 JSON = st.recursive(
@@ -183,3 +183,47 @@ def test_a_lone_surrogate_is_found_by_its_pointer() -> None:
     assert history.lone_surrogate({"a": ["x", {"b/c": "y\udc00"}]}) == "/a/1/b~1c"
     assert history.lone_surrogate({"k\ud800": 1}) == "/k\ud800"
     assert history.lone_surrogate({"a": ["x", "\U0001f600"], "n": 1.5}) is None
+
+
+def test_a_forks_edit_is_a_json_patch_applied_to_a_copy_or_refused() -> None:
+    state = {"plan": ["a", "b"], "n": 1}
+    edited = history.patched(
+        state,
+        [
+            {"op": "replace", "path": "/n", "value": 2},
+            {"op": "add", "path": "/plan/-", "value": "c"},
+            {"op": "test", "path": "/plan/0", "value": "a"},
+        ],
+    )
+    assert edited == {"plan": ["a", "b", "c"], "n": 2}
+    assert state == {"plan": ["a", "b"], "n": 1}  # untouched
+    for bad, says in (
+        ({"op": "add", "path": "/x", "value": 1}, "a list of operations"),
+        (["replace /n"], "a list of operations"),
+        ([{"op": "remove", "path": "/missing"}], "does not apply"),
+        ([{"op": "test", "path": "/n", "value": 5}], "does not apply"),
+        ([{"op": "frobnicate", "path": "/n"}], "does not apply"),
+        ([{"op": "add", "path": "/x"}], "does not apply"),  # no value
+        ([{"op": "replace", "path": "", "value": "text"}], "a state is an object"),
+    ):
+        with pytest.raises(errors.InvalidPatch, match=says):
+            history.patched(state, bad)
+
+
+def test_a_fork_with_an_edit_is_another_event_than_without_or_with_another() -> None:
+    plain = history.fork_event_id("t", "r", 3, "new")
+    edit = {"patch": [{"op": "remove", "path": "/n"}], "note": "why"}
+    assert history.fork_event_id("t", "r", 3, "new", edit) == history.fork_event_id(
+        "t", "r", 3, "new", dict(reversed(list(edit.items())))
+    )
+    assert (
+        len(
+            {
+                plain,
+                history.fork_event_id("t", "r", 3, "new", edit),
+                history.fork_event_id("t", "r", 3, "new", edit | {"note": "other"}),
+            }
+        )
+        == 3
+    )
+    assert history.fork_event_id("t", "r", 3, "new", {}) == plain
