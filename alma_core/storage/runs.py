@@ -443,6 +443,21 @@ async def report(conn: asyncpg.Connection, run_id: str, tenant_id: str | None) -
     }
 
 
+async def path(conn: Conn, tenant_id: str, run_id: str) -> tuple[list[asyncpg.Record], Any]:
+    """A run's checkpoints in seq order without their states (seq, kind, node, branch,
+    state hash), and its lineage when it is a fork (else None): what two runs are
+    compared by. No checkpoints: ``([], None)``."""
+    rows: list[asyncpg.Record] = await conn.fetch(
+        """SELECT seq, kind, node_id, branch_id, state_hash,
+                  CASE WHEN seq = 1 THEN (metadata->'forked_from')::text END AS lineage
+           FROM checkpoints WHERE tenant_id = $1 AND run_id = $2 ORDER BY seq""",
+        tenant_id,
+        run_id,
+    )
+    lineage = rows[0]["lineage"] if rows else None
+    return rows, json.loads(lineage) if lineage else None
+
+
 async def counts(conn: Conn, run_pattern: str, tenants: list[str]) -> dict[str, int]:
     """How many rows of each kind runs matching ``run_pattern`` (SQL LIKE) left, and
     the memories of ``tenants`` (the demo's summary)."""

@@ -54,12 +54,13 @@ from alma_core.settings import Settings
 from alma_core.storage import dead_letters, retrieval, runs, tenant_settings
 from alma_core.text import shell_word
 from alma_core.types import RetrievalScope, WorkflowContext
-from alma_core.ui import graph, views
+from alma_core.ui import compare, graph, views
 
 HERE = Path(__file__).parent
 PAGE_SIZE = 50
 EVENTS_PAGE = 100  # a run's history, per page
 CHANGES_PAGE = 200  # a diff's changes, per page
+STEPS_PAGE = 200  # of two runs' paths side by side
 COUNT_CAP = 1000  # runs counted by status when searching by node or error text
 _CSP = (
     "default-src 'none'; script-src 'self'; connect-src 'self'; style-src 'self'; "
@@ -358,13 +359,21 @@ class Inspector:
         return Response(jsoncodec.compact(value), media_type="application/json")
 
     def _paged(
-        self, request: Request, items: Sequence[Any], name: str, size: int, path: str, **params: Any
+        self,
+        request: Request,
+        items: Sequence[Any],
+        name: str,
+        size: int,
+        path: str,
+        *,
+        default: int = 0,
+        **params: Any,
     ) -> tuple[list[Any], dict[str, Any]]:
-        """One page of ``items`` (``?{name}=`` its start, clamped) and where the pages
-        before and after it are (this page's address with another start, at the
-        ``#{name}`` anchor): nothing on a page grows with a run (a 10,000-key state's
-        diff is 50 pages, not 2 MB of HTML)."""
-        asked = _int_value(request.query_params.get(name) or "0", name)
+        """One page of ``items`` (``?{name}=`` its start, clamped; ``default`` without
+        one) and where the pages before and after it are (this page's address with
+        another start, at the ``#{name}`` anchor): nothing on a page grows with a run (a
+        10,000-key state's diff is 50 pages, not 2 MB of HTML)."""
+        asked = _int_value(request.query_params.get(name) or str(default), name)
         start, previous, following = views.page_of(len(items), asked, size)
         tenant = self.tenant(request)
 
@@ -401,6 +410,55 @@ class Inspector:
             b=b,
             before_seq=a,
             after_seq=b,
+            changes=shown,
+            changes_page=changes_page,
+        )
+
+    async def compare_page(self, request: Request) -> Response:
+        """Two runs of the tenant side by side (``id`` and ``with``): their paths, the
+        first step where they part, and the diff of their states there."""
+        tenant = self.tenant(request)
+        a_id, b_id = _required(request, "id"), _required(request, "with").strip()
+        async with (await self.pool()).acquire() as conn:
+            (a, a_from), (b, b_from) = [await runs.path(conn, tenant, r) for r in (a_id, b_id)]
+        for rows, run_id in ((a, a_id), (b, b_id)):
+            if not rows:
+                raise HTTPException(
+                    404, f"tenant {tenant!r} has no run {run_id!r} with checkpoints"
+                )
+        if a_from and a_from.get("run_id") == b_id:  # A is the fork: the source goes first
+            return self.go(request, "/compare", tenant=tenant, id=b_id, **{"with": a_id})
+        forked_at = b_from.get("seq") if b_from and b_from.get("run_id") == a_id else None
+        compared = compare.compare(a, b, b_forked_at=forked_at)
+        a_seq, b_seq = compared.seqs
+        changes: list[history.Change] = []
+        if a_seq is not None and b_seq is not None:
+            reader = await self.client.reader(tenant)
+            left, right = await reader.get(a_id, a_seq), await reader.get(b_id, b_seq)
+            changes = history.diff(left.state if left else {}, right.state if right else {})
+        where: dict[str, Any] = {"id": a_id, "with": b_id}
+        shown, changes_page = self._paged(
+            request, changes, "changes", CHANGES_PAGE, "/compare", **where
+        )
+        # the steps a page at a time, the first shown a few before the parting
+        start = max(0, (compared.parted or 0) - 5)
+        rows, steps_page = self._paged(
+            request, compared.rows, "steps", STEPS_PAGE, "/compare", default=start, **where
+        )
+        return self.page(
+            request,
+            "compare.html",
+            tenant=tenant,
+            a=a_id,
+            b=b_id,
+            compared=compared,
+            rows=rows,
+            first_row=steps_page["start"],
+            steps_page=steps_page,
+            fork_of=forked_at is not None,
+            run_id=None,
+            before_seq=None,
+            after_seq=None,
             changes=shown,
             changes_page=changes_page,
         )
@@ -752,6 +810,7 @@ def create_app(
             Route("/checkpoint", handler("checkpoint_page")),
             Route("/checkpoint.json", handler("checkpoint_json")),
             Route("/diff", handler("diff_page")),
+            Route("/compare", handler("compare_page")),
             Route("/fork", handler("fork"), methods=["POST"]),
             Route("/dead-letters", handler("dead_letters_page")),
             Route("/dead-letters/{letter}/replay", handler("replay_letter"), methods=["POST"]),

@@ -3,8 +3,9 @@ needed here): every response carries its security headers (404, 405, static file
 refused hosts too), a write must come from the inspector's own origin, scheme included,
 an error page keeps the navigation, a dead letter today's decoder refuses as it is
 offers no Replay button, counts read "1 run", a memory count out of range is refused,
-and the copyable command for a run id with a bidirectional control shows none and,
-pasted into bash, finds the run. On the real stack: the broker, PostgreSQL, Redis and
+two runs are compared (a fork beside its source, parted where it was edited), and the
+copyable command for a run id with a bidirectional control shows none and, pasted into
+bash, finds the run. On the real stack: the broker, PostgreSQL, Redis and
 a worker."""
 
 from __future__ import annotations
@@ -120,6 +121,24 @@ async def test_the_inspectors_answers_hold_their_headers_origin_and_words(
             latest = (await client.resume(WorkflowContext("acme", "wf", None, "edited-1"))).latest
             assert latest is not None
             assert latest.state == {"a": 2}
+            # the two runs compared: the fork aligned with its source, parted by the edit
+            compared = await http.get("/compare", params={"id": HOSTILE_RUN, "with": "edited-1"})
+            assert compared.status_code == 200
+            read = html.unescape(compared.text)
+            assert "a fork of A taken at A's seq 1" in read
+            assert "They part at step 1: B began from A's seq 1 with another state" in read
+            assert 'id="first-difference"' in compared.text
+            change = re.search(
+                r'<tr class="changed"><td class="path"><code>/a</code>', compared.text
+            )
+            assert change, "the diff of their states where they part"
+            unedited = await http.get("/compare", params={"id": HOSTILE_RUN, "with": "forked-1"})
+            assert "The same path" in unedited.text
+            swapped = await http.get("/compare", params={"id": "edited-1", "with": HOSTILE_RUN})
+            assert swapped.status_code == 303  # the source goes first
+            assert "with=edited-1" in swapped.headers["location"]
+            nowhere = await http.get("/compare", params={"id": HOSTILE_RUN, "with": "nowhere"})
+            assert nowhere.status_code == 404
             for patch, says in (
                 ('[{"op": "remove", "path": "/b"}]', "does not apply"),
                 ("[{not json", "is not JSON"),
