@@ -111,6 +111,9 @@ def build(
     nodes of one lane that overlap are drawn one after the other, never as a loop, and a
     retry is its node again, with no edge."""
     by_seq = {cp["seq"]: cp for cp in checkpoints}
+    # a join's event is handed to the joiner: its merge is found by the event's id
+    merges = {cp["event_id"]: cp for cp in by_seq.values() if cp["kind"] == "merge"}
+    drawn: set[int] = set()
     lanes: dict[str, int] = {MAIN: 0}
     nodes: dict[tuple[str, str], GraphNode] = {}
     edges: dict[tuple[tuple[str, str], tuple[str, str]], None] = {}
@@ -137,6 +140,14 @@ def build(
             return [last[lane]]
         return [last[MAIN]] if lane != MAIN and MAIN in last else []
 
+    def merge(cp: Mapping[str, Any]) -> None:
+        seq = cp["seq"]
+        folded = [at_seq[s] for s in cp.get("merged_from") or [] if s in at_seq]
+        key = (MAIN, cp.get("node_id") or f"merge #{seq}")
+        node = reach(key, list(dict.fromkeys([*came_from(MAIN), *folded])), kind="merge")
+        node.status, node.seq = "merge", seq
+        at_seq[seq] = key
+
     for e in events:
         kind = e["type"]
         seq = e.get("checkpoint_seq")
@@ -162,17 +173,16 @@ def build(
             if seq is not None:
                 node.seq = seq
                 at_seq[seq] = key
-        elif kind == "branch.join" and seq is not None and seq in by_seq:
-            cp = by_seq[seq]
-            folded = [at_seq[s] for s in cp.get("merged_from") or [] if s in at_seq]
-            key = (MAIN, cp.get("node_id") or f"merge #{seq}")
-            froms = list(dict.fromkeys([*came_from(MAIN), *folded]))
-            node = reach(key, froms, kind="merge")
-            node.status, node.seq = "merge", seq
-            at_seq[seq] = key
+        elif kind == "branch.join":
+            cp = by_seq.get(seq) if seq is not None else merges.get(e.get("event_id"))
+            if cp is not None and cp["kind"] == "merge":
+                merge(cp)
+                drawn.add(cp["seq"])
         elif kind == "workflow.completed":
             node = reach((MAIN, END), came_from(MAIN), kind="end")
             node.status = outcome or "completed"
+    for seq in sorted({cp["seq"] for cp in merges.values()} - drawn):
+        merge(by_seq[seq])  # a merge no event of the run names (a join recorded elsewhere)
     graph = Graph(list(lanes), list(nodes.values()))
     graph.edges = [Edge(a, b, _path(nodes[a], nodes[b])) for a, b in edges]
     return graph

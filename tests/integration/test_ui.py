@@ -159,6 +159,13 @@ async def make_runs(settings: Settings, client: AlmaClient, run: str, hostile: s
         await pub.send(nul, key=b"k\x00\x01" + hostile.encode())
         await pub.flush()
     await done(at("solo", r=f"beta-run-{run}", t="beta"), state={"beta": True})
+    # a run blocked by a dead letter of its own: a write that expected another seq, and
+    # nothing after it
+    blocked = f"{run}-blocked"
+    await done(at("first", r=blocked), state={"k": 1})
+    refused = await client.node_completed(at("second", r=blocked), updates={"k": 2}, expected_seq=5)
+    with pytest.raises(errors.RejectedEvent, match="expected 5"):
+        await client.applied(at("second", r=blocked), refused)
     # a write that came early (it expects seq 2, the run is at 1): dead-lettered; then
     # the run reaches seq 2, and the letter, replayed, would apply
     early = f"{run}-early"
@@ -203,9 +210,10 @@ def read_only_pages(acme: str, beta: str, run: str, hostile: str, out: Path) -> 
         driver.get(f"{acme}/runs")
         assert driver.find_element(By.ID, "tenant").text == "acme"
         listed = texts(driver, "#runs a.run")
-        assert set(listed) == {run, hostile, f"{run}-early"}
+        assert set(listed) == {run, hostile, f"{run}-early", f"{run}-blocked"}
         assert texts(driver, "#count-succeeded") == ["1"]
         assert texts(driver, "#count-running") == ["1"]  # the early run
+        assert texts(driver, "#count-blocked") == ["1"]  # waits on its refused write
         assert texts(driver, "#count-failed") == ["1"]  # the hostile run: a node failed
         driver.save_screenshot(str(out / "ui-runs.png"))
         Select(driver.find_element(By.NAME, "status")).select_by_value("succeeded")
@@ -264,6 +272,23 @@ def read_only_pages(acme: str, beta: str, run: str, hostile: str, out: Path) -> 
         link = driver.find_element(By.CSS_SELECTOR, "#graph g.retried a")
         assert (link.get_dom_attribute("href") or "").endswith("&seq=6")  # its latest checkpoint
         driver.find_element(By.ID, "graph").screenshot(str(out / "ui-graph.png"))
+
+        # a blocked run: its status, and the letter it waits on first, a link away
+        driver.get(f"{acme}/run?id={run}-blocked")
+        assert driver.find_element(By.ID, "status").text == "blocked"
+        waiting = driver.find_element(By.ID, "run-blocked")
+        assert "stale_expected_seq" in waiting.text
+        assert waiting.find_elements(By.CSS_SELECTOR, "a[href*='/dead-letters']")
+        driver.save_screenshot(str(out / "ui-blocked.png"))
+        # two runs compared: where the early run and the run part, and their states there
+        driver.get(f"{acme}/run?id={run}")
+        driver.find_element(By.ID, "compare-with").send_keys(f"{run}-early")
+        follow(driver, By.ID, "compare-runs")
+        assert "They part at step 1: A ran plan" in driver.find_element(By.ID, "parted").text
+        assert driver.find_elements(By.CSS_SELECTOR, "#first-difference")
+        assert "/k" in texts(driver, "#changes td.path")
+        driver.save_screenshot(str(out / "ui-compare.png"))
+        driver.get(f"{acme}/run?id={run}")
 
         # a checkpoint: its state and its changes; the merge with each field's reducer
         follow(driver, By.CSS_SELECTOR, "td.merge a")
@@ -444,7 +469,7 @@ async def test_big_runs_page_their_history_and_live_pages_keep_what_the_user_typ
 
         out = shots(tmp_path)
         async with inspector(settings, "--tenant", "acme") as acme:
-            await asyncio.to_thread(big_pages, acme, run, long_id, out)
+            await asyncio.to_thread(big_pages, acme, run, long_id, live, out)
             opened, seen = threading.Event(), threading.Event()
             watching = asyncio.create_task(
                 asyncio.to_thread(live_pages, acme, live, out, opened, seen)
@@ -473,7 +498,7 @@ async def _flag(reached: threading.Event, browsing: asyncio.Task[None]) -> bool:
     return reached.is_set() or browsing.done()
 
 
-def big_pages(acme: str, run: str, long_id: str, out: Path) -> None:
+def big_pages(acme: str, run: str, long_id: str, live: str, out: Path) -> None:
     with browser() as driver:
         # 10,000 changes: 200 to a page, the rest a link away
         driver.get(f"{acme}/checkpoint?id={run}&seq=2")
@@ -534,6 +559,7 @@ def big_pages(acme: str, run: str, long_id: str, out: Path) -> None:
             f"/run?id={long_id}",
             f"/run?id={run}",
             f"/checkpoint?id={run}&seq=2",
+            f"/compare?id={run}&with={live}",
             "/dead-letters",
             "/memory",
         ):
@@ -552,6 +578,8 @@ def big_pages(acme: str, run: str, long_id: str, out: Path) -> None:
             assert wide[0] <= wide[1], (page, "a wider font", wide)
         driver.get(f"{acme}/runs")
         driver.save_screenshot(str(out / "ui-narrow.png"))
+        driver.get(f"{acme}/run?id={live}")  # its graph scrolls within its own box
+        driver.save_screenshot(str(out / "ui-run-narrow.png"))
 
 
 def live_pages(

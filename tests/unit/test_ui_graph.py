@@ -21,6 +21,7 @@ class Run:
 
     def ev(self, type_: str, node: str | None, branch: str | None = None) -> dict[str, Any]:
         e = {
+            "event_id": f"e{len(self.events)}",
             "type": type_,
             "node_id": node,
             "branch_id": branch,
@@ -44,8 +45,13 @@ class Run:
         return self.checkpoint(self.ev("node.completed", node, branch), "node", node_id=node)
 
     def merge(self, node: str, *seqs: int) -> int:
+        """The joiner's merge: the join's event itself names no checkpoint (handed off);
+        the merge checkpoint carries the event's id."""
         e = self.ev("branch.join", node)
-        return self.checkpoint(e, "merge", node_id=node, merged_from=list(seqs))
+        seq = self.checkpoint(e, "merge", node_id=node, merged_from=list(seqs))
+        self.checkpoints[-1]["event_id"] = e["event_id"]
+        e["checkpoint_seq"] = None
+        return seq
 
 
 def shape(g: graph.Graph) -> dict[str, tuple[str, str, int, int]]:
