@@ -54,7 +54,7 @@ from alma_core.settings import Settings
 from alma_core.storage import dead_letters, retrieval, runs, tenant_settings
 from alma_core.text import shell_word
 from alma_core.types import RetrievalScope, WorkflowContext
-from alma_core.ui import compare, graph, views
+from alma_core.ui import compare, gantt, graph, views
 
 HERE = Path(__file__).parent
 PAGE_SIZE = 50
@@ -262,6 +262,7 @@ class Inspector:
         )
         steps = views.steps(report["events"])
         drawn = graph.build(report["events"], report["checkpoints"], run["status"])
+        timed = gantt.build(report["events"], now=datetime.now(UTC))
         laid_out = views.timeline(
             report["checkpoints"],
             report["joins"],
@@ -282,6 +283,7 @@ class Inspector:
             report=report,
             timeline=laid_out,
             graph=drawn,
+            gantt=timed,
             checkpoint_link=self.url(request, "/checkpoint", tenant=tenant, id=run_id) + "&seq=",
             outcome=outcome,
             fed=fed,

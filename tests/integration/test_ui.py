@@ -272,6 +272,21 @@ def read_only_pages(acme: str, beta: str, run: str, hostile: str, out: Path) -> 
         link = driver.find_element(By.CSS_SELECTOR, "#graph g.retried a")
         assert (link.get_dom_attribute("href") or "").endswith("&seq=6")  # its latest checkpoint
         driver.find_element(By.ID, "graph").screenshot(str(out / "ui-graph.png"))
+        # its time: a row per node of each lane, each attempt a bar
+        rows = driver.find_elements(By.CSS_SELECTOR, "#gantt g.grow")
+        bars = {
+            (r.get_attribute("data-lane"), r.get_attribute("data-node")): [
+                (b.get_attribute("class") or "").split()[-1]
+                for b in r.find_elements(By.CSS_SELECTOR, "rect.bar")
+            ]
+            for r in rows
+        }
+        assert bars == {
+            ("main", "plan"): ["succeeded"],
+            ("main", "check"): ["failed", "succeeded"],  # the retry: two segments
+            ("A", "research"): ["succeeded"],
+            ("B", "draft"): ["succeeded"],
+        }
 
         # a blocked run: its status, and the letter it waits on first, a link away
         driver.get(f"{acme}/run?id={run}-blocked")
@@ -552,6 +567,16 @@ def big_pages(acme: str, run: str, long_id: str, live: str, out: Path) -> None:
         follow(driver, By.CSS_SELECTOR, "section.letter a.permalink")
         assert len(driver.find_elements(By.CSS_SELECTOR, "section.letter")) == 1
         assert driver.find_elements(By.ID, "letters-newest")
+        # a run's time to scale: the retried node's two attempts, the gap between them
+        driver.get(f"{acme}/run?id={live}")
+        fetch = driver.find_elements(By.CSS_SELECTOR, "#gantt g.grow[data-node='fetch'] rect.bar")
+        assert [(b.get_attribute("class") or "").split()[-1] for b in fetch] == [
+            "failed",
+            "succeeded",
+        ]
+        first, second = (float(b.get_attribute("x") or 0) for b in fetch)
+        assert second > first
+        driver.find_element(By.ID, "gantt").screenshot(str(out / "ui-gantt.png"))
         # a 256-character id and a phone-sized window: nothing wider than the window
         driver.set_window_size(400, 900)
         for page in (
