@@ -293,7 +293,11 @@ async def page(
     """Up to ``limit`` runs matching ``f``, newest first (by creation, then run id):
     those created before ``before`` (the last of the next newer page) when given, or
     the ``limit`` oldest of those newer than ``newer_than`` (the first of the next
-    older page: the page before it)."""
+    older page: the page before it). For triage, each with ``duration_ms`` (from when
+    it was first recorded to its completion as sent, or to now while it runs) and, for
+    a failed run, its latest failure's node and error type (``failing_node``,
+    ``error_type``: read for the page's runs only, from the run's newest checkpoint
+    back)."""
     where, args = f.where()
     cursor, order = (before, "<") if newer_than is None else (newer_than, ">")
     if cursor is not None:
@@ -302,10 +306,20 @@ async def page(
     args.append(limit)
     direction = "DESC" if order == "<" else "ASC"
     rows: list[asyncpg.Record] = await conn.fetch(
-        f"""SELECT run_id, workflow_id, workflow_version, {_SHOWN_OF_1} AS status, last_seq,
-                   event_count, projection, created_at, updated_at, completed_at
-            FROM runs WHERE {where}
-            ORDER BY created_at {direction}, run_id {direction} LIMIT ${len(args)}""",
+        f"""SELECT p.*, f.node_id AS failing_node, f.error_type,
+                   greatest(0, 1000 * extract(epoch FROM
+                     coalesce(p.completed_at, now()) - p.created_at))::float8 AS duration_ms
+            FROM (SELECT tenant_id, run_id, workflow_id, workflow_version,
+                         {_SHOWN_OF_1} AS status, last_seq, event_count, projection,
+                         created_at, updated_at, completed_at
+                  FROM runs WHERE {where}
+                  ORDER BY created_at {direction}, run_id {direction} LIMIT ${len(args)}) p
+            LEFT JOIN LATERAL (
+              SELECT c.node_id, c.metadata->'error'->>'type' AS error_type
+              FROM checkpoints c
+              WHERE c.tenant_id = p.tenant_id AND c.run_id = p.run_id AND c.kind = 'failure'
+              ORDER BY c.seq DESC LIMIT 1) f ON p.status = 'failed'
+            ORDER BY p.created_at {direction}, p.run_id {direction}""",
         *args,
     )
     return rows if order == "<" else rows[::-1]

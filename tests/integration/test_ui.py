@@ -214,6 +214,15 @@ def read_only_pages(acme: str, beta: str, run: str, hostile: str, out: Path) -> 
         assert texts(driver, "#count-succeeded") == ["1"]
         assert texts(driver, "#count-running") == ["1"]  # the early run
         assert texts(driver, "#count-blocked") == ["1"]  # waits on its refused write
+        # triage from the list: a failed run's failing node and error, each run's duration
+        row = driver.find_element(By.XPATH, f"//tr[.//a[text()='{hostile}']]")
+        assert row.find_element(By.CSS_SELECTOR, "td.error-type").text == "Spoof\\u2066"
+        assert row.find_element(By.CSS_SELECTOR, "td.failing-node").text.startswith("invoice")
+        done_row = driver.find_element(By.XPATH, f"//tr[.//a[text()='{run}']]")
+        assert re.fullmatch(
+            r"[\d.]+ (ms|s)", done_row.find_element(By.CSS_SELECTOR, "td.duration").text
+        )
+        assert done_row.find_element(By.CSS_SELECTOR, "td.error-type").text == ""  # succeeded
         assert texts(driver, "#count-failed") == ["1"]  # the hostile run: a node failed
         driver.save_screenshot(str(out / "ui-runs.png"))
         Select(driver.find_element(By.NAME, "status")).select_by_value("succeeded")
