@@ -1,18 +1,21 @@
 """The run inspector: a read-only web app over one tenant's runs (``alma ui``, or
 :func:`create_app` mounted in a deployment's own ASGI server). Starlette and Jinja2
-templates, no JavaScript.
+templates, no JavaScript needed. The routes are here and stay thin; what a page shows
+is worked out by pure views of their own (:mod:`~alma_core.ui.views`,
+:mod:`~alma_core.ui.graph`, :mod:`~alma_core.ui.gantt`, :mod:`~alma_core.ui.compare`),
+rendered by :mod:`~alma_core.ui.rendering`, behind :mod:`~alma_core.ui.guards`.
 
 Every page reads through what the SDK reads with: the tenant's
 :class:`~alma_core.storage.reader.CheckpointReader` and
 :class:`~alma_core.sdk.timeline.Timeline`, tenant-scoped SQL for lists, retrieval
-under row-level security for memories. **Tenancy** (:class:`Access`): an inspector is
+under row-level security for memories. **Tenancy** (``guards.Access``): an inspector is
 pinned to one tenant (``--tenant``), or takes each request's tenant from a header an
 authenticating proxy sets (``tenant_header``), or (an operator's, with multi-tenant mode
 off) lets the person pick; a request for another tenant's page is "not found".
 **Safety**: templates escape everything; states and raw records are cut at
 ``views.SHOWN_CHARS`` and their control characters shown as escapes; a Content Security
-Policy allows no script at all; no page writes unless writes are enabled, and then
-only a POST from the inspector's own origin.
+Policy on every answer allows no script but the inspector's own; no page writes unless
+writes are enabled, and then only a POST from the inspector's own origin.
 """
 
 from __future__ import annotations
@@ -23,24 +26,19 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 import asyncpg
-from jinja2 import Environment, FileSystemLoader, select_autoescape
-from markupsafe import Markup, escape
 from starlette.applications import Starlette
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from alma_core import errors, history
 from alma_core.quotas import Quota
@@ -52,9 +50,9 @@ from alma_core.sdk.timeline import Timeline
 from alma_core.sequencing import SHOWN_STATUSES
 from alma_core.settings import Settings
 from alma_core.storage import dead_letters, retrieval, runs, tenant_settings
-from alma_core.text import shell_word
 from alma_core.types import RetrievalScope, WorkflowContext
-from alma_core.ui import compare, gantt, graph, views
+from alma_core.ui import compare, gantt, graph, rendering, views
+from alma_core.ui.guards import Access, KnownHosts, SecurityHeaders
 
 HERE = Path(__file__).parent
 PAGE_SIZE = 50
@@ -62,65 +60,6 @@ EVENTS_PAGE = 100  # a run's history, per page
 CHANGES_PAGE = 200  # a diff's changes, per page
 STEPS_PAGE = 200  # of two runs' paths side by side
 COUNT_CAP = 1000  # runs counted by status when searching by node or error text
-_CSP = (
-    "default-src 'none'; script-src 'self'; connect-src 'self'; style-src 'self'; "
-    "img-src 'self' data:; form-action 'self'; "
-    "frame-ancestors 'none'; base-uri 'none'"
-)
-
-
-@dataclass(frozen=True)
-class Access:
-    """Whose pages a request may see, and whether it may write."""
-
-    tenant: str | None = None  # pinned: this tenant's pages only
-    tenant_header: str | None = None  # a trusted proxy names each request's tenant here
-    writes: bool = False  # fork and dead-letter replay (POST, same origin only)
-
-    def tenant_of(self, request: Request) -> str | None:
-        """The request's tenant; None: the person is to pick one (an operator's
-        inspector). Another tenant than the one allowed: not found."""
-        asked = request.query_params.get("tenant") or None
-        allowed = self.tenant
-        if self.tenant_header:
-            allowed = request.headers.get(self.tenant_header)
-            if not allowed:
-                raise HTTPException(403, f"no tenant: the {self.tenant_header} header is missing")
-        if allowed is not None and asked not in (None, allowed):
-            raise HTTPException(404, f"no tenant {asked!r} here")
-        return allowed or asked
-
-
-def _templates() -> Environment:
-    env = Environment(
-        loader=FileSystemLoader(HERE / "templates"),
-        autoescape=select_autoescape(default=True, default_for_string=True),
-        trim_blocks=True,
-        lstrip_blocks=True,
-        finalize=views.visible,  # control and bidirectional characters as escapes, everywhere
-    )
-    env.tests["absent"] = lambda value: value is history.ABSENT  # beside a null
-    env.filters["json"] = views.shown_json
-    env.filters["raw"] = views.shown_bytes
-    env.filters["when"] = _when
-    env.filters["took"] = views.took
-    # an id in a command to copy: shown without its control characters, and pasted
-    # into a shell it is the id again (``$'\u202e...'``); escaped for HTML here
-    env.filters["sh"] = lambda text: Markup(escape(shell_word(str(text))))
-    env.filters["counted"] = views.counted  # "1 run", "2 runs"
-    env.filters["pointer"] = lambda key: history.pointer("", key)  # a field's JSON Pointer
-    return env
-
-
-def _when(at: datetime | None, ms: bool = False) -> str:
-    """A time as shown: in UTC, and saying so (the forms' times are UTC too); to the
-    millisecond with ``ms`` (a run's history, where events come milliseconds apart)."""
-    if at is None:
-        return ""
-    shown = at.astimezone(UTC)
-    if ms:
-        return shown.strftime("%Y-%m-%d %H:%M:%S.") + f"{shown.microsecond // 1000:03d} UTC"
-    return shown.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _url(path: str, **params: Any) -> str:
@@ -139,7 +78,7 @@ class Inspector:
         self.client = client
         self.owns_client = owns_client  # its client is the inspector's own, to stop with it
         self.timeline = Timeline(client)
-        self.env = _templates()
+        self.env = rendering.environment()
 
     # -- plumbing -------------------------------------------------------------
 
@@ -670,62 +609,6 @@ def _time(raw: str | None, name: str) -> datetime | None:
             400, f"{name}: not a time ({raw[:40]!r}); use 2026-11-26T14:30"
         ) from None
     return at if at.tzinfo else at.replace(tzinfo=UTC)
-
-
-_HEADERS = (
-    (b"content-security-policy", _CSP.encode()),
-    (b"x-content-type-options", b"nosniff"),
-    (b"referrer-policy", b"same-origin"),
-)
-
-
-class SecurityHeaders:
-    """Every response the inspector sends carries its Content-Security-Policy,
-    ``nosniff`` and its referrer policy: pages, errors, Starlette's own 404 and 405, the
-    static files and the refusals of :class:`KnownHosts`."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                given = {k.lower() for k, _ in message.get("headers", [])}
-                extra = [(k, v) for k, v in _HEADERS if k not in given]
-                message = {**message, "headers": [*message.get("headers", []), *extra]}
-            await send(message)
-
-        await self.app(scope, receive, with_headers)
-
-
-class KnownHosts:
-    """Answer only requests addressed to one of the inspector's host names (the
-    ``Host`` header): a page of another site whose name resolves to this address (DNS
-    rebinding) is refused before it reads anything. Not Starlette's
-    TrustedHostMiddleware: it cuts the port at the first colon, so ``[::1]:8765``
-    never matches."""
-
-    def __init__(self, app: ASGIApp, allowed: Sequence[str]) -> None:
-        self.app = app
-        self.allowed = tuple(allowed)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] in ("http", "websocket"):
-            host = Headers(scope=scope).get("host", "")
-            if not views.host_allowed(host, self.allowed):
-                refused = PlainTextResponse(
-                    f"this inspector answers to {', '.join(self.allowed)}, not to "
-                    f"{views.visible(host[:100])!r}. Open it by one of those names; whoever "
-                    "runs it adds a name with `alma ui --allowed-host NAME`",
-                    status_code=400,
-                )
-                await refused(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def create_app(

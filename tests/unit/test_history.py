@@ -135,10 +135,10 @@ def test_a_null_is_told_apart_from_an_absent_field() -> None:
 
 
 def test_the_inspector_shows_absent_beside_null() -> None:
-    from alma_core.ui.app import _templates
+    from alma_core.ui.rendering import environment
 
     changes = history.diff({"gone": 1, "nulled": 1}, {"nulled": None})
-    html = _templates().get_template("changes.html").render(changes=changes)
+    html = environment().get_template("changes.html").render(changes=changes)
     rows = html.split("<tr class=")[1:]
     assert 'class="absent">absent</em>' in rows[0]  # /gone: nothing after
     assert "absent" not in rows[1]  # /nulled: null after
@@ -160,10 +160,10 @@ def test_a_fork_asked_again_is_the_same_event_and_each_fork_its_own() -> None:
 
 
 def test_a_cut_value_says_so() -> None:
-    from alma_core.ui.app import _templates
+    from alma_core.ui.rendering import environment
 
     changes = history.diff({"long": "a"}, {"long": "b" * 5000})
-    html = _templates().get_template("changes.html").render(changes=changes)
+    html = environment().get_template("changes.html").render(changes=changes)
     assert "more characters not shown (of 5002)" in html
     assert "b" * 5000 not in html
 

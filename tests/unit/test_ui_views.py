@@ -90,9 +90,9 @@ def test_control_and_bidirectional_characters_are_shown_as_escapes() -> None:
 def test_every_template_value_goes_through_the_escapes() -> None:
     """The templates' ``finalize``: a value shown in a title, a table cell or an
     attribute is made visible, then HTML-escaped."""
-    from alma_core.ui.app import _templates
+    from alma_core.ui.rendering import environment
 
-    page = _templates().from_string("<title>{{ run }}</title><td title='{{ run }}'>{{ run }}")
+    page = environment().from_string("<title>{{ run }}</title><td title='{{ run }}'>{{ run }}")
     html = page.render(run="<b>x</b>\u202egpj.exe")
     assert "\u202e" not in html
     assert html.count("\\u202egpj.exe") == 3
@@ -113,13 +113,13 @@ def test_only_the_inspectors_own_host_names_are_answered() -> None:
 
 
 def test_times_are_shown_in_utc_and_say_so() -> None:
-    from alma_core.ui.app import _templates
+    from alma_core.ui.rendering import environment
 
     at = datetime(2026, 11, 27, 23, 30, tzinfo=timezone(timedelta(hours=2)))
-    shown = _templates().from_string("{{ at | when }}").render(at=at)
+    shown = environment().from_string("{{ at | when }}").render(at=at)
     assert shown == "2026-11-27 21:30:00 UTC"
     precise = at.replace(microsecond=45_678)
-    shown = _templates().from_string("{{ at | when(ms=True) }}").render(at=precise)
+    shown = environment().from_string("{{ at | when(ms=True) }}").render(at=precise)
     assert shown == "2026-11-27 21:30:00.045 UTC"
 
 
