@@ -16,6 +16,8 @@ from typing import Any, ClassVar
 MAIN = "main"
 LABEL_W, PLOT_W, ROW_H, BAR_H, TOP, PAD = 220, 760, 22, 14, 28, 8
 TICKS = 6  # about this many time marks along the top
+DRAWN = 120  # rows drawn at most: nothing on a page grows with a run
+BARS = 150  # attempts drawn at most, the first the run made; the rest are counted
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class Gantt:
     start: datetime | None
     end: datetime | None
     ticks: list[tuple[float, str]] = field(default_factory=list)  # (x, label)
+    left_out: int = 0  # rows past DRAWN
+    bars_left_out: int = 0  # attempts past BARS
     label_w: ClassVar[int] = LABEL_W
     bar_h: ClassVar[int] = BAR_H
 
@@ -66,14 +70,20 @@ def build(events: Iterable[Mapping[str, Any]], now: datetime) -> Gantt:
     rows: dict[tuple[str, str], Row] = {}
     lanes: dict[str, int] = {MAIN: 0}
     open_: dict[tuple[str, str], tuple[datetime, int | None]] = {}
+    beyond: set[tuple[str, str]] = set()
     for e in events:
         kind, at = e["type"], e.get("emitted_at")
         if kind not in ("node.started", "node.completed", "node.failed") or at is None:
             continue
         lane = e.get("branch_id") or MAIN
-        lanes.setdefault(lane, len(lanes))
         key = (lane, e.get("node_id") or "?")
-        row = rows.setdefault(key, Row(lane, key[1]))
+        row = rows.get(key)
+        if row is None:
+            if len(rows) >= DRAWN:  # past the first DRAWN nodes the run reached: counted
+                beyond.add(key)
+                continue
+            lanes.setdefault(lane, len(lanes))
+            row = rows[key] = Row(lane, key[1])
         attempt = e.get("attempt") if isinstance(e.get("attempt"), int) else None
         if kind == "node.started":
             if key in open_:  # started again with no end: the earlier attempt is cut here
@@ -90,6 +100,12 @@ def build(events: Iterable[Mapping[str, Any]], now: datetime) -> Gantt:
     for key, (began, tried) in open_.items():
         rows[key].bars.append(Bar(began, None, "running", tried))
     ordered = sorted(rows.values(), key=lambda r: lanes[r.lane])  # stable: first seen first
+    left_out = len(beyond)
+    every = [(b.start, n, id(b)) for r in ordered for n, b in enumerate(r.bars)]
+    kept = {bar for _, _, bar in sorted(every, key=lambda k: (k[0], k[1]))[:BARS]}
+    bars_left_out = len(every) - len(kept)  # the attempts begun after the first BARS
+    for r in ordered:
+        r.bars = [b for b in r.bars if id(b) in kept]
     times = [t for r in ordered for b in r.bars for t in (b.start, b.end or now)]
     if not times:
         return Gantt([], None, None)
@@ -119,7 +135,7 @@ def build(events: Iterable[Mapping[str, Any]], now: datetime) -> Gantt:
     while t <= span + 1e-9:
         ticks.append((round(PAD + LABEL_W + t * scale, 1), _label(t, step)))
         t += step
-    return Gantt(ordered, start, end, ticks)
+    return Gantt(ordered, start, end, ticks, left_out, bars_left_out)
 
 
 def _tick(span: float) -> float:

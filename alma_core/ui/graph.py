@@ -22,6 +22,7 @@ END = "(end)"
 COLUMN_W, BOX_W, BOX_H, ROW_H, PAD = 180, 156, 40, 64, 12
 HEADER = 22  # the lanes' names above their columns
 LABEL_CHARS = 20  # of a node's id in its box; the whole id is its tooltip
+DRAWN = 120  # nodes drawn at most: nothing on a page grows with a run
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Graph:
     lanes: list[str]
     nodes: list[GraphNode]
     edges: list[Edge] = field(default_factory=list)
+    left_out: int = 0  # nodes past DRAWN, in the order the run reached them
     box_w: ClassVar[int] = BOX_W  # every node's box, as the template draws it
     box_h: ClassVar[int] = BOX_H
 
@@ -183,8 +185,13 @@ def build(
             node.status = outcome or "completed"
     for seq in sorted({cp["seq"] for cp in merges.values()} - drawn):
         merge(by_seq[seq])  # a merge no event of the run names (a join recorded elsewhere)
-    graph = Graph(list(lanes), list(nodes.values()))
-    graph.edges = [Edge(a, b, _path(nodes[a], nodes[b])) for a, b in edges]
+    kept = dict(list(nodes.items())[:DRAWN])  # the first the run reached
+    used = {n.lane for n in kept.values()}
+    shown_lanes = [lane for lane in lanes if lane in used or lane == MAIN]
+    for n in kept.values():  # the columns of the lanes drawn, in their order
+        n.column = shown_lanes.index(n.lane)
+    graph = Graph(shown_lanes, list(kept.values()), left_out=len(nodes) - len(kept))
+    graph.edges = [Edge(a, b, _path(kept[a], kept[b])) for a, b in edges if a in kept and b in kept]
     return graph
 
 

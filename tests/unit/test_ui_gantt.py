@@ -72,3 +72,18 @@ def test_an_end_without_a_start_is_a_moment_and_a_second_start_cuts_the_first() 
 def test_no_node_events_no_rows() -> None:
     g = gantt.build([{"type": "workflow.completed", "node_id": None, "emitted_at": T0}], now=T0)
     assert (g.rows, g.start, g.ticks) == ([], None, [])
+
+
+def test_a_long_run_draws_its_first_rows_and_says_how_many_more() -> None:
+    events = [ev("node.completed", f"n{i}", i) for i in range(gantt.DRAWN + 7)]
+    g = gantt.build(events, now=T0)
+    assert (len(g.rows), g.left_out) == (gantt.DRAWN, 7)
+    assert g.end == T0 + timedelta(seconds=gantt.DRAWN - 1)  # the scale of what is drawn
+
+
+def test_a_run_of_many_attempts_draws_the_first_and_counts_the_rest() -> None:
+    events = [ev("node.completed", f"n{i % 3}", i) for i in range(gantt.BARS + 50)]
+    g = gantt.build(events, now=T0)
+    assert sum(len(r.bars) for r in g.rows) == gantt.BARS
+    assert g.bars_left_out == 50
+    assert max(b.start for r in g.rows for b in r.bars) == T0 + timedelta(seconds=gantt.BARS - 1)

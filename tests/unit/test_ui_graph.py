@@ -143,3 +143,14 @@ def test_fifty_nodes_in_twenty_branches_never_share_a_place() -> None:
     join = next(n for n in g.nodes if n.node_id == "join")
     assert join.rank == 4  # one below the longest branch
     assert sum(1 for e in g.edges if e.target == ("main", "join")) == 21  # 20 heads, start
+
+
+def test_a_long_run_draws_its_first_nodes_and_says_how_many_more() -> None:
+    run = Run()
+    for i in range(graph.DRAWN + 30):
+        run.node(f"n{i}", "side" if i == graph.DRAWN + 5 else None)
+    g = graph.build(run.events, run.checkpoints)
+    assert (len(g.nodes), g.left_out) == (graph.DRAWN, 30)
+    assert g.nodes[-1].node_id == f"n{graph.DRAWN - 1}"
+    assert g.lanes == ["main"]  # the branch reached past the drawn ones has no column
+    assert len(g.edges) == graph.DRAWN - 1  # only between drawn nodes
