@@ -18,6 +18,8 @@ _IN_A_WORD = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u206
 def visible(text: str) -> str:
     """Control and bidirectional characters (but newline and tab) as ``\\xNN`` or
     ``\\uNNNN`` escapes."""
+    if text.isascii() and text.isprintable():  # most ids and values: nothing to escape
+        return text
     return CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
 
 
