@@ -11,8 +11,9 @@ from __future__ import annotations
 import re
 import shlex
 
-CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
-_IN_A_WORD = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+_OTHERS = "\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069"
+CONTROL = re.compile(f"[\x00-\x08{_OTHERS}]")  # what is shown escaped: not tab, newline
+_IN_A_WORD = re.compile(f"[\x00-\x0a{_OTHERS}]")  # in a command to paste: those too
 
 
 def visible(text: str) -> str:

@@ -161,7 +161,7 @@ def runs_show(
         )
         for d in blocked:
             common.out.print(
-                f"  #{d['id']} {d['reason']} (event {visible(str(d['event_id']))}): "
+                f"  #{d['id']} {d['reason']} (event {visible(d['event_id'] or '?')}): "
                 f"{visible(d['detail'][:200])}; `{d['replay']}`",
                 highlight=False,
                 markup=False,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import asyncpg
 
 from alma_core import errors
-from alma_core.schemas.decoder import Rejection, decode
+from alma_core.schemas.decoder import Decoded, Rejection, decode
 from alma_core.schemas.events import Event
 from alma_core.sequencing import REFUSED, refused_now
 from alma_core.settings import Settings
@@ -38,6 +38,16 @@ class ReplayChecks:
         return cls(
             settings.topic_names, settings.max_state_bytes, settings.tenant_storage_quota_bytes
         )
+
+
+def as_sent(value: bytes, owner: str | None, checks: ReplayChecks) -> tuple[str, Decoded]:
+    """Where a letter of tenant ``owner`` goes back (with ALMA_TENANT_TOPICS, its
+    tenant's lifecycle topic) and what the workers will read ``value`` as there: an
+    event, or the Rejection that would dead-letter it again."""
+    topics = checks.topics
+    topic = topics.lifecycle_for(owner) if topics.per_tenant and owner else topics.lifecycle
+    decoded = decode(value, max_state_bytes=checks.max_state_bytes)
+    return topic, topics.bind(topic, decoded) if topics.per_tenant else decoded
 
 
 async def replay(
@@ -71,12 +81,7 @@ async def replay(
             )
         value: bytes = corrected if corrected is not None else (row["value"] or b"")
         key: bytes | None = row["key"]
-        owner: str | None = row["tenant_id"]
-        topics = checks.topics
-        topic = topics.lifecycle_for(owner) if topics.per_tenant and owner else topics.lifecycle
-        decoded = decode(value, max_state_bytes=checks.max_state_bytes)
-        if topics.per_tenant:
-            decoded = topics.bind(topic, decoded)
+        topic, decoded = as_sent(value, row["tenant_id"], checks)
         if isinstance(decoded, Rejection):
             if not force:
                 raise errors.AlmaError(

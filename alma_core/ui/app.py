@@ -43,7 +43,7 @@ from starlette.staticfiles import StaticFiles
 from alma_core import errors, history
 from alma_core.quotas import Quota
 from alma_core.schemas import jsoncodec
-from alma_core.schemas.decoder import Rejection, decode
+from alma_core.schemas.decoder import Rejection
 from alma_core.sdk import dead_letters as letters
 from alma_core.sdk.client import AlmaClient
 from alma_core.sdk.timeline import Timeline
@@ -450,8 +450,10 @@ class Inspector:
         )
         older = rows[PAGE_SIZE - 1]["id"] if len(rows) > PAGE_SIZE else None
         rows = rows[:PAGE_SIZE]
-        # a record today's decoder refuses as it is can only be sent again corrected: no
-        # Replay button for it, and why (a record longer than the page holds: replay says)
+        # a record the workers would refuse again as it is can only be sent again
+        # corrected: no Replay button for it, and why (replay's own check; a record
+        # longer than the page holds: replay says)
+        checks = letters.ReplayChecks.of(self.settings)
         refused = {
             d["id"]: rejection.describe()
             for d in rows
@@ -459,8 +461,7 @@ class Inspector:
             and d["value_head"] is not None
             and len(d["value_head"]) == d["value_bytes"]
             and isinstance(
-                rejection := decode(d["value_head"], max_state_bytes=self.settings.max_state_bytes),
-                Rejection,
+                rejection := letters.as_sent(d["value_head"], tenant, checks)[1], Rejection
             )
         }
         return self.page(

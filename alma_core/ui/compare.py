@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-MAIN = "main"
+from alma_core.ui.views import MAIN_LANE as MAIN  # as the timeline names it
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,12 @@ events to bars with their coordinates, drawn as SVG by ``run.html``. Unit-tested
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, ClassVar
 
-MAIN = "main"
+from alma_core.ui.views import MAIN_LANE as MAIN  # as the timeline names it
+
 LABEL_W, PLOT_W, ROW_H, BAR_H, TOP, PAD = 220, 760, 22, 14, 28, 8
 TICKS = 6  # about this many time marks along the top
 DRAWN = 120  # rows drawn at most: nothing on a page grows with a run
@@ -71,6 +72,16 @@ def build(events: Iterable[Mapping[str, Any]], now: datetime) -> Gantt:
     lanes: dict[str, int] = {MAIN: 0}
     open_: dict[tuple[str, str], tuple[datetime, int | None]] = {}
     beyond: set[tuple[str, str]] = set()
+    made = bars_left_out = 0  # attempts drawn; those past the first BARS: counted only
+
+    def add(row: Row, bar: Bar) -> None:
+        nonlocal made, bars_left_out
+        if made >= BARS:
+            bars_left_out += 1
+            return
+        made += 1
+        row.bars.append(bar)
+
     for e in events:
         kind, at = e["type"], e.get("emitted_at")
         if kind not in ("node.started", "node.completed", "node.failed") or at is None:
@@ -88,24 +99,19 @@ def build(events: Iterable[Mapping[str, Any]], now: datetime) -> Gantt:
         if kind == "node.started":
             if key in open_:  # started again with no end: the earlier attempt is cut here
                 began, tried = open_.pop(key)
-                row.bars.append(Bar(began, at, "unended", tried))
+                add(row, Bar(began, at, "unended", tried))
             open_[key] = (at, attempt)
             continue
         outcome = "succeeded" if kind == "node.completed" else "failed"
         if key in open_:
             began, tried = open_.pop(key)
-            row.bars.append(Bar(began, at, outcome, attempt if attempt is not None else tried))
+            add(row, Bar(began, at, outcome, attempt if attempt is not None else tried))
         else:
-            row.bars.append(Bar(at, at, outcome, attempt))  # no start: a moment
+            add(row, Bar(at, at, outcome, attempt))  # no start: a moment
     for key, (began, tried) in open_.items():
-        rows[key].bars.append(Bar(began, None, "running", tried))
+        add(rows[key], Bar(began, None, "running", tried))
     ordered = sorted(rows.values(), key=lambda r: lanes[r.lane])  # stable: first seen first
     left_out = len(beyond)
-    every = [(b.start, n, id(b)) for r in ordered for n, b in enumerate(r.bars)]
-    kept = {bar for _, _, bar in sorted(every, key=lambda k: (k[0], k[1]))[:BARS]}
-    bars_left_out = len(every) - len(kept)  # the attempts begun after the first BARS
-    for r in ordered:
-        r.bars = [b for b in r.bars if id(b) in kept]
     times = [t for r in ordered for b in r.bars for t in (b.start, b.end or now)]
     if not times:
         return Gantt([], None, None)
@@ -119,13 +125,8 @@ def build(events: Iterable[Mapping[str, Any]], now: datetime) -> Gantt:
     for i, row in enumerate(ordered):
         row.y = TOP + i * ROW_H
         row.bars = [
-            Bar(
-                b.start,
-                b.end,
-                b.outcome,
-                b.attempt,
-                x_of(b.start),
-                max(2.0, round(x_of(b.end or now) - x_of(b.start), 1)),
+            replace(
+                b, x=x_of(b.start), width=max(2.0, round(x_of(b.end or now) - x_of(b.start), 1))
             )
             for b in row.bars
         ]

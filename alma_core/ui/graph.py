@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar
 
-MAIN = "main"
+from alma_core.ui.views import MAIN_LANE as MAIN  # as the timeline names it
+
 END = "(end)"
 COLUMN_W, BOX_W, BOX_H, ROW_H, PAD = 180, 156, 40, 64, 12
 HEADER = 22  # the lanes' names above their columns
@@ -122,10 +123,17 @@ def build(
     last: dict[str, tuple[str, str]] = {}  # each lane's node reached last
     at_seq: dict[int, tuple[str, str]] = {}  # the node each checkpoint belongs to
 
-    def reach(key: tuple[str, str], froms: list[tuple[str, str]], kind: str = "node") -> GraphNode:
+    beyond: set[tuple[str, str]] = set()  # reached after DRAWN others: counted, not built
+
+    def reach(
+        key: tuple[str, str], froms: list[tuple[str, str]], kind: str = "node"
+    ) -> GraphNode | None:
         lane = key[0]
-        column = lanes.setdefault(lane, len(lanes))
         node = nodes.get(key)
+        if node is None and len(nodes) >= DRAWN:
+            beyond.add(key)
+            return None
+        column = lanes.setdefault(lane, len(lanes))
         if node is None:
             rank = max((nodes[f].rank + 1 for f in froms if f in nodes), default=0)
             node = nodes[key] = GraphNode(lane, key[1], kind=kind, rank=rank, column=column)
@@ -147,8 +155,9 @@ def build(
         folded = [at_seq[s] for s in cp.get("merged_from") or [] if s in at_seq]
         key = (MAIN, cp.get("node_id") or f"merge #{seq}")
         node = reach(key, list(dict.fromkeys([*came_from(MAIN), *folded])), kind="merge")
-        node.status, node.seq = "merge", seq
-        at_seq[seq] = key
+        if node is not None:
+            node.status, node.seq = "merge", seq
+            at_seq[seq] = key
 
     for e in events:
         kind = e["type"]
@@ -157,10 +166,14 @@ def build(
             lane = e.get("branch_id") or MAIN
             key = (lane, e.get("node_id") or "?")
             entered = kind == "node.started" or key not in nodes or nodes[key].status != "running"
-            if entered:
-                node = reach(key, came_from(lane) if last.get(lane) != key else [])
-            else:
-                node = nodes[key]
+            found = (
+                reach(key, came_from(lane) if last.get(lane) != key else [])
+                if entered
+                else nodes[key]
+            )
+            if found is None:
+                continue
+            node = found
             if kind == "node.started":
                 node.status, node.since = "running", e.get("emitted_at")
             else:
@@ -181,17 +194,13 @@ def build(
                 merge(cp)
                 drawn.add(cp["seq"])
         elif kind == "workflow.completed":
-            node = reach((MAIN, END), came_from(MAIN), kind="end")
-            node.status = outcome or "completed"
+            end = reach((MAIN, END), came_from(MAIN), kind="end")
+            if end is not None:
+                end.status = outcome or "completed"
     for seq in sorted({cp["seq"] for cp in merges.values()} - drawn):
         merge(by_seq[seq])  # a merge no event of the run names (a join recorded elsewhere)
-    kept = dict(list(nodes.items())[:DRAWN])  # the first the run reached
-    used = {n.lane for n in kept.values()}
-    shown_lanes = [lane for lane in lanes if lane in used or lane == MAIN]
-    for n in kept.values():  # the columns of the lanes drawn, in their order
-        n.column = shown_lanes.index(n.lane)
-    graph = Graph(shown_lanes, list(kept.values()), left_out=len(nodes) - len(kept))
-    graph.edges = [Edge(a, b, _path(kept[a], kept[b])) for a, b in edges if a in kept and b in kept]
+    graph = Graph(list(lanes), list(nodes.values()), left_out=len(beyond))
+    graph.edges = [Edge(a, b, _path(nodes[a], nodes[b])) for a, b in edges]
     return graph
 
 
