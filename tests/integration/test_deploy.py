@@ -8,6 +8,7 @@ within PostgreSQL's connections; the Makefile installs the CPU build of PyTorch.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import subprocess
@@ -25,6 +26,7 @@ from typer.testing import CliRunner
 from alma_core.cli import app, embedded_kafka
 from alma_core.consumers.metrics import ExporterMetrics, Metrics
 from alma_core.settings import Settings
+from tests.cluster.services import CLUSTER_SETTINGS
 
 ROOT = Path(__file__).parents[2]
 DEPLOY = ROOT / "deploy"
@@ -261,22 +263,72 @@ def test_the_makefile_installs_the_cpu_build_of_torch_alone_first(tmp_path: Path
 # --- docker compose -------------------------------------------------------------------
 
 
+# What tests/cluster's brokers share with a production cluster's (the rest of its
+# settings are sized for a 2-core machine or shortened so a test waits less).
+REPLICATED = (
+    "default.replication.factor",
+    "min.insync.replicas",
+    "unclean.leader.election.enable",
+    "offsets.topic.replication.factor",
+    "transaction.state.log.replication.factor",
+    "transaction.state.log.min.isr",
+    "share.coordinator.state.topic.replication.factor",
+    "share.coordinator.state.topic.min.isr",
+    "auto.create.topics.enable",
+)
+
+
+def broker_properties(env: dict[str, Any]) -> dict[str, str]:
+    """The server.properties the apache/kafka image writes from a container's
+    environment: KAFKA_FOO_BAR is foo.bar (``___`` a dash, ``__`` an underscore)."""
+    properties = {}
+    for name, value in env.items():
+        if name.startswith("KAFKA_") and name not in {"KAFKA_HEAP_OPTS", "KAFKA_OPTS"}:
+            key = name.removeprefix("KAFKA_").lower()
+            key = key.replace("___", "-").replace("__", "\0").replace("_", ".")
+            properties[key.replace("\0", "_")] = str(value)
+    return properties
+
+
 def test_docker_compose_services_and_settings() -> None:
     compose: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
     alma = ("init", "checkpointer", "joiner", "learner", "lag-exporter")
-    assert {"kafka", "postgres", "redis", "prometheus", "grafana", *alma} <= set(services)
-    assert "KAFKA_PROCESS_ROLES" in services["kafka"]["environment"]  # KRaft, no ZooKeeper
+    brokers = ("kafka-1", "kafka-2", "kafka-3")
+    assert {*brokers, "postgres", "redis", "prometheus", "grafana", *alma} <= set(services)
+    assert not {"kafka"} & set(services)  # no single broker beside the cluster
     assert services["postgres"]["image"] == "pgvector/pgvector:pg18"  # as the embedded stack
-    # the Apache Kafka the suite runs on (make kafka's pom names it)
-    assert services["kafka"]["image"] == f"apache/kafka:{embedded_kafka.version()}"
-    # acknowledged events survive `docker compose down`: the log is in a named volume
-    kafka = services["kafka"]
-    log_dirs = kafka["environment"]["KAFKA_LOG_DIRS"]
-    assert any(v.split(":")[1] == log_dirs for v in kafka["volumes"])
-    assert {v.split(":")[0] for v in kafka["volumes"]} <= set(compose["volumes"])
-    retention_days = kafka["environment"]["KAFKA_LOG_RETENTION_HOURS"] / 24
-    assert retention_days < Settings.model_fields["run_retention_days"].default
+    # three KRaft nodes, each a broker and a controller, the topology tests/cluster runs
+    nodes = {name: broker_properties(services[name]["environment"]) for name in brokers}
+    voters = {f"{i}@kafka-{i}:9093" for i in (1, 2, 3)}
+    cluster_ids = {services[name]["environment"]["CLUSTER_ID"] for name in brokers}
+    assert len(cluster_ids) == 1
+    assert len(base64.urlsafe_b64decode(cluster_ids.pop() + "==")) == 16  # a KRaft UUID
+    for i, name in enumerate(brokers, 1):
+        kafka, props = services[name], nodes[name]
+        # the Apache Kafka the suite runs on (make kafka's pom names it)
+        assert kafka["image"] == f"apache/kafka:{embedded_kafka.version()}"
+        assert "healthcheck" in kafka, name
+        assert props["process.roles"] == "broker,controller"
+        assert props["node.id"] == str(i)
+        assert set(props["controller.quorum.voters"].split(",")) == voters
+        assert props["advertised.listeners"] == f"PLAINTEXT://{name}:9092"
+        for key in REPLICATED:
+            assert props[key] == CLUSTER_SETTINGS[key], (name, key)
+        # acknowledged events survive `docker compose down`: each log in a named volume
+        (volume,) = kafka["volumes"]
+        assert volume.split(":")[1] == props["log.dirs"]
+        assert volume.split(":")[0] in compose["volumes"]
+        retention_days = int(props["log.retention.hours"]) / 24
+        assert retention_days < Settings.model_fields["run_retention_days"].default
+    assert len({services[n]["volumes"][0] for n in brokers}) == 3  # one log each
+    # ALMA finds every broker and makes its topics as replicated as the cluster's
+    env = compose["x-alma-env"]
+    assert env["ALMA_KAFKA_BOOTSTRAP"].split(",") == [f"{n}:9092" for n in brokers]
+    assert int(env["ALMA_REPLICATION_FACTOR"]) == int(
+        CLUSTER_SETTINGS["default.replication.factor"]
+    )
+    assert set(brokers) <= set(services["init"]["depends_on"])  # topics made on all three
     # one build, reused: the same versioned image everywhere
     built = [name for name, service in services.items() if "build" in service]
     assert built == ["init"]
@@ -296,7 +348,6 @@ def test_docker_compose_services_and_settings() -> None:
         env = services[name]["environment"]
         assert {"ALMA_POSTGRES_DSN", "ALMA_REDIS_URL"} <= set(env)
     for name in (
-        "kafka",
         "postgres",
         "redis",
         "checkpointer",
@@ -505,3 +556,58 @@ def test_worst_case_postgresql_connections_stay_under_max_connections() -> None:
         f"**{pods_at_most * pool} + {jobs} = {worst}**"
         in (ROOT / "docs" / "operations.md").read_text()
     )
+
+
+def test_the_kubernetes_kafka_is_the_cluster_the_tests_lose_machines_in() -> None:
+    objects = [doc for doc in yaml.safe_load_all((K8S / "kafka" / "kafka.yaml").read_text()) if doc]
+    kustomization = yaml.safe_load((K8S / "kafka" / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["kafka.yaml"]
+    by_name = {(o["kind"], o["metadata"]["name"]): o for o in objects}
+    stateful = by_name["StatefulSet", "kafka"]["spec"]
+    replicas = stateful["replicas"]
+    assert replicas == 3
+    assert stateful["podManagementPolicy"] == "Parallel"  # the voters elect together
+    headless = by_name["Service", "kafka-headless"]["spec"]
+    assert headless["clusterIP"] == "None"
+    assert headless["publishNotReadyAddresses"] is True
+    assert stateful["serviceName"] == "kafka-headless"
+    pod = stateful["template"]["spec"]
+    (term,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"  # one broker per machine
+    assert by_name["PodDisruptionBudget", "kafka"]["spec"]["maxUnavailable"] == 1
+    (container,) = pod["containers"]
+    assert container["image"] == f"apache/kafka:{embedded_kafka.version()}"
+    values = {e["name"]: e.get("value") for e in container["env"]}
+    by_field = {
+        e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
+        for e in container["env"]
+        if "valueFrom" in e
+    }
+    assert by_field["KAFKA_NODE_ID"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    props = broker_properties({k: v for k, v in values.items() if v is not None})
+    voters = {f"{i}@kafka-{i}.kafka-headless:9093" for i in range(replicas)}
+    assert set(props["controller.quorum.voters"].split(",")) == voters
+    assert props["advertised.listeners"] == "PLAINTEXT://$(POD_NAME).kafka-headless:9092"
+    assert by_field["POD_NAME"] == "metadata.name"
+    for key in REPLICATED:
+        assert props[key] == CLUSTER_SETTINGS[key], key
+    (mount,) = container["volumeMounts"]
+    assert mount["mountPath"] == props["log.dirs"]
+    (claim,) = stateful["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == mount["name"]  # the log outlives the pod
+    # the same cluster id as docker compose's, a KRaft UUID
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert values["CLUSTER_ID"] == compose["x-kafka-env"]["CLUSTER_ID"]
+    assert "memory" in container["resources"]["limits"]
+    security = pod["securityContext"]
+    assert security["runAsNonRoot"] is True
+    assert security["runAsUser"] != 0
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    # ALMA's settings bootstrap from its Service and replicate as it does
+    (config,) = manifests()["ConfigMap"]
+    assert config["data"]["ALMA_KAFKA_BOOTSTRAP"] == "kafka:9092"
+    assert ("Service", "kafka") in by_name
+    assert by_name["Service", "kafka"]["spec"]["ports"] == [{"name": "kafka", "port": 9092}]
+    assert int(config["data"]["ALMA_REPLICATION_FACTOR"]) == replicas
