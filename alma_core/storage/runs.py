@@ -89,7 +89,9 @@ async def unrecorded(conn: Conn, tenant_id: str, run_id: str, event_ids: list[st
 # was dead-lettered since the run last advanced, that letter neither replayed nor its
 # event applied since: the run waits on an operator. It stops being blocked when the
 # letter is replayed (a replay dead-lettered again is a new letter), when the event is
-# applied, when the run advances anyway (a later event or a merge applied) or ends. A
+# applied (a join handed to the joiner is recorded, not applied: the joiner may still
+# refuse it, a branch it names never having come), when the run advances anyway (a
+# later event or a merge applied) or ends. A
 # producer's refusal (tenant_not_producer, reply_to_refused) names a run its producer
 # may not write to, so it blocks nothing. One statement, read from the letters' side
 # (few) and joined to the runs, so that a listing hashes it once instead of probing the
@@ -103,7 +105,8 @@ WHERE ({{tenant}}::text IS NULL OR d.tenant_id = {{tenant}}) AND d.replayed_at I
   AND d.reason NOT IN ({", ".join(f"'{r}'" for r in NOT_BLOCKING)})
   AND br.status = 'running' AND d.created_at >= br.updated_at
   AND NOT EXISTS (SELECT 1 FROM run_events be WHERE be.tenant_id = d.tenant_id
-                  AND be.run_id = d.run_id AND be.event_id = d.event_id)"""
+                  AND be.run_id = d.run_id AND be.event_id = d.event_id
+                  AND be.effect IS DISTINCT FROM 'handed_off')"""
 
 
 def blocked_runs(tenant: str) -> str:

@@ -114,3 +114,36 @@ async def test_a_run_waiting_on_its_own_dead_letter_is_blocked_until_replayed(
             counts = dict(re.findall(r'id="count-(\w+)">(\d+)<', (await http.get("/runs")).text))
             assert (counts["running"], counts["blocked"]) == ("2", "0")
         assert await cli(settings, "runs", "list", "--tenant", "acme", "--status", "blocked") == []
+
+
+async def test_a_join_refused_for_a_branch_that_never_came_blocks_its_run(
+    settings: Settings,
+) -> None:
+    """A join is handed to the joiner (its event recorded, not applied yet); when the
+    joiner refuses it (a branch it names has no checkpoint), the run waits on that
+    letter like on any other, until a join that can merge is applied."""
+    ctx = WorkflowContext("acme", "wf", None, "joined-1", "plan")
+    async with (
+        AlmaClient(settings) as client,
+        Worker.start(settings, ("checkpointer", "joiner")),
+    ):
+        await client.node_completed(ctx, state={"n": 1}, wait="applied", timeout=60)
+        branch = dataclasses.replace(ctx, node_id="search", branch_id="A")
+        await client.node_completed(branch, updates={"n": 2}, wait="applied", timeout=60)
+        with pytest.raises(errors.MergeFailed, match="missing_branch"):
+            await client.merge(ctx, branch_ids=["A", "never"], node_id="gather", timeout=60)
+        pool = await client.read_pool()
+        [letter] = await wait_for(
+            lambda: runs.blocking_letters(pool, "acme", "joined-1"), what="the join's letter"
+        )
+        assert letter["reason"] == "missing_branch"
+        report = await runs.report(pool, "joined-1", "acme")
+        assert report is not None
+        assert report["status"] == "blocked"
+        point = await client.resume(ctx)
+        assert point.blocked
+        # its orchestrator joins what came: merged, the run advanced, blocked no more
+        await client.merge(ctx, branch_ids=["A"], node_id="gather", timeout=60)
+        report = await runs.report(pool, "joined-1", "acme")
+        assert report is not None
+        assert (report["status"], report["blocked_by"]) == ("running", [])
