@@ -1,11 +1,12 @@
 """The run inspector's pages: how long `alma ui` takes to answer over a tenant of 100,000
-runs and a run of 1,000 checkpoints.
+runs, a run of 1,000 checkpoints and a state of 10,000 fields.
 
 In a database of its own: 100,000 runs of one tenant (a third of them failed, a few
-running, created over 30 days), and one run of 1,000 checkpoints (1 KB states, 1,000
-audit rows) with its heads. `alma ui --tenant bench` runs in a process of its own, as a
-person starts it; each page is asked for one after another over HTTP (keep-alive), its
-time measured by the client, after a few requests to warm it up.
+running, created over 30 days), one run of 1,000 checkpoints (1 KB states, 1,000 audit
+rows) with its heads, and a run of two checkpoints of a 10,000-field state (the second
+changing 10 fields). `alma ui --tenant bench` runs in a process of its own, as a person
+starts it; each page is asked for one after another over HTTP (keep-alive), its time
+measured by the client, after a few requests to warm it up.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from bench.report import Section, Stat, pct
 STEPS_PER_REP = 2
 TARGET_MS = 200
 BIG_RUN = "inspected"
+WIDE_RUN, WIDE_FIELDS = "wide", 10_000
 
 
 def _sizes(env: Env) -> tuple[int, int]:
@@ -103,6 +105,25 @@ async def _fill(dsn: str, runs: int, checkpoints: int) -> None:
             BIG_RUN,
             checkpoints,
         )
+        # a run of two checkpoints of a 10,000-field state, the second changing 10 fields
+        await conn.execute(
+            """INSERT INTO runs (run_id, tenant_id, workflow_id, status, last_seq, event_count)
+               VALUES ($1, 'bench', 'wf-0', 'running', 2, 2)""",
+            WIDE_RUN,
+        )
+        await conn.execute(
+            """INSERT INTO checkpoints (run_id, seq, tenant_id, kind, node_id, parent_seq,
+                                        event_id, state, state_hash, size_bytes)
+               SELECT $1, s, 'bench', 'node', 'wide', NULLIF(s - 1, 0), 'w-' || s,
+                      (SELECT json_object_agg('field-' || k,
+                                CASE WHEN s = 2 AND k % 1000 = 0 THEN 'changed ' || k
+                                     ELSE 'value of ' || k END)
+                       FROM generate_series(1, $2) AS k),
+                      md5(s::text), 200000
+               FROM generate_series(1, 2) AS s""",
+            WIDE_RUN,
+            WIDE_FIELDS,
+        )
         await conn.execute("ANALYZE")
     finally:
         await conn.close()
@@ -157,7 +178,8 @@ def _inspector(env: Env, dsn: str) -> contextlib.AbstractAsyncContextManager[str
 
 def _pages(checkpoints: int) -> list[tuple[str, str]]:
     run = f"/run?id={BIG_RUN}"
-    middle = quote(cursor(datetime.now(UTC) - timedelta(days=10), "run-"))
+    middle = quote(cursor((datetime.now(UTC) - timedelta(days=10), "run-")))
+    longer = quote(cursor((3_600_000.0, datetime.now(UTC), "run-")))  # runs over an hour
     return [
         ("runs, newest 50", "/runs"),
         ("runs, failed", "/runs?status=failed"),
@@ -167,11 +189,18 @@ def _pages(checkpoints: int) -> list[tuple[str, str]]:
         ("runs, error text (one run)", "/runs?error=slow+99999"),
         ("runs, a page of newer runs", f"/runs?newer={middle}"),
         ("runs, a time range", "/runs?since=2000-01-01T00:00&until=2999-01-01T00:00"),
+        ("runs, longest first", "/runs?sort=duration"),
+        ("runs, by duration, a later page", f"/runs?sort=duration&after={longer}"),
+        ("runs, worst status first", "/runs?sort=status"),
+        ("runs, failed, shortest first", "/runs?status=failed&sort=duration&dir=asc"),
         (f"a run of {checkpoints:,} checkpoints", run),
         ("the same run's history, a later page", f"{run}&events={checkpoints // 2}"),
         ("a checkpoint", f"/checkpoint?id={BIG_RUN}&seq={checkpoints // 2}"),
         ("a diff, first to last", f"/diff?id={BIG_RUN}&a=1&b={checkpoints}"),
         ("dead letters", "/dead-letters"),
+        (f"a checkpoint of a {WIDE_FIELDS:,}-field state", f"/checkpoint?id={WIDE_RUN}&seq=2"),
+        ("the same, fields whose name has '99'", f"/checkpoint?id={WIDE_RUN}&seq=2&key=99"),
+        ("the same, a later page of fields", f"/checkpoint?id={WIDE_RUN}&seq=2&fields=5000"),
     ]
 
 

@@ -111,6 +111,7 @@ async def run_report(conn: Any, run_id: str, tenant: str | None) -> dict[str, An
     return {
         "run": _jsonable(found["run"]) | {"status": found["status"]},
         "forked_from": found["forked_from"],
+        "forks": [_jsonable(r) for r in found["forks"]],
         "events": [_jsonable(r) for r in found["events"]],
         "checkpoints": [_jsonable(r) for r in found["checkpoints"]],
         "joins": [_jsonable(r) for r in found["joins"]],
@@ -178,6 +179,25 @@ def runs_show(
             common.out.print(
                 f"  why: {escape(visible(lineage.get('note') or '(no note)'))}"
                 f" (asked by {escape(visible(lineage.get('asked_by') or 'someone unnamed'))})"
+            )
+    if forks := doc["forks"]:
+        total = forks[0]["total"]
+        common.out.print(
+            f"forked {total} time{'s' if total > 1 else ''}"
+            + (f" (the newest {len(forks)}):" if total > len(forks) else ":")
+        )
+        for f in forks:
+            why = (
+                f"; why: {visible(f['note'] or '(no note)')} (asked by "
+                f"{visible(f['asked_by'] or 'someone unnamed')})"
+                if f["note"] or f["asked_by"]
+                else ""
+            )
+            common.out.print(
+                f"  {visible(f['run_id'])} from seq {f['seq']}"
+                f"{', its state edited' if f['patched'] else ''}{why}",
+                highlight=False,
+                markup=False,
             )
     sections = {
         "events": ("type", "node_id", "branch_id", "effect", "checkpoint_seq", "emitted_at"),

@@ -17,7 +17,7 @@ from typing import Any, Final, TypeAlias
 import asyncpg
 
 from alma_core import errors
-from alma_core.sequencing import BLOCKED, RUN_STATUSES
+from alma_core.sequencing import BLOCKED, REFUSED, RUN_STATUSES
 from alma_core.storage import dead_letters
 
 Conn: TypeAlias = asyncpg.Connection | asyncpg.Pool
@@ -285,47 +285,109 @@ class RunFilter:
         return " AND ".join(terms), args
 
 
+# How a list may be sorted (created: by creation; duration: from when the run was first
+# recorded to its completion as sent, or to the list's "as of" while it runs; status: as
+# shown, worst first), and the SQL of each key over a ``runs`` row.
+SORTS: Final = ("created", "duration", "status")
+_WORST_LAST: Final = ("succeeded", "running", REFUSED, BLOCKED, "failed")
+
+
+def _duration_ms(row: str = "", now: str = "now()") -> str:
+    return (
+        f"greatest(0, 1000 * extract(epoch FROM coalesce({row}completed_at, {now}) "
+        f"- {row}created_at))::float8"
+    )
+
+
+def _sort_key(sort: str, now: str) -> str | None:
+    """The SQL of ``sort``'s key over a ``runs`` row (None: creation, the index's)."""
+    if sort == "duration":
+        return _duration_ms(now=now)
+    if sort == "status":
+        return f"array_position(ARRAY{list(_WORST_LAST)!r}::text[], {_SHOWN_OF_1})"
+    return None
+
+
+@dataclass(frozen=True)
+class Order:
+    """A list's order: ``sort`` one of :data:`SORTS`, the newest, longest or worst
+    first unless ``ascending``; ties go by creation, then run id, the same way. A
+    page's cursor is its last row's :meth:`key`. ``as_of``: when a running run's
+    duration is taken (None: now). Every page of one walk through a list by duration
+    shares it, or a running run, its duration grown since the last page, would move
+    across the cursor and be listed twice (or never)."""
+
+    sort: str = "created"
+    ascending: bool = False
+    as_of: datetime | None = None
+
+    def __post_init__(self) -> None:
+        if self.sort not in SORTS:
+            raise ValueError(f"no sort {self.sort!r}: one of {', '.join(SORTS)}")
+
+    def key(self, row: asyncpg.Record) -> tuple[Any, ...]:
+        """Where ``row`` sits in this order: the cursor of the page after it."""
+        by = (row["created_at"], row["run_id"])
+        return by if self.sort == "created" else (row["sort_key"], *by)
+
+
 async def page(
     conn: Conn,
     f: RunFilter,
     *,
-    before: tuple[datetime, str] | None,
+    before: tuple[Any, ...] | None,
     limit: int,
-    newer_than: tuple[datetime, str] | None = None,
+    newer_than: tuple[Any, ...] | None = None,
+    order: Order = Order(),
 ) -> list[asyncpg.Record]:
-    """Up to ``limit`` runs matching ``f``, newest first (by creation, then run id):
-    those created before ``before`` (the last of the next newer page) when given, or
-    the ``limit`` oldest of those newer than ``newer_than`` (the first of the next
-    older page: the page before it). For triage, each with ``duration_ms`` (from when
-    it was first recorded to its completion as sent, or to now while it runs) and, for
-    a failed run, its latest failure's node and error type (``failing_node``,
-    ``error_type``: read for the page's runs only, from the run's newest checkpoint
-    back)."""
+    """Up to ``limit`` runs matching ``f`` in ``order`` (newest first by default): those
+    after ``before`` (the last of the previous page's :meth:`Order.key`) when given, or
+    the ``limit`` nearest of those ahead of ``newer_than`` (the first of the next page:
+    the page before it). For triage, each with ``duration_ms`` (from when it was first
+    recorded to its completion as sent, or to now while it runs) and, for a failed
+    run, its latest failure's node and error type (``failing_node``, ``error_type``:
+    read for the page's runs only, from the run's newest checkpoint back), a running
+    run's duration taken at ``order.as_of``."""
     where, args = f.where()
-    cursor, order = (before, "<") if newer_than is None else (newer_than, ">")
+    now = "now()"
+    if order.as_of is not None:
+        args.append(order.as_of)
+        now = f"${len(args)}::timestamptz"
+    cursor, back = (before, False) if newer_than is None else (newer_than, True)
+    descending = order.ascending == back
+    key = _sort_key(order.sort, now)
+    columns = "created_at, run_id" if key is None else "sort_key, created_at, run_id"
+    after = ""
     if cursor is not None:
         args += list(cursor)
-        where += f" AND (created_at, run_id) {order} (${len(args) - 1}, ${len(args)})"
+        marks = ", ".join(f"${len(args) - i}" for i in reversed(range(len(cursor))))
+        after = f"({columns}) {'<' if descending else '>'} ({marks})"
     args.append(limit)
-    direction = "DESC" if order == "<" else "ASC"
+    direction = "DESC" if descending else "ASC"
+    by = ", ".join(f"{c} {direction}" for c in columns.split(", "))
+    sort_key = "" if key is None else f", {key} AS sort_key"
+    selected = f"""SELECT tenant_id, run_id, workflow_id, workflow_version,
+                          {_SHOWN_OF_1} AS status, last_seq, event_count, projection,
+                          created_at, updated_at, completed_at{sort_key}
+                   FROM runs WHERE {where}"""
+    if key is None:  # from the (tenant, created_at) index, no sort
+        picked = f"{selected}{' AND ' + after if after else ''} ORDER BY {by} LIMIT ${len(args)}"
+    else:  # every matching run's key, then the page's (a top-N sort)
+        picked = f"""SELECT * FROM ({selected}) k {"WHERE " + after if after else ""}
+                     ORDER BY {by} LIMIT ${len(args)}"""
     rows: list[asyncpg.Record] = await conn.fetch(
         f"""SELECT p.*, f.node_id AS failing_node, f.error_type,
-                   greatest(0, 1000 * extract(epoch FROM
-                     coalesce(p.completed_at, now()) - p.created_at))::float8 AS duration_ms
-            FROM (SELECT tenant_id, run_id, workflow_id, workflow_version,
-                         {_SHOWN_OF_1} AS status, last_seq, event_count, projection,
-                         created_at, updated_at, completed_at
-                  FROM runs WHERE {where}
-                  ORDER BY created_at {direction}, run_id {direction} LIMIT ${len(args)}) p
+                   {_duration_ms("p.", now)} AS duration_ms
+            FROM ({picked}) p
             LEFT JOIN LATERAL (
               SELECT c.node_id, c.metadata->'error'->>'type' AS error_type
               FROM checkpoints c
               WHERE c.tenant_id = p.tenant_id AND c.run_id = p.run_id AND c.kind = 'failure'
               ORDER BY c.seq DESC LIMIT 1) f ON p.status = 'failed'
-            ORDER BY p.created_at {direction}, p.run_id {direction}""",
+            ORDER BY {", ".join(f"p.{c} {direction}" for c in columns.split(", "))}""",
         *args,
     )
-    return rows if order == "<" else rows[::-1]
+    return rows[::-1] if back else rows
 
 
 @contextlib.asynccontextmanager
@@ -410,7 +472,10 @@ async def report(conn: asyncpg.Connection, run_id: str, tenant_id: str | None) -
                   CASE WHEN type = 'workflow.completed'
                        THEN (payload->>'duration_ms')::bigint END AS duration_ms,
                   CASE WHEN type = 'workflow.completed'
-                       THEN payload->>'error_message' END AS error_message
+                       THEN payload->>'error_message' END AS error_message,
+                  CASE WHEN type = 'branch.join' THEN payload->'reducers' END AS reducers,
+                  CASE WHEN type = 'branch.join'
+                       THEN payload->>'default_reducer' END AS default_reducer
            FROM run_events WHERE tenant_id = $1 AND run_id = $2
            ORDER BY ordinal""",
         tenant,
@@ -449,6 +514,7 @@ async def report(conn: asyncpg.Connection, run_id: str, tenant_id: str | None) -
     return {
         "run": run,
         "forked_from": json.loads(lineage) if lineage else None,
+        "forks": await forks(conn, tenant, run_id),
         "events": events,
         "checkpoints": checkpoints,
         "joins": joins,
@@ -458,6 +524,63 @@ async def report(conn: asyncpg.Connection, run_id: str, tenant_id: str | None) -
         "blocked_by": blocked_by,
         "status": BLOCKED if blocked_by else run["status"],
     }
+
+
+# The forks a run's page and `alma runs show` list, newest first (and how many in all).
+FORKS_SHOWN = 20
+
+
+async def forks(
+    conn: Conn, tenant_id: str, run_id: str, limit: int = FORKS_SHOWN
+) -> list[asyncpg.Record]:
+    """The runs forked from ``run_id``, newest first, at most ``limit`` (each with
+    ``run_id``, the ``seq`` it started from, the edit's ``note``, ``asked_by`` and
+    whether a ``patched`` state, when, and ``total``: how many forks in all), from the
+    lineage in each fork's first checkpoint (index ``checkpoints_forks``)."""
+    rows: list[asyncpg.Record] = await conn.fetch(
+        """SELECT run_id, (metadata->'forked_from'->>'seq')::bigint AS seq,
+                  metadata->'forked_from'->>'note' AS note,
+                  metadata->'forked_from'->>'asked_by' AS asked_by,
+                  metadata->'forked_from' ? 'patch' AS patched, created_at,
+                  count(*) OVER ()::int AS total
+           FROM checkpoints
+           WHERE tenant_id = $1 AND metadata->'forked_from'->>'run_id' = $2
+             AND seq = 1 AND metadata ? 'forked_from'
+           ORDER BY created_at DESC, run_id DESC LIMIT $3""",
+        tenant_id,
+        run_id,
+        limit,
+    )
+    return rows
+
+
+# How many of a workflow's latest finished runs tell which nodes it usually reaches.
+OTHER_RUNS = 20
+
+
+async def reached_elsewhere(
+    conn: Conn, tenant_id: str, workflow_id: str, run_id: str, runs: int = OTHER_RUNS
+) -> tuple[dict[str, int], int]:
+    """The nodes the workflow's ``runs`` latest finished runs other than ``run_id``
+    reached (a checkpoint of theirs names the node: a node's, a failure's or a
+    merge's), each with how many of those runs did, and how many runs were looked at."""
+    rows = await conn.fetch(
+        """WITH others AS (
+             SELECT run_id FROM runs
+             WHERE tenant_id = $1 AND workflow_id = $2 AND run_id <> $3
+               AND status IN ('succeeded', 'failed')
+             ORDER BY created_at DESC LIMIT $4)
+           SELECT c.node_id, count(DISTINCT c.run_id)::int AS runs,
+                  (SELECT count(*) FROM others)::int AS looked_at
+           FROM others o JOIN checkpoints c ON c.tenant_id = $1 AND c.run_id = o.run_id
+           WHERE c.node_id IS NOT NULL
+           GROUP BY c.node_id""",
+        tenant_id,
+        workflow_id,
+        run_id,
+        runs,
+    )
+    return {r["node_id"]: r["runs"] for r in rows}, (rows[0]["looked_at"] if rows else 0)
 
 
 async def path(conn: Conn, tenant_id: str, run_id: str) -> tuple[list[asyncpg.Record], Any]:

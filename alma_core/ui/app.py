@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -148,13 +149,25 @@ class Inspector:
             node=q.get("node") or None,
             error=q.get("error") or None,
         )
-        older_than = views.parse_cursor(q.get("after"))
-        newer_than = views.parse_cursor(q.get("newer"))
+        order = _order(q.get("sort"), q.get("dir"))
+        older_than = views.parse_cursor(q.get("after"), order.sort)
+        newer_than = views.parse_cursor(q.get("newer"), order.sort)
+        query = dict(q)
+        if order.sort == "duration":  # one walk's pages take running runs' durations at once
+            paging = older_than is not None or newer_than is not None
+            as_of = (_time(q.get("asof"), "asof") if paging else None) or datetime.now(UTC)
+            order = dataclasses.replace(order, as_of=as_of)
+            query["asof"] = as_of.isoformat()
         # a search inside checkpoints counts up to COUNT_CAP runs (then says "more")
         inside = chosen.node is not None or chosen.error is not None
         async with runs.planned_for_values(await self.pool(), inside) as conn:
             listed = await runs.page(
-                conn, chosen, before=older_than, newer_than=newer_than, limit=PAGE_SIZE + 1
+                conn,
+                chosen,
+                before=older_than,
+                newer_than=newer_than,
+                limit=PAGE_SIZE + 1,
+                order=order,
             )
             counts = await runs.status_counts(conn, chosen, cap=COUNT_CAP if inside else None)
         more = len(listed) > PAGE_SIZE
@@ -166,9 +179,9 @@ class Inspector:
             more_older, more_newer = more, older_than is not None
         after = before = None
         if listed and more_older:
-            after = views.cursor(listed[-1]["created_at"], listed[-1]["run_id"])
+            after = views.cursor(order.key(listed[-1]))
         if listed and more_newer:
-            before = views.cursor(listed[0]["created_at"], listed[0]["run_id"])
+            before = views.cursor(order.key(listed[0]))
         live = q.get("live") == "1"
         return self.page(
             request,
@@ -180,7 +193,8 @@ class Inspector:
             capped=inside and sum(counts.values()) > COUNT_CAP,
             cap=COUNT_CAP,
             statuses=SHOWN_STATUSES,
-            query=dict(q),
+            query=query,
+            order=order,
             after=after,
             newer=before,
             refresh=5 if live else None,
@@ -192,15 +206,20 @@ class Inspector:
         pool = await self.pool()
         async with pool.acquire() as conn:
             report = await runs.report(conn, run_id, tenant)
-        if not report:
-            raise HTTPException(404, f"tenant {tenant!r} has no run {run_id!r}")
-        run = report["run"]
+            if not report:
+                raise HTTPException(404, f"tenant {tenant!r} has no run {run_id!r}")
+            run = report["run"]
+            elsewhere, others = await runs.reached_elsewhere(
+                conn, tenant, run["workflow_id"], run_id
+            )
         completed = next((e for e in report["events"] if e["type"] == "workflow.completed"), None)
         completion = (
             {"at": completed["recorded_at"], "outcome": run["status"]} if completed else None
         )
         steps = views.steps(report["events"])
-        drawn = graph.build(report["events"], report["checkpoints"], run["status"])
+        drawn = graph.build(
+            report["events"], report["checkpoints"], report["status"], elsewhere, others
+        )
         timed = gantt.build(report["events"], now=datetime.now(UTC))
         laid_out = views.timeline(
             report["checkpoints"],
@@ -222,6 +241,7 @@ class Inspector:
             report=report,
             timeline=laid_out,
             graph=drawn,
+            others_looked_at=others,
             gantt=timed,
             checkpoint_link=self.url(request, "/checkpoint", tenant=tenant, id=run_id) + "&seq=",
             outcome=outcome,
@@ -254,15 +274,18 @@ class Inspector:
         shown, changes_page = self._paged(
             request, changes, "changes", CHANGES_PAGE, "/checkpoint", id=run_id, seq=seq
         )
-        # a state too big to show whole: its fields too, a page at a time, each a link away
+        # a state too big to show whole: its fields too, in natural order, a page at a
+        # time, each a link away; a search keeps the fields whose name has the text
+        searched = (request.query_params.get("key") or "").strip()
         fields, fields_page = self._paged(
             request,
-            sorted(cp.state.items(), key=lambda kv: str(kv[0])),
+            views.fields_in_order(cp.state, searched),
             "fields",
             CHANGES_PAGE,
             "/checkpoint",
             id=run_id,
             seq=seq,
+            key=searched or None,
         )
         merge = None
         if cp.kind == "merge":
@@ -281,6 +304,7 @@ class Inspector:
             changes_page=changes_page,
             fields=fields,
             fields_page=fields_page,
+            searched=searched,
         )
 
     async def checkpoint_json(self, request: Request) -> Response:
@@ -610,6 +634,16 @@ def _time(raw: str | None, name: str) -> datetime | None:
             400, f"{name}: not a time ({raw[:40]!r}); use 2026-11-26T14:30"
         ) from None
     return at if at.tzinfo else at.replace(tzinfo=UTC)
+
+
+def _order(sort: str | None, direction: str | None) -> runs.Order:
+    """The runs list's order from its address (``sort``, ``dir``): newest first when
+    neither is given."""
+    if sort and sort not in runs.SORTS:
+        raise HTTPException(400, f"no sort {sort!r}: one of {', '.join(runs.SORTS)}")
+    if direction and direction not in ("asc", "desc"):
+        raise HTTPException(400, f"no dir {direction!r}: asc or desc")
+    return runs.Order(sort or "created", ascending=direction == "asc")
 
 
 def create_app(

@@ -23,7 +23,9 @@ END = "(end)"
 COLUMN_W, BOX_W, BOX_H, ROW_H, PAD = 180, 156, 40, 64, 12
 HEADER = 22  # the lanes' names above their columns
 LABEL_CHARS = 20  # of a node's id in its box; the whole id is its tooltip
+NOTE_CHARS = 26  # of its note, in smaller letters
 DRAWN = 120  # nodes drawn at most: nothing on a page grows with a run
+UNREACHED_COLUMNS = 4  # the nodes never reached, in rows of at least this many
 
 
 @dataclass
@@ -32,7 +34,7 @@ class GraphNode:
 
     lane: str
     node_id: str
-    kind: str = "node"  # node, merge or end
+    kind: str = "node"  # node, merge, end or unreached (other runs reach it, not this one)
     status: str = "running"  # succeeded, failed, retried, running; merge; end: the outcome
     attempts: int = 0  # node.completed and node.failed events
     failures: int = 0
@@ -40,6 +42,9 @@ class GraphNode:
     since: datetime | None = None  # running: its latest node.started
     rank: int = 0
     column: int = 0
+    reducers: dict[str, str] | None = None  # merge: the join's reducer per field, as sent
+    default_reducer: str | None = None  # merge: for the fields it does not name
+    reached_by: tuple[int, int] | None = None  # unreached: (of how many other runs, of n)
 
     @property
     def label(self) -> str:
@@ -50,7 +55,9 @@ class GraphNode:
     def note(self) -> str:
         """The box's second line: what became of the node."""
         if self.kind == "merge":
-            return "merge"
+            return "merge: " + self.reducing if self.reducers or self.default_reducer else "merge"
+        if self.kind == "unreached" and self.reached_by is not None:
+            return f"{self.status}; {self.reached_by[0]}/{self.reached_by[1]} do"
         if self.kind == "end":
             return f"run {self.status}"
         if self.status == "running":
@@ -60,6 +67,32 @@ class GraphNode:
         if self.status == "failed" and self.attempts > 1:
             return f"failed {self.failures} of {self.attempts}"
         return self.status
+
+    @property
+    def detail(self) -> str:
+        """What the box's tooltip says of the node (its note, in words for the nodes
+        never reached)."""
+        if self.kind == "unreached" and self.reached_by is not None:
+            n, of = self.reached_by
+            return (
+                f"{self.status} by this run; {n} of the workflow's {of} latest finished "
+                f"runs reach{'es' if of == 1 else ''} it"
+            )
+        return self.note
+
+    @property
+    def note_shown(self) -> str:
+        """The note as its box has room for it (the whole one is the box's tooltip)."""
+        text = self.note
+        return text if len(text) <= NOTE_CHARS else text[: NOTE_CHARS - 1] + "…"
+
+    @property
+    def reducing(self) -> str:
+        """A merge's reducers as its join named them (field: reducer, then the default
+        for the rest); empty: the workflow's registered ones, or the default."""
+        named = [f"{f}: {r}" for f, r in (self.reducers or {}).items()]
+        rest = [f"others: {self.default_reducer}"] if self.default_reducer else []
+        return ", ".join(named + rest)
 
     @property
     def x(self) -> int:
@@ -83,12 +116,13 @@ class Graph:
     nodes: list[GraphNode]
     edges: list[Edge] = field(default_factory=list)
     left_out: int = 0  # nodes past DRAWN, in the order the run reached them
+    columns: int = 0  # drawn: the lanes', or more for the nodes never reached
     box_w: ClassVar[int] = BOX_W  # every node's box, as the template draws it
     box_h: ClassVar[int] = BOX_H
 
     @property
     def width(self) -> int:
-        return 2 * PAD + max(1, len(self.lanes)) * COLUMN_W - (COLUMN_W - BOX_W)
+        return 2 * PAD + max(1, len(self.lanes), self.columns) * COLUMN_W - (COLUMN_W - BOX_W)
 
     @property
     def height(self) -> int:
@@ -104,9 +138,14 @@ def build(
     events: Iterable[Mapping[str, Any]],
     checkpoints: Iterable[Mapping[str, Any]],
     outcome: str | None = None,
+    elsewhere: Mapping[str, int] | None = None,
+    others: int = 0,
 ) -> Graph:
     """The run's graph from its events (in the order the run recorded them), its
     checkpoints (for what each merge folded) and, for its end, the run's status.
+    ``elsewhere``: the nodes ``others`` other runs of the workflow reached, with how
+    many of them did; those this run did not reach are drawn below it, apart, as
+    never reached (not reached yet while it runs), most often reached first.
 
     A node is entered by its ``node.started``, or by its end (``node.completed``,
     ``node.failed``) when it was not running: only an entry draws an edge, from the node
@@ -150,7 +189,7 @@ def build(
             return [last[lane]]
         return [last[MAIN]] if lane != MAIN and MAIN in last else []
 
-    def merge(cp: Mapping[str, Any]) -> None:
+    def merge(cp: Mapping[str, Any], join: Mapping[str, Any] | None = None) -> None:
         seq = cp["seq"]
         folded = [at_seq[s] for s in cp.get("merged_from") or [] if s in at_seq]
         key = (MAIN, cp.get("node_id") or f"merge #{seq}")
@@ -158,6 +197,9 @@ def build(
         if node is not None:
             node.status, node.seq = "merge", seq
             at_seq[seq] = key
+            if join is not None:
+                node.reducers = dict(join.get("reducers") or {}) or None
+                node.default_reducer = join.get("default_reducer")
 
     for e in events:
         kind = e["type"]
@@ -191,7 +233,7 @@ def build(
         elif kind == "branch.join":
             cp = by_seq.get(seq) if seq is not None else merges.get(e.get("event_id"))
             if cp is not None and cp["kind"] == "merge":
-                merge(cp)
+                merge(cp, e)
                 drawn.add(cp["seq"])
         elif kind == "workflow.completed":
             end = reach((MAIN, END), came_from(MAIN), kind="end")
@@ -201,6 +243,31 @@ def build(
         merge(by_seq[seq])  # a merge no event of the run names (a join recorded elsewhere)
     graph = Graph(list(lanes), list(nodes.values()), left_out=len(beyond))
     graph.edges = [Edge(a, b, _path(nodes[a], nodes[b])) for a, b in edges]
+    reached = {key[1] for key in nodes} | {key[1] for key in beyond}
+    missing = sorted(
+        ((n, node) for node, n in (elsewhere or {}).items() if node not in reached),
+        key=lambda m: (-m[0], m[1]),
+    )
+    below = max((n.rank for n in graph.nodes), default=-1) + 1
+    width = max(len(lanes), UNREACHED_COLUMNS)
+    for i, (n, node_id) in enumerate(missing):
+        if len(graph.nodes) >= DRAWN:
+            graph.left_out += len(missing) - i
+            break
+        graph.nodes.append(
+            GraphNode(
+                MAIN,
+                node_id,
+                kind="unreached",
+                status="not reached yet"
+                if outcome in (None, "running", "blocked")
+                else "never reached",
+                rank=below + i // width,
+                column=i % width,
+                reached_by=(n, others),
+            )
+        )
+    graph.columns = max(len(lanes), min(len(missing), width))
     return graph
 
 

@@ -5,7 +5,8 @@ list's paging cursor. No I/O: unit-tested (tests/unit/test_ui_views.py)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -55,6 +56,24 @@ def visible(value: Any) -> Any:
     if isinstance(value, str) and not hasattr(value, "__html__"):
         return _visible(value)
     return value
+
+
+_DIGIT_RUNS = re.compile(r"(\d+)")
+
+
+def natural(key: object) -> tuple[tuple[int, int, str], ...]:
+    """A field name's place in natural order: its runs of digits compared as numbers
+    ("step2" before "step10"), the rest as text, digits before letters."""
+    parts = _DIGIT_RUNS.split(str(key))  # odd places: the runs of digits
+    return tuple((0, int(p), "") if i % 2 else (1, 0, p) for i, p in enumerate(parts) if p)
+
+
+def fields_in_order(state: Mapping[str, Any], containing: str = "") -> list[tuple[str, Any]]:
+    """A state's top-level fields in natural order; with ``containing``, only those whose
+    name contains it, in any case."""
+    wanted = containing.casefold()
+    found = (kv for kv in state.items() if wanted in str(kv[0]).casefold())
+    return sorted(found, key=lambda kv: natural(kv[0]))
 
 
 def counted(n: int, word: str, plural: str | None = None) -> str:
@@ -223,18 +242,28 @@ def _by_time(ordered: list[Item], extras: list[Item]) -> list[Item]:
     return out + pending
 
 
-def cursor(created_at: datetime, run_id: str) -> str:
-    """The list's next-page token: the last run shown."""
-    return f"{created_at.isoformat()}|{run_id}"
+def cursor(key: tuple[Any, ...]) -> str:
+    """The list's next-page token: where the last run shown sits in the list's order
+    (:meth:`alma_core.storage.runs.Order.key`: its sort key, if any, its creation and
+    its id)."""
+    *sort_key, created_at, run_id = key
+    return "|".join([*(str(v) for v in sort_key), created_at.isoformat(), run_id])
 
 
-def parse_cursor(token: str | None) -> tuple[datetime, str] | None:
-    """A next-page token back; None for none or one not ours (the first page)."""
-    if not token or "|" not in token:
+# what a sort's key is read back as (created: none beyond the creation itself)
+_SORT_KEY_TYPES: dict[str, Callable[[str], Any]] = {"duration": float, "status": int}
+
+
+def parse_cursor(token: str | None, sort: str = "created") -> tuple[Any, ...] | None:
+    """A next-page token of a list sorted by ``sort`` back; None for none or one not
+    ours (the first page)."""
+    read = _SORT_KEY_TYPES.get(sort)
+    parts = (token or "").split("|", 1 if read is None else 2)
+    if len(parts) != (2 if read is None else 3):
         return None
-    at, _, run_id = token.partition("|")
     try:
-        return datetime.fromisoformat(at), run_id
+        sort_key = () if read is None else (read(parts[0]),)
+        return (*sort_key, datetime.fromisoformat(parts[-2]), parts[-1])
     except ValueError:
         return None
 

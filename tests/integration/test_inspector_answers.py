@@ -121,6 +121,12 @@ async def test_the_inspectors_answers_hold_their_headers_origin_and_words(
             latest = (await client.resume(WorkflowContext("acme", "wf", None, "edited-1"))).latest
             assert latest is not None
             assert latest.state == {"a": 2}
+            # and on the source's page, its forks, newest first, each with why and who
+            source = html.unescape((await http.get("/run", params={"id": HOSTILE_RUN})).text)
+            listed = re.findall(r'<a class="fork" href="[^"]+">([^<]+)</a>', source)
+            assert listed == ["edited-1", "forked-1"]
+            assert "from seq 1, " in source
+            assert 'its state edited <span class="note">why: a bigger a · asked by ana' in source
             # the two runs compared: the fork aligned with its source, parted by the edit
             compared = await http.get("/compare", params={"id": HOSTILE_RUN, "with": "edited-1"})
             assert compared.status_code == 200
@@ -165,6 +171,35 @@ async def test_the_inspectors_answers_hold_their_headers_origin_and_words(
             tenant = (await http.get("/tenant")).text
             assert 'id="stored-note"' in tenant
             assert "as it was written" in tenant
+
+            # a state of 2,000 fields: in natural order, searched by name in any case
+            wide = {f"step{i}": i for i in range(1, 2001)} | {"Alpha": 0}
+            big = WorkflowContext("acme", "wf", None, "wide-1", "plan")
+            await client.node_completed(big, state=wide, wait="applied", timeout=60)
+
+            def fields(page: httpx.Response) -> list[str]:
+                assert page.status_code == 200, page.text
+                table = page.text.partition('id="state-fields"')[2].partition("</table>")[0]
+                cells = re.findall(r'<td class="path"><code>([^<]+)</code>', table)
+                return [html.unescape(c) for c in cells]
+
+            shown = await http.get("/checkpoint", params={"id": "wide-1", "seq": "1"})
+            assert fields(shown)[:12] == ["Alpha", *(f"step{i}" for i in range(1, 12))]
+            found = await http.get(
+                "/checkpoint", params={"id": "wide-1", "seq": "1", "key": "STEP1"}
+            )
+            # step1, step10-19, step100-199, step1000-1999: by number, 200 a page
+            assert fields(found)[:12] == ["step1", *(f"step{i}" for i in range(10, 20)), "step100"]
+            assert len(fields(found)) == 200
+            assert "1111 fields whose name contains “STEP1” (any case)" in found.text
+            later = re.search(r'id="fields-later" href="([^"]+)"', found.text)
+            assert later
+            assert "key=STEP1" in html.unescape(later.group(1))  # the search kept
+            after = await http.get(html.unescape(later.group(1)).split("#")[0])
+            assert fields(after)[0] == "step1089"  # after step1-19, step100-199, step1000-1088
+            none = await http.get("/checkpoint", params={"id": "wide-1", "seq": "1", "key": "zz"})
+            assert fields(none) == []
+            assert "0 fields whose name contains “zz”" in none.text
 
     # the CLI shows the id with its escape, never the raw control character
     printed = await asyncio.to_thread(

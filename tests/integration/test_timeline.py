@@ -164,6 +164,22 @@ async def test_a_runs_past_is_read_compared_explained_and_forked(
         assert shown["forked_from"]["patch"] == [{"op": "remove", "path": "/notes"}]
         assert shown["forked_from"]["note"] == "without notes"
         assert shown["forked_from"]["asked_by"] == getpass.getuser()
+        # the source lists its forks, newest first, with why and who
+        source = await asyncio.to_thread(cli, settings, "runs", "show", run)
+        listed = [(f["run_id"], f["seq"], f["patched"], f["note"]) for f in source["forks"]]
+        assert listed == [
+            (f"{fork}-cli", 1, True, "without notes"),  # the main line's state at seq 3
+            (edited, 1, True, "try a colder topic"),
+            (fork, 1, False, None),
+        ]
+        assert {f["total"] for f in source["forks"]} == {3}
+        printed = await asyncio.to_thread(
+            alma, "runs", "show", run, "--tenant", "acme", env=env_of(settings)
+        )
+        assert "forked 3 times:" in printed.stdout
+        assert f"{edited} from seq 1, its state edited; why: try a colder topic (asked by ana)" in (
+            printed.stdout
+        )
         patch_file.write_text("[{not json")
         broken = await asyncio.to_thread(
             alma, "runs", "fork", run, "--seq", "3", "--as", f"{fork}-x", "--patch",

@@ -16,6 +16,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -275,7 +276,16 @@ def read_only_pages(acme: str, beta: str, run: str, hostile: str, out: Path) -> 
             ("main", "join"): "merge",
             ("main", "check"): "retried",  # failed once, then succeeded
             ("main", "(end)"): "succeeded",
+            # apart, below: what the workflow's other finished run (the hostile one)
+            # reached and this one did not
+            ("main", "open"): "never reached",
+            ("main", "invoice\\u202egpj.exe"): "never reached",  # BIDI, escaped
         }
+        apart = driver.find_elements(By.CSS_SELECTOR, "#graph g.unreached")
+        assert {a.find_element(By.CSS_SELECTOR, "text.gnote").text for a in apart} == {
+            "never reached; 1/1 do"
+        }
+        assert not driver.find_elements(By.CSS_SELECTOR, "#graph g.unreached a")  # no checkpoint
         # plan to each branch and on to the merge, both branches into it, then on
         assert len(driver.find_elements(By.CSS_SELECTOR, "#graph path.edge")) == 7
         link = driver.find_element(By.CSS_SELECTOR, "#graph g.retried a")
@@ -490,10 +500,13 @@ async def test_big_runs_page_their_history_and_live_pages_keep_what_the_user_typ
         await client.applied(at("fetch", live), failed)
         await client.node_started(at("fetch", live), attempt=2)
         await done(at("fetch", live), updates={"n": 2})
+        wide_run = f"wide-{tag}"
+        await make_wide_run(client, wide_run)
 
         out = shots(tmp_path)
         async with inspector(settings, "--tenant", "acme") as acme:
             await asyncio.to_thread(big_pages, acme, run, long_id, live, out)
+            await asyncio.to_thread(wide_pages, acme, wide_run, live, out)
             opened, seen = threading.Event(), threading.Event()
             watching = asyncio.create_task(
                 asyncio.to_thread(live_pages, acme, live, out, opened, seen)
@@ -514,6 +527,44 @@ async def test_big_runs_page_their_history_and_live_pages_keep_what_the_user_typ
             )
             await client.applied(at("end", live), finished)
             await watching
+
+
+WIDE_WORKFLOW = "fan-out"
+RETRIED, FAILED, RUNNING = {(1, 2), (3, 4)}, (4, 5), (5, 5)  # (branch, step)
+
+
+async def make_wide_run(client: AlmaClient, run: str) -> None:
+    """30 nodes: plan, 5 branches of 5 steps (two retried once, one failed for good, one
+    still running), a merge of the three that finished, then review, edit, publish on
+    the main line; then a write that expected another seq, refused: the run is stuck."""
+
+    def at(node: str, branch: str | None = None) -> WorkflowContext:
+        return WorkflowContext("acme", WIDE_WORKFLOW, None, run, node, branch)
+
+    async def done(ctx: WorkflowContext, **kw: Any) -> None:
+        await client.applied(ctx, await client.node_completed(ctx, **kw))
+
+    async def failed(ctx: WorkflowContext, kind: str) -> None:
+        await client.applied(ctx, await client.node_failed(ctx, error_type=kind, message="x"))
+
+    await done(at("plan"), state={"n": 0})
+    for b in range(1, 6):
+        for step in range(1, 6):
+            ctx = at(f"b{b}-step{step}", f"b{b}")
+            await client.node_started(ctx, attempt=1)
+            if (b, step) in RETRIED:
+                await failed(ctx, "Flaky")
+                await client.node_started(ctx, attempt=2)
+            if (b, step) == FAILED:
+                await failed(ctx, "Fatal")
+            elif (b, step) != RUNNING:
+                await done(ctx, updates={"n": b * 10 + step})
+    await client.merge(at("gather"), branch_ids=["b1", "b2", "b3"], reducers={"n": "max"})
+    for node in ("review", "edit", "publish"):
+        await done(at(node), updates={"n": 99})
+    stale = await client.node_completed(at("late"), updates={"n": 1}, expected_seq=1)
+    with pytest.raises(errors.RejectedEvent, match="expected 1"):
+        await client.applied(at("late"), stale)
 
 
 async def _flag(reached: threading.Event, browsing: asyncio.Task[None]) -> bool:
@@ -572,7 +623,7 @@ def big_pages(acme: str, run: str, long_id: str, live: str, out: Path) -> None:
         driver.get(f"{acme}/dead-letters")
         assert len(driver.find_elements(By.CSS_SELECTOR, "section.letter")) == 50
         follow(driver, By.ID, "letters-older")
-        assert len(driver.find_elements(By.CSS_SELECTOR, "section.letter")) == 5
+        assert len(driver.find_elements(By.CSS_SELECTOR, "section.letter")) == 6  # + the wide's
         follow(driver, By.CSS_SELECTOR, "section.letter a.permalink")
         assert len(driver.find_elements(By.CSS_SELECTOR, "section.letter")) == 1
         assert driver.find_elements(By.ID, "letters-newest")
@@ -612,8 +663,75 @@ def big_pages(acme: str, run: str, long_id: str, live: str, out: Path) -> None:
             assert wide[0] <= wide[1], (page, "a wider font", wide)
         driver.get(f"{acme}/runs")
         driver.save_screenshot(str(out / "ui-narrow.png"))
-        driver.get(f"{acme}/run?id={live}")  # its graph scrolls within its own box
-        driver.save_screenshot(str(out / "ui-run-narrow.png"))
+
+
+def wide_pages(acme: str, wide: str, live: str, out: Path) -> None:
+    """A run of 30 nodes in 5 branches, at 1400 and at 400 px: its graph, its time, its
+    stuck state and its comparison with another run, by what they show."""
+    with browser() as driver:
+        # the runs list: stuck, with what it waits on a click away
+        driver.get(f"{acme}/runs?workflow={WIDE_WORKFLOW}")
+        assert texts(driver, "#runs a.run") == [wide]
+        assert texts(driver, "#runs .badge") == ["blocked"]
+        for width in (1400, 400):
+            driver.set_window_size(width, 1000)
+            driver.get(f"{acme}/run?id={wide}")
+            assert driver.find_element(By.ID, "status").text == "blocked"
+            assert "expected 1" in driver.find_element(By.ID, "run-blocked").text
+            boxes = driver.find_elements(By.CSS_SELECTOR, "#graph g.gnode")
+            status = Counter(b.get_attribute("data-status") for b in boxes)
+            assert status == {
+                "succeeded": 25,  # plan, 21 branch steps, review, edit, publish
+                "retried": 2,
+                "failed": 1,
+                "running": 1,
+                "merge": 1,
+            }, status
+            lanes = texts(driver, "#graph text.lane")
+            assert lanes == ["main", "b1", "b2", "b3", "b4", "b5"]
+            places = {
+                (r.get_attribute("x"), r.get_attribute("y"))
+                for r in driver.find_elements(By.CSS_SELECTOR, "#graph g.gnode rect")
+            }
+            assert len(places) == 30  # no two boxes in one place
+            merge = driver.find_element(By.CSS_SELECTOR, "#graph g.merge text.gnote").text
+            assert merge == "merge: n: max"
+            # into the merge from each of the three heads it folded
+            failed = driver.find_element(By.CSS_SELECTOR, "#graph g.failed")
+            assert failed.get_attribute("data-node") == "b4-step5"
+            running = driver.find_element(By.CSS_SELECTOR, "#graph g.running")
+            assert running.get_attribute("data-node") == "b5-step5"
+            # the time: a row per node, the retries two bars, the running one open
+            rows = driver.find_elements(By.CSS_SELECTOR, "#gantt g.grow")
+            assert len(rows) == 29  # every node but the merge
+            bars = Counter(
+                (b.get_attribute("class") or "").split()[-1]
+                for b in driver.find_elements(By.CSS_SELECTOR, "#gantt rect.bar")
+            )
+            assert (bars["failed"], bars["running"]) == (3, 1), bars
+            # at 400 px the page is as wide as the window; the drawings scroll inside
+            page, window, graph_inside, graph_whole = driver.execute_script(
+                "const g = document.getElementById('graph');"
+                "return [document.documentElement.scrollWidth, window.innerWidth,"
+                "        g.clientWidth, g.scrollWidth]"
+            )
+            assert page <= window, (width, page, window)
+            if width == 400:
+                assert graph_whole > graph_inside  # 6 lanes: it scrolls in its box
+                driver.save_screenshot(str(out / "ui-wide-narrow.png"))
+            else:
+                driver.find_element(By.ID, "graph").screenshot(str(out / "ui-wide-graph.png"))
+                driver.find_element(By.ID, "gantt").screenshot(str(out / "ui-wide-gantt.png"))
+            # compared with another run: the step where they part, said in words
+            driver.get(f"{acme}/compare?id={wide}&with={live}")
+            parted = driver.find_element(By.ID, "parted").text
+            assert parted.startswith("They part at step 1"), parted  # plan, another state
+            page, window = driver.execute_script(
+                "return [document.documentElement.scrollWidth, window.innerWidth]"
+            )
+            assert page <= window, (width, "compare", page, window)
+            if width == 1400:
+                driver.save_screenshot(str(out / "ui-wide-compare.png"))
 
 
 def live_pages(
@@ -678,44 +796,78 @@ def live_pages(
         assert driver.find_element(By.ID, "cp-error").text.startswith("Timeout: upstream slow")
 
 
-async def test_the_runs_list_pages_older_and_newer_over_equal_times(settings: Settings) -> None:
-    """120 runs, many created in the same microsecond: older → walks them all once,
-    newest first, and ← newer walks back through the same pages."""
+async def test_the_runs_list_pages_forward_and_back_in_every_order(settings: Settings) -> None:
+    """120 runs, many created in the same microsecond, of equal durations and statuses:
+    in each order (by creation, duration or status, either way) "next →" walks them
+    all once, in that order, and "← previous" walks back through the same pages."""
     dsn = settings.postgres_dsn or ""
     async with connect(dsn, max_size=1) as pool:
         await pool.execute(
-            """INSERT INTO runs (run_id, tenant_id, workflow_id, created_at)
-               SELECT 'p-' || lpad(g::text, 3, '0'), 'acme', 'paged',
-                      timestamptz '2026-11-01 12:00Z' + (g / 7) * interval '1 second'
-               FROM generate_series(1, 120) g"""
+            """INSERT INTO runs (run_id, tenant_id, workflow_id, created_at, status,
+                                 completed_at)
+               SELECT 'p-' || lpad(g::text, 3, '0'), 'acme', 'paged', at,
+                      (ARRAY['running', 'failed', 'succeeded', 'succeeded'])[g % 4 + 1],
+                      CASE WHEN g % 4 > 0 THEN at + (g % 5) * interval '1 second' END
+               FROM generate_series(1, 120) g,
+                    LATERAL (SELECT timestamptz '2026-11-01 12:00Z'
+                                    + (g / 7) * interval '1 second' AS at) t"""
         )
     link = re.compile(r'id="(next|newer)" href="([^"]+)"')
 
-    def pages(base: str) -> tuple[list[list[str]], list[list[str]]]:
+    as_of: list[bool] = []  # each later page says when running runs' durations were taken
+
+    def pages(base: str, first: str) -> tuple[list[list[str]], list[list[str]]]:
         def get(url: str) -> tuple[list[str], dict[str, str]]:
-            page = httpx.get(base + url.replace("&amp;", "&")).text
-            listed = re.findall(r'<a class="run" href="[^"]+">([^<]+)</a>', page)
-            return listed, dict(link.findall(page))
+            page = httpx.get(base + url.replace("&amp;", "&"))
+            assert page.status_code == 200, page.text
+            listed = re.findall(r'<a class="run" href="[^"]+">([^<]+)</a>', page.text)
+            if url != first:
+                as_of.append('id="as-of"' in page.text)
+            return listed, dict(link.findall(page.text))
 
         down, up = [], []
-        listed, links = get("/runs?workflow=paged")
+        listed, links = get(first)
         down.append(listed)
         assert "newer" not in links
-        while "next" in links:
+        while "next" in links and len(down) < 10:
             listed, links = get(links["next"])
             down.append(listed)
         up.append(listed)
-        while "newer" in links:
+        while "newer" in links and len(up) < 10:
             listed, links = get(links["newer"])
             up.append(listed)
         return down, up
 
+    def created(g: int) -> int:
+        return g // 7
+
+    def duration(g: int) -> float:  # running: as of now, so the oldest is the longest
+        return (g % 5) * 1.0 if g % 4 else 1e9 - created(g)
+
+    rank = {"succeeded": 1, "running": 2, "failed": 5}  # worst last
+
+    def status(g: int) -> int:
+        return rank[("running", "failed", "succeeded", "succeeded")[g % 4]]
+
+    keys = {"created": lambda g: (), "duration": lambda g: (duration(g),)}
+    keys["status"] = lambda g: (status(g),)
     async with inspector(settings, "--tenant", "acme") as acme:
-        down, up = await asyncio.to_thread(pages, acme)
-    every = [r for page in down for r in page]
-    assert every == [f"p-{i:03d}" for i in range(120, 0, -1)]  # each once, newest first
-    assert [len(p) for p in down] == [50, 50, 20]
-    assert up == down[::-1]  # back through the same pages
+        # a sort the list does not know is refused, saying which it knows
+        refused = await asyncio.to_thread(httpx.get, f"{acme}/runs?sort=colour")
+        assert refused.status_code == 400
+        assert "created, duration, status" in refused.text
+        for sort, key in keys.items():
+            newest_first = sorted(range(1, 121), key=lambda g: (*key(g), created(g), g))[::-1]
+            for direction, expected in (("", newest_first), ("asc", newest_first[::-1])):
+                first = f"/runs?workflow=paged&sort={sort}&dir={direction}"
+                down, up = await asyncio.to_thread(pages, acme, first)
+                every = [r for page in down for r in page]
+                where = f"sort={sort} dir={direction or 'desc'}"
+                assert every == [f"p-{g:03d}" for g in expected], where  # each once, in order
+                assert [len(p) for p in down] == [50, 50, 20], where
+                assert up == down[::-1], where  # back through the same pages
+                assert set(as_of) == {sort == "duration"}, where
+                as_of.clear()
 
 
 def letter_of(driver: WebDriver, run: str) -> str:

@@ -154,3 +154,43 @@ def test_a_long_run_draws_its_first_nodes_and_says_how_many_more() -> None:
     assert g.nodes[-1].node_id == f"n{graph.DRAWN - 1}"
     assert g.lanes == ["main"]  # the branch reached past the drawn ones has no column
     assert len(g.edges) == graph.DRAWN - 1  # only between drawn nodes
+
+
+def test_a_merge_shows_the_reducers_its_join_named() -> None:
+    run = Run()
+    x, y = run.node("a", "x"), run.node("b", "y")
+    run.merge("gather", x, y)
+    run.events[-1]["reducers"] = {"items": "append", "total": "sum"}
+    run.events[-1]["default_reducer"] = "last_write_wins"
+    run.merge("again", x, y)  # a join that named none: the workflow's registered ones
+    g = graph.build(run.events, run.checkpoints)
+    gather = next(n for n in g.nodes if n.node_id == "gather")
+    assert gather.note == "merge: items: append, total: sum, others: last_write_wins"
+    assert gather.note_shown == gather.note[: graph.NOTE_CHARS - 1] + "…"  # its box's room
+    assert next(n for n in g.nodes if n.node_id == "again").note == "merge"
+
+
+def test_nodes_other_runs_reach_are_drawn_apart_as_never_reached() -> None:
+    run = Run()
+    run.node("plan")
+    run.node("search", "x")
+    elsewhere = {"plan": 20, "search": 20, "review": 18, "publish": 15, "fix": 2}
+    for outcome, said in (("failed", "never reached"), ("running", "not reached yet")):
+        g = graph.build(run.events, run.checkpoints, outcome, elsewhere, 20)
+        below = [n for n in g.nodes if n.kind == "unreached"]
+        # the most often reached first, in a row of their own under the run's nodes
+        assert [n.node_id for n in below] == ["review", "publish", "fix"]
+        assert below[0].note == f"{said}; 18/20 do"
+        assert below[0].detail == f"{said} by this run; 18 of the workflow's 20 latest " + (
+            "finished runs reach it"
+        )
+        assert {n.rank for n in below} == {2}
+        assert [n.column for n in below] == [0, 1, 2]
+        assert g.width >= below[-1].x + graph.BOX_W  # the drawing holds them
+        assert not {e.target for e in g.edges} & {(n.lane, n.node_id) for n in below}
+    # a node reached in a branch is reached, whatever lane other runs had it in
+    assert "search" not in {n.node_id for n in g.nodes if n.kind == "unreached"}
+    # none elsewhere, or nothing missing: nothing apart
+    assert all(n.kind != "unreached" for n in graph.build(run.events, run.checkpoints).nodes)
+    drawn = graph.build(run.events, run.checkpoints, "succeeded", {"plan": 3}, 3)
+    assert all(n.kind != "unreached" for n in drawn.nodes)

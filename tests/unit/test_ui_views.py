@@ -65,12 +65,17 @@ def test_values_and_bytes_are_cut_and_their_control_characters_shown() -> None:
     assert views.shown_bytes(None).text == ""
 
 
-def test_the_cursor_round_trips_and_a_foreign_one_is_the_first_page() -> None:
-    token = views.cursor(T0, "run|with|bars")
+def test_the_cursor_round_trips_in_every_order_and_a_foreign_one_is_the_first_page() -> None:
+    token = views.cursor((T0, "run|with|bars"))
     assert views.parse_cursor(token) == (T0, "run|with|bars")
     assert views.parse_cursor("garbage") is None
     assert views.parse_cursor("not-a-time|r") is None
     assert views.parse_cursor(None) is None
+    for sort, key in (("duration", 1234.5678901234), ("status", 5)):
+        token = views.cursor((key, T0, "run|with|bars"))
+        assert views.parse_cursor(token, sort) == (key, T0, "run|with|bars")
+        assert views.parse_cursor(views.cursor((T0, "r")), sort) is None  # another order's
+    assert views.parse_cursor("x|" + T0.isoformat() + "|r", "duration") is None
 
 
 def test_control_and_bidirectional_characters_are_shown_as_escapes() -> None:
@@ -218,3 +223,19 @@ def test_memory_rows_label_kinds_in_one_style_and_state_a_fact_once() -> None:
         views.MemoryRow("heuristic", 0.6, "node n succeeded"),  # another kind: its own row
         views.MemoryRow("run outcome", 0.5, "run r succeeded"),
     ]
+
+
+def test_fields_are_in_natural_order_and_found_by_name_in_any_case() -> None:
+    state = {"step10": 10, "step2": 2, "Step1": 1, "a": 0, "10": "ten", "9": "nine", "x²": 0}
+    assert [k for k, _ in views.fields_in_order(state)] == [
+        "9",
+        "10",  # digits by their value, before letters
+        "Step1",
+        "a",
+        "step2",
+        "step10",
+        "x²",  # a superscript is no digit: text, and no error
+    ]
+    assert [k for k, _ in views.fields_in_order(state, "STEP")] == ["Step1", "step2", "step10"]
+    assert views.fields_in_order(state, "nothing") == []
+    assert views.natural("v1.10") > views.natural("v1.9")

@@ -1,0 +1,2 @@
+-- Undo 0025.
+DROP INDEX IF EXISTS checkpoints_forks;
