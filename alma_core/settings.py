@@ -380,7 +380,8 @@ class Settings(BaseSettings):
         default=True,
         description="`alma worker` and `alma up` freeze the objects alive once their "
         "workers are ready out of Python's garbage collector's sight (a full collection "
-        "of a worker with the embedding model loaded stalls it ~250 ms otherwise)",
+        "of a worker with the embedding model loaded stalls it ~250 ms otherwise), and "
+        "`alma ui` once it is built",
     )
     log_format: Literal["json", "console"] = "console"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

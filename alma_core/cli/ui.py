@@ -69,6 +69,10 @@ def ui(
         f"run inspector at {where} ({mode}; answers to {', '.join(names)}; Ctrl-C stops)",
         markup=False,
     )
+    if s.gc_freeze:  # a page's full collections walk what it made, not the start-up objects
+        from alma_core.consumers.worker import freeze_heap
+
+        freeze_heap()
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
     common.run(uvicorn.Server(config).serve)
 

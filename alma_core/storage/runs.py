@@ -564,21 +564,25 @@ async def reached_elsewhere(
     """The nodes the workflow's ``runs`` latest finished runs other than ``run_id``
     reached (a checkpoint of theirs names the node: a node's, a failure's or a
     merge's), each with how many of those runs did, and how many runs were looked at."""
+    # The limit written into the statement, and each run's nodes read by its own index
+    # lookup: with ``LIMIT $4`` the generic plan of a prepared statement (asyncpg's)
+    # guessed 1,409 runs and hashed them against every checkpoint of the tenant (56 ms at
+    # 200,000 checkpoints: docs/benchmarks.md).
     rows = await conn.fetch(
-        """WITH others AS (
-             SELECT run_id FROM runs
-             WHERE tenant_id = $1 AND workflow_id = $2 AND run_id <> $3
-               AND status IN ('succeeded', 'failed')
-             ORDER BY created_at DESC LIMIT $4)
-           SELECT c.node_id, count(DISTINCT c.run_id)::int AS runs,
-                  (SELECT count(*) FROM others)::int AS looked_at
-           FROM others o JOIN checkpoints c ON c.tenant_id = $1 AND c.run_id = o.run_id
-           WHERE c.node_id IS NOT NULL
-           GROUP BY c.node_id""",
+        f"""WITH others AS MATERIALIZED (
+              SELECT run_id FROM runs
+              WHERE tenant_id = $1 AND workflow_id = $2 AND run_id <> $3
+                AND status IN ('succeeded', 'failed')
+              ORDER BY created_at DESC LIMIT {int(runs)})
+            SELECT n.node_id, count(*)::int AS runs,
+                   (SELECT count(*) FROM others)::int AS looked_at
+            FROM others o CROSS JOIN LATERAL (
+              SELECT DISTINCT c.node_id FROM checkpoints c
+              WHERE c.tenant_id = $1 AND c.run_id = o.run_id AND c.node_id IS NOT NULL) n
+            GROUP BY n.node_id""",
         tenant_id,
         workflow_id,
         run_id,
-        runs,
     )
     return {r["node_id"]: r["runs"] for r in rows}, (rows[0]["looked_at"] if rows else 0)
 
