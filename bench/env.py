@@ -32,7 +32,8 @@ from alma_core.cli import embedded_kafka
 from alma_core.cli.embedded import BrokerKind, EmbeddedStack, free_port, in_memory
 from alma_core.cli.topics import alma_topics, ensure_topics
 from alma_core.consumers import checkpointer
-from alma_core.consumers.worker import Services, freeze_heap, run_worker
+from alma_core.consumers.worker import Services, run_worker
+from alma_core.heap import freeze_heap
 from alma_core.quotas import TenantLimits
 from alma_core.reducers import ReducerRegistry
 from alma_core.schemas import jsoncodec

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -25,7 +24,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 
-from alma_core import errors, tenancy, tracing
+from alma_core import errors, heap, tenancy, tracing
 from alma_core.consumers import checkpointer, http, joiner, learner
 from alma_core.consumers.handler import StoreHandler
 from alma_core.consumers.metrics import Metrics, gc_pauses
@@ -300,32 +299,11 @@ async def _serve(
             )
 
 
-def freeze_heap() -> int:
-    """Put everything alive after start-up (modules, pools, clients and, with the
-    learner, the embedding model) out of the cyclic garbage collector's sight, so a
-    full collection walks only what was made since, not the start-up objects while the
-    event loop (every consumer) stands still (docs/metrics.md, ``alma_gc_pause_seconds``,
-    has the figures). Garbage is collected first, so none is kept: that collection is
-    the last full walk of the start-up objects, one such pause at start. Process-wide:
-    the CLI's long-running commands call it once their workers are ready
-    (``ALMA_GC_FREEZE``); a library never should. What was frozen and dies later in a
-    reference cycle is not reclaimed: start-up objects live as long as the process.
-    Returns how many objects are frozen."""
-    gc.collect()
-    gc.freeze()
-    frozen = gc.get_freeze_count()
-    log.info(
-        "start-up objects frozen out of the garbage collector's sight",
-        extra={"action": "heap_frozen", "objects": frozen},
-    )
-    return frozen
-
-
 async def freeze_when_ready(ready: asyncio.Event) -> None:
     """:func:`freeze_heap` once ``ready`` is set (the caller cancels it if the worker
     ends first)."""
     await ready.wait()
-    freeze_heap()
+    heap.freeze_heap()
 
 
 async def _run(

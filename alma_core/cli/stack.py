@@ -37,11 +37,11 @@ from alma_core.consumers.lag import run_lag_exporter
 from alma_core.consumers.worker import (
     KNOWN_CONSUMERS,
     WorkerStatus,
-    freeze_heap,
     freeze_when_ready,
     run_worker,
 )
 from alma_core.consumers.worker import Services as WorkerServices
+from alma_core.heap import freeze_heap
 from alma_core.logs import configure as configure_logs
 from alma_core.logs import redact
 from alma_core.messaging import kafka

@@ -70,7 +70,7 @@ def ui(
         markup=False,
     )
     if s.gc_freeze:  # a page's full collections walk what it made, not the start-up objects
-        from alma_core.consumers.worker import freeze_heap
+        from alma_core.heap import freeze_heap
 
         freeze_heap()
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")

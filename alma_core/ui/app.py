@@ -3,7 +3,8 @@
 templates, no JavaScript needed. The routes are here and stay thin; what a page shows
 is worked out by pure views of their own (:mod:`~alma_core.ui.views`,
 :mod:`~alma_core.ui.graph`, :mod:`~alma_core.ui.gantt`, :mod:`~alma_core.ui.compare`),
-rendered by :mod:`~alma_core.ui.rendering`, behind :mod:`~alma_core.ui.guards`.
+rendered by :mod:`~alma_core.ui.rendering`, behind :mod:`~alma_core.ui.guards`; what an
+address asks for is read and checked by :mod:`~alma_core.ui.params`.
 
 Every page reads through what the SDK reads with: the tenant's
 :class:`~alma_core.storage.reader.CheckpointReader` and
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import math
 import time
@@ -52,7 +52,7 @@ from alma_core.sequencing import SHOWN_STATUSES
 from alma_core.settings import Settings
 from alma_core.storage import dead_letters, retrieval, runs, tenant_settings
 from alma_core.types import RetrievalScope, WorkflowContext
-from alma_core.ui import compare, gantt, graph, rendering, views
+from alma_core.ui import compare, gantt, graph, params, rendering, views
 from alma_core.ui.guards import Access, KnownHosts, SecurityHeaders
 
 HERE = Path(__file__).parent
@@ -63,8 +63,8 @@ STEPS_PAGE = 200  # of two runs' paths side by side
 COUNT_CAP = 1000  # runs counted by status when searching by node or error text
 
 
-def _url(path: str, **params: Any) -> str:
-    kept = {k: v for k, v in params.items() if v not in (None, "")}
+def _url(path: str, **query: Any) -> str:
+    kept = {k: v for k, v in query.items() if v not in (None, "")}
     return f"{path}?{urlencode(kept)}" if kept else path
 
 
@@ -88,7 +88,7 @@ class Inspector:
         body = self.env.get_template(name).render(
             request=request,
             code=status,
-            url=lambda path, **params: self.url(request, path, **params),
+            url=lambda path, **query: self.url(request, path, **query),
             writes=self.access.writes,
             pinned=self.access.tenant,
             **context,
@@ -96,12 +96,12 @@ class Inspector:
         return HTMLResponse(body, status_code=status)
 
     @staticmethod
-    def url(request: Request, path: str, **params: Any) -> str:
+    def url(request: Request, path: str, **query: Any) -> str:
         """A page's address under wherever the inspector is mounted."""
-        return _url(str(request.scope.get("root_path", "")) + path, **params)
+        return _url(str(request.scope.get("root_path", "")) + path, **query)
 
-    def go(self, request: Request, path: str, **params: Any) -> Response:
-        return RedirectResponse(self.url(request, path, **params), status_code=303)
+    def go(self, request: Request, path: str, **query: Any) -> Response:
+        return RedirectResponse(self.url(request, path, **query), status_code=303)
 
     def tenant(self, request: Request) -> str:
         tenant = self.access.tenant_of(request)
@@ -136,28 +136,9 @@ class Inspector:
     async def runs_page(self, request: Request) -> Response:
         tenant = self.tenant(request)
         q = request.query_params
-        status = q.get("status") or None
-        if status is not None and status not in SHOWN_STATUSES:
-            raise HTTPException(400, f"no status {status!r}: one of {', '.join(SHOWN_STATUSES)}")
-        chosen = runs.RunFilter(
-            tenant_id=tenant,
-            workflow_id=q.get("workflow") or None,
-            status=status,
-            since=_time(q.get("since"), "since"),
-            until=_time(q.get("until"), "until"),
-            text=q.get("q") or None,
-            node=q.get("node") or None,
-            error=q.get("error") or None,
-        )
-        order = _order(q.get("sort"), q.get("dir"))
-        older_than = views.parse_cursor(q.get("after"), order.sort)
-        newer_than = views.parse_cursor(q.get("newer"), order.sort)
-        query = dict(q)
-        if order.sort == "duration":  # one walk's pages take running runs' durations at once
-            paging = older_than is not None or newer_than is not None
-            as_of = (_time(q.get("asof"), "asof") if paging else None) or datetime.now(UTC)
-            order = dataclasses.replace(order, as_of=as_of)
-            query["asof"] = as_of.isoformat()
+        chosen = params.run_filter(tenant, q)
+        at = params.listing(q, datetime.now(UTC))
+        order, older_than, newer_than = at.order, at.older_than, at.newer_than
         # a search inside checkpoints counts up to COUNT_CAP runs (then says "more")
         inside = chosen.node is not None or chosen.error is not None
         async with runs.planned_for_values(await self.pool(), inside) as conn:
@@ -193,7 +174,7 @@ class Inspector:
             capped=inside and sum(counts.values()) > COUNT_CAP,
             cap=COUNT_CAP,
             statuses=SHOWN_STATUSES,
-            query=query,
+            query=at.query,
             order=order,
             after=after,
             newer=before,
@@ -202,7 +183,7 @@ class Inspector:
 
     async def run_page(self, request: Request) -> Response:
         tenant = self.tenant(request)
-        run_id = _required(request, "id")
+        run_id = params.required(request.query_params, "id")
         pool = await self.pool()
         async with pool.acquire() as conn:
             report = await runs.report(conn, run_id, tenant)
@@ -258,8 +239,8 @@ class Inspector:
 
     async def checkpoint_page(self, request: Request) -> Response:
         tenant = self.tenant(request)
-        run_id = _required(request, "id")
-        seq = _int(request, "seq")
+        run_id = params.required(request.query_params, "id")
+        seq = params.integer(request.query_params, "seq")
         reader = await self.client.reader(tenant)
         cp = await reader.get(run_id, seq)
         if cp is None:
@@ -312,7 +293,8 @@ class Inspector:
         at ``pointer`` (a JSON Pointer) in it: the address to copy, and where "more
         characters not shown" leads."""
         tenant = self.tenant(request)
-        run_id, seq = _required(request, "id"), _int(request, "seq")
+        q = request.query_params
+        run_id, seq = params.required(q, "id"), params.integer(q, "seq")
         cp = await (await self.client.reader(tenant)).get(run_id, seq)
         if cp is None:
             raise HTTPException(404, f"run {run_id!r} of tenant {tenant!r} has no checkpoint {seq}")
@@ -332,20 +314,20 @@ class Inspector:
         path: str,
         *,
         default: int = 0,
-        **params: Any,
+        **query: Any,
     ) -> tuple[list[Any], dict[str, Any]]:
         """One page of ``items`` (``?{name}=`` its start, clamped; ``default`` without
         one) and where the pages before and after it are (this page's address with
         another start, at the ``#{name}`` anchor): nothing on a page grows with a run (a
         10,000-key state's diff is 50 pages, not 2 MB of HTML)."""
-        asked = _int_value(request.query_params.get(name) or str(default), name)
+        asked = params.whole(request.query_params.get(name) or str(default), name)
         start, previous, following = views.page_of(len(items), asked, size)
         tenant = self.tenant(request)
 
         def at(first: int | None) -> str | None:
             if first is None:
                 return None
-            return self.url(request, path, tenant=tenant, **params, **{name: first}) + f"#{name}"
+            return self.url(request, path, tenant=tenant, **query, **{name: first}) + f"#{name}"
 
         page = {
             "start": start,
@@ -357,8 +339,8 @@ class Inspector:
 
     async def diff_page(self, request: Request) -> Response:
         tenant = self.tenant(request)
-        run_id = _required(request, "id")
-        a, b = _int(request, "a"), _int(request, "b")
+        run_id = params.required(request.query_params, "id")
+        a, b = params.integer(request.query_params, "a"), params.integer(request.query_params, "b")
         try:
             changes = await self.timeline.diff(self._ctx(tenant, run_id), a, b)
         except errors.ContextError as exc:
@@ -383,7 +365,8 @@ class Inspector:
         """Two runs of the tenant side by side (``id`` and ``with``): their paths, the
         first step where they part, and the diff of their states there."""
         tenant = self.tenant(request)
-        a_id, b_id = _required(request, "id"), _required(request, "with").strip()
+        q = request.query_params
+        a_id, b_id = params.required(q, "id"), params.required(q, "with").strip()
         async with (await self.pool()).acquire() as conn:
             (a, a_from), (b, b_from) = [await runs.path(conn, tenant, r) for r in (a_id, b_id)]
         for rows, run_id in ((a, a_id), (b, b_id)):
@@ -433,7 +416,7 @@ class Inspector:
         self._may_write(request)
         form = await request.form()
         run_id, new_run = str(form.get("id") or ""), str(form.get("new_run_id") or "").strip()
-        seq = _int_value(str(form.get("seq") or ""), "seq")
+        seq = params.whole(str(form.get("seq") or ""), "seq")
         if not (run_id and new_run):
             raise HTTPException(400, "a fork needs the run (id) and the new run's id (new_run_id)")
         patch_text = str(form.get("patch") or "").strip()
@@ -461,8 +444,8 @@ class Inspector:
         tenant = self.tenant(request)
         q = request.query_params
         reason = q.get("reason") or None
-        before = _int_value(q["before"], "before") if q.get("before") else None
-        letter = _int_value(q["letter"], "letter") if q.get("letter") else None
+        before = params.whole(q["before"], "before") if q.get("before") else None
+        letter = params.whole(q["letter"], "letter") if q.get("letter") else None
         rows, reasons = await dead_letters.with_records(
             await self.pool(),
             tenant_id=tenant,
@@ -504,7 +487,7 @@ class Inspector:
     async def replay_letter(self, request: Request) -> Response:
         tenant = self.tenant(request)
         self._may_write(request)
-        letter = _int_value(request.path_params["letter"], "letter")
+        letter = params.whole(request.path_params["letter"], "letter")
         async with (await self.pool()).acquire() as conn:
             try:
                 await letters.replay(
@@ -544,7 +527,7 @@ class Inspector:
         scope_name = (q.get("scope") or "tenant").upper()
         if scope_name not in RetrievalScope.__members__ or scope_name == "GLOBAL":
             raise HTTPException(400, f"no scope {scope_name.lower()!r} here")
-        top_k = _int_value(q.get("top_k") or "5", "top_k")
+        top_k = params.whole(q.get("top_k") or "5", "top_k")
         if not 1 <= top_k <= 50:
             raise HTTPException(400, f"top_k: {top_k} is not from 1 to 50 (items of each kind)")
         found = None
@@ -600,50 +583,6 @@ class Inspector:
     async def close(self) -> None:
         if self.owns_client:
             await self.client.stop()
-
-
-def _required(request: Request, name: str) -> str:
-    value = request.query_params.get(name)
-    if not value:
-        raise HTTPException(400, f"missing ?{name}=")
-    return value
-
-
-def _int(request: Request, name: str) -> int:
-    return _int_value(_required(request, name), name)
-
-
-def _int_value(raw: str, name: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise HTTPException(400, f"{name} must be a whole number, got {raw[:40]!r}") from None
-    if not -(2**63) <= value < 2**63:
-        raise HTTPException(400, f"{name} is out of range")
-    return value
-
-
-def _time(raw: str | None, name: str) -> datetime | None:
-    """A time from a form (``datetime-local``: no zone, taken as UTC)."""
-    if not raw:
-        return None
-    try:
-        at = datetime.fromisoformat(raw)
-    except ValueError:
-        raise HTTPException(
-            400, f"{name}: not a time ({raw[:40]!r}); use 2026-11-26T14:30"
-        ) from None
-    return at if at.tzinfo else at.replace(tzinfo=UTC)
-
-
-def _order(sort: str | None, direction: str | None) -> runs.Order:
-    """The runs list's order from its address (``sort``, ``dir``): newest first when
-    neither is given."""
-    if sort and sort not in runs.SORTS:
-        raise HTTPException(400, f"no sort {sort!r}: one of {', '.join(runs.SORTS)}")
-    if direction and direction not in ("asc", "desc"):
-        raise HTTPException(400, f"no dir {direction!r}: asc or desc")
-    return runs.Order(sort or "created", ascending=direction == "asc")
 
 
 def create_app(

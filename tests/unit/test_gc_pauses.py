@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 
 from alma_core.consumers.metrics import Metrics, gc_pauses
-from alma_core.consumers.worker import freeze_heap
+from alma_core.heap import freeze_heap
 
 
 def full_collections(metrics: Metrics) -> float:
