@@ -74,9 +74,11 @@ class GraphNode:
         never reached)."""
         if self.kind == "unreached" and self.reached_by is not None:
             n, of = self.reached_by
+            if of == 1:
+                return f"{self.status} by this run; the workflow's latest finished run reaches it"
             return (
                 f"{self.status} by this run; {n} of the workflow's {of} latest finished "
-                f"runs reach{'es' if of == 1 else ''} it"
+                "runs reach it"
             )
         return self.note
 

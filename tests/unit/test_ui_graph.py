@@ -186,6 +186,12 @@ def test_nodes_other_runs_reach_are_drawn_apart_as_never_reached() -> None:
         )
         assert {n.rank for n in below} == {2}
         assert [n.column for n in below] == [0, 1, 2]
+        [alone] = [
+            n
+            for n in graph.build(run.events, run.checkpoints, outcome, {"fix": 1}, 1).nodes
+            if n.kind == "unreached"
+        ]
+        assert alone.detail == f"{said} by this run; the workflow's latest finished run reaches it"
         assert g.width >= below[-1].x + graph.BOX_W  # the drawing holds them
         assert not {e.target for e in g.edges} & {(n.lane, n.node_id) for n in below}
     # a node reached in a branch is reached, whatever lane other runs had it in
