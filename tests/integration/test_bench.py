@@ -107,8 +107,13 @@ async def test_quick_side_by_side_run_writes_every_table(
     assert replay["a fork (read, publish, applied)"]["p50 ms"]["median"] > 0
     # the run inspector's pages (issue 39): every page answered, each timed
     pages = doc["ui"]["tables"]["ui"]["rows"]
-    assert len(pages) == 13  # lists, searches, paging both ways, a run and its history, ...
+    # lists, searches, paging both ways, four sorts, a run and its history, a checkpoint,
+    # a diff, the dead letters, a state of many fields whole, searched and paged
+    assert len(pages) == 20
     assert all(p["p95 ms"]["median"] > 0 for p in pages)
+    assert {"runs, by duration, a later page", "the same, fields whose name has '99'"} <= {
+        p["page"] for p in pages
+    }
     # what traces cost (issue 53): off, 1 % and every trace, each drained; spans only when on
     traced = {r["traces"]: r for r in doc["tracing"]["tables"]["tracing"]["rows"]}
     assert set(traced) == {"off", "on, 1 %", "on, 100 %"}
