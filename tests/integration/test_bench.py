@@ -125,6 +125,13 @@ async def test_quick_side_by_side_run_writes_every_table(
     loads = {r["load"]: r for r in doc["tenants"]["tables"]["tenants"]["rows"]}
     assert len(loads) == 4
     assert all(r["B p99 ms"]["median"] > 0 for r in loads.values())
+    # beside each load, what held the checkpointer back: its loop's lateness, the machine's
+    assert all(
+        0 <= r["checkpointer's loop late, p99 ms"]["median"] <= r["its longest stall, ms"]["max"]
+        for r in loads.values()
+    )
+    assert all(0 < r["machine busy %"]["median"] <= 100 for r in loads.values())
+    assert all(0 <= r["machine steal %"]["median"] <= 100 for r in loads.values())
     assert loads["A floods at 10× its quota"]["A: all applied, in order"] == "yes"
     assert loads["A floods, no quota"]["A: all applied, in order"] == "yes"
     assert loads["A floods at 10× its quota"]["A applied during the flood (/s)"]["median"] < 200
