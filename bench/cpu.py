@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import psutil
 
 from alma_core.consumers.worker import Services
+from bench.stalls import MachineMeter
 
 # Process groups, in the order the tables show them.
 GROUPS = ("benchmark process", "worker processes", "broker", "PostgreSQL", "Redis")
@@ -54,12 +55,6 @@ def _times(proc: psutil.Process, reaped: bool) -> float:
     return own + (float(t.children_user + t.children_system) if reaped else 0.0)
 
 
-def _machine() -> tuple[float, float]:
-    """Idle and all seconds summed over the machine's cores since boot."""
-    t = psutil.cpu_times()
-    return t.idle + getattr(t, "iowait", 0.0), sum(t)
-
-
 class CpuMeter:
     """CPU time of this process, its descendants and the stack's services between
     start() and stop()."""
@@ -68,7 +63,7 @@ class CpuMeter:
         self.ports = ports
         self.me = psutil.Process()
         self._before: dict[int, tuple[str, float]] = {}
-        self._machine: tuple[float, float] | None = None  # idle, all: seconds of every core
+        self._machine = MachineMeter()
         self._listeners_now: dict[int, str] = {}
         self.last: CpuShare | None = None  # what the latest stop() measured
 
@@ -102,17 +97,14 @@ class CpuMeter:
 
     def start(self) -> None:
         self._listeners_now = self._listeners()
-        self._machine = _machine()
+        self._machine.start()
         self._before = self._read(self._listeners_now)
 
     def stop(self) -> CpuShare:
-        after, (idle, total) = self._read(self._listeners_now), _machine()
-        if self._machine is None:
-            raise RuntimeError("CpuMeter.stop() before start()")
+        after, machine = self._read(self._listeners_now), self._machine.stop()
         seconds: dict[str, float] = {}
         for pid, (group, t) in after.items():
             seconds[group] = seconds.get(group, 0.0) + t - self._before.get(pid, (group, 0.0))[1]
-        idle, total = idle - self._machine[0], total - self._machine[1]
         unseen = sorted(set(self.ports) - set(self._listeners_now.values()))
-        self.last = CpuShare(seconds, 1 - idle / total if total > 0 else 0.0, unseen)
+        self.last = CpuShare(seconds, machine.busy, unseen)
         return self.last
