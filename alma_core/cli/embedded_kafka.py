@@ -338,6 +338,10 @@ class KafkaBroker(Service):
             # and each is a write and a wake-up of every metadata reader
             "metadata.max.idle.interval.ms": "0",
             "log.retention.hours": "168",
+            # the log cleaner (for __consumer_offsets) takes its whole dedupe buffer from
+            # the heap at start: 128 MiB by default, a quarter of DEFAULT_HEAP_MB; 16 MiB
+            # holds ~600,000 keys per cleaning pass, far more than one stack's groups
+            "log.cleaner.dedupe.buffer.size": str(16 * 1024 * 1024),
         }
         if self.security is not None:
             keystore = self.data_dir / "keystore.pem"  # Kafka's PEM keystore: key, then chain

@@ -49,6 +49,11 @@ CLUSTER_SETTINGS = {
     # How long a follower that stopped fetching stays in the ISR (30 s by default): while
     # a cut-off follower is in it, acks=all writes to its partitions wait
     "replica.lag.time.max.ms": "6000",
+    # The log cleaner (for __consumer_offsets) takes its whole dedupe buffer from the
+    # heap as the broker starts: 128 MiB by default, half of BROKER_HEAP_MB, which now
+    # and then left no room and the broker died of OutOfMemoryError before it served.
+    # 16 MiB holds ~600,000 keys per cleaning pass, many times the groups' offsets here.
+    "log.cleaner.dedupe.buffer.size": str(16 * 1024 * 1024),
     "num.network.threads": "2",
     "num.io.threads": "2",
     "num.replica.fetchers": "1",
