@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     AliasChoices,
@@ -737,9 +737,35 @@ def with_running(loaded: Settings) -> Settings:
     }
     loaded = loaded.model_copy(update=missing) if missing else loaded
     if "kafka_bootstrap" in missing:  # alma up's broker: alma up's fetch wait
+        loaded = secured_by(loaded, found)
         in_memory = found.get("broker", "tansu") == "tansu"  # stacks before the key: Tansu
         return for_broker(loaded, embedded=in_memory, wait=found.get("fetch_max_wait_ms"))
     return loaded
+
+
+SECURED_FIELDS = (
+    "kafka_security_protocol",
+    "kafka_sasl_mechanism",
+    "kafka_sasl_username",
+    "kafka_sasl_password",
+    "kafka_ssl_cafile",
+)
+
+
+def secured_by(loaded: Settings, found: dict[str, Any]) -> Settings:
+    """``loaded`` on a secured ``alma up``'s broker (``alma up --secure``): its admin's
+    credentials and CA, unless ALMA_KAFKA_SECURITY_PROTOCOL or a SASL username says
+    whose to use (an orchestrator's), and its tenant topics."""
+    if "kafka_security_protocol" not in found:
+        return loaded
+    update: dict[str, Any] = {}
+    if not {"kafka_security_protocol", "kafka_sasl_username"} & loaded.model_fields_set:
+        update |= {k: found[k] for k in SECURED_FIELDS}
+        update["kafka_sasl_password"] = SecretStr(str(found["kafka_sasl_password"]))
+        update["kafka_ssl_cafile"] = Path(str(found["kafka_ssl_cafile"]))
+    if "tenant_topics" not in loaded.model_fields_set:
+        update["tenant_topics"] = True
+    return loaded.model_copy(update=update) if update else loaded
 
 
 def for_broker(s: Settings, *, embedded: bool, wait: object = None) -> Settings:

