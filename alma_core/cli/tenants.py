@@ -90,14 +90,14 @@ def _unknown(tenant: str) -> str:
 
 @tenants_app.command("list")
 def tenants_list(as_json: bool = common.json_option("the tenants")) -> None:
-    """Every tenant with runs or settings of its own, and its effective quota."""
+    """Every tenant with runs, settings or a role of its own, and its effective settings."""
     s = common.settings()
 
     async def main() -> None:
         conn = await common.connect(common.dsn(s))
         try:
             own = {r.tenant_id: r for r in await tenant_settings.load_all(conn)}
-            known = set(await runs.tenants(conn)) | set(own)
+            known = set(await runs.tenants(conn)) | set(own) | set(await tenant_roles.tenants(conn))
         finally:
             await conn.close()
         docs = [_doc(own.get(t, TenantSettings(t)), s) for t in sorted(known)]

@@ -122,3 +122,9 @@ async def set_password(conn: asyncpg.Connection, role: str, password: str) -> No
 async def drop(conn: asyncpg.Connection, role: str) -> None:
     """Drop ``role`` (one made for a tenant by ``alma tenants add``, unbound first)."""
     await conn.execute(f"DROP ROLE IF EXISTS {await _quoted(conn, role)}")
+
+
+async def tenants(conn: asyncpg.Connection) -> list[str]:
+    """The tenants with a login role bound (``alma tenants add`` binds one)."""
+    rows = await conn.fetch("SELECT DISTINCT tenant_id FROM tenant_roles ORDER BY tenant_id")
+    return [r["tenant_id"] for r in rows]

@@ -107,6 +107,8 @@ async def test_an_operator_stands_up_a_shared_alma_and_two_tenants(tmp_path: Pat
             assert result.returncode == 0, result.stderr
             assert f"Kafka principal User:{tenant} with 4 ACLs" in result.stderr
             added[tenant] = tenant_settings(result.stdout)
+        listed = alma("tenants", "list", "--json", cwd=tmp_path)
+        assert [t["tenant_id"] for t in json.loads(listed.stdout)] == ["acme", "globex"]
         acme_env, acme = added["acme"]
         _, globex = added["globex"]
         assert acme_env["ALMA_KAFKA_SASL_USERNAME"] == "acme"
