@@ -139,12 +139,17 @@ def new_cluster_id() -> str:
     return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
 
 
+BROKER_PRINCIPAL = "CN=alma-broker"  # the subject of the broker's certificate
+
+
 @dataclass(frozen=True)
 class Security:
     """SASL/SCRAM-SHA-512 over TLS, with Kafka's own authorizer (StandardAuthorizer,
     nothing allowed that no ACL allows): the users and their passwords, the first the
     broker's own (a super user, which grants the others' ACLs), and the server's
-    certificate and unencrypted PKCS#8 key (PEM), issued for 127.0.0.1."""
+    certificate and unencrypted PKCS#8 key (PEM), issued for 127.0.0.1 to
+    :data:`BROKER_PRINCIPAL`, for servers and clients (it is the broker's identity on
+    its controller's mutual-TLS listener)."""
 
     users: dict[str, str]
     certificate: Path
@@ -181,7 +186,10 @@ class Security:
             f'username="{admin}" password="{self.users[admin]}";'
         )
         return {
-            "listener.security.protocol.map": "SASL_SSL:SASL_SSL,CONTROLLER:PLAINTEXT",
+            # the controller's listener (loopback) is mutual TLS: the broker's own
+            # certificate is its client identity there, and nothing else gets in
+            "listener.security.protocol.map": "SASL_SSL:SASL_SSL,CONTROLLER:SSL",
+            "listener.name.controller.ssl.client.auth": "required",
             "inter.broker.listener.name": "SASL_SSL",
             "sasl.enabled.mechanisms": "SCRAM-SHA-512",
             "sasl.mechanism.inter.broker.protocol": "SCRAM-SHA-512",
@@ -193,8 +201,8 @@ class Security:
             "ssl.truststore.location": str(self.ca),
             "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
             # the broker's own connections: to itself as the admin, to its controller
-            # (a loopback PLAINTEXT listener) anonymously
-            "super.users": f"User:{admin};User:ANONYMOUS",
+            # by its certificate (the principal Kafka reads from it: its subject)
+            "super.users": f"User:{admin};User:{BROKER_PRINCIPAL}",
             "allow.everyone.if.no.acl.found": "false",
         }
 

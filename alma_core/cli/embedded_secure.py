@@ -35,7 +35,7 @@ from typing import Any
 from pydantic import SecretStr
 
 from alma_core import errors
-from alma_core.cli.embedded_kafka import Security
+from alma_core.cli.embedded_kafka import BROKER_PRINCIPAL, Security
 from alma_core.settings import Settings
 
 FOLDER = "secure"
@@ -151,7 +151,7 @@ def load_or_make(data_dir: Path) -> Secrets:
         postgres=new_password(),
         redis=new_password(),
     )
-    _make_pki(home)
+    make_pki(home)
     # the default user of Redis, by its password's SHA-256 (Redis's own ACL file form)
     digest = hashlib.sha256(made.redis.encode()).hexdigest()
     _private(made.redis_acl_file, f"user default on #{digest} ~* &* +@all\n")
@@ -167,8 +167,9 @@ def _private(path: Path, text: str | bytes) -> None:
         f.write(text.encode() if isinstance(text, str) else text)
 
 
-def _make_pki(home: Path) -> None:
-    """A CA and the broker's certificate (EC P-256), both signed here."""
+def make_pki(home: Path) -> None:
+    """A CA (``ca.pem``, ``ca.key``) and the broker's certificate (``broker.pem``,
+    ``broker.key``), EC P-256, written in ``home``."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -194,7 +195,7 @@ def _make_pki(home: Path) -> None:
     key = ec.generate_private_key(ec.SECP256R1())
     broker = (
         x509.CertificateBuilder()
-        .subject_name(name("alma-broker"))
+        .subject_name(name(BROKER_PRINCIPAL.removeprefix("CN=")))
         .issuer_name(ca.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
@@ -207,7 +208,12 @@ def _make_pki(home: Path) -> None:
             ),
             critical=False,
         )
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
         .sign(ca_key, hashes.SHA256())
     )
     pem = serialization.Encoding.PEM

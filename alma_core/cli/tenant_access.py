@@ -73,6 +73,11 @@ def _needs(s: Settings, tenant: str) -> None:
         )
 
 
+async def _command(client: Any, *args: str) -> Any:
+    """A raw Redis command (redis-py's ACL calls take no rule list as ACL SETUSER does)."""
+    return await client.execute_command(*args)
+
+
 def _with_login(url: str, user: str, password: str) -> str:
     """``url`` (one service) with ``user`` and ``password`` in place of its own."""
     parts = urlsplit(url)
@@ -180,9 +185,9 @@ async def _redis_user(url: str, tenant: str, password: str, s: Settings) -> bool
     rules = cache.tenant_acl_rules(s.redis_prefix, tenant, s.partitions)
     client = aioredis.Redis.from_url(url, socket_timeout=10)
     try:
-        await client.execute_command("ACL", "SETUSER", tenant, "reset", *rules, f">{password}")
+        await _command(client, "ACL", "SETUSER", tenant, "reset", *rules, f">{password}")
         try:
-            await client.execute_command("ACL", "SAVE")
+            await _command(client, "ACL", "SAVE")
         except RedisError:  # no aclfile: the user lives until Redis restarts
             return False
         return True
@@ -232,10 +237,10 @@ def remove(
 
         client = aioredis.Redis.from_url(common.redis_url(s), socket_timeout=10)
         try:
-            if await client.execute_command("ACL", "DELUSER", tenant):
+            if await _command(client, "ACL", "DELUSER", tenant):
                 gone.append(f"Redis user {tenant!r}")
                 with contextlib.suppress(RedisError):  # no aclfile: nothing to save
-                    await client.execute_command("ACL", "SAVE")
+                    await _command(client, "ACL", "SAVE")
         finally:
             await client.aclose()
         return gone

@@ -49,7 +49,7 @@ _OPERATION = {"READ": 3, "WRITE": 4, "DESCRIBE": 8, "DESCRIBE_CONFIGS": 10}
 _ALLOW = 3
 
 
-class _AlterScramResponse(Response):
+class _AlterScramResponse(Response):  # type: ignore[misc]  # aiokafka is untyped
     API_KEY = 51
     API_VERSION = 0
     SCHEMA = Schema(
@@ -67,7 +67,7 @@ class _AlterScramResponse(Response):
     )
 
 
-class _AlterScramStruct(RequestStruct):
+class _AlterScramStruct(RequestStruct):  # type: ignore[misc]
     FLEXIBLE_VERSION = True
     API_KEY = 51
     API_VERSION = 0
@@ -96,7 +96,7 @@ class _AlterScramStruct(RequestStruct):
     )
 
 
-class _AlterScram(Request[_AlterScramStruct]):
+class _AlterScram(Request[_AlterScramStruct]):  # type: ignore[misc]
     API_KEY = 51
 
     def __init__(self, deletions: list[Any], upsertions: list[Any]) -> None:
@@ -135,7 +135,14 @@ async def _alter_scram(admin: AIOKafkaAdminClient, upsertions: list[Any]) -> Non
 async def set_scram_password(admin: AIOKafkaAdminClient, user: str, password: str) -> None:
     """Create ``user``'s SCRAM-SHA-512 credential, or replace its password."""
     salt = secrets.token_bytes(32)
-    upsert = (user, SCRAM_SHA_512, SCRAM_ITERATIONS, salt, salted(password, salt), {})
+    upsert: tuple[Any, ...] = (
+        user,
+        SCRAM_SHA_512,
+        SCRAM_ITERATIONS,
+        salt,
+        salted(password, salt),
+        {},
+    )
     await _alter_scram(admin, [upsert])
 
 
@@ -170,7 +177,7 @@ async def grant(admin: AIOKafkaAdminClient, principal: str, acls: Sequence[Acl])
 
 async def revoke_all(admin: AIOKafkaAdminClient, principal: str) -> int:
     """Delete every ACL of ``principal``; how many there were."""
-    request = DeleteAclsRequest(_ANY, None, _ANY, principal, None, _ANY, _ANY)  # type: ignore[arg-type]
+    request = DeleteAclsRequest(_ANY, None, _ANY, principal, None, _ANY, _ANY)
     response = await admin._send_request(request)
     removed = 0
     for code, message, matching in response.filter_responses:

@@ -34,6 +34,7 @@ from confluent_kafka.admin import (
 )
 
 from alma_core import errors
+from alma_core.cli import embedded_secure
 from alma_core.cli.embedded_kafka import KafkaBroker, Security, default_libs
 from alma_core.messaging import acls
 from alma_core.sdk.client import AlmaClient
@@ -41,7 +42,6 @@ from alma_core.settings import Settings
 from alma_core.types import WorkflowContext
 from tests.integration.conftest import Topics, settings_for
 from tests.integration.harness import Worker
-from tests.integration.test_kafka_tls import make_pki
 from tests.services import Services
 
 USERS = {
@@ -89,8 +89,8 @@ class Secured:
 @pytest.fixture(scope="module")
 async def secured(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Secured]:
     folder = tmp_path_factory.mktemp("secured-kafka")
-    pki = make_pki(folder)
-    security = Security(USERS, pki.server_cert, pki.server_key, pki.ca)
+    embedded_secure.make_pki(folder)  # the CA and broker certificate `alma up --secure` makes
+    security = Security(USERS, folder / "broker.pem", folder / "broker.key", folder / "ca.pem")
     broker = KafkaBroker(folder / "kafka", folder / "run", libs=default_libs(), security=security)
     await broker.start()
     try:

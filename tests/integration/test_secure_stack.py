@@ -9,6 +9,7 @@ access away. Every service real, every command a subprocess, as an operator type
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import stat
 import uuid
@@ -19,8 +20,11 @@ from typing import Any
 import asyncpg
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAuthorizationFailedError
+from aiokafka.helpers import create_ssl_context
 
+from alma_core.cli.embedded_process import port_open
 from alma_core.messaging import kafka, kafka_admin
 from alma_core.sdk.client import AlmaClient
 from alma_core.settings import Settings, load
@@ -100,6 +104,20 @@ async def test_an_operator_stands_up_a_shared_alma_and_two_tenants(tmp_path: Pat
         host_port = endpoints["postgres_dsn"].rsplit("@", 1)[1]
         with pytest.raises(asyncpg.InvalidPasswordError):
             await asyncpg.connect(f"postgresql://postgres@{host_port}", timeout=10)
+
+        # nor into the controller's listener: mutual TLS, the broker's certificate only
+        config = (data / "kafka" / "server.properties").read_text()
+        controller = int(re.search(r"CONTROLLER://127\.0\.0\.1:(\d+)", config).group(1))
+        assert port_open(controller)
+        no_certificate = AIOKafkaAdminClient(
+            bootstrap_servers=f"127.0.0.1:{controller}",
+            security_protocol="SSL",
+            ssl_context=create_ssl_context(cafile=str(data / "secure" / "ca.pem")),
+            request_timeout_ms=5000,
+        )
+        with pytest.raises(KafkaConnectionError):
+            await no_certificate.start()
+        await no_certificate.close()
 
         added = {}
         for tenant in ("acme", "globex"):
