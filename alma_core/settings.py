@@ -234,6 +234,14 @@ class Settings(BaseSettings):
         "on its own partitions (below pg_pool_size)",
     )
     session_timeout_ms: int = Field(default=10_000, ge=1000)
+    group_instance_id: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9._-]{1,249}$",
+        description="this worker's name in its consumer groups, stable across its restarts "
+        "and unique among the workers (a pod's or host's name): a restarted worker takes "
+        "its partitions back without a rebalance (Kafka's static membership, KIP-345); a "
+        "stopped one keeps them for ALMA_SESSION_TIMEOUT_MS",
+    )
     log_behind_grace_s: float = Field(
         default=30.0,
         ge=0,

@@ -103,6 +103,9 @@ class RuntimeConfig:
     fetch_idle_wait_ms: int = 0  # once no record came for 2 s (retry.FetchPacer); 0: off
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 1_000
+    # Kafka's static membership (Settings.group_instance_id): a member that comes back
+    # under the same name takes its partitions back without a rebalance
+    group_instance_id: str | None = None
     max_poll_interval_ms: int = 300_000
     commit_interval_s: float = 0.5
     backoff_initial_s: float = 0.2
@@ -240,6 +243,7 @@ class ConsumerRuntime:
             bootstrap_servers=cfg.bootstrap,
             **cfg.client_options,
             group_id=cfg.group_id,
+            group_instance_id=cfg.group_instance_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             # records of aborted upstream transactions are not events

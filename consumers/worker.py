@@ -456,6 +456,7 @@ class _Wiring:
             linger_ms=linger_ms,
             session_timeout_ms=s.session_timeout_ms,
             heartbeat_interval_ms=s.heartbeat_interval_ms,
+            group_instance_id=s.group_instance_id,
             log_behind_grace_s=s.log_behind_grace_s,
             fetch_max_wait_ms=s.fetch_max_wait_ms,
             fetch_max_bytes=s.fetch_max_bytes,

@@ -111,6 +111,9 @@ class Cluster:
         for name in WORKER_HOSTS:
             log = self.root / f"{name}-{settings.group_prefix}.log"
             worker = WorkerProcess(settings, log, consumers, prefix=self.host(name).prefix)
+            # each worker host's own name in its groups, as docs/operations.md deploys
+            # them: a restarted worker takes its partitions back without a rebalance
+            worker.env["ALMA_GROUP_INSTANCE_ID"] = name
             self.workers.append(worker.start())
         for worker in self.workers:
             await worker.wait_started(90)

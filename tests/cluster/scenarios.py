@@ -224,6 +224,25 @@ async def worker_frozen(cluster: Cluster, settings: Settings, hold_s: float) -> 
     )
 
 
+async def worker_killed(cluster: Cluster, settings: Settings, hold_s: float) -> Fault:
+    """Worker w1 SIGKILLed (its host lost, or an out-of-memory kill), started again
+    ``hold_s`` later, as a process manager would: under the same name in its groups
+    (ALMA_GROUP_INSTANCE_ID), so it takes its partitions back and the other worker is
+    never held by a rebalance waiting for the dead member's session."""
+    worker = cluster.workers[0]
+    started = time.monotonic()
+    worker.kill()
+    await _hold(hold_s)
+    worker.start()
+    await worker.wait_started(90)
+    return Fault(
+        f"worker w1 SIGKILLed, started again {hold_s:.0f} s later under its name "
+        f"(back after {time.monotonic() - started:.1f} s)",
+        started,
+        time.monotonic(),
+    )
+
+
 async def worker_cut_from_postgres(cluster: Cluster, settings: Settings, hold_s: float) -> Fault:
     """Worker host w1 loses PostgreSQL but keeps the brokers."""
     w1 = cluster.host("w1")
@@ -359,6 +378,7 @@ SCENARIOS: dict[str, tuple[Inject, float, float]] = {
     "worker cut off from kafka": (worker_cut_from_kafka, 14, 25),
     "worker cut off from postgres": (worker_cut_from_postgres, 8, 20),
     "worker frozen": (worker_frozen, 14, 25),
+    "worker killed": (worker_killed, 1, 3),
     "orchestrator cut off": (orchestrator_cut_off, 8, 20),
     "postgres primary lost, synchronous": (primary_lost_sync, 3, 15),
     "postgres primary lost, asynchronous": (primary_lost_async, 3, 15),

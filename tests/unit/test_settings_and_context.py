@@ -294,3 +294,11 @@ def test_the_consumer_groups_are_the_consumers_groups() -> None:
     groups = load(group_prefix="team").consumer_groups()
     assert set(groups) == {f"team-{c.GROUP}" for c in (checkpointer, joiner, learner)}
     assert groups["team-checkpointer"] == "alma.lifecycle.v1"
+
+
+def test_a_group_instance_id_is_one_kafka_accepts() -> None:
+    assert load(group_instance_id="w1.eu-west_2").group_instance_id == "w1.eu-west_2"
+    assert load().group_instance_id is None  # no static membership unless asked
+    for bad in ("", "two words", "x" * 250):
+        with pytest.raises(errors.ConfigError, match="ALMA_GROUP_INSTANCE_ID"):
+            load(group_instance_id=bad)
