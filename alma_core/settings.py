@@ -763,10 +763,13 @@ SECURED_FIELDS = (
 def secured_by(loaded: Settings, found: dict[str, Any]) -> Settings:
     """``loaded`` on a secured ``alma up``'s broker (``alma up --secure``): its admin's
     credentials and CA, unless ALMA_KAFKA_SECURITY_PROTOCOL or a SASL username says
-    whose to use (an orchestrator's), and its tenant topics."""
+    whose to use (an orchestrator's), its tenant topics and its partitions (a tenant's
+    topics, made beside it, have as many as its workers count on)."""
     if "kafka_security_protocol" not in found:
         return loaded
     update: dict[str, Any] = {}
+    if "partitions" not in loaded.model_fields_set and isinstance(found.get("partitions"), int):
+        update["partitions"] = found["partitions"]
     if not {"kafka_security_protocol", "kafka_sasl_username"} & loaded.model_fields_set:
         update |= {k: found[k] for k in SECURED_FIELDS}
         update["kafka_sasl_password"] = SecretStr(str(found["kafka_sasl_password"]))

@@ -114,6 +114,7 @@ def up(
                 "pid": os.getpid(),
                 "fetch_max_wait_ms": ws.fetch_max_wait_ms,
                 "broker": stack.broker.kind if stack.broker else "configured",
+                "partitions": s.partitions,  # a tenant's topics are made with as many
                 **(secrets.endpoints_entry() if secrets else {}),
             }
             common.write_private(endpoints_file, json.dumps(mine, indent=2))

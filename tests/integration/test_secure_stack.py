@@ -131,6 +131,7 @@ async def test_an_operator_stands_up_a_shared_alma_and_two_tenants(tmp_path: Pat
         _, globex = added["globex"]
         assert acme_env["ALMA_KAFKA_SASL_USERNAME"] == "acme"
         assert acme_env["ALMA_TENANT_TOPICS"] == "true"
+        assert acme_env["ALMA_PARTITIONS"] == "4"  # the stack's (AlmaUp's), not the default
         assert acme.kafka_sasl_password is not None
         password = acme.kafka_sasl_password.get_secret_value()
         assert password not in (tmp_path / "up.out").read_text()

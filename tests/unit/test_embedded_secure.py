@@ -68,8 +68,10 @@ def test_a_command_beside_a_secured_stack_is_its_admin_unless_told_otherwise(
     tmp_path: Path,
 ) -> None:
     made = embedded_secure.load_or_make(tmp_path)
-    found = {"kafka_bootstrap": "127.0.0.1:9093", **made.endpoints_entry()}
+    found = {"kafka_bootstrap": "127.0.0.1:9093", "partitions": 4, **made.endpoints_entry()}
     beside = settings.secured_by(settings.load(), found)
+    assert beside.partitions == 4  # the stack's, so a tenant's topics match its workers'
+    assert settings.secured_by(settings.load(partitions=6), found).partitions == 6
     assert beside.kafka_security_protocol == "SASL_SSL"
     assert beside.kafka_sasl_username == ADMIN
     assert beside.kafka_sasl_password is not None
