@@ -6,6 +6,7 @@ PATH, in order (``...`` stands for lines left out)."""
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,3 +80,21 @@ asyncio.run(main(json.load(sys.stdin)))
 """
 """A script that runs the blocks it reads (JSON ``[[line, text], ...]`` on stdin) in one
 namespace, top-level ``await`` allowed, as ``python -m asyncio`` would."""
+
+
+SECURED = "alma up --secure"  # the first line of the walkthrough on a secured stack
+
+
+def shell_commands(*, secured: bool) -> list[list[str]]:
+    """The words of each `alma` command of the README's shell blocks: those of the
+    walkthrough on `alma up --secure` (``secured``: tests/integration/test_secure_stack.py
+    walks it), or of every other block."""
+    found = []
+    for block in blocks():
+        if block.language != "bash" or block.text.lstrip().startswith(SECURED) != secured:
+            continue
+        for raw in block.text.splitlines():
+            words = shlex.split(raw.split("#")[0])
+            if words[:1] == ["alma"]:
+                found.append(words[1:])
+    return found

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import json
 import re
-import shlex
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ import pytest
 from tests.installed import LAPTOP, Installed, build_wheel, install
 from tests.integration.harness import fetch
 from tests.integration.test_embedded import AlmaUp
-from tests.readme_blocks import README, RUNNER, blocks, runnable
+from tests.readme_blocks import README, RUNNER, runnable, shell_commands
 from tests.services import without_alma_settings
 
 DEFAULT_METRICS_PORT = 9464  # Settings.metrics_port
@@ -90,14 +89,9 @@ def application(here: Path) -> None:
 
 
 def readme_commands() -> list[list[str]]:
-    """The `alma` commands the README's shell blocks show, but `alma up` (running)."""
-    found = []
-    for block in blocks():
-        for raw in block.text.splitlines() if block.language == "bash" else []:
-            words = shlex.split(raw.split("#")[0])
-            if words[:1] == ["alma"] and words[1] != "up":
-                found.append(words[1:])
-    return found
+    """The `alma` commands the README's shell blocks show, but `alma up` (running) and
+    the walkthrough on a secured stack of its own (test_secure_stack.py walks it)."""
+    return [words for words in shell_commands(secured=False) if words[0] != "up"]
 
 
 @pytest.mark.slow

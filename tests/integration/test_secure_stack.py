@@ -32,8 +32,21 @@ from alma_core.types import WorkflowContext
 from tests.integration.harness import completed, wait_for
 from tests.integration.test_cli import alma
 from tests.integration.test_embedded import AlmaUp
+from tests.readme_blocks import shell_commands
 
 pytestmark = pytest.mark.slow
+
+
+def test_the_readme_walkthrough_is_this_walk() -> None:
+    """The README's shell block on `alma up --secure` shows the commands the test below
+    runs, in its order (each run there as printed: `>` is the shell's)."""
+    assert shell_commands(secured=True) == [
+        ["up", "--secure"],
+        ["tenants", "add", "acme", ">", "acme.env"],
+        ["tenants", "add", "globex", ">", "globex.env"],
+        ["dlq", "list", "--tenant", "acme"],
+        ["tenants", "remove", "globex"],
+    ]
 
 
 def tenant_settings(printed: str) -> tuple[dict[str, str], Settings]:
@@ -175,6 +188,9 @@ async def test_an_operator_stands_up_a_shared_alma_and_two_tenants(tmp_path: Pat
             return any(letter["event_id"] == forged["event_id"] for letter in letters())
 
         await wait_for(dead_lettered, limit_s=60, what="the forged event dead-lettered")
+        shown = alma("dlq", "list", "--tenant", "acme", cwd=tmp_path)  # as the README shows it
+        assert shown.returncode == 0, shown.stderr
+        assert "tenant_not_producer" in shown.stdout
         [letter] = [x for x in letters() if x["event_id"] == forged["event_id"]]
         assert letter["reason"] == "tenant_not_producer"
         state = alma(
