@@ -163,8 +163,16 @@ async def _stack(
     # stopped with SIGTERM (a timeout, a kill), the benchmark stops its stack on the way
     # out rather than leaving a broker, PostgreSQL and Redis running for the next one
     loop, running = asyncio.get_running_loop(), asyncio.current_task()
-    if running is not None:
-        loop.add_signal_handler(signal.SIGTERM, running.cancel)
+    stopping = asyncio.Event()  # set once the stack is being stopped: never cancelled then
+
+    def cancel_until_stopping() -> None:
+        # again every 2 s: a cancellation that lands where a library swallows it (a CI
+        # run once saw a SIGTERMed benchmark go on for over 60 s) is not the last
+        if running is not None and not running.done() and not stopping.is_set():
+            running.cancel()
+            loop.call_later(2.0, cancel_until_stopping)
+
+    loop.add_signal_handler(signal.SIGTERM, cancel_until_stopping)
     try:
         services = Services(endpoints.kafka_bootstrap, endpoints.postgres_dsn, endpoints.redis_url)
         conn = await asyncpg.connect(services.postgres_dsn)
@@ -197,6 +205,7 @@ async def _stack(
         await ensure_topics(services.kafka_bootstrap, alma_topics(s), partitions=PARTITIONS)
         yield Env(s, services, quick, reps, full, progress, task, broker=shown, broker_kind=broker)
     finally:
+        stopping.set()
         loop.remove_signal_handler(signal.SIGTERM)
         await embedded.stop()
 
