@@ -751,6 +751,8 @@ def with_running(loaded: Settings) -> Settings:
     return loaded
 
 
+# What a secured ``alma up`` writes of its broker in its endpoints file, in this order
+# (protocol, mechanism, the admin's name and password, the CA file): embedded_secure.
 SECURED_FIELDS = (
     "kafka_security_protocol",
     "kafka_sasl_mechanism",

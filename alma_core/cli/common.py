@@ -9,12 +9,8 @@ password of a DSN or URL is ever printed."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import tempfile
 import traceback
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import asyncpg
@@ -151,22 +147,6 @@ def running_endpoints(s: settings_mod.Settings) -> dict[str, Any]:
     :mod:`alma_core.stacks`); nothing when none runs."""
     found = settings_mod.running(s)
     return found.endpoints if found else {}
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` readable by its owner only (mode 0600): the file is
-    created that way (a temporary file beside it, renamed over it), so the secret is
-    never in a file others can read, not even for a moment."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _service(s: settings_mod.Settings, field: str, what: str) -> str:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import os
 import re
 import shutil
 import signal
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from alma_core import errors
-from alma_core.cli.embedded_process import Service, free_port, port_open
+from alma_core.cli.embedded_process import Service, free_port, port_open, write_private
 
 HERE = Path(__file__).with_name("kafka")
 POM = HERE / "pom.xml"
@@ -354,20 +353,18 @@ class KafkaBroker(Service):
         }
         if self.security is not None:
             keystore = self.data_dir / "keystore.pem"  # Kafka's PEM keystore: key, then chain
-            keystore.write_bytes(
-                self.security.key.read_bytes() + self.security.certificate.read_bytes()
+            write_private(
+                keystore, self.security.key.read_bytes() + self.security.certificate.read_bytes()
             )
-            keystore.chmod(0o600)
             scheme = "SASL_SSL"
             settings |= self.security.properties(keystore)
             settings["listeners"] = settings["listeners"].replace("PLAINTEXT://", f"{scheme}://", 1)
             settings["advertised.listeners"] = f"{scheme}://{host}:{port}"
         text = "".join(f"{k}={v}\n" for k, v in settings.items())
         # it holds the admin's password when secured: its owner's only
-        fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, 0o600)  # one written before by an older release: 0644
-        with os.fdopen(fd, "w") as f:
-            f.write("# Written by alma up at each start (alma_core/cli/embedded_kafka.py)\n" + text)
+        # (one written by an older release, 0644, is replaced)
+        header = "# Written by alma up at each start (alma_core/cli/embedded_kafka.py)\n"
+        write_private(self.config_path, header + text)
 
     def _command(self, port: int) -> list[str]:
         self._write_config(port, free_port())

@@ -25,7 +25,7 @@ from typing import Any
 from urllib.parse import quote
 
 from alma_core import errors
-from alma_core.cli.embedded_process import Service
+from alma_core.cli.embedded_process import Service, write_private
 from alma_core.pids import alive
 
 PG_USER = "embedded_postgres"
@@ -104,9 +104,7 @@ class Postgres(Service):
         auth = ["--auth=trust"]
         pwfile = self.run_dir / ".initdb-password"
         if self.password is not None:
-            fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(self.password + "\n")
+            write_private(pwfile, self.password + "\n")
             if user:  # initdb runs as the user: the file must be its
                 import pwd
 

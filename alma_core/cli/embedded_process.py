@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +34,23 @@ START_ATTEMPTS = 4
 READY_TIMEOUT_S = 30.0
 
 Notify = Callable[[str], None]  # how a service tells a person what it does to the host
+
+
+def write_private(path: Path, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` readable by its owner only (mode 0600): the file is
+    created that way (a temporary file beside it, renamed over it), so a secret is
+    never in a file others can read, not even for a moment, and one written before
+    with a wider mode is replaced."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def log_notice(message: str) -> None:

@@ -26,7 +26,6 @@ import datetime
 import hashlib
 import ipaddress
 import json
-import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,8 @@ from pydantic import SecretStr
 
 from alma_core import errors
 from alma_core.cli.embedded_kafka import BROKER_PRINCIPAL, Security
-from alma_core.settings import Settings
+from alma_core.cli.embedded_process import write_private
+from alma_core.settings import SECURED_FIELDS, Settings
 
 FOLDER = "secure"
 ADMIN = "alma-admin"
@@ -120,13 +120,8 @@ class Secrets:
     def endpoints_entry(self) -> dict[str, Any]:
         """What the endpoints file says of the broker's security, for the commands beside
         ``alma up`` (they act as the admin: the file is its owner's only)."""
-        return {
-            "kafka_security_protocol": "SASL_SSL",
-            "kafka_sasl_mechanism": MECHANISM,
-            "kafka_sasl_username": ADMIN,
-            "kafka_sasl_password": self.kafka[ADMIN],
-            "kafka_ssl_cafile": str(self.ca),
-        }
+        values = ("SASL_SSL", MECHANISM, ADMIN, self.kafka[ADMIN], str(self.ca))
+        return dict(zip(SECURED_FIELDS, values, strict=True))  # what secured_by reads
 
 
 def load_or_make(data_dir: Path) -> Secrets:
@@ -154,17 +149,10 @@ def load_or_make(data_dir: Path) -> Secrets:
     make_pki(home)
     # the default user of Redis, by its password's SHA-256 (Redis's own ACL file form)
     digest = hashlib.sha256(made.redis.encode()).hexdigest()
-    _private(made.redis_acl_file, f"user default on #{digest} ~* &* +@all\n")
+    write_private(made.redis_acl_file, f"user default on #{digest} ~* &* +@all\n")
     doc = {"kafka": made.kafka, "postgres": made.postgres, "redis": made.redis}
-    _private(stored, json.dumps(doc, indent=2))  # last: its presence says "made"
+    write_private(stored, json.dumps(doc, indent=2))  # last: its presence says "made"
     return made
-
-
-def _private(path: Path, text: str | bytes) -> None:
-    """Write ``path`` created with mode 0600 (never readable by others, not even briefly)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(text.encode() if isinstance(text, str) else text)
 
 
 def make_pki(home: Path) -> None:
@@ -218,8 +206,8 @@ def make_pki(home: Path) -> None:
     )
     pem = serialization.Encoding.PEM
     pkcs8, plain = serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    _private(home / "ca.key", ca_key.private_bytes(pem, pkcs8, plain))
-    _private(home / "broker.key", key.private_bytes(pem, pkcs8, plain))
+    write_private(home / "ca.key", ca_key.private_bytes(pem, pkcs8, plain))
+    write_private(home / "broker.key", key.private_bytes(pem, pkcs8, plain))
     (home / "ca.pem").write_bytes(ca.public_bytes(pem))
     (home / "broker.pem").write_bytes(broker.public_bytes(pem))
 

@@ -24,7 +24,7 @@ from alma_core.cli.embedded import (
     choose_broker,
     in_memory,
 )
-from alma_core.cli.embedded_process import Notify, log_notice
+from alma_core.cli.embedded_process import Notify, log_notice, write_private
 from alma_core.cli.embedded_secure import ADMIN, WORKER
 from alma_core.cli.embedded_supervisor import (
     Limits,
@@ -117,7 +117,7 @@ def up(
                 "partitions": s.partitions,  # a tenant's topics are made with as many
                 **(secrets.endpoints_entry() if secrets else {}),
             }
-            common.write_private(endpoints_file, json.dumps(mine, indent=2))
+            write_private(endpoints_file, json.dumps(mine, indent=2))
             try:  # found from any directory
                 stacks.register(s.stacks_dir, s.data_dir)
             except OSError as exc:
@@ -158,7 +158,7 @@ def up(
             )
             common.out.print(traces_line(ws), markup=False)
             running = {"metrics_url": f"{base}/metrics", "embed_url": f"{base}/embed"}
-            common.write_private(endpoints_file, json.dumps({**mine, **running}, indent=2))
+            write_private(endpoints_file, json.dumps({**mine, **running}, indent=2))
             if check:
                 stop.set()
             else:
