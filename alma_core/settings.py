@@ -133,6 +133,14 @@ class Settings(BaseSettings):
         "twice, and keeps each partition's order through retries); off on the in-memory "
         "embedded broker, which does not support it",
     )
+    kafka_compression: Literal["zstd", "lz4", "gzip", "snappy", "none"] = Field(
+        default="zstd",
+        description="the codec ALMA's producers compress their record batches with (the "
+        "SDK's, the LangGraph saver's, the Temporal plugin's, the workers' replies, "
+        "`alma dlq replay`): the broker stores and sends them as they are, and every "
+        "consumer reads every codec. zstd: agents' JSON states to a quarter of their size "
+        "for 12 µs a 5 KB state (lz4 161 µs, gzip 300 µs; docs/kafka.md, 'Compression')",
+    )
 
     # The tenant `alma` commands act for when --tenant is not given.
     tenant: str | None = Field(default=None, min_length=1)

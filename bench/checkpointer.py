@@ -32,10 +32,10 @@ from alma_core.storage.cache import RedisCheckpointCache
 from alma_core.storage.observer import Tally
 from alma_core.storage.postgres import connect
 from alma_core.storage.reader import CheckpointReader
-from bench.env import PARTITIONS, AlmaRun, checkpoint_worker, durable_floor, stack
+from bench.env import CODEC, PARTITIONS, AlmaRun, checkpoint_worker, durable_floor, stack
 from bench.report import console, ms, pct, report
 
-PRODUCER_SETTINGS: dict[str, Any] = {"acks": "all", "linger_ms": 5}
+PRODUCER_SETTINGS: dict[str, Any] = {"acks": "all", "linger_ms": 5, "compression_type": CODEC}
 FETCH_MAX_WAIT_MS = 50
 
 
@@ -191,6 +191,7 @@ async def throughput(
         acks="all",
         linger_ms=20,
         max_batch_size=1024 * 1024,
+        compression_type=CODEC,
     )
     await producer.start()
     for i in range(n):

@@ -34,6 +34,7 @@ from alma_core.cli.topics import alma_topics, ensure_topics
 from alma_core.consumers import checkpointer
 from alma_core.consumers.worker import Services, run_worker
 from alma_core.heap import freeze_heap
+from alma_core.messaging import kafka
 from alma_core.quotas import TenantLimits
 from alma_core.reducers import ReducerRegistry
 from alma_core.schemas import jsoncodec
@@ -46,6 +47,9 @@ from alma_core.storage.reader import CheckpointReader
 
 PARTITIONS = 12
 PEER_DB = "alma_bench_peers"
+# The codec of the benchmarks' own producers (the load, the floor's): ALMA's producers'
+# (ALMA_KAFKA_COMPRESSION), so a ratio to the floor compares the same bytes on the wire
+CODEC = kafka.compression_type(settings_mod.load())
 
 
 @dataclass
@@ -229,6 +233,7 @@ async def services_versions(env: Env) -> dict[str, str]:
         "pgvector": str(vector),
         "Redis": str(info.get("redis_version")),
         "broker": env.broker,
+        "records compressed with": CODEC or "nothing",
     }
 
 

@@ -41,7 +41,7 @@ from alma_core.storage.embeddings import AsyncEmbedder, Vector, load_embedder
 from alma_core.storage.postgres import connect
 from alma_core.storage.retrieval import Retriever
 from alma_core.types import RetrievalScope, WorkflowContext
-from bench.env import PARTITIONS, stack
+from bench.env import CODEC, PARTITIONS, stack
 from bench.report import console, ms, report
 
 DIM = 384
@@ -147,7 +147,9 @@ def run_events(run: str, i: int) -> list[dict[str, Any]]:
 
 
 async def publish(bootstrap: str, topic: str, runs: int, rate: float | None, tag: str) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, acks="all", linger_ms=5, compression_type=CODEC
+    )
     await producer.start()
     started = time.perf_counter()
     try:

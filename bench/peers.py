@@ -30,6 +30,7 @@ from alma_core.types import WorkflowContext
 from bench.checkpointer import throughput
 from bench.cpu import GROUPS, CpuMeter, service_ports
 from bench.env import (
+    CODEC,
     PARTITIONS,
     AlmaRun,
     Env,
@@ -134,6 +135,7 @@ async def alma_writes(
         acks="all",
         linger_ms=0,
         max_request_size=4 * 2**20,
+        compression_type=CODEC,
     )
     await producer.start()
     tag = uuid.uuid4().hex[:8]
@@ -222,6 +224,7 @@ async def _hop(
         acks="all",
         linger_ms=0,
         max_request_size=4 * 2**20,
+        compression_type=CODEC,
     )
     await consumer.start()
     consumer.assign([TopicPartition(topic, p) for p in range(PARTITIONS)])

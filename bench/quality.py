@@ -34,7 +34,7 @@ from alma_core.storage.embeddings import AsyncEmbedder, load_embedder
 from alma_core.storage.postgres import connect
 from alma_core.storage.retrieval import Retriever
 from alma_core.types import RetrievalScope, WorkflowContext
-from bench.env import Env
+from bench.env import CODEC, Env
 from bench.report import Section
 
 
@@ -381,7 +381,9 @@ async def run(env: Env, section: Section) -> None:
         await asyncio.wait_for(ready.wait(), 120)
         env.step("quality: the past runs through the pipeline")
         try:
-            producer = AIOKafkaProducer(bootstrap_servers=env.services.kafka_bootstrap, acks="all")
+            producer = AIOKafkaProducer(
+                bootstrap_servers=env.services.kafka_bootstrap, acks="all", compression_type=CODEC
+            )
             await producer.start()
             try:
                 for r in RUNS:

@@ -19,7 +19,7 @@ import asyncpg
 from aiokafka import AIOKafkaProducer
 
 from bench.checkpointer import event
-from bench.env import Env, checkpoint_processes, scratch
+from bench.env import CODEC, Env, checkpoint_processes, scratch
 from bench.report import Section, Stat, ratio
 
 PROCESSES = (1, 2, 4)
@@ -58,6 +58,7 @@ async def publish_backlog(
         acks="all",
         linger_ms=20,
         max_batch_size=1 << 20,
+        compression_type=CODEC,
     )
     await producer.start()
     for i in range(backlog):

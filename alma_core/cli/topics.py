@@ -195,7 +195,7 @@ def topics_create(
 @topics_app.command("describe")
 def topics_describe(as_json: bool = common.json_option("the topics")) -> None:
     """ALMA's topics as the broker has them (partitions, replication,
-    min.insync.replicas, retention, largest record), checked against what ALMA needs:
+    min.insync.replicas, retention, largest record, compression), checked against what ALMA needs:
     exit 1 when one is missing or falls short, each problem saying what to do."""
     s = common.settings()
 
@@ -218,11 +218,12 @@ def topics_describe(as_json: bool = common.json_option("the topics")) -> None:
             print(json.dumps(docs))
         else:
             table = Table(title="topics")
-            for col in ("topic", "partitions", "replicas", "min in sync", "retention", "largest"):
+            columns = ("topic", "partitions", "replicas", "min in sync", "retention", "largest")
+            for col in (*columns, "compression"):
                 table.add_column(col)
             for n, f in facts.items():
                 if f is None:
-                    table.add_row(n, "does not exist", "", "", "", "")
+                    table.add_row(n, "does not exist", "", "", "", "", "")
                     continue
                 doc = f.to_doc()
                 table.add_row(
@@ -232,6 +233,7 @@ def topics_describe(as_json: bool = common.json_option("the topics")) -> None:
                     _shown(doc["min_insync_replicas"]),
                     _days(f.config_int("retention.ms")),
                     _shown(doc["max_message_bytes"]),
+                    _shown(doc["compression_type"]),
                 )
             common.out.print(table)
             for problem in (p for ps in found.values() for p in ps):

@@ -67,9 +67,20 @@ def ssl_context(s: Settings) -> ssl.SSLContext:
 
 def producer_options(s: Settings) -> dict[str, Any]:
     """What every producer of ALMA's is made with: :func:`client_options`, every write
-    acknowledged by all in-sync replicas, and idempotence where the broker supports it
-    (``ALMA_KAFKA_IDEMPOTENCE``: a retried batch is written once, in order)."""
-    return {**client_options(s), "acks": "all", "enable_idempotence": s.kafka_idempotence}
+    acknowledged by all in-sync replicas, idempotence where the broker supports it
+    (``ALMA_KAFKA_IDEMPOTENCE``: a retried batch is written once, in order), and batches
+    compressed with ``ALMA_KAFKA_COMPRESSION``'s codec."""
+    return {
+        **client_options(s),
+        "acks": "all",
+        "enable_idempotence": s.kafka_idempotence,
+        "compression_type": compression_type(s),
+    }
+
+
+def compression_type(s: Settings) -> str | None:
+    """aiokafka's ``compression_type`` for ``ALMA_KAFKA_COMPRESSION`` (None: none)."""
+    return None if s.kafka_compression == "none" else s.kafka_compression
 
 
 def client_options(s: Settings) -> dict[str, Any]:

@@ -11,6 +11,10 @@ it can read at start.
 * **Retention of the lifecycle topic**: shorter than run rows live
   (``ALMA_RUN_RETENTION_DAYS``), or a record replayed after its run was pruned would
   start that run again (:meth:`~alma_core.settings.RetentionPolicy.replay_problem`).
+* **Compression**: ``compression.type`` left to the producer (``producer``, Kafka's
+  default) or ALMA_KAFKA_COMPRESSION's own codec: any other makes every broker
+  decompress and compress again each batch ALMA's producers send (``uncompressed``
+  stores them whole, about four times the size of agents' JSON states in zstd).
 """
 
 from __future__ import annotations
@@ -51,7 +55,27 @@ class TopicFacts:
             "min_insync_replicas": self.config_int("min.insync.replicas"),
             "retention_ms": self.config_int("retention.ms"),
             "max_message_bytes": self.config_int("max.message.bytes"),
+            "compression_type": self.configs.get("compression.type"),
         }
+
+
+def compression_problem(facts: TopicFacts, settings: Settings) -> str | None:
+    """The topic's own codec, where it undoes the one ALMA's producers compress with
+    (a broker's own codec for records ALMA sends uncompressed is the operator's choice)."""
+    codec = facts.configs.get("compression.type")
+    ours = settings.kafka_compression
+    if codec is None or codec in ("producer", ours) or ours == "none":
+        return None
+    if codec == "uncompressed":
+        effect, instead = "decompresses each batch and stores it whole", "none"
+    else:
+        effect, instead = "decompresses each batch and compresses it again", codec
+    return (
+        f"the topic {facts.name} has compression.type={codec}, where ALMA's producers send "
+        f"{ours}: every broker {effect}. What to do: set the topic's compression.type to "
+        "producer (kafka-configs.sh --alter --entity-type topics ... --add-config "
+        f"compression.type=producer), or ALMA_KAFKA_COMPRESSION={instead}"
+    )
 
 
 def record_limit_problem(facts: TopicFacts, settings: Settings) -> str | None:
@@ -87,9 +111,9 @@ def problems(facts: TopicFacts, settings: Settings, *, lifecycle: bool) -> list[
             "(acks=all) may live on one broker only. What to do: set min.insync.replicas "
             "to 2 (kafka-configs.sh --alter --entity-type topics ...)"
         )
-    limit = record_limit_problem(facts, settings)
-    if limit:
-        found.append(limit)
+    for problem in (record_limit_problem(facts, settings), compression_problem(facts, settings)):
+        if problem:
+            found.append(problem)
     retention = facts.config_int("retention.ms")
     if lifecycle and retention is not None:
         replay = settings.retention.replay_problem(facts.name, retention)

@@ -333,9 +333,10 @@ async def test_alma_topics_describe_checks_the_topics_on_the_broker(
     services: Services, settings: Settings
 ) -> None:
     """`alma topics describe` on the real broker: the partitions, replication,
-    min.insync.replicas, retention and largest record of ALMA's topics (created as `alma
-    topics create` creates them), with the deploy files' retention, find nothing wrong;
-    a lifecycle topic that keeps records forever is named, with what to do (exit 1)."""
+    min.insync.replicas, retention, largest record and codec of ALMA's topics (created as
+    `alma topics create` creates them), with the deploy files' retention, find nothing
+    wrong; a lifecycle topic that keeps records forever, or recompresses what ALMA's
+    producers send, is named, with what to do (exit 1)."""
     import json
 
     import yaml
@@ -357,11 +358,12 @@ async def test_alma_topics_describe_checks_the_topics_on_the_broker(
         assert doc["replication_factor"] == settings.replication_factor == 1
         assert doc["max_message_bytes"] == settings.max_record_bytes + 64 * 1024
         assert doc["retention_ms"] == hours * 3_600_000  # the deploy files' retention
+        assert doc["compression_type"] == "producer"  # ALMA's producers' codec is kept
         assert doc["problems"] == [], doc
     admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka_bootstrap)
     await admin.start()
     try:
-        forever = {"retention.ms": "-1"}
+        forever = {"retention.ms": "-1", "compression.type": "gzip"}
         await admin.alter_configs(
             [ConfigResource(ConfigResourceType.TOPIC, settings.lifecycle_topic, forever)]
         )
@@ -370,6 +372,7 @@ async def test_alma_topics_describe_checks_the_topics_on_the_broker(
 
     async def told() -> bool:
         again = await asyncio.to_thread(alma, "topics", "describe", env=env)
-        return again.returncode == 1 and "keeps records forever" in again.stderr
+        named = "keeps records forever", "compression.type=gzip, where ALMA's producers send"
+        return again.returncode == 1 and all(n in again.stderr for n in named)
 
-    await wait_for(told, what="the lifecycle topic's infinite retention named")
+    await wait_for(told, what="the lifecycle topic's infinite retention and codec named")

@@ -41,3 +41,29 @@ def test_each_shortfall_is_named_with_what_to_do() -> None:
     # retention matters on the lifecycle topic only; one replica needs no in-sync floor
     other = TopicFacts("alma.merged.v1", 12, 1, {"min.insync.replicas": "1", "retention.ms": "-1"})
     assert problems(other, settings(), lifecycle=False) == []
+
+
+def test_a_topic_codec_that_undoes_the_producers_is_named() -> None:
+    """compression.type left to the producer (Kafka's default), or ALMA's own codec, is
+    right; another codec, or uncompressed, makes every broker decompress each batch
+    ALMA compressed (and compress it again, or store it whole)."""
+    s = settings()
+    assert s.kafka_compression == "zstd"
+
+    def found(codec: str, **kw: object) -> list[str]:
+        facts = TopicFacts("alma.merged.v1", 12, 1, {"compression.type": codec})
+        return problems(facts, settings(**kw), lifecycle=False)
+
+    assert found("producer") == found("zstd") == []
+    gzip = found("gzip")
+    assert len(gzip) == 1
+    assert "compression.type=gzip, where ALMA's producers send zstd" in gzip[0]
+    assert "compresses it again" in gzip[0]
+    assert "--add-config compression.type=producer" in gzip[0]
+    assert "ALMA_KAFKA_COMPRESSION=gzip" in gzip[0]
+    stored_whole = found("uncompressed")
+    assert "stores it whole" in stored_whole[0]
+    assert "ALMA_KAFKA_COMPRESSION=none" in stored_whole[0]
+    # records sent uncompressed: the broker's own codec is the operator's choice
+    assert found("gzip", kafka_compression="none") == []
+    assert found("lz4", kafka_compression="lz4") == []
