@@ -31,6 +31,29 @@ def key(tp: TopicPartition) -> PartitionKey:
     return (tp.topic, tp.partition)
 
 
+class Membership:
+    """Whether one consumer stayed the same member of its group: a member keeps its
+    member id across rebalances; one whose session lapsed (cut off from the group's
+    coordinator, or frozen, for a session) is given a new one when it joins again,
+    static members (``group.instance.id``) included. By then another member may have
+    applied its partitions, and its connections to the brokers may be stuck behind a
+    cut (requests wait for TCP's retransmission, tens of seconds after the network is
+    back): the runtime starts a new consumer, with new connections and nothing
+    remembered (:mod:`alma_core.consumers.runtime`)."""
+
+    def __init__(self) -> None:
+        self.member_id: str | None = None
+        self.lost = False
+
+    def joined(self, member_id: str | None) -> None:
+        """An assignment received as ``member_id`` (None or empty: not known)."""
+        if not member_id:
+            return
+        if self.member_id is not None and member_id != self.member_id:
+            self.lost = True
+        self.member_id = member_id
+
+
 class Assignment:
     def __init__(self) -> None:
         self.partitions: set[TopicPartition] = set()

@@ -48,7 +48,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import GroupAuthorizationFailedError, KafkaError
 
 from alma_core import errors
-from alma_core.consumers.assignment import Assignment, key
+from alma_core.consumers.assignment import Assignment, Membership, key
 from alma_core.consumers.metrics import Metrics
 from alma_core.consumers.retry import FetchPacer, backoff_delay, retry_start, wait
 from alma_core.consumers.starvation import StarvationWatch
@@ -132,6 +132,12 @@ class _Starved(Exception):
         self.partitions = partitions
 
 
+class _MembershipLost(Exception):
+    """This member's group session lapsed and the client joined again under a new
+    member id: it was cut off from the group's coordinator, and maybe from every
+    broker, for a session or more."""
+
+
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
     """Runs in aiokafka's coordinator task: notes and pauses, nothing more (the main
     loop places the partitions). Committing what is already durable before the
@@ -149,7 +155,10 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
             self.runtime.metrics.forget_partition(self.runtime.handler.name, tp.topic, tp.partition)
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        self.runtime.assignment.noted(self.runtime.consumer, set(assigned))
+        consumer = self.runtime.consumer
+        coordinator = getattr(consumer, "_coordinator", None)  # aiokafka's; no public name
+        self.runtime.membership.joined(getattr(coordinator, "member_id", None))
+        self.runtime.assignment.noted(consumer, set(assigned))
         self.runtime.reassigned.set()  # a long idle poll ends: place them now
         self.runtime.metrics.assigned_partitions.labels(self.runtime.handler.name).set(
             len(assigned)
@@ -174,6 +183,7 @@ class ConsumerRuntime:
         self.started = asyncio.Event()
         self.reassigned = asyncio.Event()
         self.assignment = Assignment()
+        self.membership = Membership()
         self._admin: AIOKafkaAdminClient | None = None
         self._pending: dict[TopicPartition, int] = {}
         self._last_commit = 0.0
@@ -295,6 +305,17 @@ class ConsumerRuntime:
             with contextlib.suppress(KafkaError):
                 await self.commit_pending(consumer)
             return True
+        except _MembershipLost:
+            self.metrics.consumer_restarts.labels(self.handler.name, "membership_lost").inc()
+            log.warning(
+                "this member's group session lapsed (it was cut off from the group's "
+                "coordinator) and it joined again: this consumer leaves and a new one "
+                "joins, with new connections to the brokers (one through a cut keeps "
+                "its requests waiting for TCP's retransmission) and nothing remembered of "
+                "its partitions (another member applied them meanwhile)",
+                extra={"action": "consumer_membership_lost", "consumer": self.handler.name},
+            )
+            return False
         except _Starved as starved:
             self.metrics.consumer_restarts.labels(self.handler.name, "starved").inc()
             log.warning(
@@ -318,6 +339,7 @@ class ConsumerRuntime:
             self.assignment.generation = generation
             self._pending.clear()
             self._watch = StarvationWatch(cfg.starved_after_s)
+            self.membership = Membership()
 
     def _refused(self, exc: KafkaError) -> errors.BrokerDenied:
         """What a consumer of this group lacks when the authorizer refuses it."""
@@ -369,6 +391,8 @@ class ConsumerRuntime:
         placing = 0  # failed placements in a row
         a = self.assignment
         while not stop.is_set():
+            if self.membership.lost:
+                raise _MembershipLost()
             if a.unplaced:
                 placing = 0 if await self._place(consumer) else placing + 1
                 if placing:

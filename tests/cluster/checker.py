@@ -41,6 +41,7 @@ class Verdict:
     dead_letters: int = 0
     cache_entries: int = 0
     longest_wait_s: float = 0.0  # from an event's acknowledgement to its checkpoint
+    longest_wait_after_heal_s: float = 0.0  # the same, of events acknowledged once healed
     longest_publish_s: float = 0.0  # from an event's first send to its acknowledgement
     problems: list[str] = field(default_factory=list)
 
@@ -87,7 +88,9 @@ def topic_event_ids(bootstrap: str, topic: str, limit_s: float = 60) -> Counter[
         consumer.close()
 
 
-async def check(settings: Settings, acked_path: Path) -> Verdict:
+async def check(settings: Settings, acked_path: Path, healed_at: float | None = None) -> Verdict:
+    """The verdict on a scenario's events; ``healed_at`` (epoch seconds): when its fault
+    healed, for the longest wait of an event acknowledged after it."""
     assert settings.kafka_bootstrap
     assert settings.postgres_dsn
     verdict = Verdict()
@@ -125,6 +128,15 @@ async def check(settings: Settings, acked_path: Path) -> Verdict:
     created = {r["event_id"]: r["created"] for r in rows}
     waits = [created[a["event_id"]] - a["at"] for a in acked if a["event_id"] in created]
     verdict.longest_wait_s = max(waits, default=0.0)
+    if healed_at is not None:
+        verdict.longest_wait_after_heal_s = max(
+            (
+                created[a["event_id"]] - a["at"]
+                for a in acked
+                if a["event_id"] in created and a["at"] >= healed_at
+            ),
+            default=0.0,
+        )
     verdict.longest_publish_s = max((a.get("publish_s", 0.0) for a in acked), default=0.0)
     if verdict.lost:
         lost = [a["event_id"] for a in acked if not applied[a["event_id"]]]

@@ -419,7 +419,8 @@ async def run(
             stalled = watcher.stalled(fault.started)
             flowing = watcher.first_after(fault.healed)
         cluster.stop_workers()
-        verdict = await check(settings, acked_path)
+        healed_at = time.time() - (time.monotonic() - fault.healed)  # epoch, as acked
+        verdict = await check(settings, acked_path, healed_at)
         retries = _retries(cluster.root / f"o1-{settings.group_prefix}.log")
         return Outcome(
             name,

@@ -11,7 +11,7 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
-from alma_core.consumers.assignment import Assignment
+from alma_core.consumers.assignment import Assignment, Membership
 
 TP = TopicPartition("lifecycle", 1)
 
@@ -75,3 +75,16 @@ def test_a_log_that_really_ends_early_stays_paused_and_keeps_its_first_sighting(
     a.noted(consumer, {TP})  # type: ignore[arg-type]
     assert a.log_behind == {}
     assert a.known_end == {}
+
+
+def test_a_member_given_a_new_member_id_has_lost_its_membership() -> None:
+    """Rebalances keep a member's id; a session that lapsed (cut off, frozen) gives it a
+    new one when it joins again, static members too: then it has lost its membership."""
+    m = Membership()
+    m.joined("w1-aaa")
+    m.joined("w1-aaa")  # a rebalance: the same member
+    m.joined(None)  # not known: nothing said
+    assert not m.lost
+    m.joined("w1-bbb")  # the same instance, joined again after its session lapsed
+    assert m.lost
+    assert m.member_id == "w1-bbb"
