@@ -31,7 +31,11 @@ What the runtime guarantees the handler:
   like, a broker that lost or replaced its log (a restart without its data, a new
   cluster with the same id): it stays paused and is reported
   (``alma_offsets_ahead_of_log``, an alert, and a log line that says to run
-  ``alma offsets reset``).
+  ``alma offsets reset``);
+* a consumer whose group gave it a new member id (its session lapsed: cut off or
+  frozen) or that stopped fetching a partition whose log holds more
+  (:mod:`alma_core.consumers.starvation`) is replaced by a new one: new connections
+  to the brokers, every partition placed afresh from its stored offset.
 """
 
 from __future__ import annotations
