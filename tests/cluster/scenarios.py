@@ -403,6 +403,11 @@ async def run(
             await asyncio.sleep(warmup)
             fault = await inject(cluster, settings, hold)
             await asyncio.sleep(after)
+            # and until the orchestrator published again, should it take longer (a host
+            # back from a cut: a request in flight waits for TCP's next retransmission,
+            # up to ~6 s after an 8 s cut), so that publishing after the heal is measured
+            healed_at = time.time() - (time.monotonic() - fault.healed)  # epoch, as acked
+            await _published_since(acked_path, healed_at, limit_s=30)
             orchestrator.send_signal(signal.SIGTERM)
             stop_by = time.monotonic() + 60
             while orchestrator.poll() is None and time.monotonic() < stop_by:  # noqa: ASYNC110
@@ -419,7 +424,6 @@ async def run(
             stalled = watcher.stalled(fault.started)
             flowing = watcher.first_after(fault.healed)
         cluster.stop_workers()
-        healed_at = time.time() - (time.monotonic() - fault.healed)  # epoch, as acked
         verdict = await check(settings, acked_path, healed_at)
         retries = _retries(cluster.root / f"o1-{settings.group_prefix}.log")
         return Outcome(
@@ -445,6 +449,17 @@ async def run(
         for broker in cluster.brokers.values():
             if broker.exit_status is not None or broker.proc is None:
                 await broker.restart()
+
+
+async def _published_since(acked_path: Path, since: float, limit_s: float) -> None:
+    """Until an event acknowledged at ``since`` (epoch) or later is written down, or for
+    ``limit_s`` at the most (the verdict then says no checkpoint followed the heal)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ValueError):  # a line being written: read again
+            if any(a["at"] >= since for a in acknowledged(acked_path)):
+                return
+        await asyncio.sleep(0.2)
 
 
 def _retries(log: Path) -> int:
