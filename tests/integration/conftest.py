@@ -149,14 +149,18 @@ class Topics:
     def all(self) -> list[str]:
         return [self.lifecycle, self.merged, self.dlq, self.sequenced]
 
+    @classmethod
+    def fresh(cls, *prefixes: str) -> Topics:
+        """Names no other test uses, not created: each its prefix (``lc``, ``mg``,
+        ``dl``, ``sq`` unless given) and one random suffix."""
+        suffix = uuid.uuid4().hex[:10]
+        return cls(*(f"{p}-{suffix}" for p in prefixes or ("lc", "mg", "dl", "sq")))
+
 
 @pytest.fixture
 async def topics(services: Services) -> Topics:
     """Fresh topic names for this test, created explicitly (no auto-creation)."""
-    suffix = uuid.uuid4().hex[:10]
-    names = Topics(
-        f"lifecycle-{suffix}", f"merged-{suffix}", f"dlq-{suffix}", f"sequenced-{suffix}"
-    )
+    names = Topics.fresh("lifecycle", "merged", "dlq", "sequenced")
     await ensure_topics(services.kafka_bootstrap, names.all, partitions=TEST_PARTITIONS)
     return names
 

@@ -5,7 +5,6 @@ AlmaOffsetCommitFailing alert reads) and logged, and the worker stops cleanly.""
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 from alma_core.cli.embedded import Broker
@@ -23,8 +22,7 @@ async def test_commits_to_a_dead_broker_are_counted_not_fatal(
     broker = Broker(tmp_path)
     await broker.start()
     try:
-        suffix = uuid.uuid4().hex[:10]
-        topics = Topics(f"lc-{suffix}", f"mg-{suffix}", f"dl-{suffix}", f"sq-{suffix}")
+        topics = Topics.fresh()
         await ensure_topics(broker.url, topics.all, partitions=TEST_PARTITIONS)
         settings = settings_for(broker.url, database, services.redis_url, topics, broker="tansu")
         async with Publisher(broker.url, topics.lifecycle) as pub:

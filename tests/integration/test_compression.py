@@ -30,11 +30,6 @@ STEPS = 6
 STATE_BYTES = 5_000
 
 
-def _topics() -> Topics:
-    suffix = uuid.uuid4().hex[:10]
-    return Topics(f"lc-{suffix}", f"mg-{suffix}", f"dl-{suffix}", f"sq-{suffix}")
-
-
 def _read_all(bootstrap: str, topic: str, expected: int) -> list[dict[str, Any]]:
     """Every record of ``topic``, read with librdkafka (not the workers' client)."""
     consumer = Consumer(
@@ -106,7 +101,7 @@ async def test_every_codec_is_read_on_tansu(
     broker = Broker(tmp_path)
     await broker.start()
     try:
-        topics = _topics()
+        topics = Topics.fresh()
         await ensure_topics(broker.url, topics.all, partitions=TEST_PARTITIONS)
         await _every_codec_applied(
             settings_for(broker.url, database, services.redis_url, topics, broker="tansu")
@@ -131,7 +126,7 @@ async def test_the_broker_stores_what_alma_sends_compressed(
     bootstrap = kafka.endpoints.kafka_bootstrap
     stored: dict[str, int] = {}
     for codec in ("zstd", "none"):
-        topics = _topics()
+        topics = Topics.fresh()
         await ensure_topics(bootstrap, topics.all, partitions=1)
         s = settings_for(bootstrap, database, services.redis_url, topics, partitions=1)
         if codec != "zstd":

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import uuid
 from pathlib import Path
 
 import pytest
@@ -99,8 +98,7 @@ async def test_readiness_follows_the_broker(
     broker = KafkaBroker(tmp_path / "kafka", tmp_path / "kafka-run", libs=default_libs())
     await broker.start()
     try:
-        suffix = uuid.uuid4().hex[:10]
-        topics = Topics(f"lc-{suffix}", f"mg-{suffix}", f"dl-{suffix}", f"sq-{suffix}")
+        topics = Topics.fresh()
         await ensure_topics(broker.url, topics.all, partitions=TEST_PARTITIONS)
         settings = settings_for(broker.url, database, services.redis_url, topics, broker="kafka")
         async with Worker.start(settings) as worker:

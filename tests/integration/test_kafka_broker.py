@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -49,11 +48,6 @@ async def kafka(tmp_path: Path) -> AsyncIterator[EmbeddedStack]:
 def _broker(stack: EmbeddedStack) -> KafkaBroker:
     assert isinstance(stack.broker, KafkaBroker)
     return stack.broker
-
-
-def _topics() -> Topics:
-    suffix = uuid.uuid4().hex[:10]
-    return Topics(f"lc-{suffix}", f"mg-{suffix}", f"dl-{suffix}", f"sq-{suffix}")
 
 
 async def publish_until_acknowledged(
@@ -133,7 +127,7 @@ async def _apply_through_a_broker_restart(
 async def test_a_broker_sigkilled_mid_stream_comes_back_with_everything_it_acknowledged(
     kafka: EmbeddedStack, services: Services, database: str
 ) -> None:
-    topics = _topics()
+    topics = Topics.fresh()
     broker = _broker(kafka)
     await ensure_topics(broker.url, topics.all, partitions=4)
     settings = settings_for(broker.url, database, services.redis_url, topics)
@@ -149,7 +143,7 @@ async def test_a_broker_restart_while_postgres_is_down(
 ) -> None:
     """The worker retries storage while the broker is gone too; both come back, and
     the stored offsets (keyed by the broker's unchanged cluster id) carry it on."""
-    topics = _topics()
+    topics = Topics.fresh()
     broker = _broker(kafka)
     await ensure_topics(broker.url, topics.all, partitions=4)
     base = private_stack.settings
@@ -208,7 +202,7 @@ async def test_more_partitions_than_the_suite_uses(services: Services, database:
     """24 partitions (the suite's topics have 4): created, every one has its leader at
     once (Kafka answers CreateTopics before electing them); every run lands whole in
     one, and the checkpointer applies them all in order."""
-    topics = _topics()
+    topics = Topics.fresh()
     await ensure_topics(services.kafka_bootstrap, topics.all, partitions=24)
     admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka_bootstrap)
     await admin.start()

@@ -119,8 +119,7 @@ async def refusal(consumer: AIOKafkaConsumer) -> KafkaError:
 
 async def _topics(secured: Secured) -> Topics:
     """Fresh topics, created by the admin (neither role may create topics)."""
-    suffix = uuid.uuid4().hex[:10]
-    topics = Topics(f"lc-{suffix}", f"mg-{suffix}", f"dl-{suffix}", f"sq-{suffix}")
+    topics = Topics.fresh()
     await asyncio.to_thread(
         _as_admin, secured, lambda a: a.create_topics([NewTopic(t, 4, 1) for t in topics.all])
     )

@@ -200,8 +200,7 @@ async def tls_settings(
 ) -> AsyncIterator[Settings]:
     pki = make_pki(tmp_path)
     async with tls_broker(pki, tmp_path) as bootstrap:
-        suffix = uuid.uuid4().hex[:10]
-        topics = Topics(f"lc-{suffix}", f"mg-{suffix}", f"dl-{suffix}", f"sq-{suffix}")
+        topics = Topics.fresh()
         settings = settings_for(
             bootstrap,
             database,
