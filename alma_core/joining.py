@@ -137,7 +137,10 @@ class MergedCheckpoint:
 @dataclass(frozen=True)
 class JoinDecision:
     """What one join comes to: its reply (an earlier one again for a duplicate) and,
-    for a new ``ok``, the merged checkpoint; for a new error, the rejection."""
+    for a new ``ok``, the merged checkpoint; for a new error, the rejection. ``lost``:
+    the hand-off came from a checkpointer commit PostgreSQL no longer has (a failover
+    lost it): nothing is merged or answered, as the checkpointer reads the join again
+    from its topic and hands it off again."""
 
     event: BranchJoin
     reply: dict[str, Any]
@@ -145,6 +148,7 @@ class JoinDecision:
     rejection: errors.RejectedEvent | None = None
     duplicate: bool = False
     consumed: tuple[str, ...] = ()  # the branches the merge consumed
+    lost: bool = False
 
 
 def reply_of(event: BranchJoin) -> dict[str, Any]:
@@ -190,6 +194,13 @@ class JoinPlanner:
         key = (event.tenant_id, event.run_id, payload.join_id)
         if key in self.replies:
             return JoinDecision(event, self.replies[key], duplicate=True)
+        known = self.runs.get((event.tenant_id, event.run_id))
+        if position is not None and position > (known.last_seq if known else 0):
+            # the checkpointer handed it off after a commit that made the run reach
+            # ``position``: a run behind it lost that commit (a PostgreSQL failover with
+            # asynchronous replication). Merging now would merge branches the run no
+            # longer has, or answer an error that then stands for the join forever.
+            return JoinDecision(event, reply_of(event), lost=True)
         reply = reply_of(event)
         try:
             run = self._run(event)

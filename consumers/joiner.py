@@ -5,6 +5,7 @@ its offsets past them."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from alma_core.consumers.handler import StoreHandler
@@ -15,6 +16,7 @@ from alma_core.storage.joins import JoinEffects, PostgresJoinStore
 
 NAME = "joiner"
 GROUP = "joiner"
+log = logging.getLogger("alma.consumers")
 
 
 class JoinHandler(StoreHandler[TenantLimits, JoinEffects]):
@@ -38,6 +40,18 @@ class JoinHandler(StoreHandler[TenantLimits, JoinEffects]):
         for result, n in effects.outcomes.items():
             m.merges.labels(result).inc(n)
             m.events.labels(NAME, "branch.join", result).inc(n)
+        for d in effects.decisions:
+            if d.lost:
+                log.warning(
+                    "join handed off from a commit PostgreSQL no longer has (a failover "
+                    "lost it): not merged; the checkpointer hands it off again",
+                    extra={
+                        "action": "join_handoff_lost",
+                        "run_id": d.event.run_id,
+                        "tenant_id": d.event.tenant_id,
+                        "join_id": d.event.payload.join_id,
+                    },
+                )
         for seconds in effects.merge_seconds:
             m.merge_seconds.observe(seconds)
         for cp in effects.checkpoints:

@@ -251,7 +251,8 @@ class Metrics:
         """The joiner's merges and the outbox's publishing."""
         self.merges = Counter(
             "alma_merges_total",
-            "Join requests answered, by outcome (ok, error, duplicate)",
+            "Join requests answered, by outcome (ok, error, duplicate; handoff_lost: not "
+            "answered, its hand-off came from a commit a failover lost)",
             ["outcome"],
             registry=r,
         )

@@ -52,7 +52,7 @@ class JoinConfig:
 
 @dataclass
 class JoinEffects(Effects):
-    """A joiner batch: merges by outcome (ok, error, duplicate), their times, and the
+    """A joiner batch: merges by outcome (ok, error, duplicate, handoff_lost), their times, and the
     merged checkpoints (cached as the runs' new main-line heads)."""
 
     checkpoints: list[Checkpoint] = field(default_factory=list)
@@ -112,6 +112,10 @@ class PostgresJoinStore(BatchStore[TenantLimits, JoinEffects, None]):
             elif isinstance(record.decoded, BranchJoin):
                 started = time.perf_counter()
                 decision = planner.decide(record.decoded, record.header_int(RUN_SEQ_HEADER))
+                if decision.lost:  # handed off again by the checkpointer: nothing to do
+                    effects.outcomes[_outcome(decision)] += 1
+                    effects.decisions.append(decision)
+                    continue
                 if not decision.duplicate:
                     effects.merge_seconds.append(time.perf_counter() - started)
                     decisions.append(decision)
@@ -293,6 +297,8 @@ def _row(state_json: str, cp: Checkpoint) -> CheckpointRow:
 
 
 def _outcome(decision: JoinDecision) -> str:
+    if decision.lost:
+        return "handoff_lost"
     if decision.duplicate:
         return "duplicate"
     return "ok" if decision.checkpoint is not None else "error"

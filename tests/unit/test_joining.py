@@ -186,7 +186,7 @@ def test_the_same_join_twice_is_one_merge_and_the_same_reply() -> None:
     ("kw", "tenant", "position", "reason"),
     [
         ({"branch_ids": ["alpha", "nope"]}, "acme", 4, "missing_branch"),
-        ({"branch_ids": ["alpha"]}, "globex", 4, "missing_branch"),  # not this tenant's run
+        ({"branch_ids": ["alpha"]}, "globex", 0, "missing_branch"),  # not this tenant's run
         ({"branch_ids": ["alpha"], "reducers": {"n": "nope"}}, "acme", 4, "unknown_reducer"),
         ({"branch_ids": ["alpha"]}, "acme", 2, "run_moved_past_join"),
     ],
@@ -203,6 +203,28 @@ def test_a_join_that_cannot_merge_answers_an_error_and_changes_nothing(
     assert decision.reply["error"].startswith(reason)
     assert p.runs[("acme", "r")].last_seq == 4
     assert p.runs[("acme", "r")].heads[""] == MAIN
+
+
+def test_a_hand_off_from_a_commit_the_run_no_longer_has_is_neither_merged_nor_answered() -> None:
+    """A PostgreSQL failover lost the checkpointer's commit that brought the run to seq 6
+    and handed the join off (asynchronous replication): the run is back at 4. Merging
+    would merge branches the run no longer has, or answer an error that would then stand
+    for the join; the checkpointer reads the join again and hands it off again."""
+    p = planner()
+    lost = p.decide(join_event("j", branch_ids=["alpha", "beta"]), 6)
+    assert lost.lost
+    assert (lost.checkpoint, lost.rejection, lost.duplicate) == (None, None, False)
+    assert "status" not in lost.reply
+    assert p.runs[("acme", "r")].last_seq == 4
+    assert "j" not in {k[2] for k in p.replies}  # so the hand-off made again is merged
+    again = p.decide(join_event("j", branch_ids=["alpha", "beta"]), 4)
+    assert again.checkpoint is not None
+    assert again.checkpoint.seq == 5
+    # a run the database does not know at all: the lost commit was its first
+    assert planner().decide(join_event("j", run="new", branch_ids=["alpha"]), 2).lost
+    # a join answered before stays answered, whatever the hand-off's position
+    answered = planner(replies={("acme", "r", "j"): {"status": "ok", "checkpoint_seq": 5}})
+    assert answered.decide(join_event("j", branch_ids=["alpha"]), 9).duplicate
 
 
 def test_a_join_consumes_the_branches_it_merges() -> None:
