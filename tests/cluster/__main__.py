@@ -1,10 +1,10 @@
 """``python -m tests.cluster [--long] [--only NAME ...] [--markdown FILE]`` (``make
 faults``): start the cluster of real hosts, run every fault scenario on it and print one
-table: what was injected, the events acknowledged, applied, lost and doubled, the
-checkpoints a PostgreSQL failover rolled back (applied again from Kafka), the reads
-that returned a state PostgreSQL did not have, the cache entries checked, and how long
-publishing, applying and checkpoints as a whole waited. Needs root (network
-namespaces), Java and ``make kafka``'s jars."""
+table: what was injected, the events acknowledged, applied, lost and doubled, the joins
+answered and the replies a failover sent again, the checkpoints a PostgreSQL failover
+rolled back (applied again from Kafka), the reads that returned a state PostgreSQL did
+not have, the cache entries checked, and how long publishing, applying and checkpoints
+as a whole waited. Needs root (network namespaces), Java and ``make kafka``'s jars."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ COLUMNS = (
     "applied",
     "lost",
     "doubled",
+    "joins",
+    "replies repeated",
     "rolled back",
     "newer reads",
     "cache checked",
@@ -52,6 +54,8 @@ def cells(o: Outcome) -> list[str]:
         str(v.applied),
         str(v.lost),
         str(v.doubled),
+        str(v.joins),
+        str(v.replies_repeated),
         str(o.rolled_back),
         str(o.served_newer),
         str(v.cache_entries),

@@ -9,6 +9,11 @@ What it holds ALMA to (docs/guarantees.md, guarantee 10):
 * every acknowledged event has exactly one checkpoint (``lost``, ``doubled``), each
   run's seqs are 1..n in the order its events were acknowledged, and each run's state
   folded every step once (an ``append`` history equal to its steps);
+* every join the orchestrator saw answered has exactly one merged checkpoint, at the
+  seq its reply named, merging that round's two branches over everything before
+  (``history`` 0..2k+1); every join on record was answered on the reply topic, and
+  replies beyond one per request are counted (``replies_repeated``: the outbox
+  publishes at least once, so a failover can send a reply again);
 * the cache holds each run's latest checkpoint or nothing (never another state);
 * no dead letters (nothing here is poison).
 """
@@ -40,6 +45,8 @@ class Verdict:
     doubled: int = 0
     dead_letters: int = 0
     cache_entries: int = 0
+    joins: int = 0  # merges the orchestrator saw answered
+    replies_repeated: int = 0  # reply records beyond one per request for the join
     longest_wait_s: float = 0.0  # from an event's acknowledgement to its checkpoint
     longest_wait_after_heal_s: float = 0.0  # the same, of events acknowledged once healed
     longest_publish_s: float = 0.0  # from an event's first send to its acknowledgement
@@ -54,8 +61,8 @@ def acknowledged(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def topic_event_ids(bootstrap: str, topic: str, limit_s: float = 60) -> Counter[str]:
-    """Every record's event id on ``topic``, read to the end of each partition."""
+def topic_records(bootstrap: str, topic: str, limit_s: float = 60) -> list[dict[str, Any]]:
+    """Every record's JSON value on ``topic``, read to the end of each partition."""
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -71,7 +78,7 @@ def topic_event_ids(bootstrap: str, topic: str, limit_s: float = 60) -> Counter[
             _, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=20)
             ends[p] = high
         consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
-        seen: Counter[str] = Counter()
+        seen: list[dict[str, Any]] = []
         positions = dict.fromkeys(partitions, 0)
         deadline = time.monotonic() + limit_s
         while any(positions[p] < ends[p] for p in partitions) and time.monotonic() < deadline:
@@ -79,7 +86,7 @@ def topic_event_ids(bootstrap: str, topic: str, limit_s: float = 60) -> Counter[
                 if msg.error():
                     continue
                 positions[msg.partition()] = msg.offset() + 1
-                seen[json.loads(msg.value())["event_id"]] += 1
+                seen.append(json.loads(msg.value()))
         short = {p: (positions[p], ends[p]) for p in partitions if positions[p] < ends[p]}
         if short:
             raise AssertionError(f"{topic}: not read to the end within {limit_s} s: {short}")
@@ -94,11 +101,14 @@ async def check(settings: Settings, acked_path: Path, healed_at: float | None = 
     assert settings.kafka_bootstrap
     assert settings.postgres_dsn
     verdict = Verdict()
-    acked = acknowledged(acked_path)
+    lines = acknowledged(acked_path)
+    acked = [a for a in lines if "event_id" in a]
+    joined = [a for a in lines if "join_id" in a]
     verdict.acknowledged = len(acked)
-    on_topic = await asyncio.to_thread(
-        topic_event_ids, settings.kafka_bootstrap, settings.lifecycle_topic
+    records = await asyncio.to_thread(
+        topic_records, settings.kafka_bootstrap, settings.lifecycle_topic
     )
+    on_topic = Counter(r["event_id"] for r in records)
     missing_on_topic = [a["event_id"] for a in acked if a["event_id"] not in on_topic]
     verdict.on_topic = len(acked) - len(missing_on_topic)
     if missing_on_topic:
@@ -109,8 +119,13 @@ async def check(settings: Settings, acked_path: Path, healed_at: float | None = 
     conn = await asyncpg.connect(settings.postgres_dsn)
     try:
         rows = await conn.fetch(
-            "SELECT run_id, seq, event_id, extract(epoch FROM created_at)::float8 AS created "
+            "SELECT run_id, seq, kind, branch_id, event_id, state::text AS state, "
+            "extract(epoch FROM created_at)::float8 AS created "
             "FROM checkpoints WHERE tenant_id = $1 ORDER BY run_id, seq",
+            TENANT,
+        )
+        join_rows = await conn.fetch(
+            "SELECT run_id, join_id, status, checkpoint_seq FROM joins WHERE tenant_id = $1",
             TENANT,
         )
         finals = await conn.fetch(
@@ -148,7 +163,8 @@ async def check(settings: Settings, acked_path: Path, healed_at: float | None = 
     # each run: seqs 1..n, in the order its events were acknowledged, every step folded once
     by_run: dict[str, list[str]] = {}
     for r in rows:
-        by_run.setdefault(r["run_id"], []).append(r["event_id"])
+        if r["kind"] != "merge":  # a merge's event is the join request, checked below
+            by_run.setdefault(r["run_id"], []).append(r["event_id"])
     expected: dict[str, list[str]] = {}
     for a in acked:
         expected.setdefault(a["run"], []).append(a["event_id"])
@@ -162,10 +178,26 @@ async def check(settings: Settings, acked_path: Path, healed_at: float | None = 
     for run, numbers in seqs.items():
         if numbers != list(range(1, len(numbers) + 1)):
             verdict.problems.append(f"{run}: seqs are not 1..n")
-    for f in finals:
-        history = json.loads(f["state"]).get("history")
-        if history != list(range(len(history or []))) or len(history) != len(seqs[f["run_id"]]):
-            verdict.problems.append(f"{f['run_id']}: history {history} is not each step once")
+    # each run's main line, as of its last checkpoint there (a node, or a merge of the
+    # branches before it), folded every node before it once
+    runs: dict[str, list[asyncpg.Record]] = {}
+    for r in rows:
+        runs.setdefault(r["run_id"], []).append(r)
+    for run, its in runs.items():
+        main = [r for r in its if r["branch_id"] is None]
+        if not main:
+            continue
+        history = json.loads(main[-1]["state"]).get("history") or []
+        nodes = sum(1 for r in its if r["kind"] == "node" and r["seq"] <= main[-1]["seq"])
+        if history != list(range(nodes)):
+            verdict.problems.append(f"{run}: history {history} is not each of {nodes} steps once")
+    replies = Counter(
+        (r["run_id"], r["join_id"])
+        for r in await asyncio.to_thread(
+            topic_records, settings.kafka_bootstrap, settings.merged_topic
+        )
+    )
+    judge_joins(verdict, joined, runs, join_rows, replies)
     # the cache: each run's latest, or nothing
     async with RedisCheckpointCache.for_settings(settings) as cache:
         for f in finals:
@@ -178,3 +210,39 @@ async def check(settings: Settings, acked_path: Path, healed_at: float | None = 
                     f"{f['run_id']}: the cache holds seq {doc['seq']}, PostgreSQL {f['seq']}"
                 )
     return verdict
+
+
+def judge_joins(
+    verdict: Verdict,
+    joined: list[dict[str, Any]],
+    runs: dict[str, list[Any]],
+    join_rows: list[Any],
+    replies: Counter[tuple[str, str]],
+) -> None:
+    """Each join the orchestrator saw answered (``joined``): one merged checkpoint where
+    its reply said, merging its round; every join on record (``join_rows``) answered on
+    the reply topic (``replies``: records per run and join id); replies beyond the
+    requests counted. ``runs``: each run's checkpoints in seq order."""
+    verdict.joins = len(joined)
+    recorded = {(r["run_id"], r["join_id"]): r for r in join_rows}
+    for run, its in runs.items():
+        merges = sum(1 for r in its if r["kind"] == "merge")
+        answers = sum(1 for key in recorded if key[0] == run)
+        if merges != answers:
+            verdict.problems.append(f"{run}: {merges} merged checkpoints for {answers} joins")
+    for j in joined:
+        key = (j["run"], j["join_id"])
+        row = recorded.get(key)
+        merges = [r for r in runs.get(j["run"], []) if r["kind"] == "merge"]
+        if row is None or row["status"] != "ok" or row["checkpoint_seq"] != j["seq"]:
+            verdict.problems.append(f"{key}: answered seq {j['seq']}, on record {row}")
+        elif len(merges) <= j["round"] or merges[j["round"]]["seq"] != j["seq"]:
+            verdict.problems.append(f"{key}: not the merge of round {j['round']}")
+        else:
+            history = json.loads(merges[j["round"]]["state"]).get("history")
+            if history != list(range(2 * j["round"] + 2)):
+                verdict.problems.append(f"{key}: merged history {history}")
+        verdict.replies_repeated += max(0, replies[key] - j["requests"])
+    unanswered = [key for key in recorded if replies[key] == 0]
+    if unanswered:
+        verdict.problems.append(f"{len(unanswered)} joins without a reply, e.g. {unanswered[:3]}")

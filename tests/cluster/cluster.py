@@ -107,7 +107,9 @@ class Cluster:
         )
         return settings
 
-    async def start_workers(self, settings: Settings, consumers: str = "checkpointer") -> None:
+    async def start_workers(
+        self, settings: Settings, consumers: str = "checkpointer,joiner"
+    ) -> None:
         for name in WORKER_HOSTS:
             log = self.root / f"{name}-{settings.group_prefix}.log"
             worker = WorkerProcess(settings, log, consumers, prefix=self.host(name).prefix)
@@ -127,9 +129,10 @@ class Cluster:
         self.workers.clear()
 
     def orchestrate(
-        self, settings: Settings, out: Path, runs: int, seconds: float, rate: float
+        self, settings: Settings, out: Path, runs: int, seconds: float, rate: float, joins: int
     ) -> subprocess.Popen[bytes]:
-        """The orchestrator host publishing (:mod:`tests.cluster.orchestrator`)."""
+        """The orchestrator host publishing (:mod:`tests.cluster.orchestrator`): ``runs``
+        runs of nodes and ``joins`` runs that fan out and join."""
         from tests.integration.harness import worker_env
 
         with (self.root / f"o1-{settings.group_prefix}.log").open("ab") as log:
@@ -143,6 +146,7 @@ class Cluster:
                     str(runs),
                     str(seconds),
                     str(rate),
+                    str(joins),
                 ],
                 env=worker_env(settings),
                 stdout=log,
