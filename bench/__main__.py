@@ -157,7 +157,7 @@ async def main(args: argparse.Namespace) -> int:
                 await peers.run(env, side)
                 await run_state.run(env, side)
                 merges.run(env, side, curves=None)
-                peers.notes(side)
+                peers.notes(side, env.broker_kind)
                 write([side], m, args.out, label)
             if "curves" in only:
                 cost = named("curves")

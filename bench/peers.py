@@ -120,12 +120,14 @@ async def alma_writes(
     *,
     process: bool = False,
     meter: CpuMeter | None = None,
+    codec: str | None = CODEC,
 ) -> tuple[list[float], float]:
     """Closed loop, ``writers`` runs at once: publish one node.completed with the whole
     state, wait until it is durable and cached, publish the next. ``process``: as
     deployed, the checkpointer runs in a process of its own (``alma worker``) and each
     writer is the SDK's user: it publishes with ``node_completed`` and waits with
-    ``applied()`` (durable; woken by the commit's notice)."""
+    ``applied()`` (durable; woken by the commit's notice). ``codec``: the records'
+    compression (ALMA_KAFKA_COMPRESSION's, unless a row compares it with none)."""
     topic = await env.topic("w")
     s = env.settings_for(topic, fetch_max_wait_ms=FETCH_WAIT_MS)
     waiters = Waiters()
@@ -135,7 +137,7 @@ async def alma_writes(
         acks="all",
         linger_ms=0,
         max_request_size=4 * 2**20,
-        compression_type=CODEC,
+        compression_type=codec,
     )
     await producer.start()
     tag = uuid.uuid4().hex[:8]
@@ -189,6 +191,7 @@ async def bare_hop(
     meter: CpuMeter | None = None,
     *,
     durable: bool = False,
+    codec: str | None = CODEC,
 ) -> tuple[list[float], float]:
     """The same closed loop through a plain consumer with the same fetch wait: what the
     broker alone gives, and so the most ALMA's loop could carry on it. ``durable``: the
@@ -196,9 +199,9 @@ async def bare_hop(
     way there is (:func:`bench.env.durable_floor`): the most any consumer that writes
     to PostgreSQL could carry here."""
     if not durable:
-        return await _hop(env, state, writers, each, meter, None)
+        return await _hop(env, state, writers, each, meter, None, codec)
     async with durable_floor(env.peer_dsn) as write:
-        return await _hop(env, state, writers, each, meter, write)
+        return await _hop(env, state, writers, each, meter, write, codec)
 
 
 async def _hop(
@@ -208,6 +211,7 @@ async def _hop(
     each: int,
     meter: CpuMeter | None,
     write: Callable[[list[bytes]], Awaitable[float]] | None,
+    codec: str | None,
 ) -> tuple[list[float], float]:
     topic = await env.topic("hop")
     waiters = Waiters()
@@ -224,7 +228,7 @@ async def _hop(
         acks="all",
         linger_ms=0,
         max_request_size=4 * 2**20,
-        compression_type=CODEC,
+        compression_type=codec,
     )
     await consumer.start()
     consumer.assign([TopicPartition(topic, p) for p in range(PARTITIONS)])
@@ -345,10 +349,17 @@ async def table_bytes(dsn: str, tables: tuple[str, ...]) -> tuple[int, int, int]
 
 HOP = "Kafka hop alone (same settings)"
 DURABLE_HOP = "Kafka hop + one INSERT per batch (same settings)"
+# the 50 writers' loops again with records uncompressed, beside the codec's
+ALMA_RAW = "ALMA, records uncompressed"
+DURABLE_RAW = "durable hop, records uncompressed"
 
 
 def _system_name(system: str) -> str:
-    return {"hop": HOP, "durable hop": DURABLE_HOP}.get(system, system)
+    return {
+        "hop": HOP,
+        "durable hop": DURABLE_HOP,
+        DURABLE_RAW: f"{DURABLE_HOP.removesuffix(' (same settings)')}, records uncompressed",
+    }.get(system, system)
 
 
 async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> None:
@@ -382,6 +393,14 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
         ["state", "system", *(f"{g} ms" for g in GROUPS), "total ms", "machine busy %"],
     )
     section.table(
+        "codec",
+        f"Records compressed with {CODEC or 'nothing'} ÷ uncompressed, 50 writers "
+        "(paired): checkpoints/s, and CPU per checkpoint in every process",
+        ["state", "writers", "system", "checkpoints/s ×", "CPU per checkpoint ×"],
+    )
+    if not CODEC:
+        section.note("codec", "ALMA_KAFKA_COMPRESSION=none: no codec to compare.")
+    section.table(
         "storage",
         "Storage per checkpoint (bytes, indexes and TOAST included)",
         [
@@ -411,6 +430,9 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
             }
             if writers > 1:
                 got[OWN_PROCESS] = []
+            compare = writers > 1 and CODEC is not None
+            if compare:
+                got[ALMA_RAW], got[DURABLE_RAW] = [], []
             cpu: dict[str, list[dict[str, float]]] = {k: [] for k in got}
             for _ in range(env.reps):
                 env.step(f"writes {size // 1000} KB × {writers} writers")
@@ -427,6 +449,12 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
                 if writers > 1:
                     own = partial(alma_writes, env, state, writers, each, process=True, meter=meter)
                     loops.insert(1, (OWN_PROCESS, own))
+                if compare:
+                    raw = partial(alma_writes, env, state, writers, each, meter=meter, codec=None)
+                    floor = partial(
+                        bare_hop, env, state, writers, each, meter, durable=True, codec=None
+                    )
+                    loops += [(ALMA_RAW, raw), (DURABLE_RAW, floor)]
                 for system, loop in loops:
                     latencies, elapsed = await loop()
                     got[system].append(figures(latencies, elapsed))
@@ -465,6 +493,27 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
                 if system in got:
                     ceiling.append(ratio(Stat([r["per_s"] for r in got[system]]), durable))
             section.add("ceiling", [label, writers, *ceiling, *(["—"] * (3 - len(ceiling)))])
+            if compare:
+                for system, raw_system in (("ALMA", ALMA_RAW), ("durable hop", DURABLE_RAW)):
+                    cpu_x: Stat | str = "—"
+                    if cpu[system] and cpu[raw_system]:
+                        cpu_x = ratio(
+                            Stat([c["total"] for c in cpu[system]]),
+                            Stat([c["total"] for c in cpu[raw_system]]),
+                        )
+                    section.add(
+                        "codec",
+                        [
+                            label,
+                            writers,
+                            _system_name(system),
+                            ratio(
+                                Stat([r["per_s"] for r in got[system]]),
+                                Stat([r["per_s"] for r in got[raw_system]]),
+                            ),
+                            cpu_x,
+                        ],
+                    )
             for system, shares in cpu.items():
                 if shares:
                     section.add(
@@ -667,9 +716,10 @@ def _verdict(value: object, target: float, at_least: bool) -> str:
     return f"target {'≥' if at_least else '≤'} {target}×: {'met' if met else 'missed'}"
 
 
-def notes(section: Section) -> None:
+def notes(section: Section, broker: str = "tansu") -> None:
     """Sentences under the tables, every figure read from this run's rows (so the text
-    cannot drift from the table it sits under); the targets are issue 40's."""
+    cannot drift from the table it sits under), each true of ``broker`` (``tansu`` or
+    ``kafka``, bench.env's BrokerKind)."""
     alma, lg, hop = (
         _row(section, "writes", state="5 KB", writers=1, system=s)
         for s in ("ALMA", "LangGraph", HOP)
@@ -679,8 +729,12 @@ def notes(section: Section) -> None:
             "writes",
             f"From this run: one writer waits {_ms(alma['p50 ms'])} p50 for a 5 KB checkpoint "
             f"through ALMA against LangGraph's {_ms(lg['p50 ms'])}; the Kafka hop alone takes "
-            f"{_ms(hop['p50 ms'])} of it on this broker (a waiting fetch is not woken by new "
-            "data).",
+            f"{_ms(hop['p50 ms'])} of it on this broker ("
+            + (
+                "a waiting fetch is not woken by new data)."
+                if broker == "tansu"
+                else "which answers a waiting fetch as soon as data arrives)."
+            ),
         )
     for size in ("5 KB", "100 KB"):
         ratio_row = _row(section, "write_ratio", state=size, writers="50")
@@ -700,6 +754,17 @@ def notes(section: Section) -> None:
                 f"carries {_x(mine)} of it ({_verdict(mine, 0.9, True)}), "
                 f"{_x(ceiling['ALMA, own process ÷ durable hop'])} with the checkpointer in "
                 "its own process.",
+            )
+    for size in ("5 KB", "100 KB"):
+        codec = _row(section, "codec", state=size, writers=50, system="ALMA")
+        floor = _row(section, "codec", state=size, writers=50, system=DURABLE_HOP)
+        if codec is not None and floor is not None:
+            section.note(
+                "codec",
+                f"- {size}: with {CODEC}, ALMA carries {_x(codec['checkpoints/s ×'])} the "
+                f"checkpoints/s it carries uncompressed, at {_x(codec['CPU per checkpoint ×'])} "
+                f"the CPU per checkpoint; the least durable consumer "
+                f"{_x(floor['checkpoints/s ×'])}, at {_x(floor['CPU per checkpoint ×'])}.",
             )
     for size in ("1 KB", "5 KB", "100 KB"):
         cap = _row(section, "capacity", state=size)

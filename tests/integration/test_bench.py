@@ -84,6 +84,7 @@ async def test_quick_side_by_side_run_writes_every_table(
         "write_ratio",
         "ceiling",
         "cpu",
+        "codec",
         "capacity",
         "storage",
         "reads",
@@ -168,8 +169,16 @@ async def test_quick_side_by_side_run_writes_every_table(
             "LangGraph",
             hop,
             durable,
+            "ALMA, records uncompressed",
+            "Kafka hop + one INSERT per batch, records uncompressed",
         )
     }
+    # the 50 writers with the default codec (zstd) beside the same loops uncompressed
+    codec = {(r["state"], r["system"]): r for r in tables["codec"]["rows"]}
+    assert set(codec) == {(s, system) for s in ("5 KB", "100 KB") for system in ("ALMA", durable)}
+    assert all(r["checkpoints/s ×"]["median"] > 0 for r in codec.values())
+    assert all(r["CPU per checkpoint ×"]["median"] > 0 for r in codec.values())
+    assert len(tables["codec"]["notes"]) == 2  # a sentence per size, from these rows
     # CPU times come in clock ticks (10 ms): a part that did little in a quick 5 KB loop
     # can read 0 on a fast machine, so each part is checked over both state sizes.
     used: dict[str, dict[str, float]] = {}
