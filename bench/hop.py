@@ -40,13 +40,14 @@ STEPS_PER_WAIT = 1
 
 
 def _default(env: Env) -> tuple[int, int]:
-    """`alma up`'s own (fetch wait, idle wait) on the broker measured: the in-memory
-    Tansu's (:func:`alma_core.settings.for_broker`), or Apache Kafka's, the settings'
-    defaults (Kafka answers a waiting fetch when data arrives)."""
+    """`alma up`'s own (fetch wait, idle wait) on the broker measured
+    (:func:`alma_core.settings.for_broker`): the in-memory Tansu's, or on Apache Kafka
+    the settings' fetch wait (Kafka answers a waiting fetch when data arrives), both
+    with the same idle wait."""
+    idle = settings_mod.EMBEDDED_FETCH_IDLE_WAIT_MS
     if env.broker_kind == "tansu":
-        return settings_mod.EMBEDDED_FETCH_MAX_WAIT_MS, settings_mod.EMBEDDED_FETCH_IDLE_WAIT_MS
-    fields = settings_mod.Settings.model_fields
-    return int(fields["fetch_max_wait_ms"].default), int(fields["fetch_idle_wait_ms"].default)
+        return settings_mod.EMBEDDED_FETCH_MAX_WAIT_MS, idle
+    return int(settings_mod.Settings.model_fields["fetch_max_wait_ms"].default), idle
 
 
 def _waits(env: Env) -> list[tuple[int, int]]:

@@ -240,9 +240,13 @@ def test_the_embedded_broker_gets_a_short_fetch_wait_unless_one_is_set(
     monkeypatch.delenv("ALMA_KAFKA_BOOTSTRAP")
     assert settings_mod.load_running().fetch_max_wait_ms == 50
     assert settings_mod.for_broker(settings_mod.load(), embedded=True).fetch_max_wait_ms == 50
-    # idle, the embedded broker's consumers wait longer (bench --only hop), unless told
+    # idle, alma up's consumers wait longer on either broker (bench --only hop), unless
+    # told; a broker of one's own keeps the default (no idle pace)
     assert embedded.fetch_idle_wait_ms == settings_mod.EMBEDDED_FETCH_IDLE_WAIT_MS
-    assert settings_mod.for_broker(s, embedded=False).fetch_idle_wait_ms == 0
+    kafka = settings_mod.for_broker(s, embedded=False)
+    assert kafka.fetch_idle_wait_ms == settings_mod.EMBEDDED_FETCH_IDLE_WAIT_MS
+    assert (kafka.fetch_max_wait_ms, kafka.kafka_idempotence) == (500, True)
+    assert s.fetch_idle_wait_ms == 0
     monkeypatch.setenv("ALMA_FETCH_IDLE_WAIT_MS", "0")
     assert settings_mod.for_broker(settings_mod.load(), embedded=True).fetch_idle_wait_ms == 0
 
@@ -266,7 +270,8 @@ def test_producers_are_idempotent_except_on_tansu(
         endpoints.write_text(json.dumps(shown | ({"broker": broker} if broker else {})))
         running = settings_mod.load_running()
         assert running.kafka_idempotence is idempotent, broker  # no key: an older alma up
-        assert running.fetch_idle_wait_ms == (0 if broker == "kafka" else 2000), broker
+        # idle, an application beside alma up waits longer on either broker
+        assert running.fetch_idle_wait_ms == settings_mod.EMBEDDED_FETCH_IDLE_WAIT_MS, broker
     monkeypatch.setenv("ALMA_KAFKA_IDEMPOTENCE", "true")
     assert settings_mod.load_running().kafka_idempotence is True
 
