@@ -434,7 +434,7 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
             if compare:
                 got[ALMA_RAW], got[DURABLE_RAW] = [], []
             cpu: dict[str, list[dict[str, float]]] = {k: [] for k in got}
-            for _ in range(env.reps):
+            for rep in range(env.reps):
                 env.step(f"writes {size // 1000} KB × {writers} writers")
                 meter = CpuMeter(service_ports(env.services)) if writers > 1 else None
                 loops: list[tuple[str, Callable[[], Awaitable[tuple[list[float], float]]]]] = [
@@ -455,7 +455,9 @@ async def writes(env: Env, section: Section, pool: AsyncConnectionPool[Any]) -> 
                         bare_hop, env, state, writers, each, meter, durable=True, codec=None
                     )
                     loops += [(ALMA_RAW, raw), (DURABLE_RAW, floor)]
-                for system, loop in loops:
+                # every other repetition in reverse: no system always first or last
+                # (the machine drifts within a repetition; the ratios are paired)
+                for system, loop in loops if rep % 2 == 0 else loops[::-1]:
                     latencies, elapsed = await loop()
                     got[system].append(figures(latencies, elapsed))
                     if meter is not None and meter.last is not None:
