@@ -358,7 +358,7 @@ def _system_name(system: str) -> str:
     return {
         "hop": HOP,
         "durable hop": DURABLE_HOP,
-        DURABLE_RAW: f"{DURABLE_HOP.removesuffix(' (same settings)')}, records uncompressed",
+        DURABLE_RAW: "Kafka hop + one INSERT per batch, records uncompressed",
     }.get(system, system)
 
 

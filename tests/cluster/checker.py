@@ -119,18 +119,13 @@ async def check(settings: Settings, acked_path: Path, healed_at: float | None = 
     conn = await asyncpg.connect(settings.postgres_dsn)
     try:
         rows = await conn.fetch(
-            "SELECT run_id, seq, kind, branch_id, event_id, state::text AS state, "
+            "SELECT run_id, seq, kind, branch_id, event_id, state_hash, state::text AS state, "
             "extract(epoch FROM created_at)::float8 AS created "
             "FROM checkpoints WHERE tenant_id = $1 ORDER BY run_id, seq",
             TENANT,
         )
         join_rows = await conn.fetch(
             "SELECT run_id, join_id, status, checkpoint_seq FROM joins WHERE tenant_id = $1",
-            TENANT,
-        )
-        finals = await conn.fetch(
-            """SELECT DISTINCT ON (run_id) run_id, seq, state_hash, state::text AS state
-               FROM checkpoints WHERE tenant_id = $1 ORDER BY run_id, seq DESC""",
             TENANT,
         )
         verdict.dead_letters = int(await conn.fetchval("SELECT count(*) FROM dead_letters"))
@@ -160,30 +155,23 @@ async def check(settings: Settings, acked_path: Path, healed_at: float | None = 
         verdict.problems.append(f"{verdict.doubled} events applied more than once")
     if verdict.dead_letters:
         verdict.problems.append(f"{verdict.dead_letters} dead letters (no event here is poison)")
-    # each run: seqs 1..n, in the order its events were acknowledged, every step folded once
-    by_run: dict[str, list[str]] = {}
+    # each run's checkpoints in seq order: 1..n, in the order its events were
+    # acknowledged (a merge's event is the join request, checked below)
+    runs: dict[str, list[asyncpg.Record]] = {}
     for r in rows:
-        if r["kind"] != "merge":  # a merge's event is the join request, checked below
-            by_run.setdefault(r["run_id"], []).append(r["event_id"])
+        runs.setdefault(r["run_id"], []).append(r)
     expected: dict[str, list[str]] = {}
     for a in acked:
         expected.setdefault(a["run"], []).append(a["event_id"])
     for run, event_ids in expected.items():
-        got = by_run.get(run, [])
+        got = [r["event_id"] for r in runs.get(run, []) if r["kind"] != "merge"]
         if got[: len(event_ids)] != event_ids:
             verdict.problems.append(f"{run}: checkpoints {got[:5]}... not its events in order")
-    seqs: dict[str, list[int]] = {}
-    for r in rows:
-        seqs.setdefault(r["run_id"], []).append(r["seq"])
-    for run, numbers in seqs.items():
-        if numbers != list(range(1, len(numbers) + 1)):
-            verdict.problems.append(f"{run}: seqs are not 1..n")
-    # each run's main line, as of its last checkpoint there (a node, or a merge of the
-    # branches before it), folded every node before it once
-    runs: dict[str, list[asyncpg.Record]] = {}
-    for r in rows:
-        runs.setdefault(r["run_id"], []).append(r)
     for run, its in runs.items():
+        if [r["seq"] for r in its] != list(range(1, len(its) + 1)):
+            verdict.problems.append(f"{run}: seqs are not 1..n")
+        # the main line, as of its last checkpoint there (a node, or a merge of the
+        # branches before it), folded every node before it once
         main = [r for r in its if r["branch_id"] is None]
         if not main:
             continue
@@ -200,7 +188,7 @@ async def check(settings: Settings, acked_path: Path, healed_at: float | None = 
     judge_joins(verdict, joined, runs, join_rows, replies)
     # the cache: each run's latest, or nothing
     async with RedisCheckpointCache.for_settings(settings) as cache:
-        for f in finals:
+        for f in (its[-1] for its in runs.values()):
             doc, _ = await cache.get(TENANT, f["run_id"], "latest")
             if doc is None:
                 continue
@@ -225,10 +213,10 @@ def judge_joins(
     requests counted. ``runs``: each run's checkpoints in seq order."""
     verdict.joins = len(joined)
     recorded = {(r["run_id"], r["join_id"]): r for r in join_rows}
+    answered = Counter(run for run, _ in recorded)
     for run, its in runs.items():
         merges = sum(1 for r in its if r["kind"] == "merge")
-        answers = sum(1 for key in recorded if key[0] == run)
-        if merges != answers:
+        if merges != (answers := answered[run]):
             verdict.problems.append(f"{run}: {merges} merged checkpoints for {answers} joins")
     for j in joined:
         key = (j["run"], j["join_id"])
